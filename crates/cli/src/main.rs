@@ -1,0 +1,48 @@
+//! `mference`: argument parsing and exit codes only. Each subcommand lives in its own module.
+
+use clap::{Parser, Subcommand};
+
+mod install_cmd;
+mod run_cmd;
+
+#[derive(Parser)]
+#[command(name = "mference", version, about = "Run Mixture-of-Experts models larger than memory")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Install a checkpoint (local MLX directory or pinned Hugging Face preset) as a .gturbo directory.
+    Install(install_cmd::InstallArgs),
+    /// Rehash every file of an install and rewrite its receipt.
+    Verify(install_cmd::VerifyArgs),
+    /// Print the family, architecture, sizes and partial-install state of an install.
+    Inspect(install_cmd::InspectArgs),
+    /// Remove a saved partial install and its journal.
+    Discard(install_cmd::DiscardArgs),
+    /// Generate text from a prompt, a messages file, or an interactive chat.
+    Run(run_cmd::RunArgs),
+    /// Perplexity of a text file, computed as llama-perplexity does.
+    Perplexity(run_cmd::PerplexityArgs),
+}
+
+fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Install(a) => install_cmd::install(a),
+        Command::Verify(a) => install_cmd::verify(a),
+        Command::Inspect(a) => install_cmd::inspect(a),
+        Command::Discard(a) => install_cmd::discard(a),
+        Command::Run(a) => run_cmd::run(a),
+        Command::Perplexity(a) => run_cmd::perplexity(a),
+    };
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
