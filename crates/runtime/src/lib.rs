@@ -1,1 +1,44 @@
-//! mference-runtime
+//! Runtime building blocks shared by every family: the expert streamer (per-layer slot cache over
+//! the packed expert files), the FP16 KV cache, and the sampler.
+//!
+//! The design is in `shared/docs/DESIGN.md` §3–5; the model math lives in `mference-models`.
+
+pub mod kv;
+pub mod sampler;
+pub mod slab;
+pub mod streamer;
+
+pub use kv::{KvCache, KvLayer};
+pub use sampler::{Sampler, SamplerConfig};
+pub use streamer::{CacheSlots, ExpertStreamer, StreamerStats};
+
+/// Errors raised by the runtime building blocks.
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    #[error("cannot open expert file {path}: {source}")]
+    OpenLayer {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("expert file {path} is {actual} bytes, expected {expected} ({experts} experts × {stride}-byte stride); the install is damaged: run `mference verify` or reinstall")]
+    LayerSize {
+        path: String,
+        actual: u64,
+        expected: u64,
+        experts: usize,
+        stride: u64,
+    },
+    #[error("reading expert {expert} from {path}: {source}")]
+    Read {
+        path: String,
+        expert: usize,
+        source: std::io::Error,
+    },
+    #[error("cannot allocate the {bytes}-byte expert slab: {source}")]
+    Slab {
+        bytes: usize,
+        source: std::io::Error,
+    },
+    #[error("{0}")]
+    Invalid(String),
+}

@@ -1,0 +1,517 @@
+//! The expert streamer: one per MoE layer, holding N slots of `expert_stride` bytes in a 2 MiB-aligned
+//! slab and filling them from the layer's packed expert file with bounded `pread`s.
+//!
+//! Cache policy (`shared/docs/DESIGN.md` §3): an expert → slot table; LFU eviction (use count over the
+//! whole session) with recency as the tie-break; a slot pinned by the current step is never evicted;
+//! distinct misses are read in parallel on a shared I/O pool, each into its own slot, so no two reads
+//! ever target one slot.
+
+use std::fs::File;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::mpsc;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::slab::Slab;
+use crate::RuntimeError;
+
+/// How many experts of a layer may be cached at once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CacheSlots {
+    /// N slots per layer (8, 16, 24, 32, 64, 96 or 128).
+    Fixed(usize),
+    /// One slot per expert: after warm-up every expert stays in memory.
+    Resident,
+}
+
+impl CacheSlots {
+    /// Slot counts accepted on the command line.
+    pub const ALLOWED: [usize; 7] = [8, 16, 24, 32, 64, 96, 128];
+
+    /// Parses `8|16|24|32|64|96|128|resident`.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        if s == "resident" {
+            return Ok(Self::Resident);
+        }
+        match s.parse::<usize>() {
+            Ok(n) if Self::ALLOWED.contains(&n) => Ok(Self::Fixed(n)),
+            _ => Err(format!("invalid expert cache slots '{s}': allowed values are 8, 16, 24, 32, 64, 96, 128, resident")),
+        }
+    }
+
+    /// Number of slots for a layer with `experts` experts (never more than `experts`).
+    pub fn count(self, experts: usize) -> usize {
+        match self {
+            Self::Fixed(n) => n.min(experts),
+            Self::Resident => experts,
+        }
+    }
+}
+
+/// Per-layer cache counters. Bytes are payload bytes read from the layer file.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct StreamerStats {
+    pub hits: u64,
+    pub misses: u64,
+    pub bytes_read: u64,
+    /// Time the compute thread spent blocked waiting for expert reads.
+    pub read_wait: Duration,
+}
+
+impl StreamerStats {
+    /// Adds another layer's counters into this one.
+    pub fn add(&mut self, o: &StreamerStats) {
+        self.hits += o.hits;
+        self.misses += o.misses;
+        self.bytes_read += o.bytes_read;
+        self.read_wait += o.read_wait;
+    }
+}
+
+/// Completion state of one batch of reads.
+struct Batch {
+    remaining: Mutex<usize>,
+    done: Condvar,
+    error: Mutex<Option<(usize, std::io::Error)>>,
+}
+
+struct Job {
+    file: Arc<File>,
+    offset: u64,
+    len: usize,
+    dst: usize,
+    expert: usize,
+    batch: Arc<Batch>,
+}
+
+/// A small pool of I/O threads shared by every layer's streamer.
+pub struct IoPool {
+    tx: Mutex<mpsc::Sender<Job>>,
+}
+
+impl IoPool {
+    /// Starts `threads` reader threads (at least one).
+    pub fn new(threads: usize) -> Arc<Self> {
+        let (tx, rx) = mpsc::channel::<Job>();
+        let rx = Arc::new(Mutex::new(rx));
+        for i in 0..threads.max(1) {
+            let rx = Arc::clone(&rx);
+            std::thread::Builder::new()
+                .name(format!("mference-io-{i}"))
+                .spawn(move || loop {
+                    let job = match rx.lock().expect("io queue poisoned").recv() {
+                        Ok(job) => job,
+                        Err(_) => return,
+                    };
+                    // SAFETY: the streamer pins the destination slot until `wait` observes this batch
+                    // complete, no other read targets the same slot, and the slab outlives the batch
+                    // (the streamer waits for outstanding reads before dropping it).
+                    let dst =
+                        unsafe { std::slice::from_raw_parts_mut(job.dst as *mut u8, job.len) };
+                    let result = job.file.read_exact_at(dst, job.offset);
+                    if let Err(e) = result {
+                        *job.batch.error.lock().expect("io error poisoned") = Some((job.expert, e));
+                    }
+                    let mut left = job.batch.remaining.lock().expect("io batch poisoned");
+                    *left -= 1;
+                    if *left == 0 {
+                        job.batch.done.notify_all();
+                    }
+                })
+                .expect("spawn io thread");
+        }
+        Arc::new(Self { tx: Mutex::new(tx) })
+    }
+
+    fn submit(&self, job: Job) {
+        self.tx
+            .lock()
+            .expect("io queue poisoned")
+            .send(job)
+            .expect("io threads alive");
+    }
+}
+
+/// Slot cache over one layer file of `experts × stride` bytes.
+pub struct ExpertStreamer {
+    path: PathBuf,
+    file: Arc<File>,
+    experts: usize,
+    stride: usize,
+    slab: Slab,
+    io: Arc<IoPool>,
+    /// expert → slot, -1 when absent.
+    slot_of: Vec<i16>,
+    /// slot → expert, -1 when free.
+    expert_in: Vec<i32>,
+    pinned: Vec<bool>,
+    use_count: Vec<u64>,
+    last_used: Vec<u64>,
+    clock: u64,
+    pending: Option<Arc<Batch>>,
+    stats: StreamerStats,
+}
+
+impl ExpertStreamer {
+    /// Opens `path` (which must hold exactly `experts × stride` bytes) with `slots` slots.
+    ///
+    /// `direct_io` opens the file with O_DIRECT so the page cache keeps no second copy; the slab and
+    /// the stride are page-aligned, as O_DIRECT requires.
+    pub fn open(
+        path: &Path,
+        experts: usize,
+        stride: u64,
+        slots: CacheSlots,
+        direct_io: bool,
+        io: Arc<IoPool>,
+    ) -> Result<Self, RuntimeError> {
+        let mut opts = std::fs::OpenOptions::new();
+        opts.read(true);
+        if direct_io {
+            opts.custom_flags(libc::O_DIRECT);
+        }
+        let shown = path.display().to_string();
+        let file = opts.open(path).map_err(|source| RuntimeError::OpenLayer {
+            path: shown.clone(),
+            source,
+        })?;
+        let actual = file
+            .metadata()
+            .map_err(|source| RuntimeError::OpenLayer {
+                path: shown.clone(),
+                source,
+            })?
+            .len();
+        let expected = experts as u64 * stride;
+        if actual != expected {
+            return Err(RuntimeError::LayerSize {
+                path: shown,
+                actual,
+                expected,
+                experts,
+                stride,
+            });
+        }
+        let n = slots.count(experts);
+        if n > i16::MAX as usize {
+            return Err(RuntimeError::Invalid(format!(
+                "{n} slots exceed the slot table"
+            )));
+        }
+        let stride = stride as usize;
+        let slab = Slab::new(n * stride)?;
+        Ok(Self {
+            path: path.to_path_buf(),
+            file: Arc::new(file),
+            experts,
+            stride,
+            slab,
+            io,
+            slot_of: vec![-1; experts],
+            expert_in: vec![-1; n],
+            pinned: vec![false; n],
+            use_count: vec![0; experts],
+            last_used: vec![0; experts],
+            clock: 0,
+            pending: None,
+            stats: StreamerStats::default(),
+        })
+    }
+
+    /// Number of slots.
+    pub fn slots(&self) -> usize {
+        self.expert_in.len()
+    }
+
+    /// Counters since open.
+    pub fn stats(&self) -> StreamerStats {
+        self.stats
+    }
+
+    /// Makes the distinct `experts` present, pins their slots, and starts reads for the misses
+    /// without waiting for them. Returns, per requested expert, its slot and whether it was a hit.
+    ///
+    /// Errors when the request plus the already pinned slots exceed the slot count: callers tile their
+    /// requests (prefill uses tiles of at most half the slots).
+    pub fn acquire(&mut self, experts: &[usize]) -> Result<Vec<(usize, bool)>, RuntimeError> {
+        let free_or_unpinned = self.pinned.iter().filter(|p| !**p).count();
+        let needed = experts
+            .iter()
+            .filter(|&&e| self.slot_of[e] < 0 || !self.pinned[self.slot_of[e] as usize])
+            .count();
+        if needed > free_or_unpinned {
+            return Err(RuntimeError::Invalid(format!(
+                "request for {} experts exceeds the {} unpinned slots",
+                needed, free_or_unpinned
+            )));
+        }
+        self.clock += 1;
+        let mut out = Vec::with_capacity(experts.len());
+        let mut batch: Option<Arc<Batch>> = None;
+        let mut misses = Vec::new();
+        for &e in experts {
+            if e >= self.experts {
+                return Err(RuntimeError::Invalid(format!(
+                    "expert {e} out of range ({} experts)",
+                    self.experts
+                )));
+            }
+            self.use_count[e] += 1;
+            self.last_used[e] = self.clock;
+            let s = self.slot_of[e];
+            if s >= 0 {
+                self.pinned[s as usize] = true;
+                self.stats.hits += 1;
+                out.push((s as usize, true));
+                continue;
+            }
+            let slot = self.victim().expect("capacity checked above");
+            let old = self.expert_in[slot];
+            if old >= 0 {
+                self.slot_of[old as usize] = -1;
+            }
+            self.expert_in[slot] = e as i32;
+            self.slot_of[e] = slot as i16;
+            self.pinned[slot] = true;
+            self.stats.misses += 1;
+            self.stats.bytes_read += self.stride as u64;
+            misses.push((e, slot));
+            out.push((slot, false));
+        }
+        if !misses.is_empty() {
+            // Reads of an earlier batch may still target other slots; they stay tracked until `wait`.
+            self.wait()?;
+            let b = Arc::new(Batch {
+                remaining: Mutex::new(misses.len()),
+                done: Condvar::new(),
+                error: Mutex::new(None),
+            });
+            let base = self.slab.as_mut_ptr() as usize;
+            for &(e, slot) in &misses {
+                self.io.submit(Job {
+                    file: Arc::clone(&self.file),
+                    offset: (e * self.stride) as u64,
+                    len: self.stride,
+                    dst: base + slot * self.stride,
+                    expert: e,
+                    batch: Arc::clone(&b),
+                });
+            }
+            batch = Some(b);
+        }
+        if batch.is_some() {
+            self.pending = batch;
+        }
+        Ok(out)
+    }
+
+    /// Blocks until every read started by [`acquire`](Self::acquire) has landed.
+    ///
+    /// Errors: a failed read; its slot is invalidated so a later step reads it again.
+    pub fn wait(&mut self) -> Result<(), RuntimeError> {
+        let Some(b) = self.pending.take() else {
+            return Ok(());
+        };
+        let t0 = Instant::now();
+        let mut left = b.remaining.lock().expect("io batch poisoned");
+        while *left > 0 {
+            left = b.done.wait(left).expect("io batch poisoned");
+        }
+        drop(left);
+        self.stats.read_wait += t0.elapsed();
+        if let Some((expert, source)) = b.error.lock().expect("io error poisoned").take() {
+            let slot = self.slot_of[expert];
+            if slot >= 0 {
+                self.expert_in[slot as usize] = -1;
+                self.pinned[slot as usize] = false;
+                self.slot_of[expert] = -1;
+            }
+            return Err(RuntimeError::Read {
+                path: self.path.display().to_string(),
+                expert,
+                source,
+            });
+        }
+        Ok(())
+    }
+
+    /// Unpins the slots of `experts` (their bytes stay cached).
+    pub fn release(&mut self, experts: &[usize]) {
+        for &e in experts {
+            let s = self.slot_of[e];
+            if s >= 0 {
+                self.pinned[s as usize] = false;
+            }
+        }
+    }
+
+    /// The bytes of the expert blob in `slot` (valid after [`wait`](Self::wait)).
+    pub fn blob(&self, slot: usize) -> &[u8] {
+        &self.slab.bytes()[slot * self.stride..(slot + 1) * self.stride]
+    }
+
+    /// Free slot first, otherwise the unpinned slot whose expert has the lowest use count, the least
+    /// recently used among equals.
+    fn victim(&self) -> Option<usize> {
+        if let Some(s) = self.expert_in.iter().position(|&e| e < 0) {
+            return Some(s);
+        }
+        (0..self.expert_in.len())
+            .filter(|&s| !self.pinned[s])
+            .min_by_key(|&s| {
+                let e = self.expert_in[s] as usize;
+                (self.use_count[e], self.last_used[e])
+            })
+    }
+}
+
+impl Drop for ExpertStreamer {
+    fn drop(&mut self) {
+        // Reads in flight write into the slab: let them land before it is unmapped.
+        let _ = self.wait();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    fn layer_file(experts: usize, stride: usize) -> tempfile::NamedTempFile {
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        for e in 0..experts {
+            let blob: Vec<u8> = (0..stride).map(|i| (e * 31 + i * 7) as u8).collect();
+            f.write_all(&blob).unwrap();
+        }
+        f.flush().unwrap();
+        f
+    }
+
+    fn expected(e: usize, stride: usize) -> Vec<u8> {
+        (0..stride).map(|i| (e * 31 + i * 7) as u8).collect()
+    }
+
+    #[test]
+    fn slots_hold_the_right_bytes_under_churn() {
+        let (experts, stride) = (12, 16384);
+        let f = layer_file(experts, stride);
+        let io = IoPool::new(3);
+        let mut s = ExpertStreamer::open(
+            f.path(),
+            experts,
+            stride as u64,
+            CacheSlots::Fixed(8),
+            false,
+            io,
+        )
+        .unwrap();
+        let mut rng = 12345u64;
+        for _ in 0..200 {
+            let mut req = Vec::new();
+            while req.len() < 4 {
+                rng = rng
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                let e = (rng >> 33) as usize % experts;
+                if !req.contains(&e) {
+                    req.push(e);
+                }
+            }
+            let slots = s.acquire(&req).unwrap();
+            s.wait().unwrap();
+            for (&e, &(slot, _)) in req.iter().zip(&slots) {
+                assert_eq!(
+                    s.blob(slot),
+                    &expected(e, stride)[..],
+                    "expert {e} in slot {slot}"
+                );
+            }
+            s.release(&req);
+        }
+        let st = s.stats();
+        assert_eq!(st.hits + st.misses, 800);
+        assert!(st.misses >= 8 && st.hits > 0);
+        assert_eq!(st.bytes_read, st.misses * stride as u64);
+    }
+
+    #[test]
+    fn pinned_slots_are_never_evicted() {
+        let (experts, stride) = (10, 16384);
+        let f = layer_file(experts, stride);
+        let mut s = ExpertStreamer::open(
+            f.path(),
+            experts,
+            stride as u64,
+            CacheSlots::Fixed(8),
+            false,
+            IoPool::new(2),
+        )
+        .unwrap();
+        let first = s.acquire(&[0, 1, 2, 3]).unwrap();
+        s.wait().unwrap();
+        let second = s.acquire(&[4, 5, 6, 7]).unwrap();
+        s.wait().unwrap();
+        // All 8 slots pinned: a 9th expert cannot be placed.
+        assert!(s.acquire(&[8]).is_err());
+        for (i, &(slot, _)) in first.iter().enumerate() {
+            assert_eq!(s.blob(slot), &expected(i, stride)[..]);
+        }
+        for (i, &(slot, _)) in second.iter().enumerate() {
+            assert_eq!(s.blob(slot), &expected(4 + i, stride)[..]);
+        }
+        s.release(&[0, 1, 2, 3]);
+        let third = s.acquire(&[8, 9]).unwrap();
+        s.wait().unwrap();
+        for &(slot, _) in &third {
+            assert!(
+                first.iter().any(|&(f, _)| f == slot),
+                "evicted a pinned slot"
+            );
+        }
+    }
+
+    #[test]
+    fn lfu_keeps_the_frequent_expert() {
+        let (experts, stride) = (10, 16384);
+        let f = layer_file(experts, stride);
+        let mut s = ExpertStreamer::open(
+            f.path(),
+            experts,
+            stride as u64,
+            CacheSlots::Fixed(8),
+            false,
+            IoPool::new(1),
+        )
+        .unwrap();
+        for _ in 0..5 {
+            s.acquire(&[0]).unwrap();
+            s.wait().unwrap();
+            s.release(&[0]);
+        }
+        for e in 1..10 {
+            s.acquire(&[e]).unwrap();
+            s.wait().unwrap();
+            s.release(&[e]);
+        }
+        let hits = s.stats().hits;
+        s.acquire(&[0]).unwrap();
+        assert_eq!(s.stats().hits, hits + 1, "the most used expert was evicted");
+    }
+
+    #[test]
+    fn wrong_file_size_is_a_clear_error() {
+        let f = layer_file(3, 16384);
+        let err = ExpertStreamer::open(
+            f.path(),
+            4,
+            16384,
+            CacheSlots::Fixed(8),
+            false,
+            IoPool::new(1),
+        )
+        .err()
+        .unwrap();
+        assert!(err.to_string().contains("expected 65536"), "{err}");
+    }
+}
