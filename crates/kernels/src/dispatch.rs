@@ -1,0 +1,251 @@
+//! The kernel table: one set of function pointers per instruction set, chosen once at startup.
+
+use std::cell::RefCell;
+use std::sync::OnceLock;
+
+use half::f16;
+
+use crate::prepared::{PreparedX, XLayout};
+use crate::{scalar, QMatrix};
+
+pub(crate) type GemvFn = fn(&QMatrix, &PreparedX, &mut [f32], usize, usize);
+pub(crate) type DotFn = fn(&[f32], &[f32]) -> f32;
+pub(crate) type AxpyFn = fn(f32, &[f32], &mut [f32]);
+pub(crate) type ToF16Fn = fn(&[f32], &mut [f16]);
+pub(crate) type FromF16Fn = fn(&[f16], &mut [f32]);
+pub(crate) type DotF16Fn = fn(&[f32], &[f16]) -> f32;
+pub(crate) type AxpyF16Fn = fn(f32, &[f16], &mut [f32]);
+
+/// Kernel table picked once at startup (scalar / avx2 / avx512), function pointers.
+///
+/// Obtain with [`Kernels::detect`] (best available, overridable with `MFERENCE_KERNELS=scalar|avx2|avx512`),
+/// [`Kernels::scalar`] (the reference), or [`Kernels::by_name`]. All methods panic on shape mismatches
+/// (programming errors), never on data values.
+pub struct Kernels {
+    pub(crate) name: &'static str,
+    /// Layout of prepared activations for 4-bit matrices (8-bit always uses natural order).
+    pub(crate) layout4: XLayout,
+    pub(crate) gemv: GemvFn,
+    pub(crate) gemm: GemvFn,
+    pub(crate) dot_f32: DotFn,
+    pub(crate) axpy: AxpyFn,
+    pub(crate) f32_to_f16: ToF16Fn,
+    pub(crate) f16_to_f32: FromF16Fn,
+    pub(crate) dot_f16: DotF16Fn,
+    pub(crate) axpy_f16: AxpyF16Fn,
+}
+
+static SCALAR: Kernels = Kernels {
+    name: "scalar",
+    layout4: XLayout::Natural,
+    gemv: scalar::gemv,
+    gemm: scalar::gemm,
+    dot_f32: scalar::dot_f32,
+    axpy: scalar::axpy,
+    f32_to_f16: scalar::f32_to_f16,
+    f16_to_f32: scalar::f16_to_f32,
+    dot_f16: scalar::dot_f16,
+    axpy_f16: scalar::axpy_f16,
+};
+
+thread_local! {
+    static SCRATCH: RefCell<PreparedX> = RefCell::new(PreparedX::new());
+}
+
+/// Runs `f` with this thread's scratch `PreparedX` (a fresh one if it is already borrowed).
+pub(crate) fn with_scratch<R>(f: impl FnOnce(&mut PreparedX) -> R) -> R {
+    SCRATCH.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut p) => f(&mut p),
+        Err(_) => f(&mut PreparedX::new()),
+    })
+}
+
+impl Kernels {
+    /// The best table for this CPU, detected once (`is_x86_feature_detected!`) and cached.
+    ///
+    /// The environment variable `MFERENCE_KERNELS` (`scalar`, `avx2`, `avx512`) forces a table if the CPU
+    /// supports it (for debugging and A/B benchmarks); an unknown or unsupported value falls back to detection.
+    pub fn detect() -> &'static Kernels {
+        static PICK: OnceLock<&'static Kernels> = OnceLock::new();
+        PICK.get_or_init(|| {
+            if let Ok(want) = std::env::var("MFERENCE_KERNELS") {
+                if let Some(k) = Self::by_name(want.trim()) {
+                    return k;
+                }
+            }
+            Self::available().into_iter().last().unwrap_or(&SCALAR)
+        })
+    }
+
+    /// The scalar f32 reference table (always available; slow).
+    pub fn scalar() -> &'static Kernels {
+        &SCALAR
+    }
+
+    /// Every table this CPU can run, slowest (scalar) first.
+    pub fn available() -> Vec<&'static Kernels> {
+        #[allow(unused_mut)]
+        let mut v = vec![&SCALAR];
+        #[cfg(target_arch = "x86_64")]
+        v.extend(crate::x86::available());
+        v
+    }
+
+    /// The table called `name` (`"scalar"`, `"avx2"`, `"avx512"`), if this CPU supports it.
+    pub fn by_name(name: &str) -> Option<&'static Kernels> {
+        Self::available().into_iter().find(|k| k.name == name)
+    }
+
+    /// Short name of this table: `"scalar"`, `"avx2"` or `"avx512"`.
+    pub fn name(&self) -> &'static str {
+        self.name
+    }
+
+    pub(crate) fn layout_for(&self, bits: u32) -> XLayout {
+        if bits == 4 {
+            self.layout4
+        } else {
+            XLayout::Natural
+        }
+    }
+
+    /// Prepares activations `x[n, cols]` (row-major f32) for products with matrices of `m`'s
+    /// cols/bits/group size, into a reusable buffer. Panics if `x.len() != n · m.cols`.
+    pub fn prepare_into(&self, m: &QMatrix, x: &[f32], n: usize, out: &mut PreparedX) {
+        out.fill(self.layout_for(m.bits), m, x, n);
+    }
+
+    /// Like [`Kernels::prepare_into`], allocating a new buffer.
+    pub fn prepare(&self, m: &QMatrix, x: &[f32], n: usize) -> PreparedX {
+        let mut p = PreparedX::new();
+        self.prepare_into(m, x, n, &mut p);
+        p
+    }
+
+    /// `y[rows] = W x`. `x.len() == cols`, `y.len() == rows`.
+    pub fn gemv(&self, m: &QMatrix, x: &[f32], y: &mut [f32]) {
+        self.gemv_rows(m, x, y, 0, m.rows);
+    }
+
+    /// Rows `[r0, r1)` of `W x` into `y` (`y.len() == r1 - r0`), so callers can split rows across threads.
+    pub fn gemv_rows(&self, m: &QMatrix, x: &[f32], y: &mut [f32], r0: usize, r1: usize) {
+        with_scratch(|p| {
+            self.prepare_into(m, x, 1, p);
+            self.gemv_prepared(m, p, y, r0, r1);
+        })
+    }
+
+    /// Rows `[r0, r1)` of `W x` for activations prepared by this table (`p.n() == 1`).
+    pub fn gemv_prepared(&self, m: &QMatrix, p: &PreparedX, y: &mut [f32], r0: usize, r1: usize) {
+        assert!(
+            r0 <= r1 && r1 <= m.rows,
+            "gemv rows [{r0}, {r1}) out of range (rows {})",
+            m.rows
+        );
+        assert_eq!(y.len(), r1 - r0, "gemv: y must have r1 - r0 elements");
+        assert_eq!(p.n, 1, "gemv_prepared: expected one activation row");
+        (self.gemv)(m, p, y, r0, r1)
+    }
+
+    /// `Y[n, rows] = X[n, cols] · Wᵀ` (batched for prefill: each weight tile is read once per batch).
+    pub fn gemm(&self, m: &QMatrix, x: &[f32], n: usize, y: &mut [f32]) {
+        self.gemm_rows(m, x, n, y, 0, m.rows);
+    }
+
+    /// Columns `[r0, r1)` of `Y = X · Wᵀ` into `y`, which is `[n, r1 - r0]` row-major.
+    pub fn gemm_rows(&self, m: &QMatrix, x: &[f32], n: usize, y: &mut [f32], r0: usize, r1: usize) {
+        with_scratch(|p| {
+            self.prepare_into(m, x, n, p);
+            self.gemm_prepared(m, p, y, r0, r1);
+        })
+    }
+
+    /// Columns `[r0, r1)` of `Y = X · Wᵀ` for activations prepared by this table; `y` is `[p.n(), r1 - r0]`.
+    pub fn gemm_prepared(&self, m: &QMatrix, p: &PreparedX, y: &mut [f32], r0: usize, r1: usize) {
+        assert!(
+            r0 <= r1 && r1 <= m.rows,
+            "gemm rows [{r0}, {r1}) out of range (rows {})",
+            m.rows
+        );
+        assert_eq!(y.len(), p.n * (r1 - r0), "gemm: y must be [n, r1 - r0]");
+        if p.n == 1 {
+            (self.gemv)(m, p, y, r0, r1)
+        } else {
+            (self.gemm)(m, p, y, r0, r1)
+        }
+    }
+
+    /// `Σ a_i b_i` in f32. Panics if lengths differ.
+    pub fn dot_f32(&self, a: &[f32], b: &[f32]) -> f32 {
+        assert_eq!(a.len(), b.len(), "dot_f32: length mismatch");
+        (self.dot_f32)(a, b)
+    }
+
+    /// `y += a · x`. Panics if lengths differ.
+    pub fn axpy(&self, a: f32, x: &[f32], y: &mut [f32]) {
+        assert_eq!(x.len(), y.len(), "axpy: length mismatch");
+        (self.axpy)(a, x, y)
+    }
+
+    /// f32 → f16 (round to nearest even; overflow → ±inf), for writing KV cache rows. Panics if lengths differ.
+    pub fn f32_to_f16(&self, src: &[f32], dst: &mut [f16]) {
+        assert_eq!(src.len(), dst.len(), "f32_to_f16: length mismatch");
+        (self.f32_to_f16)(src, dst)
+    }
+
+    /// f16 → f32 (exact). Panics if lengths differ.
+    pub fn f16_to_f32(&self, src: &[f16], dst: &mut [f32]) {
+        assert_eq!(src.len(), dst.len(), "f16_to_f32: length mismatch");
+        (self.f16_to_f32)(src, dst)
+    }
+
+    /// `Σ q_i · k_i` with an f32 query and an f16 key row (attention scores). Panics if lengths differ.
+    pub fn dot_f16(&self, q: &[f32], k: &[f16]) -> f32 {
+        assert_eq!(q.len(), k.len(), "dot_f16: length mismatch");
+        (self.dot_f16)(q, k)
+    }
+
+    /// `y += a · v` with an f16 value row (attention output). Panics if lengths differ.
+    pub fn axpy_f16(&self, a: f32, v: &[f16], y: &mut [f32]) {
+        assert_eq!(v.len(), y.len(), "axpy_f16: length mismatch");
+        (self.axpy_f16)(a, v, y)
+    }
+
+    /// Index and value of the largest element of rows `[r0, r1)` of `W x` (single thread), computing logits in
+    /// small tiles (never all of them at once). Ties go to the lowest index; NaN logits are never chosen
+    /// (all-NaN returns `(r0, NaN)`). Returns the raw (pre-softcap) logit; see [`crate::ThreadPool::gemv_argmax`].
+    pub fn gemv_argmax_prepared(
+        &self,
+        m: &QMatrix,
+        p: &PreparedX,
+        r0: usize,
+        r1: usize,
+    ) -> (usize, f32) {
+        const TILE: usize = 64;
+        let mut tile = [0.0f32; TILE];
+        let mut best = (usize::MAX, f32::NEG_INFINITY);
+        let mut r = r0;
+        while r < r1 {
+            let e = (r + TILE).min(r1);
+            let t = &mut tile[..e - r];
+            self.gemv_prepared(m, p, t, r, e);
+            for (i, &v) in t.iter().enumerate() {
+                if v > best.1 || (best.0 == usize::MAX && v == f32::NEG_INFINITY) {
+                    best = (r + i, v);
+                }
+            }
+            r = e;
+        }
+        if best.0 == usize::MAX {
+            (r0, f32::NAN)
+        } else {
+            best
+        }
+    }
+}
+
+impl std::fmt::Debug for Kernels {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Kernels").field("name", &self.name).finish()
+    }
+}

@@ -1,0 +1,369 @@
+//! Persistent worker pool for per-token work: workers spin briefly on an epoch counter, then park; the caller
+//! thread runs share 0 itself. One parallel region costs a few hundred nanoseconds when the workers are spinning
+//! (ggml's `ggml_barrier` idea), and nothing when idle (parked on a condition variable).
+
+use std::cell::UnsafeCell;
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::dispatch::with_scratch;
+use crate::prepared::PreparedX;
+use crate::{Kernels, QMatrix};
+
+thread_local! {
+    /// Per-thread output tile for row-split GEMM (`[n, chunk rows]`), reused across calls.
+    static OUT_TILE: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+type Job = dyn Fn(usize, usize) + Sync;
+
+struct Shared {
+    /// Bumped once per parallel region; workers run the job when they see a new value.
+    epoch: AtomicU64,
+    /// The current job, lifetime-erased. Written by the caller before the epoch bump (Release) and read by
+    /// workers after observing the bump (Acquire); the caller waits for `pending == 0` before it returns, so
+    /// the pointee outlives every use.
+    job: UnsafeCell<Option<*const Job>>,
+    /// Workers that have not finished the current region.
+    pending: AtomicUsize,
+    /// Workers parked (or about to park) on `cv`.
+    sleepers: AtomicUsize,
+    lock: Mutex<()>,
+    cv: Condvar,
+    shutdown: AtomicBool,
+    /// A worker panicked in the current region.
+    panicked: AtomicBool,
+    threads: usize,
+    spin: Duration,
+}
+
+// SAFETY: `job` is only written by the thread holding `ThreadPool::busy` while no worker reads it (all
+// workers finished the previous region: `pending == 0`), and read by workers only between the epoch bump and
+// their `pending` decrement. The pointee is `Sync`.
+unsafe impl Sync for Shared {}
+// SAFETY: as above; the raw pointer is only dereferenced under that protocol.
+unsafe impl Send for Shared {}
+
+/// Persistent worker pool (spin briefly then park; the caller thread takes a share). Sized by `--threads`.
+///
+/// `run` from inside a job of the same pool (or concurrently from two threads) does not deadlock: the second
+/// caller runs all shares itself, serially.
+pub struct ThreadPool {
+    shared: Arc<Shared>,
+    workers: Vec<JoinHandle<()>>,
+    busy: Mutex<()>,
+}
+
+/// Default time a waiting thread spins before parking (workers) or yielding (caller).
+pub const DEFAULT_SPIN: Duration = Duration::from_micros(100);
+
+impl ThreadPool {
+    /// A pool of `threads` threads in total, the caller included (`threads - 1` workers are spawned).
+    /// `threads == 0` is treated as 1. Workers spin for [`DEFAULT_SPIN`] before parking.
+    pub fn new(threads: usize) -> Self {
+        Self::with_spin(threads, DEFAULT_SPIN)
+    }
+
+    /// Like [`ThreadPool::new`], with an explicit spin budget before a worker parks.
+    pub fn with_spin(threads: usize, spin: Duration) -> Self {
+        let threads = threads.max(1);
+        let shared = Arc::new(Shared {
+            epoch: AtomicU64::new(0),
+            job: UnsafeCell::new(None),
+            pending: AtomicUsize::new(0),
+            sleepers: AtomicUsize::new(0),
+            lock: Mutex::new(()),
+            cv: Condvar::new(),
+            shutdown: AtomicBool::new(false),
+            panicked: AtomicBool::new(false),
+            threads,
+            spin,
+        });
+        let workers = (1..threads)
+            .map(|i| {
+                let s = Arc::clone(&shared);
+                std::thread::Builder::new()
+                    .name(format!("mference-worker-{i}"))
+                    .spawn(move || worker_loop(&s, i))
+                    .expect("spawn worker thread")
+            })
+            .collect();
+        Self {
+            shared,
+            workers,
+            busy: Mutex::new(()),
+        }
+    }
+
+    /// Total threads, the caller included.
+    pub fn threads(&self) -> usize {
+        self.shared.threads
+    }
+
+    /// Runs `f(thread_index, n_threads)` on every thread (the caller is index 0) and returns when all are done.
+    /// A panic in any share is re-raised on the caller after every share has finished.
+    pub fn run<F: Fn(usize, usize) + Sync>(&self, f: F) {
+        let n = self.shared.threads;
+        if n == 1 {
+            f(0, 1);
+            return;
+        }
+        let _guard = match self.busy.try_lock() {
+            Ok(g) => g,
+            Err(_) => {
+                (0..n).for_each(|i| f(i, n));
+                return;
+            }
+        };
+        let s = &*self.shared;
+        let job: &(dyn Fn(usize, usize) + Sync + '_) = &f;
+        // SAFETY: erasing the lifetime is sound because this function does not return (or unwind) before
+        // every worker has decremented `pending`, after which no worker touches the pointer again.
+        let job: *const Job = unsafe {
+            std::mem::transmute::<&(dyn Fn(usize, usize) + Sync + '_), &'static Job>(job)
+        };
+        // SAFETY: no worker reads `job` now: the previous region ended with `pending == 0` and we hold `busy`.
+        unsafe { *s.job.get() = Some(job) };
+        s.panicked.store(false, Ordering::Relaxed);
+        s.pending.store(n - 1, Ordering::Relaxed);
+        s.epoch.fetch_add(1, Ordering::SeqCst);
+        if s.sleepers.load(Ordering::SeqCst) > 0 {
+            let _g = s.lock.lock().unwrap_or_else(|e| e.into_inner());
+            s.cv.notify_all();
+        }
+        let mine = catch_unwind(AssertUnwindSafe(|| f(0, n)));
+        let start = Instant::now();
+        let mut spins = 0u32;
+        while s.pending.load(Ordering::Acquire) != 0 {
+            spins = spins.wrapping_add(1);
+            if spins % 64 == 0 && start.elapsed() > s.spin {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+        if let Err(p) = mine {
+            resume_unwind(p);
+        }
+        if s.panicked.load(Ordering::Relaxed) {
+            panic!("a ThreadPool worker panicked");
+        }
+    }
+
+    /// Splits `0..total` into chunks of `chunk` and runs `f(start, end)` on each, threads taking chunks from a
+    /// shared counter (so a descheduled thread does not hold up the others).
+    pub fn for_chunks<F: Fn(usize, usize) + Sync>(&self, total: usize, chunk: usize, f: F) {
+        let chunk = chunk.max(1);
+        let chunks = total.div_ceil(chunk);
+        if chunks <= 1 || self.threads() == 1 {
+            let mut s = 0;
+            while s < total {
+                f(s, (s + chunk).min(total));
+                s += chunk;
+            }
+            return;
+        }
+        let next = AtomicUsize::new(0);
+        self.run(|_, _| loop {
+            let c = next.fetch_add(1, Ordering::Relaxed);
+            if c >= chunks {
+                break;
+            }
+            let s = c * chunk;
+            f(s, (s + chunk).min(total));
+        });
+    }
+
+    /// Rows per work item for a product over `rows` rows: several items per thread for balance, multiples
+    /// of 16 rows, and at least ~64 KiB of weights per item so the counter is not contended.
+    fn row_chunk(&self, m: &QMatrix) -> usize {
+        let per_row = m.row_bytes() + 4 * m.groups_per_row();
+        let min_rows = (64 * 1024 / per_row.max(1)).max(16);
+        let balanced = m.rows.div_ceil(self.threads() * 4);
+        balanced.max(min_rows).div_ceil(16) * 16
+    }
+
+    /// Parallel `y[rows] = W x`, rows split across threads.
+    pub fn gemv(&self, k: &Kernels, m: &QMatrix, x: &[f32], y: &mut [f32]) {
+        with_scratch(|p| {
+            k.prepare_into(m, x, 1, p);
+            self.gemv_prepared(k, m, p, y);
+        })
+    }
+
+    /// Parallel `y[rows] = W x` for activations prepared by `k` (share one preparation across matrices that
+    /// read the same input).
+    pub fn gemv_prepared(&self, k: &Kernels, m: &QMatrix, p: &PreparedX, y: &mut [f32]) {
+        assert_eq!(y.len(), m.rows, "gemv: y must have rows elements");
+        let out = SyncPtr(y.as_mut_ptr());
+        self.for_chunks(m.rows, self.row_chunk(m), |r0, r1| {
+            // SAFETY: chunks are disjoint row ranges inside `y`, which outlives the parallel region.
+            let ys = unsafe { std::slice::from_raw_parts_mut(out.get().add(r0), r1 - r0) };
+            k.gemv_prepared(m, p, ys, r0, r1);
+        });
+    }
+
+    /// Parallel `Y[n, rows] = X[n, cols] · Wᵀ`, rows of W split across threads (each thread reads its weight
+    /// rows once for the whole batch).
+    pub fn gemm(&self, k: &Kernels, m: &QMatrix, x: &[f32], n: usize, y: &mut [f32]) {
+        with_scratch(|p| {
+            k.prepare_into(m, x, n, p);
+            self.gemm_prepared(k, m, p, y);
+        })
+    }
+
+    /// Parallel `Y[n, rows] = X · Wᵀ` for activations prepared by `k`; `y` is `[p.n(), rows]`.
+    pub fn gemm_prepared(&self, k: &Kernels, m: &QMatrix, p: &PreparedX, y: &mut [f32]) {
+        let n = p.n();
+        assert_eq!(y.len(), n * m.rows, "gemm: y must be [n, rows]");
+        if n == 1 {
+            return self.gemv_prepared(k, m, p, y);
+        }
+        let out = SyncPtr(y.as_mut_ptr());
+        let rows = m.rows;
+        self.for_chunks(rows, self.row_chunk(m), |r0, r1| {
+            let w = r1 - r0;
+            OUT_TILE.with(|cell| {
+                let mut tile = cell.borrow_mut();
+                tile.clear();
+                tile.resize(n * w, 0.0);
+                k.gemm_prepared(m, p, &mut tile, r0, r1);
+                for t in 0..n {
+                    // SAFETY: row t of Y, columns [r0, r1): disjoint across chunks, inside `y`.
+                    let dst =
+                        unsafe { std::slice::from_raw_parts_mut(out.get().add(t * rows + r0), w) };
+                    dst.copy_from_slice(&tile[t * w..(t + 1) * w]);
+                }
+            });
+        });
+    }
+
+    /// Fused greedy head: `argmax_r (W x)_r`, computing logits in per-thread tiles (never the full vector).
+    ///
+    /// Returns `(index, logit)`; with `softcap = Some(c)` the returned logit is `c · tanh(logit / c)` (monotonic,
+    /// so the index is the same as without it). Ties go to the lowest index; NaN logits are never chosen.
+    pub fn gemv_argmax(
+        &self,
+        k: &Kernels,
+        m: &QMatrix,
+        x: &[f32],
+        softcap: Option<f32>,
+    ) -> (usize, f32) {
+        with_scratch(|p| {
+            k.prepare_into(m, x, 1, p);
+            self.gemv_argmax_prepared(k, m, p, softcap)
+        })
+    }
+
+    /// [`ThreadPool::gemv_argmax`] for activations prepared by `k`.
+    pub fn gemv_argmax_prepared(
+        &self,
+        k: &Kernels,
+        m: &QMatrix,
+        p: &PreparedX,
+        softcap: Option<f32>,
+    ) -> (usize, f32) {
+        let best = Mutex::new((usize::MAX, f32::NAN));
+        self.for_chunks(m.rows, self.row_chunk(m), |r0, r1| {
+            let (i, v) = k.gemv_argmax_prepared(m, p, r0, r1);
+            if v.is_nan() {
+                return;
+            }
+            let mut b = best.lock().unwrap_or_else(|e| e.into_inner());
+            if b.0 == usize::MAX || v > b.1 || (v == b.1 && i < b.0) {
+                *b = (i, v);
+            }
+        });
+        let (i, v) = best.into_inner().unwrap_or_else(|e| e.into_inner());
+        if i == usize::MAX {
+            return (0, f32::NAN);
+        }
+        match softcap {
+            Some(c) => (i, c * (v / c).tanh()),
+            None => (i, v),
+        }
+    }
+}
+
+impl Drop for ThreadPool {
+    fn drop(&mut self) {
+        let s = &*self.shared;
+        s.shutdown.store(true, Ordering::SeqCst);
+        s.epoch.fetch_add(1, Ordering::SeqCst);
+        {
+            let _g = s.lock.lock().unwrap_or_else(|e| e.into_inner());
+            s.cv.notify_all();
+        }
+        for w in self.workers.drain(..) {
+            let _ = w.join();
+        }
+    }
+}
+
+impl std::fmt::Debug for ThreadPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ThreadPool")
+            .field("threads", &self.threads())
+            .finish()
+    }
+}
+
+fn worker_loop(s: &Shared, index: usize) {
+    let mut seen = 0u64;
+    loop {
+        let start = Instant::now();
+        let mut spins = 0u32;
+        loop {
+            let e = s.epoch.load(Ordering::Acquire);
+            if e != seen {
+                seen = e;
+                break;
+            }
+            spins = spins.wrapping_add(1);
+            if spins % 64 != 0 || start.elapsed() < s.spin {
+                std::hint::spin_loop();
+                continue;
+            }
+            let g = s.lock.lock().unwrap_or_else(|e| e.into_inner());
+            s.sleepers.fetch_add(1, Ordering::SeqCst);
+            // Re-check after announcing ourselves: the caller bumps the epoch, then reads `sleepers` (both
+            // SeqCst), so either we see the bump here or it sees us and notifies under the lock.
+            let g = if s.epoch.load(Ordering::SeqCst) == seen {
+                s.cv.wait(g).unwrap_or_else(|e| e.into_inner())
+            } else {
+                g
+            };
+            s.sleepers.fetch_sub(1, Ordering::SeqCst);
+            drop(g);
+        }
+        if s.shutdown.load(Ordering::Acquire) {
+            return;
+        }
+        // SAFETY: the epoch bump we observed (Acquire) happened after the caller stored the job, and the
+        // caller keeps the job alive until we decrement `pending` below.
+        let job = unsafe { (*s.job.get()).expect("job set before epoch bump") };
+        // SAFETY: see above; the pointee is a live `Fn + Sync`.
+        let r = catch_unwind(AssertUnwindSafe(|| unsafe { (*job)(index, s.threads) }));
+        if r.is_err() {
+            s.panicked.store(true, Ordering::Relaxed);
+        }
+        s.pending.fetch_sub(1, Ordering::Release);
+    }
+}
+
+/// A raw output pointer shared across a parallel region whose shares write disjoint ranges.
+#[derive(Clone, Copy)]
+struct SyncPtr(*mut f32);
+// SAFETY: only used for disjoint writes inside one parallel region, while the owning slice is borrowed.
+unsafe impl Sync for SyncPtr {}
+// SAFETY: as above.
+unsafe impl Send for SyncPtr {}
+impl SyncPtr {
+    #[inline(always)]
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}

@@ -1,0 +1,127 @@
+//! Attention helpers (f32 dot/axpy, f16 KV conversions and products): SIMD tables against the scalar twins.
+
+mod common;
+
+use common::Rng;
+use mference_kernels::{f16, Kernels};
+
+/// f32 dot/axpy (and f16-row products) vs the scalar twin: error relative to `Σ |a_i b_i|`.
+const DOT_REL: f32 = 1e-5;
+
+fn lengths() -> impl Iterator<Item = usize> {
+    [
+        0usize, 1, 3, 7, 8, 15, 16, 17, 31, 33, 64, 127, 128, 129, 256, 300, 1000,
+    ]
+    .into_iter()
+}
+
+#[test]
+fn dot_and_axpy_match_scalar() {
+    let mut rng = Rng::new(3);
+    let sc = Kernels::scalar();
+    for len in lengths() {
+        let a = rng.vec_sym(len, 2.0);
+        let b = rng.vec_sym(len, 2.0);
+        let mag: f32 = a
+            .iter()
+            .zip(&b)
+            .map(|(x, y)| (x * y).abs())
+            .sum::<f32>()
+            .max(1e-30);
+        for k in Kernels::available() {
+            let d = k.dot_f32(&a, &b);
+            let e = (d - sc.dot_f32(&a, &b)).abs() / mag;
+            assert!(e <= DOT_REL, "{} dot_f32 len {len}: {e:e}", k.name());
+            let mut y1 = b.clone();
+            let mut y2 = b.clone();
+            k.axpy(0.37, &a, &mut y1);
+            sc.axpy(0.37, &a, &mut y2);
+            for (u, v) in y1.iter().zip(&y2) {
+                // One fused or unfused multiply-add per element: at most one rounding apart.
+                assert!(
+                    (u - v).abs() <= 1e-6 * (v.abs() + 1.0),
+                    "{} axpy len {len}",
+                    k.name()
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn f16_conversions_are_bit_exact() {
+    let mut rng = Rng::new(5);
+    let mut src: Vec<f32> = (0..1000)
+        .map(|_| rng.sym(70000.0) * rng.unit().powi(6))
+        .collect();
+    src.extend([
+        0.0,
+        -0.0,
+        1e-8,
+        -6.0e-5,
+        65504.0,
+        65520.0,
+        1e6,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        5.9604645e-8,
+    ]);
+    for k in Kernels::available() {
+        for len in [0, 1, 7, 8, 9, 16, 17, src.len()] {
+            let mut h = vec![f16::ZERO; len];
+            k.f32_to_f16(&src[..len], &mut h);
+            for (i, (&got, &s)) in h.iter().zip(&src[..len]).enumerate() {
+                assert_eq!(
+                    got.to_bits(),
+                    f16::from_f32(s).to_bits(),
+                    "{} f32_to_f16 [{i}] = {s}",
+                    k.name()
+                );
+            }
+            let mut back = vec![0.0f32; len];
+            k.f16_to_f32(&h, &mut back);
+            for (&b, &hv) in back.iter().zip(&h) {
+                assert_eq!(
+                    b.to_bits(),
+                    hv.to_f32().to_bits(),
+                    "{} f16_to_f32",
+                    k.name()
+                );
+            }
+        }
+        let mut h = [f16::ZERO; 1];
+        k.f32_to_f16(&[f32::NAN], &mut h);
+        assert!(h[0].is_nan(), "{} NaN stays NaN", k.name());
+    }
+}
+
+#[test]
+fn f16_dot_and_axpy_match_scalar() {
+    let mut rng = Rng::new(9);
+    let sc = Kernels::scalar();
+    for len in lengths() {
+        let q = rng.vec_sym(len, 3.0);
+        let kv: Vec<f16> = (0..len).map(|_| f16::from_f32(rng.sym(4.0))).collect();
+        let mag: f32 = q
+            .iter()
+            .zip(&kv)
+            .map(|(a, b)| (a * b.to_f32()).abs())
+            .sum::<f32>()
+            .max(1e-30);
+        for k in Kernels::available() {
+            let e = (k.dot_f16(&q, &kv) - sc.dot_f16(&q, &kv)).abs() / mag;
+            assert!(e <= DOT_REL, "{} dot_f16 len {len}: {e:e}", k.name());
+            let mut y1 = q.clone();
+            let mut y2 = q.clone();
+            k.axpy_f16(-1.25, &kv, &mut y1);
+            sc.axpy_f16(-1.25, &kv, &mut y2);
+            for (u, v) in y1.iter().zip(&y2) {
+                assert!(
+                    (u - v).abs() <= 1e-6 * (v.abs() + 1.0),
+                    "{} axpy_f16 len {len}",
+                    k.name()
+                );
+            }
+        }
+    }
+}

@@ -1,0 +1,265 @@
+//! Quantized GEMV/GEMM: the scalar reference against an independent f64 dequantize-then-matmul, and every
+//! SIMD table (and the thread pool) against the scalar reference, on random shapes (rows not a multiple of
+//! anything, cols a multiple of the group size), bits 4 and 8, groups 32/64/128, negative scales, and tensors
+//! that start at odd 2-byte-aligned (and unaligned) byte offsets.
+
+mod common;
+
+use common::{max_rel_err, naive_gemm, OwnedQ, Rng};
+use mference_kernels::{Kernels, ThreadPool};
+use proptest::prelude::*;
+
+/// Scalar f32 reference vs exact f64: error relative to `Σ (|scale|·q + |bias|)·|x|` (see `naive_gemm`).
+const SCALAR_VS_F64_REL: f64 = 1e-5;
+/// Any f32 SIMD table vs the scalar reference, same relative measure (different summation orders only).
+const SIMD_VS_SCALAR_REL: f64 = 1e-5;
+
+/// Activations: uniform ±1 with a few ×16 outliers (like real residual streams).
+fn activations(rng: &mut Rng, len: usize) -> Vec<f32> {
+    (0..len)
+        .map(|_| {
+            let v = rng.sym(1.0);
+            if rng.below(64) == 0 {
+                v * 16.0
+            } else {
+                v
+            }
+        })
+        .collect()
+}
+
+struct Case {
+    seed: u64,
+    rows: usize,
+    cols: usize,
+    bits: u32,
+    gs: usize,
+    offset: usize,
+    n: usize,
+}
+
+fn check(c: &Case, pools: &[ThreadPool]) {
+    let mut rng = Rng::new(c.seed);
+    let q = OwnedQ::random(&mut rng, c.rows, c.cols, c.bits, c.gs, c.offset);
+    let m = q.view();
+    let x = activations(&mut rng, c.n * c.cols);
+    let (want, scale) = naive_gemm(&m, &x, c.n);
+    let tag = format!(
+        "seed {} rows {} cols {} bits {} group {} offset {} n {}",
+        c.seed, c.rows, c.cols, c.bits, c.gs, c.offset, c.n
+    );
+
+    let sc = Kernels::scalar();
+    let mut ys = vec![0.0f32; c.n * c.rows];
+    sc.gemm(&m, &x, c.n, &mut ys);
+    let e = max_rel_err(&ys, &want, &scale);
+    assert!(
+        e <= SCALAR_VS_F64_REL,
+        "scalar gemm vs f64: rel err {e:e} > budget ({tag})"
+    );
+
+    for k in Kernels::available() {
+        let name = k.name();
+        // gemv, token by token.
+        let mut yv = vec![0.0f32; c.n * c.rows];
+        for t in 0..c.n {
+            k.gemv(
+                &m,
+                &x[t * c.cols..(t + 1) * c.cols],
+                &mut yv[t * c.rows..(t + 1) * c.rows],
+            );
+        }
+        let ysf: Vec<f64> = ys.iter().map(|&v| v as f64).collect();
+        let e = max_rel_err(&yv, &ysf, &scale);
+        assert!(
+            e <= SIMD_VS_SCALAR_REL,
+            "{name} gemv vs scalar: rel err {e:e} > budget ({tag})"
+        );
+
+        // gemm for the whole batch.
+        let mut yg = vec![0.0f32; c.n * c.rows];
+        k.gemm(&m, &x, c.n, &mut yg);
+        let e = max_rel_err(&yg, &ysf, &scale);
+        assert!(
+            e <= SIMD_VS_SCALAR_REL,
+            "{name} gemm vs scalar: rel err {e:e} > budget ({tag})"
+        );
+
+        // A row sub-range gives bit-identical rows (results do not depend on how rows are split).
+        let r0 = rng.below(c.rows);
+        let r1 = r0 + 1 + rng.below(c.rows - r0);
+        let w = r1 - r0;
+        let mut yr = vec![0.0f32; w];
+        k.gemv_rows(&m, &x[..c.cols], &mut yr, r0, r1);
+        assert_eq!(
+            yr,
+            yv[r0..r1],
+            "{name} gemv_rows [{r0},{r1}) differs from gemv ({tag})"
+        );
+        let mut ygr = vec![0.0f32; c.n * w];
+        k.gemm_rows(&m, &x, c.n, &mut ygr, r0, r1);
+        for t in 0..c.n {
+            assert_eq!(
+                ygr[t * w..(t + 1) * w],
+                yg[t * c.rows + r0..t * c.rows + r1],
+                "{name} gemm_rows [{r0},{r1}) token {t} differs from gemm ({tag})"
+            );
+        }
+
+        // The pool splits rows across threads; results are bit-identical to the single-thread kernel.
+        for pool in pools {
+            let mut yp = vec![0.0f32; c.rows];
+            pool.gemv(k, &m, &x[..c.cols], &mut yp);
+            assert_eq!(
+                yp,
+                yv[..c.rows],
+                "{name} pool({}) gemv differs ({tag})",
+                pool.threads()
+            );
+            let mut ypg = vec![0.0f32; c.n * c.rows];
+            pool.gemm(k, &m, &x, c.n, &mut ypg);
+            assert_eq!(
+                ypg,
+                yg,
+                "{name} pool({}) gemm differs ({tag})",
+                pool.threads()
+            );
+        }
+    }
+}
+
+fn pools() -> Vec<ThreadPool> {
+    vec![ThreadPool::new(2), ThreadPool::new(3)]
+}
+
+#[test]
+fn scalar_and_simd_match_f64_reference_on_fixed_shapes() {
+    let pools = pools();
+    let mut seed = 1;
+    for &(rows, cols, bits, gs) in &[
+        (1, 32, 4, 32),
+        (7, 64, 4, 64),
+        (33, 128, 4, 128),
+        (61, 384, 8, 32),
+        (45, 640, 8, 64),
+        (19, 256, 8, 128),
+        (97, 2816, 4, 64), // Gemma-26B gate/up input width
+        (37, 704, 4, 64),  // Gemma-26B down input width
+        (13, 2816, 8, 64), // 8-bit router
+    ] {
+        for &offset in &[0usize, 2, 6, 1] {
+            for &n in &[1usize, 3, 8] {
+                check(
+                    &Case {
+                        seed,
+                        rows,
+                        cols,
+                        bits,
+                        gs,
+                        offset,
+                        n,
+                    },
+                    &pools,
+                );
+                seed += 1;
+            }
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
+    #[test]
+    fn simd_and_pool_match_scalar_on_random_shapes(
+        seed in any::<u64>(),
+        rows in 1usize..90,
+        groups in 1usize..9,
+        bits in prop_oneof![Just(4u32), Just(8u32)],
+        gs in prop_oneof![Just(32usize), Just(64usize), Just(128usize)],
+        offset in prop_oneof![Just(0usize), Just(2usize), Just(6usize), Just(10usize), Just(1usize)],
+        n in 1usize..12,
+    ) {
+        let pools = vec![ThreadPool::new(2)];
+        check(&Case { seed, rows, cols: groups * gs, bits, gs, offset, n }, &pools);
+    }
+}
+
+#[test]
+fn gemm_of_a_long_batch_matches_scalar() {
+    // Prefill-sized batch (more tokens than any register tile) on a real row width.
+    check(
+        &Case {
+            seed: 99,
+            rows: 21,
+            cols: 2816,
+            bits: 4,
+            gs: 64,
+            offset: 2,
+            n: 37,
+        },
+        &pools(),
+    );
+}
+
+#[test]
+fn argmax_matches_full_logits_with_and_without_softcap() {
+    let mut rng = Rng::new(7);
+    let q = OwnedQ::random(&mut rng, 1000, 256, 4, 64, 2);
+    let m = q.view();
+    let x = activations(&mut rng, 256);
+    for k in Kernels::available() {
+        let mut y = vec![0.0f32; m.rows];
+        k.gemv(&m, &x, &mut y);
+        let (want_i, want_v) =
+            y.iter().enumerate().fold(
+                (0, f32::NEG_INFINITY),
+                |b, (i, &v)| if v > b.1 { (i, v) } else { b },
+            );
+        for threads in [1, 2, 3] {
+            let pool = ThreadPool::new(threads);
+            assert_eq!(
+                pool.gemv_argmax(k, &m, &x, None),
+                (want_i, want_v),
+                "{} threads {threads}",
+                k.name()
+            );
+            let (i, v) = pool.gemv_argmax(k, &m, &x, Some(30.0));
+            assert_eq!(i, want_i);
+            assert!((v - 30.0 * (want_v / 30.0).tanh()).abs() <= 1e-6 * want_v.abs().max(1.0));
+        }
+    }
+}
+
+#[test]
+fn argmax_ties_go_to_the_lowest_index() {
+    // Two identical rows: both logits are equal bit for bit; the first must win.
+    let mut rng = Rng::new(11);
+    let q = OwnedQ::random(&mut rng, 300, 128, 8, 32, 0);
+    let m0 = q.view();
+    let mut y = vec![0.0f32; m0.rows];
+    let x = activations(&mut rng, 128);
+    Kernels::scalar().gemv(&m0, &x, &mut y);
+    let best = y
+        .iter()
+        .enumerate()
+        .fold(0, |b, (i, &v)| if v > y[b] { i } else { b });
+    // Copy the best row (codes, scales, biases) over row 299 so two rows tie.
+    let rb = m0.row_bytes();
+    let gpr = m0.groups_per_row();
+    let mut w = m0.weight.to_vec();
+    let mut s = m0.scales.to_vec();
+    let mut b = m0.biases.to_vec();
+    w.copy_within(best * rb..(best + 1) * rb, 299 * rb);
+    s.copy_within(best * 2 * gpr..(best + 1) * 2 * gpr, 299 * 2 * gpr);
+    b.copy_within(best * 2 * gpr..(best + 1) * 2 * gpr, 299 * 2 * gpr);
+    let m = mference_kernels::QMatrix::new(&w, &s, &b, 300, 128, 8, 32).unwrap();
+    for k in Kernels::available() {
+        let pool = ThreadPool::new(2);
+        assert_eq!(
+            pool.gemv_argmax(k, &m, &x, None).0,
+            best.min(299),
+            "{}",
+            k.name()
+        );
+    }
+}
