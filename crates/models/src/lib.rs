@@ -1,1 +1,229 @@
-//! mference-models
+//! Model families over a `.gturbo` install: one file per family (`gemma4.rs`, …), sharing the
+//! [`Engine`] (mapped resident weights, kernels, worker pool) and the per-layer expert streamers.
+
+pub mod gemma4;
+pub mod generate;
+pub mod ops;
+pub mod tensors;
+
+use std::path::Path;
+use std::sync::Arc;
+
+use mference_format::{Install, ResidentIndex, VerifyPolicy};
+use mference_kernels::{Kernels, ThreadPool};
+use mference_runtime::streamer::IoPool;
+use mference_runtime::{CacheSlots, ExpertStreamer, RuntimeError, StreamerStats};
+
+/// Errors from loading or running a model.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error(transparent)]
+    Format(#[from] mference_format::FormatError),
+    #[error(transparent)]
+    Runtime(#[from] RuntimeError),
+    #[error("tensor {name}: {why}; the install does not match this runtime: reinstall it")]
+    Tensor { name: String, why: String },
+    #[error("config: {0}")]
+    Config(String),
+    #[error("unsupported family '{0}' (this build runs: gemma4)")]
+    Family(String),
+    #[error("input: {0}")]
+    Input(String),
+    #[error("context full: {need} tokens needed, max context is {max} (raise --max-context)")]
+    ContextFull { need: usize, max: usize },
+    #[error("cannot map {path}: {source}")]
+    Map {
+        path: String,
+        source: std::io::Error,
+    },
+}
+
+/// Which logits a forward pass returns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Want {
+    /// None (a prefill chunk that is not the last).
+    None,
+    /// The last row's logits (`[vocab]`, post-softcap).
+    Last,
+    /// Every row's logits (`[T, vocab]`): parity tests and perplexity.
+    All,
+    /// Only the argmax of the last row (pure greedy; full logits are never materialised).
+    Argmax,
+}
+
+/// The result of a forward pass.
+#[derive(Debug)]
+pub enum Logits {
+    None,
+    /// Row-major `[rows, vocab]`.
+    Rows(Vec<f32>),
+    Argmax(u32),
+}
+
+/// Settings fixed at load.
+#[derive(Clone, Debug)]
+pub struct LoadOptions {
+    pub slots: CacheSlots,
+    pub direct_io: bool,
+    /// Worker threads for kernels (the caller counts as one).
+    pub threads: usize,
+    /// Rows per prefill chunk.
+    pub prefill_chunk: usize,
+    /// Positions the KV cache can hold.
+    pub max_context: usize,
+    pub verify: VerifyPolicy,
+    /// Force a kernel variant by name (`scalar`, `avx2`, `avx512`); `None` = best available.
+    pub kernels: Option<String>,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        Self {
+            slots: CacheSlots::Fixed(16),
+            direct_io: false,
+            threads: std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1),
+            prefill_chunk: 128,
+            max_context: 4096,
+            verify: VerifyPolicy::FullSha256,
+            kernels: None,
+        }
+    }
+}
+
+/// One sequence of a loaded model: runs tokens through the layers and keeps the KV cache.
+pub trait Model: Send {
+    /// Runs `tokens` at the next positions (chunked by the prefill chunk), appending to the KV cache.
+    fn forward(&mut self, tokens: &[u32], want: Want) -> Result<Logits, ModelError>;
+    /// Positions in the KV cache.
+    fn position(&self) -> usize;
+    /// Keeps the first `n` cached positions; false when the cache cannot be cut there.
+    fn truncate(&mut self, n: usize) -> bool;
+    fn vocab_size(&self) -> usize;
+    fn engine(&self) -> &Engine;
+    /// Expert-cache counters per MoE layer (layers not opened yet report zeros).
+    fn expert_stats(&self) -> Vec<StreamerStats>;
+    /// Bytes of KV cache.
+    fn kv_bytes(&self) -> usize;
+}
+
+/// What every family shares: the install, the mapped resident file, the kernel table and pools.
+pub struct Engine {
+    pub install: Install,
+    pub map: memmap2::Mmap,
+    pub index: ResidentIndex,
+    pub kernels: &'static Kernels,
+    pub pool: ThreadPool,
+    pub io: Arc<IoPool>,
+    pub slots: CacheSlots,
+    pub direct_io: bool,
+    pub prefill_chunk: usize,
+    pub max_context: usize,
+}
+
+impl Engine {
+    fn new(install: Install, opts: &LoadOptions) -> Result<Self, ModelError> {
+        let path = install.weights_path();
+        let file = std::fs::File::open(&path).map_err(|source| ModelError::Map {
+            path: path.display().to_string(),
+            source,
+        })?;
+        // SAFETY: the install is read-only by contract; nothing in this process writes or truncates
+        // model_weights.bin while it is mapped.
+        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|source| ModelError::Map {
+            path: path.display().to_string(),
+            source,
+        })?;
+        let index = ResidentIndex::parse(&map)?;
+        let kernels = match &opts.kernels {
+            Some(name) => Kernels::by_name(name).ok_or_else(|| {
+                ModelError::Config(format!(
+                    "kernel variant '{name}' is not available on this CPU"
+                ))
+            })?,
+            None => Kernels::detect(),
+        };
+        if opts.prefill_chunk == 0 || opts.max_context == 0 {
+            return Err(ModelError::Config(
+                "prefill chunk and max context must be positive".into(),
+            ));
+        }
+        Ok(Self {
+            install,
+            map,
+            index,
+            kernels,
+            pool: ThreadPool::new(opts.threads.max(1)),
+            io: IoPool::new(4),
+            slots: opts.slots,
+            direct_io: opts.direct_io,
+            prefill_chunk: opts.prefill_chunk,
+            max_context: opts.max_context,
+        })
+    }
+}
+
+/// The per-layer expert streamers, opened on a layer's first use (after its file is checked).
+pub struct Streamers {
+    layers: Vec<Option<ExpertStreamer>>,
+}
+
+impl Streamers {
+    fn new(n: usize) -> Self {
+        Self {
+            layers: (0..n).map(|_| None).collect(),
+        }
+    }
+
+    /// The streamer of `layer`, opening it (and checking its file per the verify policy) on first use.
+    pub fn get(
+        &mut self,
+        layer: usize,
+        engine: &Engine,
+    ) -> Result<&mut ExpertStreamer, ModelError> {
+        if self.layers[layer].is_none() {
+            engine.install.check_layer_file(layer)?;
+            let l = &engine.install.layout;
+            let s = ExpertStreamer::open(
+                &engine.install.layer_path(layer),
+                l.experts_per_layer,
+                l.expert_stride,
+                engine.slots,
+                engine.direct_io,
+                Arc::clone(&engine.io),
+            )?;
+            self.layers[layer] = Some(s);
+        }
+        Ok(self.layers[layer].as_mut().expect("opened above"))
+    }
+
+    /// Counters per layer.
+    pub fn stats(&self) -> Vec<StreamerStats> {
+        self.layers
+            .iter()
+            .map(|s| s.as_ref().map(|s| s.stats()).unwrap_or_default())
+            .collect()
+    }
+}
+
+/// Opens the install at `dir` and loads its family.
+///
+/// Errors: any install check (`mference_format`), an unknown family, or a tensor that does not match
+/// the config.
+pub fn load(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn Model>, ModelError> {
+    let install = Install::open(dir, opts.verify)?;
+    let model_type = install
+        .config_json
+        .get("model_type")
+        .and_then(|v| v.as_str())
+        .unwrap_or("")
+        .to_string();
+    match model_type.as_str() {
+        "gemma4" | "gemma4_text" => {
+            let cfg = gemma4::Config::from_config_json(&install.config_json)?;
+            Ok(Box::new(gemma4::Gemma4::load(install, cfg, opts)?))
+        }
+        other => Err(ModelError::Family(other.to_string())),
+    }
+}

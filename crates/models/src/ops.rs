@@ -1,0 +1,156 @@
+//! Small per-row operations shared by the families: RMSNorm, RoPE, GELU-tanh, softmax, top-k,
+//! and causal attention over the FP16 KV cache. The heavy products are in `mference-kernels`.
+
+use std::sync::Mutex;
+
+use mference_kernels::{Kernels, ThreadPool};
+use mference_runtime::KvLayer;
+
+use crate::tensors::VRef;
+
+/// `x ← x · rsqrt(mean(x²) + eps) · w` over each row of `dim` (mlx `fast.rms_norm`; Gemma 4 uses
+/// plain `w`, not `1 + w`). `w = None` is the no-scale norm.
+pub fn rms_norm(x: &mut [f32], dim: usize, w: Option<(&VRef, &[u8])>, eps: f32) {
+    for row in x.chunks_exact_mut(dim) {
+        let ms = row.iter().map(|v| v * v).sum::<f32>() / dim as f32;
+        let r = 1.0 / (ms + eps).sqrt();
+        match w {
+            Some((w, buf)) => row
+                .iter_mut()
+                .enumerate()
+                .for_each(|(i, v)| *v *= r * w.get(buf, i)),
+            None => row.iter_mut().for_each(|v| *v *= r),
+        }
+    }
+}
+
+/// `out ← rms_norm(x) ` into a separate buffer.
+pub fn rms_norm_into(x: &[f32], out: &mut [f32], dim: usize, w: Option<(&VRef, &[u8])>, eps: f32) {
+    out.copy_from_slice(x);
+    rms_norm(out, dim, w, eps);
+}
+
+/// GELU with the tanh approximation (`gelu_pytorch_tanh`, mlx `nn.gelu_approx`).
+#[inline]
+pub fn gelu_tanh(x: f32) -> f32 {
+    const C: f32 = 0.797_884_6; // sqrt(2/π)
+    0.5 * x * (1.0 + (C * (x + 0.044715 * x * x * x)).tanh())
+}
+
+/// NeoX ("rotate half") RoPE tables for one layer kind: dimension `i < head_dim/2` is paired with
+/// `i + head_dim/2` and turns at `inv_freq[i]` rad/token; `inv_freq[i] = 0` leaves the pair unrotated
+/// (Gemma 4's proportional partial RoPE, `reference/architectures.md` §2.2).
+#[derive(Clone, Debug)]
+pub struct Rope {
+    pub inv_freq: Vec<f32>,
+}
+
+impl Rope {
+    /// `inv_freq[i] = theta^(-2i/head_dim)` for the first `rotated_dims/2` pairs, 0 after.
+    pub fn new(head_dim: usize, rotated_dims: usize, theta: f64) -> Self {
+        let inv_freq = (0..head_dim / 2)
+            .map(|i| {
+                if 2 * i < rotated_dims {
+                    theta.powf(-(2.0 * i as f64) / head_dim as f64) as f32
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        Self { inv_freq }
+    }
+
+    /// Rotates every head (`[n_heads, head_dim]`) of one row at position `pos`.
+    pub fn apply(&self, x: &mut [f32], head_dim: usize, pos: usize) {
+        let half = head_dim / 2;
+        let cs: Vec<(f32, f32)> = self
+            .inv_freq
+            .iter()
+            .map(|&f| {
+                let (s, c) = (pos as f32 * f).sin_cos();
+                (c, s)
+            })
+            .collect();
+        for head in x.chunks_exact_mut(head_dim) {
+            let (a, b) = head.split_at_mut(half);
+            for i in 0..half {
+                let (c, s) = cs[i];
+                let (x1, x2) = (a[i], b[i]);
+                a[i] = x1 * c - x2 * s;
+                b[i] = x1 * s + x2 * c;
+            }
+        }
+    }
+}
+
+/// Indices of the `k` largest values (ties to the lower index), largest first.
+pub fn top_k(v: &[f32], k: usize) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..v.len()).collect();
+    idx.sort_by(|&a, &b| v[b].total_cmp(&v[a]).then(a.cmp(&b)));
+    idx.truncate(k);
+    idx
+}
+
+/// In-place softmax.
+pub fn softmax(v: &mut [f32]) {
+    let m = v.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut z = 0.0;
+    for x in v.iter_mut() {
+        *x = (*x - m).exp();
+        z += *x;
+    }
+    v.iter_mut().for_each(|x| *x /= z);
+}
+
+/// Shape of one attention call.
+pub struct AttnShape {
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    /// `Some(w)`: a key at position `k` is visible from query position `q` iff `q - w < k <= q`.
+    pub window: Option<usize>,
+    pub scale: f32,
+}
+
+/// Causal attention for `t` query rows at positions `pos0..pos0+t` against the cache (which already
+/// holds those rows): `out[t, n_heads·head_dim] = softmax(q·kᵀ·scale) v`, GQA by `n_heads / n_kv_heads`.
+pub fn attention(
+    pool: &ThreadPool,
+    k: &Kernels,
+    q: &[f32],
+    kv: &KvLayer,
+    pos0: usize,
+    s: &AttnShape,
+    out: &mut [f32],
+) {
+    let d = s.head_dim;
+    let items = q.len() / d; // (row, head) pairs
+    let group = s.n_heads / s.n_kv_heads;
+    let threads = pool.threads().min(items).max(1);
+    let per = items.div_ceil(threads);
+    let pieces: Vec<Mutex<Option<&mut [f32]>>> = out
+        .chunks_mut(per * d)
+        .map(|c| Mutex::new(Some(c)))
+        .collect();
+    pool.run(|tid, _n| {
+        let Some(piece) = pieces.get(tid).and_then(|m| m.lock().ok()?.take()) else {
+            return;
+        };
+        let mut scores = Vec::new();
+        for (j, o) in piece.chunks_exact_mut(d).enumerate() {
+            let item = tid * per + j;
+            let (row, head) = (item / s.n_heads, item % s.n_heads);
+            let kvh = head / group;
+            let p = pos0 + row;
+            let lo = s.window.map_or(0, |w| (p + 1).saturating_sub(w));
+            let qh = &q[item * d..(item + 1) * d];
+            scores.clear();
+            scores.extend((lo..=p).map(|kp| k.dot_f16(qh, kv.k(kp, kvh)) * s.scale));
+            softmax(&mut scores);
+            o.fill(0.0);
+            for (kp, &w) in (lo..=p).zip(&scores) {
+                k.axpy_f16(w, kv.v(kp, kvh), o);
+            }
+        }
+    });
+}

@@ -1,0 +1,187 @@
+//! Views of resident tensors inside the mapped `model_weights.bin`, and of expert tensors inside
+//! a slot of the expert streamer. Nothing here copies model bytes.
+
+use mference_format::{Dtype, ExpertTensor, IndexEntry, ResidentIndex};
+use mference_kernels::{bf16_to_f32, QMatrix};
+
+use crate::ModelError;
+
+/// A quantized Linear `[rows = out, cols = in]` located by byte ranges in some buffer.
+#[derive(Clone, Copy, Debug)]
+pub struct QRef {
+    w: (usize, usize),
+    s: (usize, usize),
+    b: (usize, usize),
+    pub rows: usize,
+    pub cols: usize,
+    pub bits: u32,
+    pub group_size: usize,
+}
+
+impl QRef {
+    /// The kernel view over `buf` (the mapped resident file, or an expert blob).
+    #[inline]
+    pub fn mat<'a>(&self, buf: &'a [u8]) -> QMatrix<'a> {
+        QMatrix {
+            weight: &buf[self.w.0..self.w.0 + self.w.1],
+            scales: &buf[self.s.0..self.s.0 + self.s.1],
+            biases: &buf[self.b.0..self.b.0 + self.b.1],
+            rows: self.rows,
+            cols: self.cols,
+            bits: self.bits,
+            group_size: self.group_size,
+        }
+    }
+
+    /// Derives bits and group size from the byte sizes (`reference/architectures.md` §7) and checks
+    /// them against the kernel's rules, so a malformed install fails at load, not mid-generation.
+    fn from_parts(
+        name: &str,
+        rows: usize,
+        cols: usize,
+        w: (usize, usize),
+        s: (usize, usize),
+        b: (usize, usize),
+        buf_len: usize,
+    ) -> Result<Self, ModelError> {
+        let bad = |why: String| ModelError::Tensor {
+            name: name.to_string(),
+            why,
+        };
+        if rows == 0 || cols == 0 {
+            return Err(bad(format!("empty shape [{rows}, {cols}]")));
+        }
+        let bits = (w.1 * 8) / (rows * cols);
+        let groups = s.1 / 2 / rows;
+        if bits * rows * cols != w.1 * 8 || groups == 0 || cols % groups != 0 || s.1 != b.1 {
+            return Err(bad(format!(
+                "sizes (weights {} B, scales {} B) do not fit shape [{rows}, {cols}]",
+                w.1, s.1
+            )));
+        }
+        for (o, l) in [w, s, b] {
+            if o + l > buf_len {
+                return Err(bad("extends past the end of its file".into()));
+            }
+        }
+        let q = Self {
+            w,
+            s,
+            b,
+            rows,
+            cols,
+            bits: bits as u32,
+            group_size: cols / groups,
+        };
+        if !matches!(q.bits, 4 | 8) || !matches!(q.group_size, 32 | 64 | 128) {
+            return Err(bad(format!(
+                "{}-bit, group {} is not supported (4/8-bit, group 32/64/128)",
+                q.bits, q.group_size
+            )));
+        }
+        Ok(q)
+    }
+
+    /// A resident quantized tensor named `<base>.weight` in the index.
+    pub fn resident(
+        index: &ResidentIndex,
+        file_len: usize,
+        base: &str,
+    ) -> Result<Self, ModelError> {
+        let name = format!("{base}.weight");
+        let e = entry(index, &name)?;
+        if !e.is_quantized() || e.dtype != Dtype::U32 {
+            return Err(ModelError::Tensor {
+                name,
+                why: "expected a quantized (U32 + scales/biases) tensor".into(),
+            });
+        }
+        let shape = e.logical_shape();
+        if shape.len() != 2 {
+            return Err(ModelError::Tensor {
+                name,
+                why: format!("expected rank 2, got {shape:?}"),
+            });
+        }
+        Self::from_parts(
+            &name,
+            shape[0] as usize,
+            shape[1] as usize,
+            (e.file_offset as usize, e.size_bytes as usize),
+            (e.scale_offset as usize, e.scale_size as usize),
+            (e.bias_offset as usize, e.bias_size as usize),
+            file_len,
+        )
+    }
+
+    /// An expert tensor inside a blob of `stride` bytes: `[weights, scales, biases]` from layout.json.
+    pub fn expert(
+        name: &str,
+        parts: &[ExpertTensor; 3],
+        stride: usize,
+    ) -> Result<Self, ModelError> {
+        let shape = &parts[0].shape;
+        if shape.len() != 2 {
+            return Err(ModelError::Tensor {
+                name: name.into(),
+                why: format!("expected a per-expert rank-2 shape, got {shape:?}"),
+            });
+        }
+        let r = |t: &ExpertTensor| (t.offset as usize, t.size as usize);
+        Self::from_parts(
+            name,
+            shape[0] as usize,
+            shape[1] as usize,
+            r(&parts[0]),
+            r(&parts[1]),
+            r(&parts[2]),
+            stride,
+        )
+    }
+}
+
+/// A BF16 vector (norm weight, scale) located in the mapped resident file.
+#[derive(Clone, Copy, Debug)]
+pub struct VRef {
+    off: usize,
+    pub len: usize,
+}
+
+impl VRef {
+    /// A resident BF16 tensor named `name` with `len` elements.
+    pub fn resident(index: &ResidentIndex, name: &str, len: usize) -> Result<Self, ModelError> {
+        let e = entry(index, name)?;
+        if e.dtype != Dtype::BF16 || e.size_bytes as usize != len * 2 {
+            return Err(ModelError::Tensor {
+                name: name.into(),
+                why: format!(
+                    "expected {len} BF16 values, found {:?} of {} bytes",
+                    e.dtype, e.size_bytes
+                ),
+            });
+        }
+        Ok(Self {
+            off: e.file_offset as usize,
+            len,
+        })
+    }
+
+    /// Element `i` as f32.
+    #[inline]
+    pub fn get(&self, buf: &[u8], i: usize) -> f32 {
+        let o = self.off + 2 * i;
+        bf16_to_f32(u16::from_le_bytes([buf[o], buf[o + 1]]))
+    }
+
+    /// All elements as f32 (for small vectors read once per step).
+    pub fn to_vec(&self, buf: &[u8]) -> Vec<f32> {
+        (0..self.len).map(|i| self.get(buf, i)).collect()
+    }
+}
+
+fn entry<'a>(index: &'a ResidentIndex, name: &str) -> Result<&'a IndexEntry, ModelError> {
+    index.get(name).ok_or_else(|| ModelError::Tensor {
+        name: name.into(),
+        why: "missing from model_weights.bin".into(),
+    })
+}
