@@ -1,8 +1,51 @@
-//! x86-64 SIMD kernel tables (AVX2+FMA+F16C, AVX-512 F/BW/VL).
+//! x86-64 SIMD kernel tables: AVX2 (+FMA, F16C) and AVX-512 (F/BW/VL). Each table is reachable only through
+//! [`available`], which checks the CPU features first: that check is what makes the `unsafe` calls from the
+//! table's safe wrappers into `#[target_feature]` functions sound.
+
+use std::cell::RefCell;
 
 use crate::dispatch::Kernels;
 
+mod avx2;
+mod avx512;
+
 /// SIMD tables this CPU supports, slowest first.
 pub(crate) fn available() -> Vec<&'static Kernels> {
-    Vec::new()
+    let mut v = Vec::new();
+    if avx2::supported() {
+        v.push(&avx2::TABLE);
+    }
+    if avx512::supported() {
+        v.push(&avx512::TABLE);
+    }
+    v
+}
+
+thread_local! {
+    /// Dequantized f32 weight rows for the GEMM (`[rows per tile, cols]`), reused across calls.
+    static WTILE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Runs `f` with this thread's dequantized-tile buffer of at least `len` floats.
+fn with_wtile<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
+    WTILE.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut v) => {
+            if v.len() < len {
+                v.resize(len, 0.0);
+            }
+            f(&mut v[..len])
+        }
+        Err(_) => f(&mut vec![0.0; len]),
+    })
+}
+
+/// bf16 at `p` (little-endian, any alignment) as f32.
+///
+/// # Safety
+/// `p` must be valid for reading 2 bytes.
+#[inline(always)]
+unsafe fn read_bf16(p: *const u8) -> f32 {
+    // SAFETY: the caller guarantees 2 readable bytes; read_unaligned has no alignment requirement.
+    let v = unsafe { (p as *const u16).read_unaligned() };
+    f32::from_bits((u16::from_le(v) as u32) << 16)
 }

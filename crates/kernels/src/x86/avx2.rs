@@ -1,0 +1,503 @@
+//! AVX2 (+FMA, F16C) kernels: the same algorithm as `avx512.rs` with 8-lane vectors, for CPUs without
+//! AVX-512. 4-bit uses `XLayout::EvenOdd32`: of 16 packed bytes, bytes 0..8 give columns (even 0..16 → x[0..8],
+//! odd → x[16..24]) and bytes 8..16 give (x[8..16], x[24..32]).
+
+use std::arch::x86_64::*;
+
+use half::f16;
+
+use super::{read_bf16, with_wtile};
+use crate::dispatch::Kernels;
+use crate::prepared::{PreparedX, XLayout};
+use crate::{scalar, QMatrix};
+
+pub(super) fn supported() -> bool {
+    is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c")
+}
+
+pub(super) static TABLE: Kernels = Kernels {
+    name: "avx2",
+    layout4: XLayout::EvenOdd32,
+    gemv,
+    gemm,
+    dot_f32,
+    axpy,
+    f32_to_f16,
+    f16_to_f32,
+    dot_f16,
+    axpy_f16,
+};
+
+// The safe wrappers below are only reachable through `TABLE`, which `super::available` hands out only after
+// `supported()` returned true.
+
+fn gemv(m: &QMatrix, p: &PreparedX, y: &mut [f32], r0: usize, r1: usize) {
+    p.check(m, TABLE.layout_for(m.bits));
+    // SAFETY: AVX2, FMA and F16C are present (see above); shapes were checked by the caller.
+    unsafe { gemv_impl(m, p, y, r0, r1) }
+}
+
+fn gemm(m: &QMatrix, p: &PreparedX, y: &mut [f32], r0: usize, r1: usize) {
+    p.check(m, TABLE.layout_for(m.bits));
+    // SAFETY: as for `gemv`.
+    unsafe { gemm_impl(m, p, y, r0, r1) }
+}
+
+fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    // SAFETY: as for `gemv`; lengths are equal (checked by `Kernels::dot_f32`).
+    unsafe { dot_f32_impl(a, b) }
+}
+
+fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
+    // SAFETY: as for `gemv`; lengths are equal.
+    unsafe { axpy_impl(a, x, y) }
+}
+
+fn f32_to_f16(src: &[f32], dst: &mut [f16]) {
+    // SAFETY: as for `gemv`; lengths are equal.
+    unsafe { f32_to_f16_impl(src, dst) }
+}
+
+fn f16_to_f32(src: &[f16], dst: &mut [f32]) {
+    // SAFETY: as for `gemv`; lengths are equal.
+    unsafe { f16_to_f32_impl(src, dst) }
+}
+
+fn dot_f16(q: &[f32], k: &[f16]) -> f32 {
+    // SAFETY: as for `gemv`; lengths are equal.
+    unsafe { dot_f16_impl(q, k) }
+}
+
+fn axpy_f16(a: f32, v: &[f16], y: &mut [f32]) {
+    // SAFETY: as for `gemv`; lengths are equal.
+    unsafe { axpy_f16_impl(a, v, y) }
+}
+
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+fn hsum(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    _mm_cvtss_f32(s)
+}
+
+/// 8 bytes at `p` widened to i32 lanes.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn load_u8x8(p: *const u8) -> __m256i {
+    // SAFETY: the caller guarantees 8 readable bytes; the load is unaligned.
+    _mm256_cvtepu8_epi32(unsafe { _mm_loadl_epi64(p as *const __m128i) })
+}
+
+/// `Σ_g bias[g] · sums[g]` over `gpr` groups (`bias` is bf16 at `b`).
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn bias_dot(b: *const u8, sums: &[f32], gpr: usize) -> f32 {
+    let mut acc = _mm256_setzero_ps();
+    let mut g = 0;
+    while g + 8 <= gpr {
+        // SAFETY: groups g..g+8 are inside the row's bias slice and `sums` (len gpr).
+        unsafe {
+            let h = _mm_loadu_si128(b.add(2 * g) as *const __m128i);
+            let bv = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)));
+            acc = _mm256_fmadd_ps(bv, _mm256_loadu_ps(sums.as_ptr().add(g)), acc);
+        }
+        g += 8;
+    }
+    let mut s = hsum(acc);
+    while g < gpr {
+        // SAFETY: group g < gpr of the row.
+        s += unsafe { read_bf16(b.add(2 * g)) } * sums[g];
+        g += 1;
+    }
+    s
+}
+
+/// Rows `r..r+R` of `W x` for 4- or 8-bit codes.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn rows_dot<const R: usize, const BITS: u32>(
+    m: &QMatrix,
+    x: &[f32],
+    sums: &[f32],
+    r: usize,
+    out: &mut [f32],
+) {
+    let gs = m.group_size;
+    let gpr = m.groups_per_row();
+    let rb = m.row_bytes();
+    debug_assert!((r + R) * rb <= m.weight.len() && out.len() >= R && x.len() == m.cols);
+    // SAFETY (all pointer arithmetic below): rows r..r+R exist (checked by the caller against `m.rows`, whose
+    // tensor lengths `QMatrix::new` validated); columns stay below `cols`, groups below `gpr`.
+    let w = unsafe { m.weight.as_ptr().add(r * rb) };
+    let sc = unsafe { m.scales.as_ptr().add(r * gpr * 2) };
+    let bi = unsafe { m.biases.as_ptr().add(r * gpr * 2) };
+    let xp = x.as_ptr();
+    let nib = _mm256_set1_epi32(0x0f);
+    let mut acc = [_mm256_setzero_ps(); R];
+    for g in 0..gpr {
+        let mut accg = [_mm256_setzero_ps(); R];
+        if BITS == 4 {
+            for c in 0..gs / 32 {
+                let col = g * gs + c * 32;
+                // SAFETY: col + 32 <= cols; 16 bytes at byte col/2 of each row are inside the row.
+                unsafe {
+                    let xs: [__m256; 4] =
+                        std::array::from_fn(|k| _mm256_loadu_ps(xp.add(col + 8 * k)));
+                    for i in 0..R {
+                        let v0 = load_u8x8(w.add(i * rb + col / 2));
+                        let v1 = load_u8x8(w.add(i * rb + col / 2 + 8));
+                        accg[i] = _mm256_fmadd_ps(
+                            _mm256_cvtepi32_ps(_mm256_and_si256(v0, nib)),
+                            xs[0],
+                            accg[i],
+                        );
+                        accg[i] = _mm256_fmadd_ps(
+                            _mm256_cvtepi32_ps(_mm256_and_si256(v1, nib)),
+                            xs[1],
+                            accg[i],
+                        );
+                        accg[i] = _mm256_fmadd_ps(
+                            _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(v0)),
+                            xs[2],
+                            accg[i],
+                        );
+                        accg[i] = _mm256_fmadd_ps(
+                            _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(v1)),
+                            xs[3],
+                            accg[i],
+                        );
+                    }
+                }
+            }
+        } else {
+            for c in 0..gs / 8 {
+                let col = g * gs + c * 8;
+                // SAFETY: col + 8 <= cols; 8 bytes at byte col of each row are inside the row.
+                unsafe {
+                    let x0 = _mm256_loadu_ps(xp.add(col));
+                    for i in 0..R {
+                        let v = load_u8x8(w.add(i * rb + col));
+                        accg[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), x0, accg[i]);
+                    }
+                }
+            }
+        }
+        for i in 0..R {
+            // SAFETY: group g of row r+i.
+            let s = unsafe { read_bf16(sc.add((i * gpr + g) * 2)) };
+            acc[i] = _mm256_fmadd_ps(accg[i], _mm256_set1_ps(s), acc[i]);
+        }
+    }
+    for i in 0..R {
+        // SAFETY: the bias row of r+i has gpr entries.
+        out[i] = hsum(acc[i]) + unsafe { bias_dot(bi.add(i * gpr * 2), sums, gpr) };
+    }
+}
+
+#[target_feature(enable = "avx2,fma")]
+unsafe fn gemv_impl(m: &QMatrix, p: &PreparedX, y: &mut [f32], r0: usize, r1: usize) {
+    let (x, sums) = (p.row(0), p.sums_row(0));
+    let mut r = r0;
+    // SAFETY (calls below): r..r+R <= r1 <= rows; y has r1 - r0 entries.
+    if m.bits == 4 {
+        while r + 4 <= r1 {
+            unsafe { rows_dot::<4, 4>(m, x, sums, r, &mut y[r - r0..]) };
+            r += 4;
+        }
+        while r < r1 {
+            unsafe { rows_dot::<1, 4>(m, x, sums, r, &mut y[r - r0..]) };
+            r += 1;
+        }
+    } else {
+        while r + 4 <= r1 {
+            unsafe { rows_dot::<4, 8>(m, x, sums, r, &mut y[r - r0..]) };
+            r += 4;
+        }
+        while r < r1 {
+            unsafe { rows_dot::<1, 8>(m, x, sums, r, &mut y[r - r0..]) };
+            r += 1;
+        }
+    }
+}
+
+/// Dequantizes row `r` into `out` (`cols` floats) in the prepared-activation column order.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn dequant_row(m: &QMatrix, r: usize, out: &mut [f32]) {
+    let gs = m.group_size;
+    let gpr = m.groups_per_row();
+    let rb = m.row_bytes();
+    debug_assert!(out.len() >= m.cols && r < m.rows);
+    // SAFETY (pointer arithmetic below): row r exists; columns stay below cols, groups below gpr.
+    let w = unsafe { m.weight.as_ptr().add(r * rb) };
+    let o = out.as_mut_ptr();
+    let nib = _mm256_set1_epi32(0x0f);
+    for g in 0..gpr {
+        // SAFETY: group g of row r.
+        let (s, b) = unsafe {
+            (
+                read_bf16(m.scales.as_ptr().add((r * gpr + g) * 2)),
+                read_bf16(m.biases.as_ptr().add((r * gpr + g) * 2)),
+            )
+        };
+        let (s, b) = (_mm256_set1_ps(s), _mm256_set1_ps(b));
+        if m.bits == 4 {
+            for c in 0..gs / 32 {
+                let col = g * gs + c * 32;
+                // SAFETY: 16 bytes of the row at col/2; 32 floats of `out` at col.
+                unsafe {
+                    let v0 = load_u8x8(w.add(col / 2));
+                    let v1 = load_u8x8(w.add(col / 2 + 8));
+                    let f = |v| _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), s, b);
+                    _mm256_storeu_ps(o.add(col), f(_mm256_and_si256(v0, nib)));
+                    _mm256_storeu_ps(o.add(col + 8), f(_mm256_and_si256(v1, nib)));
+                    _mm256_storeu_ps(o.add(col + 16), f(_mm256_srli_epi32::<4>(v0)));
+                    _mm256_storeu_ps(o.add(col + 24), f(_mm256_srli_epi32::<4>(v1)));
+                }
+            }
+        } else {
+            for c in 0..gs / 8 {
+                let col = g * gs + c * 8;
+                // SAFETY: 8 bytes of the row at col; 8 floats of `out` at col.
+                unsafe {
+                    let v = load_u8x8(w.add(col));
+                    _mm256_storeu_ps(o.add(col), _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), s, b));
+                }
+            }
+        }
+    }
+}
+
+/// `out[t][i] = Σ_c wt[i][c] · x[t][c]` for R dequantized rows and T tokens.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn tile_dots<const R: usize, const T: usize>(
+    wt: &[f32],
+    x: &[f32],
+    cols: usize,
+    out: &mut [[f32; 4]; 4],
+) {
+    debug_assert!(wt.len() >= R * cols && x.len() >= T * cols && cols % 8 == 0);
+    let mut acc = [[_mm256_setzero_ps(); R]; T];
+    let (wp, xp) = (wt.as_ptr(), x.as_ptr());
+    let mut c = 0;
+    while c < cols {
+        // SAFETY: c + 8 <= cols for every row/token slice.
+        unsafe {
+            let wv: [__m256; R] = std::array::from_fn(|i| _mm256_loadu_ps(wp.add(i * cols + c)));
+            for t in 0..T {
+                let xv = _mm256_loadu_ps(xp.add(t * cols + c));
+                for i in 0..R {
+                    acc[t][i] = _mm256_fmadd_ps(wv[i], xv, acc[t][i]);
+                }
+            }
+        }
+        c += 8;
+    }
+    for t in 0..T {
+        for i in 0..R {
+            out[t][i] = hsum(acc[t][i]);
+        }
+    }
+}
+
+#[target_feature(enable = "avx2,fma")]
+unsafe fn gemm_impl(m: &QMatrix, p: &PreparedX, y: &mut [f32], r0: usize, r1: usize) {
+    const RB: usize = 4;
+    const TB: usize = 3;
+    let (cols, n, ldy) = (m.cols, p.n, r1 - r0);
+    with_wtile(RB * cols, |wt| {
+        let mut r = r0;
+        while r < r1 {
+            let rb = (r1 - r).min(RB);
+            for i in 0..rb {
+                // SAFETY: row r+i < r1 <= rows; wt has RB·cols floats.
+                unsafe { dequant_row(m, r + i, &mut wt[i * cols..(i + 1) * cols]) };
+            }
+            let mut t = 0;
+            while t < n {
+                let tb = (n - t).min(TB);
+                let xs = &p.x[t * cols..(t + tb) * cols];
+                let mut out = [[0.0f32; 4]; 4];
+                // SAFETY: wt holds rb rows and xs holds tb tokens of `cols` floats each (a multiple of 8).
+                unsafe {
+                    match (rb, tb) {
+                        (4, 3) => tile_dots::<4, 3>(wt, xs, cols, &mut out),
+                        (4, _) => {
+                            for k in 0..tb {
+                                let mut o = [[0.0f32; 4]; 4];
+                                tile_dots::<4, 1>(wt, &xs[k * cols..], cols, &mut o);
+                                out[k] = o[0];
+                            }
+                        }
+                        (_, _) => {
+                            for i in 0..rb {
+                                for k in 0..tb {
+                                    let mut o = [[0.0f32; 4]; 4];
+                                    tile_dots::<1, 1>(
+                                        &wt[i * cols..],
+                                        &xs[k * cols..],
+                                        cols,
+                                        &mut o,
+                                    );
+                                    out[k][i] = o[0][0];
+                                }
+                            }
+                        }
+                    }
+                }
+                for k in 0..tb {
+                    for i in 0..rb {
+                        y[(t + k) * ldy + (r - r0) + i] = out[k][i];
+                    }
+                }
+                t += tb;
+            }
+            r += rb;
+        }
+    })
+}
+
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot_f32_impl(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len();
+    let (ap, bp) = (a.as_ptr(), b.as_ptr());
+    let mut acc = [_mm256_setzero_ps(); 4];
+    let mut i = 0;
+    // SAFETY (loads below): indices stay below n = a.len() = b.len().
+    while i + 32 <= n {
+        for (k, acc) in acc.iter_mut().enumerate() {
+            unsafe {
+                *acc = _mm256_fmadd_ps(
+                    _mm256_loadu_ps(ap.add(i + 8 * k)),
+                    _mm256_loadu_ps(bp.add(i + 8 * k)),
+                    *acc,
+                )
+            };
+        }
+        i += 32;
+    }
+    while i + 8 <= n {
+        unsafe {
+            acc[0] = _mm256_fmadd_ps(
+                _mm256_loadu_ps(ap.add(i)),
+                _mm256_loadu_ps(bp.add(i)),
+                acc[0],
+            )
+        };
+        i += 8;
+    }
+    let mut s = hsum(_mm256_add_ps(
+        _mm256_add_ps(acc[0], acc[1]),
+        _mm256_add_ps(acc[2], acc[3]),
+    ));
+    s += scalar::dot_f32(&a[i..], &b[i..]);
+    s
+}
+
+#[target_feature(enable = "avx2,fma")]
+unsafe fn axpy_impl(a: f32, x: &[f32], y: &mut [f32]) {
+    let n = x.len();
+    let av = _mm256_set1_ps(a);
+    let (xp, yp) = (x.as_ptr(), y.as_mut_ptr());
+    let mut i = 0;
+    while i + 8 <= n {
+        // SAFETY: i + 8 <= n = x.len() = y.len().
+        unsafe {
+            _mm256_storeu_ps(
+                yp.add(i),
+                _mm256_fmadd_ps(av, _mm256_loadu_ps(xp.add(i)), _mm256_loadu_ps(yp.add(i))),
+            )
+        };
+        i += 8;
+    }
+    for j in i..n {
+        y[j] = a.mul_add(x[j], y[j]);
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn f32_to_f16_impl(src: &[f32], dst: &mut [f16]) {
+    let n = src.len();
+    let (sp, dp) = (src.as_ptr(), dst.as_mut_ptr());
+    let mut i = 0;
+    while i + 8 <= n {
+        // SAFETY: i + 8 <= n = src.len() = dst.len(); f16 is a transparent u16.
+        unsafe {
+            let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm256_loadu_ps(sp.add(i)));
+            _mm_storeu_si128(dp.add(i) as *mut __m128i, h);
+        }
+        i += 8;
+    }
+    scalar::f32_to_f16(&src[i..], &mut dst[i..]);
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn f16_to_f32_impl(src: &[f16], dst: &mut [f32]) {
+    let n = src.len();
+    let (sp, dp) = (src.as_ptr(), dst.as_mut_ptr());
+    let mut i = 0;
+    while i + 8 <= n {
+        // SAFETY: i + 8 <= n = src.len() = dst.len().
+        unsafe {
+            _mm256_storeu_ps(
+                dp.add(i),
+                _mm256_cvtph_ps(_mm_loadu_si128(sp.add(i) as *const __m128i)),
+            )
+        };
+        i += 8;
+    }
+    scalar::f16_to_f32(&src[i..], &mut dst[i..]);
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_f16_impl(q: &[f32], kv: &[f16]) -> f32 {
+    let n = q.len();
+    let (qp, kp) = (q.as_ptr(), kv.as_ptr());
+    let mut acc = [_mm256_setzero_ps(); 2];
+    let mut i = 0;
+    // SAFETY (loads below): indices stay below n = q.len() = kv.len().
+    while i + 16 <= n {
+        for (k, acc) in acc.iter_mut().enumerate() {
+            unsafe {
+                let kf = _mm256_cvtph_ps(_mm_loadu_si128(kp.add(i + 8 * k) as *const __m128i));
+                *acc = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(i + 8 * k)), kf, *acc);
+            }
+        }
+        i += 16;
+    }
+    while i + 8 <= n {
+        unsafe {
+            let kf = _mm256_cvtph_ps(_mm_loadu_si128(kp.add(i) as *const __m128i));
+            acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(i)), kf, acc[0]);
+        }
+        i += 8;
+    }
+    hsum(_mm256_add_ps(acc[0], acc[1])) + scalar::dot_f16(&q[i..], &kv[i..])
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn axpy_f16_impl(a: f32, v: &[f16], y: &mut [f32]) {
+    let n = v.len();
+    let av = _mm256_set1_ps(a);
+    let (vp, yp) = (v.as_ptr(), y.as_mut_ptr());
+    let mut i = 0;
+    while i + 8 <= n {
+        // SAFETY: i + 8 <= n = v.len() = y.len().
+        unsafe {
+            let vf = _mm256_cvtph_ps(_mm_loadu_si128(vp.add(i) as *const __m128i));
+            _mm256_storeu_ps(
+                yp.add(i),
+                _mm256_fmadd_ps(av, vf, _mm256_loadu_ps(yp.add(i))),
+            );
+        }
+        i += 8;
+    }
+    for j in i..n {
+        y[j] = a.mul_add(v[j].to_f32(), y[j]);
+    }
+}

@@ -1,0 +1,498 @@
+//! AVX-512 (F/BW/VL + FMA + F16C) kernels. Pure f32 FMA arithmetic: codes are widened to i32, converted to
+//! f32 and multiplied with activations prepared in the kernel's column order (`XLayout::EvenOdd32` for
+//! 4-bit, so the low and high nibbles of 16 bytes meet 16 contiguous even and 16 contiguous odd columns).
+//!
+//! Per output row the operation sequence does not depend on which other rows share a register block, so
+//! results are bit-identical however rows are split across calls or threads.
+
+use std::arch::x86_64::*;
+
+use half::f16;
+
+use super::{read_bf16, with_wtile};
+use crate::dispatch::Kernels;
+use crate::prepared::{PreparedX, XLayout};
+use crate::QMatrix;
+
+pub(super) fn supported() -> bool {
+    is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx512bw")
+        && is_x86_feature_detected!("avx512vl")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c")
+}
+
+pub(super) static TABLE: Kernels = Kernels {
+    name: "avx512",
+    layout4: XLayout::EvenOdd32,
+    gemv,
+    gemm,
+    dot_f32,
+    axpy,
+    f32_to_f16,
+    f16_to_f32,
+    dot_f16,
+    axpy_f16,
+};
+
+// The safe wrappers below are only reachable through `TABLE`, which `super::available` hands out only after
+// `supported()` returned true.
+
+fn gemv(m: &QMatrix, p: &PreparedX, y: &mut [f32], r0: usize, r1: usize) {
+    p.check(m, TABLE.layout_for(m.bits));
+    // SAFETY: AVX-512F/BW/VL, FMA and F16C are present (see above); shapes were checked by the caller.
+    unsafe { gemv_impl(m, p, y, r0, r1) }
+}
+
+fn gemm(m: &QMatrix, p: &PreparedX, y: &mut [f32], r0: usize, r1: usize) {
+    p.check(m, TABLE.layout_for(m.bits));
+    // SAFETY: as for `gemv`.
+    unsafe { gemm_impl(m, p, y, r0, r1) }
+}
+
+fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    // SAFETY: as for `gemv`; lengths are equal (checked by `Kernels::dot_f32`).
+    unsafe { dot_f32_impl(a, b) }
+}
+
+fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
+    // SAFETY: as for `gemv`; lengths are equal.
+    unsafe { axpy_impl(a, x, y) }
+}
+
+fn f32_to_f16(src: &[f32], dst: &mut [f16]) {
+    // SAFETY: as for `gemv`; lengths are equal.
+    unsafe { f32_to_f16_impl(src, dst) }
+}
+
+fn f16_to_f32(src: &[f16], dst: &mut [f32]) {
+    // SAFETY: as for `gemv`; lengths are equal.
+    unsafe { f16_to_f32_impl(src, dst) }
+}
+
+fn dot_f16(q: &[f32], k: &[f16]) -> f32 {
+    // SAFETY: as for `gemv`; lengths are equal.
+    unsafe { dot_f16_impl(q, k) }
+}
+
+fn axpy_f16(a: f32, v: &[f16], y: &mut [f32]) {
+    // SAFETY: as for `gemv`; lengths are equal.
+    unsafe { axpy_f16_impl(a, v, y) }
+}
+
+/// Mask with the low `n` (<= 16) lanes set.
+#[inline(always)]
+fn tail_mask(n: usize) -> __mmask16 {
+    ((1u32 << n) - 1) as __mmask16
+}
+
+/// 16 bf16 at `p` widened to f32; lanes outside `mask` are zero and not read.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+#[inline]
+unsafe fn load_bf16x16(p: *const u8, mask: __mmask16) -> __m512 {
+    // SAFETY: the caller guarantees the masked-in lanes are readable; masked-off lanes are not accessed.
+    let h = unsafe { _mm256_maskz_loadu_epi16(mask, p as *const i16) };
+    _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+}
+
+/// `Σ_g bias[g] · sums[g]` over `gpr` groups (`bias` is bf16 at `b`).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+#[inline]
+unsafe fn bias_dot(b: *const u8, sums: &[f32], gpr: usize) -> f32 {
+    let mut acc = _mm512_setzero_ps();
+    let mut g = 0;
+    while g < gpr {
+        let k = tail_mask((gpr - g).min(16));
+        // SAFETY: lanes g..min(g+16, gpr) are inside the row's bias slice and `sums` (len gpr).
+        let (bv, sv) = unsafe {
+            (
+                load_bf16x16(b.add(2 * g), k),
+                _mm512_maskz_loadu_ps(k, sums.as_ptr().add(g)),
+            )
+        };
+        acc = _mm512_fmadd_ps(bv, sv, acc);
+        g += 16;
+    }
+    _mm512_reduce_add_ps(acc)
+}
+
+/// Rows `r..r+R` of `W x` for 4- or 8-bit codes.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+#[inline]
+unsafe fn rows_dot<const R: usize, const BITS: u32>(
+    m: &QMatrix,
+    x: &[f32],
+    sums: &[f32],
+    r: usize,
+    out: &mut [f32],
+) {
+    let gs = m.group_size;
+    let gpr = m.groups_per_row();
+    let rb = m.row_bytes();
+    debug_assert!((r + R) * rb <= m.weight.len() && out.len() >= R && x.len() == m.cols);
+    // SAFETY (all pointer arithmetic below): rows r..r+R exist (checked by the caller against `m.rows`, whose
+    // tensor lengths `QMatrix::new` validated); columns stay below `cols`, groups below `gpr`.
+    let w = unsafe { m.weight.as_ptr().add(r * rb) };
+    let sc = unsafe { m.scales.as_ptr().add(r * gpr * 2) };
+    let bi = unsafe { m.biases.as_ptr().add(r * gpr * 2) };
+    let xp = x.as_ptr();
+    let nib = _mm512_set1_epi32(0x0f);
+    let mut acc = [_mm512_setzero_ps(); R];
+    for g in 0..gpr {
+        let mut accg = [_mm512_setzero_ps(); R];
+        if BITS == 4 {
+            for c in 0..gs / 32 {
+                let col = g * gs + c * 32;
+                // SAFETY: col + 32 <= cols.
+                let (x0, x1) = unsafe {
+                    (
+                        _mm512_loadu_ps(xp.add(col)),
+                        _mm512_loadu_ps(xp.add(col + 16)),
+                    )
+                };
+                for i in 0..R {
+                    // SAFETY: 16 bytes at byte col/2 of row r+i are inside the row.
+                    let v = unsafe {
+                        _mm512_cvtepu8_epi32(_mm_loadu_si128(
+                            w.add(i * rb + col / 2) as *const __m128i
+                        ))
+                    };
+                    let lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, nib));
+                    let hi = _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(v));
+                    accg[i] = _mm512_fmadd_ps(lo, x0, accg[i]);
+                    accg[i] = _mm512_fmadd_ps(hi, x1, accg[i]);
+                }
+            }
+        } else {
+            for c in 0..gs / 16 {
+                let col = g * gs + c * 16;
+                // SAFETY: col + 16 <= cols.
+                let x0 = unsafe { _mm512_loadu_ps(xp.add(col)) };
+                for i in 0..R {
+                    // SAFETY: 16 bytes at byte col of row r+i are inside the row.
+                    let v = unsafe {
+                        _mm512_cvtepu8_epi32(_mm_loadu_si128(w.add(i * rb + col) as *const __m128i))
+                    };
+                    accg[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), x0, accg[i]);
+                }
+            }
+        }
+        for i in 0..R {
+            // SAFETY: group g of row r+i.
+            let s = unsafe { read_bf16(sc.add((i * gpr + g) * 2)) };
+            acc[i] = _mm512_fmadd_ps(accg[i], _mm512_set1_ps(s), acc[i]);
+        }
+    }
+    for i in 0..R {
+        // SAFETY: the bias row of r+i has gpr entries.
+        out[i] = _mm512_reduce_add_ps(acc[i]) + unsafe { bias_dot(bi.add(i * gpr * 2), sums, gpr) };
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+unsafe fn gemv_impl(m: &QMatrix, p: &PreparedX, y: &mut [f32], r0: usize, r1: usize) {
+    let (x, sums) = (p.row(0), p.sums_row(0));
+    let mut r = r0;
+    // SAFETY (calls below): r..r+R <= r1 <= rows; y has r1 - r0 entries.
+    if m.bits == 4 {
+        while r + 4 <= r1 {
+            unsafe { rows_dot::<4, 4>(m, x, sums, r, &mut y[r - r0..]) };
+            r += 4;
+        }
+        while r < r1 {
+            unsafe { rows_dot::<1, 4>(m, x, sums, r, &mut y[r - r0..]) };
+            r += 1;
+        }
+    } else {
+        while r + 4 <= r1 {
+            unsafe { rows_dot::<4, 8>(m, x, sums, r, &mut y[r - r0..]) };
+            r += 4;
+        }
+        while r < r1 {
+            unsafe { rows_dot::<1, 8>(m, x, sums, r, &mut y[r - r0..]) };
+            r += 1;
+        }
+    }
+}
+
+/// Dequantizes row `r` into `out` (`cols` floats) in the prepared-activation column order.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+#[inline]
+unsafe fn dequant_row(m: &QMatrix, r: usize, out: &mut [f32]) {
+    let gs = m.group_size;
+    let gpr = m.groups_per_row();
+    let rb = m.row_bytes();
+    debug_assert!(out.len() >= m.cols && r < m.rows);
+    // SAFETY (pointer arithmetic below): row r exists; columns stay below cols, groups below gpr.
+    let w = unsafe { m.weight.as_ptr().add(r * rb) };
+    let o = out.as_mut_ptr();
+    let nib = _mm512_set1_epi32(0x0f);
+    for g in 0..gpr {
+        // SAFETY: group g of row r.
+        let (s, b) = unsafe {
+            (
+                read_bf16(m.scales.as_ptr().add((r * gpr + g) * 2)),
+                read_bf16(m.biases.as_ptr().add((r * gpr + g) * 2)),
+            )
+        };
+        let (s, b) = (_mm512_set1_ps(s), _mm512_set1_ps(b));
+        if m.bits == 4 {
+            for c in 0..gs / 32 {
+                let col = g * gs + c * 32;
+                // SAFETY: 16 bytes of the row at col/2; 32 floats of `out` at col.
+                unsafe {
+                    let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(w.add(col / 2) as *const __m128i));
+                    _mm512_storeu_ps(
+                        o.add(col),
+                        _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, nib)), s, b),
+                    );
+                    _mm512_storeu_ps(
+                        o.add(col + 16),
+                        _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(v)), s, b),
+                    );
+                }
+            }
+        } else {
+            for c in 0..gs / 16 {
+                let col = g * gs + c * 16;
+                // SAFETY: 16 bytes of the row at col; 16 floats of `out` at col.
+                unsafe {
+                    let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(w.add(col) as *const __m128i));
+                    _mm512_storeu_ps(o.add(col), _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), s, b));
+                }
+            }
+        }
+    }
+}
+
+/// `y[t·ldy + i] = Σ_c wt[i][c] · x[t][c]` for R dequantized rows and T tokens.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+#[inline]
+unsafe fn tile_dots<const R: usize, const T: usize>(
+    wt: &[f32],
+    x: &[f32],
+    cols: usize,
+    out: &mut [[f32; 4]; 4],
+) {
+    debug_assert!(wt.len() >= R * cols && x.len() >= T * cols && cols % 16 == 0);
+    let mut acc = [[_mm512_setzero_ps(); R]; T];
+    let (wp, xp) = (wt.as_ptr(), x.as_ptr());
+    let mut c = 0;
+    while c < cols {
+        // SAFETY: c + 16 <= cols for every row/token slice.
+        unsafe {
+            let wv: [__m512; R] = std::array::from_fn(|i| _mm512_loadu_ps(wp.add(i * cols + c)));
+            for t in 0..T {
+                let xv = _mm512_loadu_ps(xp.add(t * cols + c));
+                for i in 0..R {
+                    acc[t][i] = _mm512_fmadd_ps(wv[i], xv, acc[t][i]);
+                }
+            }
+        }
+        c += 16;
+    }
+    for t in 0..T {
+        for i in 0..R {
+            out[t][i] = _mm512_reduce_add_ps(acc[t][i]);
+        }
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+unsafe fn gemm_impl(m: &QMatrix, p: &PreparedX, y: &mut [f32], r0: usize, r1: usize) {
+    const RB: usize = 4;
+    const TB: usize = 4;
+    let (cols, n, ldy) = (m.cols, p.n, r1 - r0);
+    with_wtile(RB * cols, |wt| {
+        let mut r = r0;
+        while r < r1 {
+            let rb = (r1 - r).min(RB);
+            for i in 0..rb {
+                // SAFETY: row r+i < r1 <= rows; wt has RB·cols floats.
+                unsafe { dequant_row(m, r + i, &mut wt[i * cols..(i + 1) * cols]) };
+            }
+            let mut t = 0;
+            while t < n {
+                let tb = (n - t).min(TB);
+                let xs = &p.x[t * cols..(t + tb) * cols];
+                let mut out = [[0.0f32; 4]; 4];
+                // SAFETY: wt holds rb rows and xs holds tb tokens of `cols` floats each (a multiple of 16).
+                unsafe {
+                    match (rb, tb) {
+                        (4, 4) => tile_dots::<4, 4>(wt, xs, cols, &mut out),
+                        (4, _) => {
+                            for k in 0..tb {
+                                let mut o = [[0.0f32; 4]; 4];
+                                tile_dots::<4, 1>(wt, &xs[k * cols..], cols, &mut o);
+                                out[k] = o[0];
+                            }
+                        }
+                        (_, _) => {
+                            for i in 0..rb {
+                                for k in 0..tb {
+                                    let mut o = [[0.0f32; 4]; 4];
+                                    tile_dots::<1, 1>(
+                                        &wt[i * cols..],
+                                        &xs[k * cols..],
+                                        cols,
+                                        &mut o,
+                                    );
+                                    out[k][i] = o[0][0];
+                                }
+                            }
+                        }
+                    }
+                }
+                for k in 0..tb {
+                    for i in 0..rb {
+                        y[(t + k) * ldy + (r - r0) + i] = out[k][i];
+                    }
+                }
+                t += tb;
+            }
+            r += rb;
+        }
+    })
+}
+
+#[target_feature(enable = "avx512f,fma")]
+unsafe fn dot_f32_impl(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len();
+    let (ap, bp) = (a.as_ptr(), b.as_ptr());
+    let mut acc = [_mm512_setzero_ps(); 4];
+    let mut i = 0;
+    // SAFETY (loads below): indices stay below n = a.len() = b.len(); the tail is masked.
+    while i + 64 <= n {
+        for (k, acc) in acc.iter_mut().enumerate() {
+            unsafe {
+                *acc = _mm512_fmadd_ps(
+                    _mm512_loadu_ps(ap.add(i + 16 * k)),
+                    _mm512_loadu_ps(bp.add(i + 16 * k)),
+                    *acc,
+                )
+            };
+        }
+        i += 64;
+    }
+    while i < n {
+        let k = tail_mask((n - i).min(16));
+        unsafe {
+            acc[0] = _mm512_fmadd_ps(
+                _mm512_maskz_loadu_ps(k, ap.add(i)),
+                _mm512_maskz_loadu_ps(k, bp.add(i)),
+                acc[0],
+            )
+        };
+        i += 16;
+    }
+    _mm512_reduce_add_ps(_mm512_add_ps(
+        _mm512_add_ps(acc[0], acc[1]),
+        _mm512_add_ps(acc[2], acc[3]),
+    ))
+}
+
+#[target_feature(enable = "avx512f,fma")]
+unsafe fn axpy_impl(a: f32, x: &[f32], y: &mut [f32]) {
+    let n = x.len();
+    let av = _mm512_set1_ps(a);
+    let (xp, yp) = (x.as_ptr(), y.as_mut_ptr());
+    let mut i = 0;
+    while i < n {
+        let k = tail_mask((n - i).min(16));
+        // SAFETY: masked lanes stay below n = x.len() = y.len().
+        unsafe {
+            let v = _mm512_fmadd_ps(
+                av,
+                _mm512_maskz_loadu_ps(k, xp.add(i)),
+                _mm512_maskz_loadu_ps(k, yp.add(i)),
+            );
+            _mm512_mask_storeu_ps(yp.add(i), k, v);
+        }
+        i += 16;
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
+unsafe fn f32_to_f16_impl(src: &[f32], dst: &mut [f16]) {
+    let n = src.len();
+    let (sp, dp) = (src.as_ptr(), dst.as_mut_ptr() as *mut i16);
+    let mut i = 0;
+    while i < n {
+        let k = tail_mask((n - i).min(16));
+        // SAFETY: masked lanes stay below n = src.len() = dst.len(); f16 is a transparent u16.
+        unsafe {
+            let h = _mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+                _mm512_maskz_loadu_ps(k, sp.add(i)),
+            );
+            _mm256_mask_storeu_epi16(dp.add(i), k, h);
+        }
+        i += 16;
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
+unsafe fn f16_to_f32_impl(src: &[f16], dst: &mut [f32]) {
+    let n = src.len();
+    let (sp, dp) = (src.as_ptr() as *const i16, dst.as_mut_ptr());
+    let mut i = 0;
+    while i < n {
+        let k = tail_mask((n - i).min(16));
+        // SAFETY: masked lanes stay below n = src.len() = dst.len().
+        unsafe {
+            _mm512_mask_storeu_ps(
+                dp.add(i),
+                k,
+                _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, sp.add(i))),
+            )
+        };
+        i += 16;
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
+unsafe fn dot_f16_impl(q: &[f32], kv: &[f16]) -> f32 {
+    let n = q.len();
+    let (qp, kp) = (q.as_ptr(), kv.as_ptr() as *const i16);
+    let mut acc = [_mm512_setzero_ps(); 2];
+    let mut i = 0;
+    // SAFETY (loads below): indices stay below n = q.len() = kv.len(); the tail is masked.
+    while i + 32 <= n {
+        for (k, acc) in acc.iter_mut().enumerate() {
+            unsafe {
+                let kf = _mm512_cvtph_ps(_mm256_loadu_si256(kp.add(i + 16 * k) as *const __m256i));
+                *acc = _mm512_fmadd_ps(_mm512_loadu_ps(qp.add(i + 16 * k)), kf, *acc);
+            }
+        }
+        i += 32;
+    }
+    while i < n {
+        let k = tail_mask((n - i).min(16));
+        unsafe {
+            let kf = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, kp.add(i)));
+            acc[0] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, qp.add(i)), kf, acc[0]);
+        }
+        i += 16;
+    }
+    _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]))
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
+unsafe fn axpy_f16_impl(a: f32, v: &[f16], y: &mut [f32]) {
+    let n = v.len();
+    let av = _mm512_set1_ps(a);
+    let (vp, yp) = (v.as_ptr() as *const i16, y.as_mut_ptr());
+    let mut i = 0;
+    while i < n {
+        let k = tail_mask((n - i).min(16));
+        // SAFETY: masked lanes stay below n = v.len() = y.len().
+        unsafe {
+            let vf = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, vp.add(i)));
+            _mm512_mask_storeu_ps(
+                yp.add(i),
+                k,
+                _mm512_fmadd_ps(av, vf, _mm512_maskz_loadu_ps(k, yp.add(i))),
+            );
+        }
+        i += 16;
+    }
+}
