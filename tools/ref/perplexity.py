@@ -59,7 +59,7 @@ def vocab_adds_bos(model_dir: str, config: dict) -> tuple[bool, int | None]:
 
 def chunk_nll(model, ids: list[int], score_from: int) -> np.ndarray:
     """NLL of ids[j+1] given ids[..=j] for j = score_from .. len(ids)-2 (float64 array)."""
-    logits = C.forward_logits(model, ids)[score_from:-1]  # [n, V] f32
+    logits = C.forward_logits(model, ids, start=score_from)[:-1]  # [n, V] f32
     targets = mx.array(ids[score_from + 1:], dtype=mx.int32)
     lse = mx.logsumexp(logits, axis=-1)
     tgt = mx.take_along_axis(logits, targets[:, None], axis=-1)[:, 0]
@@ -120,6 +120,8 @@ def main() -> None:
 
     C.log(f"{n_text_tokens} text tokens, using {len(stream)}; protocol {args.protocol}, ctx {ctx}, "
           f"BOS {'id %d at chunk start' % bos if add_bos else 'none'}; {len(chunks)} chunks")
+    d = C.check_split_head(model, chunks[0][0])
+    C.log(f"split-head check vs model(): max |diff| {d:g}")
     total, count, per_chunk = 0.0, 0, []
     for i, (ids, score_from) in enumerate(chunks):
         t0 = time.time()
