@@ -1,1 +1,77 @@
-//! mference-text
+//! mference-text: everything between token ids and text for the supported families.
+//!
+//! - [`Tokenizer`]: the HF `tokenizer.json` of an install, behind our own type.
+//! - [`ChatTemplate`]: the install's Jinja chat template rendered with minijinja configured like
+//!   transformers' `apply_chat_template` (`DESIGN.md` §7, `reference/dependencies.md`).
+//! - [`StreamingDetokenizer`]: incremental decode that never splits a multi-byte UTF-8 character.
+//! - [`stop_token_ids`] and [`StopStrings`]: per-family stop tokens and user stop strings
+//!   (`reference/original-system.md` §2.6).
+//! - [`parse_tool_calls`]: per-family tool-call parsers that fail closed on malformed output
+//!   (`reference/original-system.md` §2.4).
+
+mod detokenizer;
+mod family;
+mod pyjson;
+mod stops;
+mod template;
+mod tokenizer;
+mod tool_calls;
+
+pub use detokenizer::StreamingDetokenizer;
+pub use family::Family;
+pub use stops::{stop_token_ids, StopStrings};
+pub use template::ChatTemplate;
+pub use tokenizer::Tokenizer;
+pub use tool_calls::{parse_tool_calls, parse_tool_calls_with_tools, ParsedOutput, ToolCall};
+
+use std::path::PathBuf;
+
+/// Errors of the text crate. Each message says what was wrong and, where there is one, what to do.
+#[derive(Debug, thiserror::Error)]
+pub enum TextError {
+    /// A file of the tokenizer folder could not be read.
+    #[error("cannot read {path}: {source}")]
+    Io {
+        /// The file that failed.
+        path: PathBuf,
+        /// The underlying I/O error.
+        source: std::io::Error,
+    },
+    /// `tokenizer.json` exists but the `tokenizers` crate rejected it.
+    #[error("cannot load tokenizer {path}: {message} (is it an HF tokenizer.json?)")]
+    TokenizerLoad {
+        /// The `tokenizer.json` path.
+        path: PathBuf,
+        /// The error reported by `tokenizers`.
+        message: String,
+    },
+    /// Encoding or decoding failed inside the `tokenizers` crate.
+    #[error("tokenizer error: {0}")]
+    Tokenize(String),
+    /// A JSON file of the tokenizer folder is not valid JSON or has a field of the wrong type.
+    #[error("invalid JSON in {path}: {message}")]
+    Json {
+        /// The file that failed.
+        path: PathBuf,
+        /// What was wrong.
+        message: String,
+    },
+    /// Neither `chat_template.jinja` nor a `chat_template` string in `tokenizer_config.json` was found.
+    #[error("no chat template in {0}: expected chat_template.jinja or tokenizer_config.json's chat_template")]
+    NoChatTemplate(PathBuf),
+    /// The chat template does not compile.
+    #[error("chat template does not compile: {0}")]
+    TemplateSyntax(String),
+    /// Rendering failed, including a `raise_exception(...)` from the template itself
+    /// (for example "System message must be at the beginning.").
+    #[error("chat template rejected the conversation: {0}")]
+    TemplateRender(String),
+    /// The model's output contains a tool-call block that does not parse; the whole output is rejected.
+    #[error("malformed {family:?} tool call: {message}")]
+    MalformedToolCall {
+        /// The family whose syntax was expected.
+        family: Family,
+        /// What was wrong, with the offending part.
+        message: String,
+    },
+}

@@ -1,0 +1,39 @@
+/// The model families whose text conventions this crate knows (`reference/architectures.md` §10).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Family {
+    /// Gemma 4 (`gemma4`, `gemma4_text`): `<|turn>` chat turns, `<|tool_call>` blocks.
+    Gemma4,
+    /// Qwen 3.5 / 3.6 (`qwen3_5_moe`, ...): ChatML turns, `<tool_call>` blocks.
+    Qwen36,
+    /// DeepSeek-V4 (`deepseek_v4`): `<｜User｜>`/`<｜Assistant｜>` turns, DSML tool calls.
+    DeepSeekV4,
+}
+
+impl Family {
+    /// Maps a `config.json` `model_type` to its family; `None` for a model type we do not run.
+    pub fn from_model_type(model_type: &str) -> Option<Family> {
+        match model_type {
+            "gemma4" | "gemma4_text" => Some(Family::Gemma4),
+            "qwen3_5" | "qwen3_5_text" | "qwen3_5_moe" | "qwen3_5_moe_text" | "qwen3_6"
+            | "qwen3_6_moe" => Some(Family::Qwen36),
+            "deepseek_v4" => Some(Family::DeepSeekV4),
+            _ => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn model_types_map_to_families() {
+        assert_eq!(Family::from_model_type("gemma4_text"), Some(Family::Gemma4));
+        assert_eq!(Family::from_model_type("qwen3_5_moe"), Some(Family::Qwen36));
+        assert_eq!(
+            Family::from_model_type("deepseek_v4"),
+            Some(Family::DeepSeekV4)
+        );
+        assert_eq!(Family::from_model_type("llama"), None);
+    }
+}

@@ -1,0 +1,138 @@
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+use crate::TextError;
+
+/// The tokenizer of an install: HF `tokenizer.json` (BPE, byte fallback / byte level), loaded with the
+/// pure-Rust `tokenizers` crate, plus the special tokens named in `tokenizer_config.json`.
+///
+/// Ids are `u32` token ids; text is UTF-8. Wrapped in our own type so the `tokenizers` 1.0 API change
+/// (`reference/dependencies.md`) stays inside this crate.
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    bos_token: Option<String>,
+    eos_token: Option<String>,
+}
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("vocab_size", &self.vocab_size())
+            .field("bos_token", &self.bos_token)
+            .field("eos_token", &self.eos_token)
+            .finish()
+    }
+}
+
+impl Tokenizer {
+    /// Loads `dir/tokenizer.json` and, when present, `dir/tokenizer_config.json` (for `bos_token` and
+    /// `eos_token`).
+    ///
+    /// Errors: [`TextError::Io`] when `tokenizer.json` is missing, [`TextError::TokenizerLoad`] when it
+    /// is not a valid HF tokenizer, [`TextError::Json`] when `tokenizer_config.json` is not valid JSON.
+    pub fn from_dir(dir: &Path) -> Result<Self, TextError> {
+        let path = dir.join("tokenizer.json");
+        let bytes = std::fs::read(&path).map_err(|source| TextError::Io {
+            path: path.clone(),
+            source,
+        })?;
+        let inner =
+            tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| TextError::TokenizerLoad {
+                path: path.clone(),
+                message: e.to_string(),
+            })?;
+        let config = read_tokenizer_config(dir)?;
+        let bos_token = config.as_ref().and_then(|c| special_token(c, "bos_token"));
+        let eos_token = config.as_ref().and_then(|c| special_token(c, "eos_token"));
+        Ok(Tokenizer {
+            inner,
+            bos_token,
+            eos_token,
+        })
+    }
+
+    /// Encodes `text` to token ids. `add_special_tokens` applies the tokenizer's post-processor
+    /// (Gemma 4 prepends `<bos>`; Qwen and DeepSeek add nothing). Special-token strings inside `text`
+    /// become their single ids, as in HF. A rendered chat template already contains BOS: encode it
+    /// with `false`.
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TextError> {
+        let enc = self
+            .inner
+            .encode(text, add_special_tokens)
+            .map_err(|e| TextError::Tokenize(e.to_string()))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// Decodes token ids to text. With `skip_special`, tokens marked `special` in `tokenizer.json`
+    /// (Gemma `<turn|>`, ChatML `<|im_end|>`, ...) are dropped; non-special added tokens such as
+    /// Gemma's `<|tool_call>` are always kept. Byte-fallback sequences that are not valid UTF-8
+    /// decode to U+FFFD.
+    pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String, TextError> {
+        self.inner
+            .decode(ids, skip_special)
+            .map_err(|e| TextError::Tokenize(e.to_string()))
+    }
+
+    /// The id of a vocabulary or added token given as its exact string (`"<turn|>"`), if any.
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    /// The token string of an id, if the id is in the vocabulary.
+    pub fn id_to_token(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)
+    }
+
+    /// The id of `tokenizer_config.json`'s `bos_token` (Gemma `<bos>` 2, DeepSeek 0); `None` for
+    /// families without one (Qwen).
+    pub fn bos_id(&self) -> Option<u32> {
+        self.bos_token.as_deref().and_then(|t| self.token_id(t))
+    }
+
+    /// The id of `tokenizer_config.json`'s `eos_token`, if any. Use [`crate::stop_token_ids`] for the
+    /// full set of ids that end generation.
+    pub fn eos_id(&self) -> Option<u32> {
+        self.eos_token.as_deref().and_then(|t| self.token_id(t))
+    }
+
+    /// Number of ids, added tokens included (Gemma 4: 262,144). The model's embedding may have more
+    /// rows (Qwen 3.6: 248,320) than the tokenizer has ids.
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+}
+
+/// Reads `dir/tokenizer_config.json` as a JSON object; `Ok(None)` when the file does not exist.
+pub(crate) fn read_tokenizer_config(
+    dir: &Path,
+) -> Result<Option<serde_json::Map<String, Value>>, TextError> {
+    let path = dir.join("tokenizer_config.json");
+    let text = match std::fs::read_to_string(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(source) => return Err(TextError::Io { path, source }),
+    };
+    match serde_json::from_str::<Value>(&text) {
+        Ok(Value::Object(map)) => Ok(Some(map)),
+        Ok(_) => Err(json_error(path, "top level is not an object")),
+        Err(e) => Err(json_error(path, &e.to_string())),
+    }
+}
+
+fn json_error(path: PathBuf, message: &str) -> TextError {
+    TextError::Json {
+        path,
+        message: message.to_string(),
+    }
+}
+
+/// A special token of `tokenizer_config.json`: either a plain string or an `AddedToken` object with
+/// a `content` field (both forms occur in HF configs).
+pub(crate) fn special_token(config: &serde_json::Map<String, Value>, key: &str) -> Option<String> {
+    match config.get(key)? {
+        Value::String(s) => Some(s.clone()),
+        Value::Object(o) => o.get("content")?.as_str().map(str::to_string),
+        _ => None,
+    }
+}

@@ -1,0 +1,118 @@
+//! Tool-call parsers, one file per family. Each one fails closed: output with a call block that
+//! does not parse is rejected as a whole ([`TextError::MalformedToolCall`]), never passed on as
+//! content or as a half-parsed call (`reference/original-system.md` §2.4).
+
+mod deepseek_v4;
+mod gemma4;
+mod qwen3_6;
+
+use crate::{Family, TextError};
+
+/// One function call made by the model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ToolCall {
+    /// The function name as the model wrote it.
+    pub name: String,
+    /// The arguments as a JSON object.
+    pub arguments: serde_json::Value,
+}
+
+/// A generated assistant turn split into its parts.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct ParsedOutput {
+    /// The visible text: everything outside reasoning and tool-call blocks, trimmed of surrounding
+    /// whitespace when anything was taken out.
+    pub content: String,
+    /// The calls in the order they were written.
+    pub tool_calls: Vec<ToolCall>,
+    /// Reasoning text (Gemma `<|channel>thought\n…<channel|>`, Qwen/DeepSeek `…</think>`), if the
+    /// output has a reasoning block.
+    pub reasoning: Option<String>,
+}
+
+/// Splits a generated assistant turn (decoded with the family's markers kept: Gemma's
+/// `<|tool_call>` and `<|channel>`, Qwen's `<tool_call>`/`</think>` and DeepSeek's `｜DSML｜` are
+/// non-special tokens, so `decode(ids, skip_special = true)` keeps them) into content, reasoning
+/// and tool calls.
+///
+/// - Gemma 4: `<|tool_call>call:NAME{key:<|"|>str<|"|>,n:3,flag:true,obj:{k:v},arr:[…]}<tool_call|>`.
+/// - Qwen 3.6: `<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n</function>\n</tool_call>`
+///   (the Qwen 3.6 template's syntax) or `<tool_call>{"name": …, "arguments": {…}}</tool_call>`
+///   (Qwen 2.5/3). Parameter values that parse as JSON numbers, booleans, null, arrays or objects
+///   become those; anything else stays a string (see [`parse_tool_calls_with_tools`] to use the
+///   tool schemas instead).
+/// - DeepSeek-V4: `<｜DSML｜tool_calls>` with `<｜DSML｜invoke name="…">` and
+///   `<｜DSML｜parameter name="…" string="true|false">` blocks.
+///
+/// Errors: [`TextError::MalformedToolCall`] for an unclosed or unparsable block, or a stray
+/// closing marker.
+pub fn parse_tool_calls(family: Family, text: &str) -> Result<ParsedOutput, TextError> {
+    parse_tool_calls_with_tools(family, text, None)
+}
+
+/// [`parse_tool_calls`] with the request's tool list (`[{"type":"function","function":{…}}]`),
+/// which Qwen's XML syntax needs to type parameter values: a parameter declared `"type": "string"`
+/// stays a string even when it looks like a number, and a declared number/boolean/object/array
+/// that does not parse as one is malformed.
+pub fn parse_tool_calls_with_tools(
+    family: Family,
+    text: &str,
+    tools: Option<&[serde_json::Value]>,
+) -> Result<ParsedOutput, TextError> {
+    match family {
+        Family::Gemma4 => gemma4::parse(text),
+        Family::Qwen36 => qwen3_6::parse(text, tools),
+        Family::DeepSeekV4 => deepseek_v4::parse(text),
+    }
+}
+
+/// The declared JSON-schema type of `tool.parameter`, if `tools` declares it.
+fn declared_type<'a>(
+    tools: Option<&'a [serde_json::Value]>,
+    tool: &str,
+    parameter: &str,
+) -> Option<&'a str> {
+    tools?
+        .iter()
+        .filter_map(|t| t.get("function").or(Some(t)))
+        .find(|f| f.get("name").and_then(|n| n.as_str()) == Some(tool))?
+        .get("parameters")?
+        .get("properties")?
+        .get(parameter)?
+        .get("type")?
+        .as_str()
+}
+
+/// Splits `reasoning</think>content` (the `<think>` may be in the prompt, not the output).
+fn split_think(text: &str) -> (Option<String>, &str) {
+    match text.find("</think>") {
+        Some(end) => {
+            let reasoning = &text[..end];
+            let reasoning = match reasoning.find("<think>") {
+                Some(start) => &reasoning[start + "<think>".len()..],
+                None => reasoning,
+            };
+            (
+                Some(reasoning.trim().to_string()),
+                &text[end + "</think>".len()..],
+            )
+        }
+        None => (None, text),
+    }
+}
+
+fn malformed(family: Family, message: impl Into<String>) -> TextError {
+    TextError::MalformedToolCall {
+        family,
+        message: message.into(),
+    }
+}
+
+/// A short, char-boundary-safe excerpt of model output for error messages.
+fn excerpt(s: &str) -> String {
+    const MAX: usize = 80;
+    match s.char_indices().nth(MAX) {
+        Some((i, _)) => format!("{}…", &s[..i]),
+        None => s.to_string(),
+    }
+}

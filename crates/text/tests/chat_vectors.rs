@@ -1,0 +1,35 @@
+//! The single-turn chats of `verify/chat_vectors.json` (rendered upstream with the same templates).
+//! The multi-turn ones are covered with their inputs by `golden_templates.rs`.
+
+mod common;
+
+use common::{read_json, tokenizer_dir};
+use mference_text::ChatTemplate;
+use serde_json::json;
+
+fn render(name: &str, extra: serde_json::Value) -> String {
+    let t = ChatTemplate::from_dir(&tokenizer_dir(name)).unwrap();
+    let messages = [json!({"role": "user", "content": "Hi there"})];
+    t.render(&messages, None, true, extra.as_object().unwrap())
+        .unwrap()
+}
+
+fn vector(name: &str, chat: &str) -> String {
+    read_json(tokenizer_dir(name).join("verify/chat_vectors.json"))[chat]["text"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
+#[test]
+fn plain_chats_render_like_the_vectors() {
+    assert_eq!(render("gemma4", json!({})), vector("gemma4", "plain"));
+    assert_eq!(
+        render("qwen3_6", json!({"enable_thinking": false})),
+        vector("qwen3_6", "no_thinking")
+    );
+    assert_eq!(
+        render("deepseek_v4", json!({})),
+        vector("deepseek_v4", "plain")
+    );
+}
