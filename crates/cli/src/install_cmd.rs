@@ -1,25 +1,222 @@
-//! `install`, `verify`, `inspect`, `discard`.
+//! `install`, `verify`, `inspect`, `discard`: argument parsing and printing only; the work
+//! is in `mference-install`.
 
+use anyhow::{bail, Context};
 use clap::Args;
+use mference_install::checkpoint::Pin;
+use mference_install::source::http::{HttpConfig, HttpSource};
+use mference_install::{
+    presets, state, InstallOptions, InstallReport, LocalSource, ProgressMode, Source,
+};
+use std::path::PathBuf;
 
 #[derive(Args)]
-pub struct InstallArgs {}
-#[derive(Args)]
-pub struct VerifyArgs {}
-#[derive(Args)]
-pub struct InspectArgs {}
-#[derive(Args)]
-pub struct DiscardArgs {}
+pub struct InstallArgs {
+    /// Local mlx-community-style checkpoint directory (config.json, *.safetensors, tokenizer files).
+    pub source: Option<PathBuf>,
+    /// Pinned preset to download instead of a local directory: gemma4, qwen36, deepseekv4flash, inklingsmall, maple.
+    #[arg(long, conflicts_with = "source")]
+    pub model: Option<String>,
+    /// Output install directory, e.g. gemma4.gturbo.
+    #[arg(long)]
+    pub output: PathBuf,
+    /// HTTP(S) mirror in Hugging Face layout ({base}/{repo}/resolve/{revision}/{file}); default $HF_ENDPOINT or https://huggingface.co.
+    #[arg(long)]
+    pub base_url: Option<String>,
+    /// Repository for a remote install without a preset (with --revision; no index pin).
+    #[arg(long, conflicts_with_all = ["source", "model"])]
+    pub repo: Option<String>,
+    /// Revision for --repo (branch, tag or commit).
+    #[arg(long, requires = "repo")]
+    pub revision: Option<String>,
+    /// Print the plan (ranges, source bytes, output bytes, resident entries, expert layers, excluded tensors) and write nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Continue a saved partial install.
+    #[arg(long, conflicts_with = "overwrite")]
+    pub resume: bool,
+    /// Replace an existing install at --output.
+    #[arg(long)]
+    pub overwrite: bool,
+    /// modelID recorded in the manifest (default: repo id or directory name).
+    #[arg(long)]
+    pub model_id: Option<String>,
+    /// Largest coalesced range in bytes (≤ 64 MiB).
+    #[arg(long, hide = true, default_value_t = mference_install::plan::MAX_RANGE_BYTES)]
+    pub range_bytes: u64,
+    /// Free-disk reserve on top of the remaining output, bytes.
+    #[arg(long, hide = true, default_value_t = 1 << 30)]
+    pub disk_reserve_bytes: u64,
+    /// Base delay of the HTTP retry backoff, milliseconds.
+    #[arg(long, hide = true, default_value_t = 1000)]
+    pub retry_delay_ms: u64,
+    /// No progress output.
+    #[arg(long)]
+    pub quiet: bool,
+}
 
-pub fn install(_a: InstallArgs) -> anyhow::Result<()> {
-    anyhow::bail!("install is not built yet")
+#[derive(Args)]
+pub struct VerifyArgs {
+    /// Install directory.
+    pub dir: PathBuf,
 }
-pub fn verify(_a: VerifyArgs) -> anyhow::Result<()> {
-    anyhow::bail!("verify is not built yet")
+
+#[derive(Args)]
+pub struct InspectArgs {
+    /// Install directory (or its output path while a partial install is saved).
+    pub dir: PathBuf,
 }
-pub fn inspect(_a: InspectArgs) -> anyhow::Result<()> {
-    anyhow::bail!("inspect is not built yet")
+
+#[derive(Args)]
+pub struct DiscardArgs {
+    /// Output path of the install whose saved partial state should be removed.
+    pub dir: PathBuf,
 }
-pub fn discard(_a: DiscardArgs) -> anyhow::Result<()> {
-    anyhow::bail!("discard is not built yet")
+
+pub fn install(a: InstallArgs) -> anyhow::Result<()> {
+    let mut opts = InstallOptions {
+        resume: a.resume,
+        overwrite: a.overwrite,
+        dry_run: a.dry_run,
+        max_range_bytes: a.range_bytes,
+        disk_reserve_bytes: a.disk_reserve_bytes,
+        progress: if a.quiet {
+            ProgressMode::Quiet
+        } else {
+            ProgressMode::Auto
+        },
+        model_id: a.model_id,
+        pin: None,
+    };
+    let source: Box<dyn Source> = if let Some(dir) = &a.source {
+        Box::new(LocalSource::new(dir)?)
+    } else {
+        let (repo, revision) = if let Some(repo) = a.repo {
+            (repo, a.revision.unwrap_or_else(|| "main".into()))
+        } else {
+            let name = a.model.as_deref().unwrap_or("gemma4");
+            let p = presets::preset(name).with_context(|| {
+                let names: Vec<&str> = presets::PRESETS.iter().map(|p| p.name).collect();
+                format!("unknown --model {name}; choose one of {}", names.join(", "))
+            })?;
+            opts.pin = Some(Pin {
+                index_sha256: p.index_sha256.into(),
+            });
+            (p.repo.to_string(), p.revision.to_string())
+        };
+        let base = a
+            .base_url
+            .or_else(|| std::env::var("HF_ENDPOINT").ok().filter(|s| !s.is_empty()))
+            .unwrap_or_else(|| "https://huggingface.co".into());
+        let cfg = HttpConfig {
+            base_url: base,
+            repo,
+            revision,
+            token: std::env::var("HF_TOKEN").ok().filter(|s| !s.is_empty()),
+            retry_base_delay: std::time::Duration::from_millis(a.retry_delay_ms),
+            ..HttpConfig::default()
+        };
+        Box::new(HttpSource::new(cfg)?)
+    };
+    let report = mference_install::install(source.as_ref(), &a.output, &opts)?;
+    print_report(&report);
+    Ok(())
+}
+
+fn print_report(r: &InstallReport) {
+    if r.dry_run {
+        println!("dry run: nothing written");
+        println!("family:            {}", r.family);
+        println!("source revision:   {}", r.source_revision);
+        println!("range requests:    {}", r.ranges_total);
+        println!("source bytes:      {}", r.source_bytes);
+        println!("output bytes:      {}", r.output_bytes);
+        println!("resident entries:  {}", r.resident_entries);
+        println!(
+            "expert layers:     {} (stride {} bytes)",
+            r.expert_layers, r.expert_stride
+        );
+        println!("excluded tensors:  {}", r.excluded.len());
+        for n in &r.excluded {
+            println!("  {n}");
+        }
+    } else {
+        println!(
+            "installed {} ({} bytes): {} ranges fetched ({} bytes), {} reused from the journal",
+            r.output.display(),
+            r.output_bytes,
+            r.ranges_fetched,
+            r.fetched_bytes,
+            r.ranges_reused
+        );
+    }
+}
+
+pub fn verify(a: VerifyArgs) -> anyhow::Result<()> {
+    let s = state::verify(&a.dir)?;
+    println!(
+        "Verified {} files ({} bytes); wrote verified-install.json",
+        s.files, s.bytes
+    );
+    Ok(())
+}
+
+pub fn inspect(a: InspectArgs) -> anyhow::Result<()> {
+    let r = state::inspect(&a.dir)?;
+    println!("install: {}", r.out.display());
+    match &r.manifest {
+        Some(m) => {
+            let ar = &m.arch;
+            println!("model:   {} (family {})", m.model_id, ar.family);
+            println!(
+                "arch:    {} layers, hidden {}, {} heads / {} kv (head_dim {}), vocab {}, {} experts top-{}, expert width {}",
+                ar.num_layers, ar.hidden_size, ar.num_heads, ar.num_kv_heads, ar.head_dim, ar.vocab_size,
+                ar.num_experts, ar.top_k_experts, ar.moe_intermediate_size
+            );
+            if let Some(q) = &m.quant {
+                println!(
+                    "quant:   embedding {}b, attention {}b, router {}b, shared {}b, routed {}b (group {})",
+                    q.embedding.weight_bits, q.attention.weight_bits, q.router.weight_bits,
+                    q.shared_expert.weight_bits, q.routed_expert.weight_bits, q.routed_expert.group_size
+                );
+            }
+            let resident = m
+                .files
+                .get(mference_format::WEIGHTS_FILE)
+                .map(|f| f.size)
+                .unwrap_or(0);
+            println!(
+                "sizes:   {} bytes total, model_weights.bin {} bytes, {} expert layers × {} experts × {} bytes stride",
+                r.installed_bytes,
+                resident,
+                m.files.keys().filter(|k| k.starts_with("packed_experts/layer_")).count(),
+                m.experts_per_layer,
+                m.expert_stride
+            );
+        }
+        None => println!("no complete install at this path"),
+    }
+    match (&r.journal, r.partial) {
+        (Some(j), _) => {
+            let done: u64 = j.completed_ranges.iter().map(|c| c.source_bytes).sum();
+            println!(
+                "partial: saved install from {}@{}: {} ranges done, {} of {} source bytes; resume with --resume or run `mference discard`",
+                j.repo_id, j.requested_revision, j.completed_ranges.len(), done, j.total_source_bytes
+            );
+        }
+        (None, true) => {
+            println!("partial: a partial directory without a journal; run `mference discard`")
+        }
+        (None, false) => println!("partial: none"),
+    }
+    Ok(())
+}
+
+pub fn discard(a: DiscardArgs) -> anyhow::Result<()> {
+    if state::discard(&a.dir)? {
+        println!("discarded the saved partial install of {}", a.dir.display());
+    } else {
+        bail!("nothing to discard at {}", a.dir.display());
+    }
+    Ok(())
 }

@@ -1,1 +1,40 @@
-//! mference-install
+//! mference-install: builds `.gturbo` installs (`docs/DESIGN.md` §2, `docs/FORMAT.md`).
+//!
+//! Sequence: take `<out>.install.lock`; read `config.json`, the index (checked against a
+//! pin) and each shard's safetensors header with byte ranges; plan every tensor piece as a
+//! range copy (destinations never overlap; ranges coalesced to ≤ 64 MiB); check free disk;
+//! journal `<out>.resume.json` then stage `<out>.partial/`; copy each range through
+//! ≤ 512 KiB tiles, fsync, then journal it with its destination digest; hash every file,
+//! write the manifest and receipt, verify them, rename into place and fsync the parent.
+//! Quantized bytes are copied unchanged.
+
+pub mod checkpoint;
+pub mod copy;
+mod error;
+pub mod journal;
+pub mod lock;
+pub mod plan;
+pub mod presets;
+pub mod progress;
+pub mod run;
+pub mod source;
+pub mod state;
+
+pub use error::InstallError;
+pub use progress::ProgressMode;
+pub use run::{install, InstallOptions, InstallReport, OutPaths};
+pub use source::{http::HttpSource, local::LocalSource, Source, SourceId};
+
+use std::path::Path;
+
+/// Install a local mlx-community-style checkpoint directory into `output`
+/// (`<name>.gturbo`). Errors: see [`InstallError`]; nothing is written before the plan
+/// and the free-disk check pass.
+pub fn install_local(
+    source_dir: &Path,
+    output: &Path,
+    opts: &InstallOptions,
+) -> Result<InstallReport, InstallError> {
+    let src = LocalSource::new(source_dir)?;
+    install(&src, output, opts)
+}

@@ -1,0 +1,510 @@
+//! Architecture facts recorded in `manifest.json -> arch` and derived from the checkpoint's
+//! `config.json` (`reference/original-system.md` §3.2; HF config keys per
+//! `reference/architectures.md` §2.1, §3.1).
+
+use crate::FormatError;
+use serde_json::{json, Map, Value};
+use std::collections::BTreeMap;
+
+/// Model family, stored as `arch.family` (omitted for Gemma 4, the format's first family).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Family {
+    Gemma4,
+    Qwen36,
+    DeepseekV4Flash,
+    InklingSmall,
+    Maple,
+}
+
+impl Family {
+    /// The manifest spelling (`gemma4`, `qwen36`, `deepseekV4Flash`, `inklingSmall`, `maple`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Family::Gemma4 => "gemma4",
+            Family::Qwen36 => "qwen36",
+            Family::DeepseekV4Flash => "deepseekV4Flash",
+            Family::InklingSmall => "inklingSmall",
+            Family::Maple => "maple",
+        }
+    }
+
+    /// Inverse of [`Family::as_str`].
+    pub fn parse(s: &str) -> Option<Family> {
+        Some(match s {
+            "gemma4" => Family::Gemma4,
+            "qwen36" => Family::Qwen36,
+            "deepseekV4Flash" => Family::DeepseekV4Flash,
+            "inklingSmall" => Family::InklingSmall,
+            "maple" => Family::Maple,
+            _ => return None,
+        })
+    }
+
+    /// Family of a checkpoint `config.json` by its `model_type` (top level, then
+    /// `text_config`). Errors: [`FormatError::UnknownArchitecture`].
+    pub fn from_config(config: &Value) -> Result<Family, FormatError> {
+        let mt = config
+            .get("model_type")
+            .and_then(|m| m.as_str())
+            .or_else(|| {
+                config
+                    .pointer("/text_config/model_type")
+                    .and_then(|m| m.as_str())
+            })
+            .unwrap_or("");
+        Ok(match mt {
+            "gemma4" | "gemma4_text" => Family::Gemma4,
+            "qwen3_5_moe" | "qwen3_5_moe_text" => Family::Qwen36,
+            _ => {
+                return Err(FormatError::UnknownArchitecture {
+                    model_type: mt.to_string(),
+                })
+            }
+        })
+    }
+}
+
+impl std::fmt::Display for Family {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// `manifest.json -> arch`. Sizes are element counts; `full_attention_layer_mask` has one
+/// entry per layer: 0 = sliding window, 1 = full, 2 = gated DeltaNet, 3 = CSA, 4 = HCA.
+/// The family-extension fields default to the Gemma values when absent from the JSON.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ArchInfo {
+    pub hidden_size: u64,
+    /// Dense/shared-expert FFN width (`ffnIntermediate`).
+    pub ffn_intermediate: u64,
+    pub moe_intermediate_size: u64,
+    pub num_heads: u64,
+    pub num_kv_heads: u64,
+    pub num_full_kv_heads: u64,
+    pub head_dim: u64,
+    pub full_head_dim: u64,
+    pub vocab_size: u64,
+    pub sliding_window: u64,
+    pub final_logit_softcap: f64,
+    pub rope_theta: f64,
+    pub full_rope_theta: f64,
+    pub partial_rotary_factor: f64,
+    pub num_layers: u64,
+    pub num_experts: u64,
+    pub top_k_experts: u64,
+    pub tie_word_embeddings: bool,
+    pub attention_k_eq_v: bool,
+    pub hidden_activation: String,
+    pub full_attention_layer_mask: Vec<u8>,
+    pub family: Family,
+    pub attn_output_gate: bool,
+    pub attention_scale: f64,
+    pub embedding_scaled_by_sqrt_hidden: bool,
+    pub router_scaled: bool,
+    pub ffn_sandwich_norms: bool,
+    pub shared_expert_gated: bool,
+    pub rope_neox_subdim: bool,
+    pub linear_num_k_heads: u64,
+    pub linear_num_v_heads: u64,
+    pub linear_key_head_dim: u64,
+    pub linear_value_head_dim: u64,
+    pub linear_conv_kernel_size: u64,
+    /// Other family-specific keys (DeepSeek-V4, Inkling, Maple), kept as written.
+    pub extra: BTreeMap<String, Value>,
+}
+
+fn cfg_err(detail: impl Into<String>) -> FormatError {
+    FormatError::ConfigInvalid {
+        detail: detail.into(),
+    }
+}
+
+struct Cfg<'a>(&'a Map<String, Value>);
+impl Cfg<'_> {
+    fn u(&self, k: &str) -> Result<u64, FormatError> {
+        self.0
+            .get(k)
+            .and_then(|v| v.as_u64())
+            .ok_or_else(|| cfg_err(format!("missing integer \"{k}\"")))
+    }
+    fn f(&self, k: &str) -> Result<f64, FormatError> {
+        self.0
+            .get(k)
+            .and_then(|v| v.as_f64())
+            .ok_or_else(|| cfg_err(format!("missing number \"{k}\"")))
+    }
+    fn b(&self, k: &str, default: bool) -> bool {
+        self.0.get(k).and_then(|v| v.as_bool()).unwrap_or(default)
+    }
+    fn s(&self, k: &str, default: &str) -> String {
+        self.0
+            .get(k)
+            .and_then(|v| v.as_str())
+            .unwrap_or(default)
+            .to_string()
+    }
+    fn layer_types(&self) -> Result<Vec<String>, FormatError> {
+        self.0
+            .get("layer_types")
+            .and_then(|v| v.as_array())
+            .ok_or_else(|| cfg_err("missing \"layer_types\""))?
+            .iter()
+            .map(|t| {
+                t.as_str()
+                    .map(str::to_string)
+                    .ok_or_else(|| cfg_err("non-string layer_types entry"))
+            })
+            .collect()
+    }
+}
+
+/// The language-model part of a config: `text_config` when present, else the root.
+pub fn text_config(config: &Value) -> Result<&Map<String, Value>, FormatError> {
+    config
+        .get("text_config")
+        .unwrap_or(config)
+        .as_object()
+        .ok_or_else(|| cfg_err("config.json is not a JSON object"))
+}
+
+impl ArchInfo {
+    /// Derive the arch block from a checkpoint `config.json`. Errors: unknown
+    /// `model_type`, missing or inconsistent keys.
+    pub fn from_config(config: &Value) -> Result<ArchInfo, FormatError> {
+        let family = Family::from_config(config)?;
+        let c = Cfg(text_config(config)?);
+        match family {
+            Family::Gemma4 => Self::gemma4(&c),
+            Family::Qwen36 => Self::qwen36(&c),
+            other => Err(FormatError::UnknownArchitecture {
+                model_type: other.to_string(),
+            }),
+        }
+    }
+
+    fn base(c: &Cfg, family: Family) -> Result<ArchInfo, FormatError> {
+        Ok(ArchInfo {
+            hidden_size: c.u("hidden_size")?,
+            ffn_intermediate: 0,
+            moe_intermediate_size: c.u("moe_intermediate_size")?,
+            num_heads: c.u("num_attention_heads")?,
+            num_kv_heads: c.u("num_key_value_heads")?,
+            num_full_kv_heads: 0,
+            head_dim: c.u("head_dim")?,
+            full_head_dim: 0,
+            vocab_size: c.u("vocab_size")?,
+            sliding_window: 0,
+            final_logit_softcap: 0.0,
+            rope_theta: 0.0,
+            full_rope_theta: 0.0,
+            partial_rotary_factor: 0.0,
+            num_layers: c.u("num_hidden_layers")?,
+            num_experts: c.u("num_experts")?,
+            top_k_experts: 0,
+            tie_word_embeddings: c.b("tie_word_embeddings", false),
+            attention_k_eq_v: false,
+            hidden_activation: String::new(),
+            full_attention_layer_mask: Vec::new(),
+            family,
+            attn_output_gate: false,
+            attention_scale: 1.0,
+            embedding_scaled_by_sqrt_hidden: true,
+            router_scaled: true,
+            ffn_sandwich_norms: true,
+            shared_expert_gated: false,
+            rope_neox_subdim: false,
+            linear_num_k_heads: 0,
+            linear_num_v_heads: 0,
+            linear_key_head_dim: 0,
+            linear_value_head_dim: 0,
+            linear_conv_kernel_size: 0,
+            extra: BTreeMap::new(),
+        })
+    }
+
+    fn gemma4(c: &Cfg) -> Result<ArchInfo, FormatError> {
+        let mut a = Self::base(c, Family::Gemma4)?;
+        let types = c.layer_types()?;
+        a.full_attention_layer_mask = types
+            .iter()
+            .map(|t| u8::from(t == "full_attention"))
+            .collect();
+        let rope = c.0.get("rope_parameters");
+        let num = |p: &str, d: f64| {
+            rope.and_then(|r| r.pointer(p))
+                .and_then(|v| v.as_f64())
+                .unwrap_or(d)
+        };
+        a.ffn_intermediate = c.u("intermediate_size")?;
+        a.num_full_kv_heads = c.u("num_global_key_value_heads")?;
+        a.full_head_dim = c.u("global_head_dim")?;
+        a.sliding_window = c.u("sliding_window")?;
+        a.final_logit_softcap = c.f("final_logit_softcapping")?;
+        a.rope_theta = num("/sliding_attention/rope_theta", 10_000.0);
+        a.full_rope_theta = num("/full_attention/rope_theta", 1_000_000.0);
+        a.partial_rotary_factor = num("/full_attention/partial_rotary_factor", 0.25);
+        a.top_k_experts = c.u("top_k_experts")?;
+        a.attention_k_eq_v = c.b("attention_k_eq_v", false);
+        a.hidden_activation = c.s("hidden_activation", "gelu_pytorch_tanh");
+        a.check_layers()?;
+        Ok(a)
+    }
+
+    fn qwen36(c: &Cfg) -> Result<ArchInfo, FormatError> {
+        let mut a = Self::base(c, Family::Qwen36)?;
+        a.full_attention_layer_mask = c
+            .layer_types()?
+            .iter()
+            .map(|t| match t.as_str() {
+                "linear_attention" => Ok(2),
+                "full_attention" => Ok(1),
+                other => Err(cfg_err(format!("unknown layer_types entry \"{other}\""))),
+            })
+            .collect::<Result<_, _>>()?;
+        let rope = c.0.get("rope_parameters");
+        let theta = rope
+            .and_then(|r| r.get("rope_theta"))
+            .or_else(|| c.0.get("rope_theta"))
+            .and_then(|v| v.as_f64())
+            .ok_or_else(|| cfg_err("missing rope_parameters.rope_theta"))?;
+        let prf = rope
+            .and_then(|r| r.get("partial_rotary_factor"))
+            .or_else(|| c.0.get("partial_rotary_factor"))
+            .and_then(|v| v.as_f64())
+            .ok_or_else(|| cfg_err("missing rope_parameters.partial_rotary_factor"))?;
+        a.ffn_intermediate = c.u("shared_expert_intermediate_size")?;
+        a.num_full_kv_heads = a.num_kv_heads;
+        a.full_head_dim = a.head_dim;
+        a.rope_theta = theta;
+        a.full_rope_theta = theta;
+        a.partial_rotary_factor = prf;
+        a.top_k_experts = c.u("num_experts_per_tok")?;
+        a.hidden_activation = c.s("hidden_act", "silu");
+        // HF Qwen3.5-MoE defaults attn_output_gate to true; q_proj is [q | gate] per head.
+        a.attn_output_gate = c.b("attn_output_gate", true);
+        a.attention_scale = 1.0 / (a.head_dim as f64).sqrt();
+        a.embedding_scaled_by_sqrt_hidden = false;
+        a.router_scaled = false;
+        a.ffn_sandwich_norms = false;
+        a.shared_expert_gated = true;
+        a.rope_neox_subdim = true;
+        a.linear_num_k_heads = c.u("linear_num_key_heads")?;
+        a.linear_num_v_heads = c.u("linear_num_value_heads")?;
+        a.linear_key_head_dim = c.u("linear_key_head_dim")?;
+        a.linear_value_head_dim = c.u("linear_value_head_dim")?;
+        a.linear_conv_kernel_size = c.u("linear_conv_kernel_dim")?;
+        a.check_layers()?;
+        Ok(a)
+    }
+
+    fn check_layers(&self) -> Result<(), FormatError> {
+        if self.full_attention_layer_mask.len() as u64 != self.num_layers {
+            return Err(cfg_err(format!(
+                "layer_types has {} entries, num_hidden_layers is {}",
+                self.full_attention_layer_mask.len(),
+                self.num_layers
+            )));
+        }
+        Ok(())
+    }
+
+    /// The manifest JSON object. Gemma omits the family-extension keys.
+    pub fn to_json(&self) -> Value {
+        let mut m = json!({
+            "hiddenSize": self.hidden_size,
+            "ffnIntermediate": self.ffn_intermediate,
+            "moeIntermediateSize": self.moe_intermediate_size,
+            "numHeads": self.num_heads,
+            "numKVHeads": self.num_kv_heads,
+            "numFullKVHeads": self.num_full_kv_heads,
+            "headDim": self.head_dim,
+            "fullHeadDim": self.full_head_dim,
+            "vocabSize": self.vocab_size,
+            "slidingWindow": self.sliding_window,
+            "finalLogitSoftcap": self.final_logit_softcap,
+            "ropeTheta": self.rope_theta,
+            "fullRopeTheta": self.full_rope_theta,
+            "partialRotaryFactor": self.partial_rotary_factor,
+            "numLayers": self.num_layers,
+            "numExperts": self.num_experts,
+            "topKExperts": self.top_k_experts,
+            "tieWordEmbeddings": self.tie_word_embeddings,
+            "attentionKEqV": self.attention_k_eq_v,
+            "hiddenActivation": self.hidden_activation,
+            "fullAttentionLayerMask": self.full_attention_layer_mask,
+        });
+        let o = m.as_object_mut().expect("object");
+        if self.family != Family::Gemma4 {
+            let ext = json!({
+                "family": self.family.as_str(),
+                "attnOutputGate": self.attn_output_gate,
+                "attentionScale": self.attention_scale,
+                "embeddingScaledBySqrtHidden": self.embedding_scaled_by_sqrt_hidden,
+                "routerScaled": self.router_scaled,
+                "ffnSandwichNorms": self.ffn_sandwich_norms,
+                "sharedExpertGated": self.shared_expert_gated,
+                "ropeNeoxSubdim": self.rope_neox_subdim,
+                "linearNumKHeads": self.linear_num_k_heads,
+                "linearNumVHeads": self.linear_num_v_heads,
+                "linearKeyHeadDim": self.linear_key_head_dim,
+                "linearValueHeadDim": self.linear_value_head_dim,
+                "linearConvKernelSize": self.linear_conv_kernel_size,
+            });
+            o.extend(ext.as_object().expect("object").clone());
+        }
+        for (k, v) in &self.extra {
+            o.insert(k.clone(), v.clone());
+        }
+        m
+    }
+
+    /// Parse `manifest.json -> arch`. Errors: [`FormatError::ManifestInvalid`] naming the field.
+    pub fn from_json(v: &Value) -> Result<ArchInfo, FormatError> {
+        let o = v.as_object().ok_or_else(|| merr("arch is not an object"))?;
+        let u = |k: &str| {
+            o.get(k)
+                .and_then(|x| x.as_u64())
+                .ok_or_else(|| merr(format!("arch.{k} missing")))
+        };
+        let f = |k: &str| {
+            o.get(k)
+                .and_then(|x| x.as_f64())
+                .ok_or_else(|| merr(format!("arch.{k} missing")))
+        };
+        let b = |k: &str| {
+            o.get(k)
+                .and_then(|x| x.as_bool())
+                .ok_or_else(|| merr(format!("arch.{k} missing")))
+        };
+        let family = match o.get("family") {
+            None => Family::Gemma4,
+            Some(s) => s
+                .as_str()
+                .and_then(Family::parse)
+                .ok_or_else(|| merr(format!("arch.family {s} is unknown")))?,
+        };
+        let ou = |k: &str, d: u64| o.get(k).and_then(|x| x.as_u64()).unwrap_or(d);
+        let of = |k: &str, d: f64| o.get(k).and_then(|x| x.as_f64()).unwrap_or(d);
+        let ob = |k: &str, d: bool| o.get(k).and_then(|x| x.as_bool()).unwrap_or(d);
+        let mask = o
+            .get("fullAttentionLayerMask")
+            .and_then(|x| x.as_array())
+            .ok_or_else(|| merr("arch.fullAttentionLayerMask missing"))?
+            .iter()
+            .map(|x| x.as_u64().filter(|&n| n <= 4).map(|n| n as u8))
+            .collect::<Option<Vec<u8>>>()
+            .ok_or_else(|| merr("arch.fullAttentionLayerMask has a value outside 0..=4"))?;
+        const KNOWN: &[&str] = &[
+            "hiddenSize",
+            "ffnIntermediate",
+            "moeIntermediateSize",
+            "numHeads",
+            "numKVHeads",
+            "numFullKVHeads",
+            "headDim",
+            "fullHeadDim",
+            "vocabSize",
+            "slidingWindow",
+            "finalLogitSoftcap",
+            "ropeTheta",
+            "fullRopeTheta",
+            "partialRotaryFactor",
+            "numLayers",
+            "numExperts",
+            "topKExperts",
+            "tieWordEmbeddings",
+            "attentionKEqV",
+            "hiddenActivation",
+            "fullAttentionLayerMask",
+            "family",
+            "attnOutputGate",
+            "attentionScale",
+            "embeddingScaledBySqrtHidden",
+            "routerScaled",
+            "ffnSandwichNorms",
+            "sharedExpertGated",
+            "ropeNeoxSubdim",
+            "linearNumKHeads",
+            "linearNumVHeads",
+            "linearKeyHeadDim",
+            "linearValueHeadDim",
+            "linearConvKernelSize",
+        ];
+        Ok(ArchInfo {
+            hidden_size: u("hiddenSize")?,
+            ffn_intermediate: u("ffnIntermediate")?,
+            moe_intermediate_size: u("moeIntermediateSize")?,
+            num_heads: u("numHeads")?,
+            num_kv_heads: u("numKVHeads")?,
+            num_full_kv_heads: u("numFullKVHeads")?,
+            head_dim: u("headDim")?,
+            full_head_dim: u("fullHeadDim")?,
+            vocab_size: u("vocabSize")?,
+            sliding_window: u("slidingWindow")?,
+            final_logit_softcap: f("finalLogitSoftcap")?,
+            rope_theta: f("ropeTheta")?,
+            full_rope_theta: f("fullRopeTheta")?,
+            partial_rotary_factor: f("partialRotaryFactor")?,
+            num_layers: u("numLayers")?,
+            num_experts: u("numExperts")?,
+            top_k_experts: u("topKExperts")?,
+            tie_word_embeddings: b("tieWordEmbeddings")?,
+            attention_k_eq_v: b("attentionKEqV")?,
+            hidden_activation: o
+                .get("hiddenActivation")
+                .and_then(|x| x.as_str())
+                .ok_or_else(|| merr("arch.hiddenActivation missing"))?
+                .to_string(),
+            full_attention_layer_mask: mask,
+            family,
+            attn_output_gate: ob("attnOutputGate", false),
+            attention_scale: of("attentionScale", 1.0),
+            embedding_scaled_by_sqrt_hidden: ob("embeddingScaledBySqrtHidden", true),
+            router_scaled: ob("routerScaled", true),
+            ffn_sandwich_norms: ob("ffnSandwichNorms", true),
+            shared_expert_gated: ob("sharedExpertGated", false),
+            rope_neox_subdim: ob("ropeNeoxSubdim", false),
+            linear_num_k_heads: ou("linearNumKHeads", 0),
+            linear_num_v_heads: ou("linearNumVHeads", 0),
+            linear_key_head_dim: ou("linearKeyHeadDim", 0),
+            linear_value_head_dim: ou("linearValueHeadDim", 0),
+            linear_conv_kernel_size: ou("linearConvKernelSize", 0),
+            extra: o
+                .iter()
+                .filter(|(k, _)| !KNOWN.contains(&k.as_str()))
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect(),
+        })
+    }
+
+    /// Compare field by field (exactly, as the original does); the first difference is an
+    /// [`FormatError::ArchMismatch`] naming the field and `against` (what was compared).
+    pub fn check_matches(&self, other: &ArchInfo, against: &str) -> Result<(), FormatError> {
+        let a = self.to_json();
+        let b = other.to_json();
+        let (a, b) = (
+            a.as_object().expect("object"),
+            b.as_object().expect("object"),
+        );
+        let keys: std::collections::BTreeSet<&String> = a.keys().chain(b.keys()).collect();
+        for k in keys {
+            if a.get(k) != b.get(k) {
+                let show = |v: Option<&Value>| v.map_or("nothing".to_string(), |v| v.to_string());
+                return Err(FormatError::ArchMismatch {
+                    field: k.clone(),
+                    manifest: show(a.get(k)),
+                    against: against.to_string(),
+                    other: show(b.get(k)),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+fn merr(detail: impl Into<String>) -> FormatError {
+    FormatError::ManifestInvalid {
+        detail: detail.into(),
+    }
+}

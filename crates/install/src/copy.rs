@@ -1,0 +1,95 @@
+//! Executing one coalesced range through bounded tiles, and re-hashing its destinations.
+
+use crate::plan::{CoalescedRange, RangeCopy, TILE_BYTES};
+use crate::InstallError;
+use sha2::{Digest, Sha256};
+use std::fs::File;
+use std::io::Read;
+use std::os::unix::fs::FileExt;
+use std::path::PathBuf;
+
+/// Open destination files (index = `RangeCopy::dest`).
+pub struct Dests {
+    pub files: Vec<File>,
+    pub paths: Vec<PathBuf>,
+}
+
+/// Stream `range` from `reader` (which yields exactly `range.end - range.start` bytes) in
+/// tiles of at most [`TILE_BYTES`], writing each copy's bytes to its destination, then
+/// `fdatasync` the touched files. `tile` is the caller's reusable buffer. Returns the
+/// destination digest: SHA-256 of the copies' bytes in copy order. `on_bytes` is told how
+/// many source bytes were consumed after each tile.
+pub fn run_range(
+    range: &CoalescedRange,
+    copies: &[RangeCopy],
+    reader: &mut dyn Read,
+    dests: &Dests,
+    tile: &mut [u8],
+    on_bytes: &mut dyn FnMut(u64),
+) -> Result<String, InstallError> {
+    let copies = &copies[range.copies.clone()];
+    let mut h = Sha256::new();
+    let mut touched = vec![false; dests.files.len()];
+    let mut pos = range.start;
+    let mut first = 0usize;
+    while pos < range.end {
+        let n = ((range.end - pos) as usize).min(tile.len()).min(TILE_BYTES);
+        reader
+            .read_exact(&mut tile[..n])
+            .map_err(|e| InstallError::Http {
+                url: format!("source range {} ({}..{})", range.id, range.start, range.end),
+                detail: format!("read failed at byte {pos}: {e}"),
+            })?;
+        let tile_end = pos + n as u64;
+        while first < copies.len() && copies[first].src + copies[first].len <= pos {
+            first += 1;
+        }
+        for c in &copies[first..] {
+            if c.src >= tile_end {
+                break;
+            }
+            let a = c.src.max(pos);
+            let b = (c.src + c.len).min(tile_end);
+            let bytes = &tile[(a - pos) as usize..(b - pos) as usize];
+            let dst = c.dst + (a - c.src);
+            dests.files[c.dest]
+                .write_all_at(bytes, dst)
+                .map_err(|e| InstallError::io("cannot write", &dests.paths[c.dest], e))?;
+            touched[c.dest] = true;
+            h.update(bytes);
+        }
+        pos = tile_end;
+        on_bytes(n as u64);
+    }
+    for (i, t) in touched.iter().enumerate() {
+        if *t {
+            dests.files[i]
+                .sync_data()
+                .map_err(|e| InstallError::io("cannot fsync", &dests.paths[i], e))?;
+        }
+    }
+    Ok(mference_format::hash::hex(&h.finalize()))
+}
+
+/// Re-read the destination bytes of `range` (tiles of at most [`TILE_BYTES`]) and return
+/// their digest, as [`run_range`] computes it.
+pub fn digest_destinations(
+    range: &CoalescedRange,
+    copies: &[RangeCopy],
+    dests: &Dests,
+    tile: &mut [u8],
+) -> Result<String, InstallError> {
+    let mut h = Sha256::new();
+    for c in &copies[range.copies.clone()] {
+        let mut off = 0u64;
+        while off < c.len {
+            let n = ((c.len - off) as usize).min(tile.len()).min(TILE_BYTES);
+            dests.files[c.dest]
+                .read_exact_at(&mut tile[..n], c.dst + off)
+                .map_err(|e| InstallError::io("cannot read back", &dests.paths[c.dest], e))?;
+            h.update(&tile[..n]);
+            off += n as u64;
+        }
+    }
+    Ok(mference_format::hash::hex(&h.finalize()))
+}

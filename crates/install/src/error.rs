@@ -1,0 +1,54 @@
+use mference_format::FormatError;
+use std::path::PathBuf;
+
+/// Every way an install, verify, inspect or discard can fail. Messages say what to do.
+#[derive(Debug, thiserror::Error)]
+pub enum InstallError {
+    #[error(transparent)]
+    Format(#[from] FormatError),
+    #[error("{what} {path}: {source}")]
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(
+        "install busy: another installer holds {lock}; wait for it to finish (nothing was changed)"
+    )]
+    Busy { lock: PathBuf },
+    #[error("a saved partial install exists at {partial}: resume it with --resume or discard it with `mference discard {out}`")]
+    PartialExists { partial: PathBuf, out: PathBuf },
+    #[error("the install state next to {out} is inconsistent ({detail}); run `mference discard {out}` and install again")]
+    StateCorrupt { out: PathBuf, detail: String },
+    #[error("{out} already exists; pass --overwrite to replace it")]
+    OutputExists { out: PathBuf },
+    #[error("the saved partial install does not match this source or plan ({detail}); run `mference discard {out}` to start over")]
+    ResumeMismatch { out: PathBuf, detail: String },
+    #[error("not enough free disk at {dir}: need {need} bytes (remaining output + one range + reserve), {free} free; free some space or choose another --output")]
+    DiskFull { dir: PathBuf, need: u64, free: u64 },
+    #[error("the copy plan is invalid: {detail}")]
+    PlanInvalid { detail: String },
+    #[error("source checkpoint is invalid: {detail}")]
+    SourceInvalid { detail: String },
+    #[error(
+        "source pin check failed: {detail}; the remote repository changed or the mirror is wrong"
+    )]
+    PinMismatch { detail: String },
+    #[error("HTTP error for {url}: {detail}")]
+    Http { url: String, detail: String },
+    #[error("{path} is not an install or partial install: {detail}")]
+    NotAnInstall { path: PathBuf, detail: String },
+    #[error("invalid option: {detail}")]
+    BadOption { detail: String },
+}
+
+impl InstallError {
+    pub(crate) fn io(what: &'static str, path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        InstallError::Io {
+            what,
+            path: path.into(),
+            source,
+        }
+    }
+}

@@ -1,0 +1,560 @@
+//! The install driver: plan, state checks, copy with journal, finalize, promote
+//! (`docs/DESIGN.md` §2).
+
+use crate::checkpoint::{self, Checkpoint, Pin};
+use crate::copy::{digest_destinations, run_range, Dests};
+use crate::journal::{fsync_dir, fsync_parent, write_atomic, CompletedRange, Journal};
+use crate::lock::InstallLock;
+use crate::plan::{self, Plan, MAX_RANGE_BYTES, TILE_BYTES};
+use crate::progress::{Progress, ProgressMode};
+use crate::source::Source;
+use crate::InstallError;
+use mference_format::hash::sha256_file;
+use mference_format::manifest::{FileEntry, Flags, Manifest, MAGIC, VERSION_MAJOR, VERSION_MINOR};
+use mference_format::receipt::utc_timestamp_now;
+use mference_format::{
+    Install, OpenOptions, Receipt, VerifyPolicy, LAYOUT_FILE, MANIFEST_FILE, RECEIPT_FILE,
+    TOKENIZER_DIR,
+};
+use std::collections::{BTreeMap, HashMap};
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+/// Tool version written into receipts.
+pub const TOOL_VERSION: &str = concat!("mference-install ", env!("CARGO_PKG_VERSION"));
+
+/// Options of one install.
+#[derive(Clone, Debug)]
+pub struct InstallOptions {
+    /// Continue a saved partial install (`--resume`).
+    pub resume: bool,
+    /// Replace an existing install at the output path (`--overwrite`).
+    pub overwrite: bool,
+    /// Plan only; write nothing (`--dry-run`).
+    pub dry_run: bool,
+    /// Largest coalesced range in bytes (1..=64 MiB; default 64 MiB).
+    pub max_range_bytes: u64,
+    /// Free-disk reserve kept on top of the remaining output, bytes (default 1 GiB).
+    pub disk_reserve_bytes: u64,
+    pub progress: ProgressMode,
+    /// `modelID` for the manifest; default: the repo id, or the directory name.
+    pub model_id: Option<String>,
+    /// Expected index SHA-256 (presets).
+    pub pin: Option<Pin>,
+}
+
+impl Default for InstallOptions {
+    fn default() -> Self {
+        InstallOptions {
+            resume: false,
+            overwrite: false,
+            dry_run: false,
+            max_range_bytes: MAX_RANGE_BYTES,
+            disk_reserve_bytes: 1 << 30,
+            progress: ProgressMode::Auto,
+            model_id: None,
+            pin: None,
+        }
+    }
+}
+
+/// What an install did (or, for a dry run, would do).
+#[derive(Clone, Debug)]
+pub struct InstallReport {
+    /// Final install directory.
+    pub output: PathBuf,
+    pub dry_run: bool,
+    pub family: mference_format::Family,
+    pub source_revision: String,
+    pub ranges_total: usize,
+    /// Ranges fetched by this run.
+    pub ranges_fetched: usize,
+    /// Journaled ranges that verified and were kept.
+    pub ranges_reused: usize,
+    /// Source bytes of all ranges (gaps included).
+    pub source_bytes: u64,
+    /// Source bytes fetched by this run.
+    pub fetched_bytes: u64,
+    pub output_bytes: u64,
+    pub resident_entries: usize,
+    pub expert_layers: usize,
+    pub expert_stride: u64,
+    /// Multimodal tensors left out.
+    pub excluded: Vec<String>,
+}
+
+/// The paths next to an output `<out>`: `<out>.partial/`, `<out>.resume.json`,
+/// `<out>.install.lock`.
+#[derive(Clone, Debug)]
+pub struct OutPaths {
+    pub out: PathBuf,
+    pub partial: PathBuf,
+    pub journal: PathBuf,
+    pub lock: PathBuf,
+}
+
+impl OutPaths {
+    /// Absolute paths for `out` (its parent is created if missing).
+    pub fn new(out: &Path) -> Result<OutPaths, InstallError> {
+        let name = out.file_name().ok_or_else(|| InstallError::BadOption {
+            detail: format!("{} has no file name", out.display()),
+        })?;
+        let parent = out
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        std::fs::create_dir_all(parent)
+            .map_err(|e| InstallError::io("cannot create", parent, e))?;
+        let parent = std::fs::canonicalize(parent)
+            .map_err(|e| InstallError::io("cannot resolve", parent, e))?;
+        let with = |suffix: &str| {
+            let mut n = name.to_os_string();
+            n.push(suffix);
+            parent.join(n)
+        };
+        Ok(OutPaths {
+            out: parent.join(name),
+            partial: with(".partial"),
+            journal: with(".resume.json"),
+            lock: with(".install.lock"),
+        })
+    }
+}
+
+/// Install from any [`Source`] into `output`. See the crate docs for the sequence.
+pub fn install(
+    source: &dyn Source,
+    output: &Path,
+    opts: &InstallOptions,
+) -> Result<InstallReport, InstallError> {
+    let paths = OutPaths::new(output)?;
+    let mut progress = Progress::new(if opts.dry_run {
+        ProgressMode::Quiet
+    } else {
+        opts.progress
+    });
+    // The lock comes first so a second installer touches nothing, not even the source.
+    let _lock = if opts.dry_run {
+        None
+    } else {
+        Some(InstallLock::acquire(&paths.lock)?)
+    };
+    progress.stage("reading source metadata");
+    let ck = checkpoint::load(source, opts.pin.as_ref())?;
+    progress.stage("planning");
+    let plan = plan::build(&ck, opts.max_range_bytes)?;
+    let sid = source.id();
+    let mut report = InstallReport {
+        output: paths.out.clone(),
+        dry_run: opts.dry_run,
+        family: plan.family,
+        source_revision: sid.revision.clone(),
+        ranges_total: plan.ranges.len(),
+        ranges_fetched: 0,
+        ranges_reused: 0,
+        source_bytes: plan.source_bytes(),
+        fetched_bytes: 0,
+        output_bytes: plan.output_bytes(),
+        resident_entries: plan.resident.entries.len(),
+        expert_layers: plan.expert_layers(),
+        expert_stride: plan.layout.expert_stride,
+        excluded: plan.excluded.clone(),
+    };
+    if opts.dry_run {
+        return Ok(report);
+    }
+    let fresh_journal = Journal {
+        schema: 1,
+        repo_id: sid.repo_id.clone(),
+        requested_revision: sid.revision.clone(),
+        resolved_commit: sid.resolved_commit.clone(),
+        source_index_sha256: ck.index_sha256.clone(),
+        plan_fingerprint: plan.fingerprint.clone(),
+        total_source_bytes: plan.source_bytes(),
+        completed_ranges: Vec::new(),
+    };
+    let (has_partial, has_journal, has_out) = (
+        paths.partial.exists(),
+        paths.journal.exists(),
+        paths.out.exists(),
+    );
+    if opts.resume && has_out && has_journal && !has_partial {
+        // Killed after promotion, before the journal was removed.
+        std::fs::remove_file(&paths.journal)
+            .map_err(|e| InstallError::io("cannot remove", &paths.journal, e))?;
+        fsync_parent(&paths.journal)?;
+        report.ranges_reused = plan.ranges.len();
+        return Ok(report);
+    }
+    if has_out && !opts.overwrite {
+        return Err(InstallError::OutputExists {
+            out: paths.out.clone(),
+        });
+    }
+    if !opts.resume && (has_partial || has_journal) {
+        return Err(InstallError::PartialExists {
+            partial: paths.partial.clone(),
+            out: paths.out.clone(),
+        });
+    }
+    let mut journal = if opts.resume && has_journal {
+        let j = Journal::load(&paths.journal)?;
+        check_resume_identity(&j, &fresh_journal, &paths.out)?;
+        j
+    } else {
+        fresh_journal.clone()
+    };
+    if !has_partial {
+        // A partial directory without journaled ranges is rebuilt from nothing.
+        journal.completed_ranges.clear();
+    }
+    check_disk(&paths, &plan, &journal, opts.disk_reserve_bytes)?;
+
+    // Journal before directory: a crash in between leaves a journal with no ranges, which
+    // --resume accepts.
+    journal.store(&paths.journal)?;
+    std::fs::create_dir_all(paths.partial.join(mference_format::EXPERTS_DIR))
+        .and_then(|_| std::fs::create_dir_all(paths.partial.join(TOKENIZER_DIR)))
+        .map_err(|e| InstallError::io("cannot create", &paths.partial, e))?;
+    fsync_parent(&paths.partial)?;
+    let (dests, resized) = open_dests(&paths.partial, &plan)?;
+    if resized {
+        journal.completed_ranges.clear();
+    }
+    let mut tile = vec![0u8; TILE_BYTES];
+    progress.stage("writing index, layout and tokenizer files");
+    write_generated(source, &ck, &plan, &paths.partial, &dests, &mut tile)?;
+
+    // Keep only journaled ranges whose destinations still hash to the recorded digest.
+    let by_id: HashMap<&str, usize> = plan
+        .ranges
+        .iter()
+        .enumerate()
+        .map(|(i, r)| (r.id.as_str(), i))
+        .collect();
+    let before = journal.completed_ranges.len();
+    let mut done = vec![false; plan.ranges.len()];
+    if before > 0 {
+        progress.stage(&format!("re-hashing {before} journaled ranges"));
+    }
+    let mut kept = Vec::with_capacity(before);
+    for c in std::mem::take(&mut journal.completed_ranges) {
+        let Some(&i) = by_id.get(c.id.as_str()) else {
+            continue;
+        };
+        if !done[i]
+            && digest_destinations(&plan.ranges[i], &plan.copies, &dests, &mut tile)?
+                == c.destination_digest
+        {
+            done[i] = true;
+            kept.push(c);
+        }
+    }
+    journal.completed_ranges = kept;
+    if journal.completed_ranges.len() != before {
+        progress.stage(&format!(
+            "{} journaled ranges failed verification and will be fetched again",
+            before - journal.completed_ranges.len()
+        ));
+        journal.store(&paths.journal)?;
+    }
+    report.ranges_reused = journal.completed_ranges.len();
+
+    let done_bytes: u64 = plan
+        .ranges
+        .iter()
+        .zip(&done)
+        .filter(|(_, d)| **d)
+        .map(|(r, _)| r.end - r.start)
+        .sum();
+    progress.stage(&format!(
+        "copying {} ranges ({} bytes) from {}",
+        plan.ranges.len() - report.ranges_reused,
+        plan.source_bytes() - done_bytes,
+        sid.repo_id
+    ));
+    progress.start_bytes(plan.source_bytes(), done_bytes);
+    for (i, r) in plan.ranges.iter().enumerate() {
+        if done[i] {
+            continue;
+        }
+        let mut reader = source.open_range(&plan.shard_files[r.shard], r.start, r.end)?;
+        let digest = run_range(r, &plan.copies, &mut *reader, &dests, &mut tile, &mut |n| {
+            progress.inc(n)
+        })?;
+        let dest_bytes = plan.copies[r.copies.clone()].iter().map(|c| c.len).sum();
+        journal.completed_ranges.push(CompletedRange {
+            id: r.id.clone(),
+            destination_digest: digest,
+            source_bytes: r.end - r.start,
+            destination_bytes: dest_bytes,
+        });
+        journal.store(&paths.journal)?;
+        report.ranges_fetched += 1;
+        report.fetched_bytes += r.end - r.start;
+    }
+    progress.finish();
+    drop(dests);
+
+    progress.stage("hashing output files and writing manifest and receipt");
+    finalize(&ck, &plan, &sid, opts, &paths)?;
+    progress.stage(&format!("promoting {}", paths.out.display()));
+    promote(&paths, opts.overwrite)?;
+    std::fs::remove_file(&paths.journal)
+        .map_err(|e| InstallError::io("cannot remove", &paths.journal, e))?;
+    fsync_parent(&paths.journal)?;
+    Ok(report)
+}
+
+fn check_resume_identity(saved: &Journal, now: &Journal, out: &Path) -> Result<(), InstallError> {
+    let fields = [
+        ("repo", &saved.repo_id, &now.repo_id),
+        (
+            "revision",
+            &saved.requested_revision,
+            &now.requested_revision,
+        ),
+        ("commit", &saved.resolved_commit, &now.resolved_commit),
+        (
+            "index SHA-256",
+            &saved.source_index_sha256,
+            &now.source_index_sha256,
+        ),
+        (
+            "plan fingerprint",
+            &saved.plan_fingerprint,
+            &now.plan_fingerprint,
+        ),
+    ];
+    for (what, a, b) in fields {
+        if a != b {
+            return Err(InstallError::ResumeMismatch {
+                out: out.to_path_buf(),
+                detail: format!("{what} was {a}, now {b}"),
+            });
+        }
+    }
+    if saved.total_source_bytes != now.total_source_bytes {
+        return Err(InstallError::ResumeMismatch {
+            out: out.to_path_buf(),
+            detail: "total source bytes differ".into(),
+        });
+    }
+    Ok(())
+}
+
+fn check_disk(
+    paths: &OutPaths,
+    plan: &Plan,
+    j: &Journal,
+    reserve: u64,
+) -> Result<(), InstallError> {
+    let dir = paths.out.parent().unwrap_or(Path::new("/"));
+    let st =
+        rustix::fs::statvfs(dir).map_err(|e| InstallError::io("cannot statvfs", dir, e.into()))?;
+    let free = st.f_bavail.saturating_mul(st.f_frsize);
+    let written: u64 = j.completed_ranges.iter().map(|c| c.destination_bytes).sum();
+    let need = plan
+        .output_bytes()
+        .saturating_sub(written)
+        .saturating_add(plan.max_range_bytes)
+        .saturating_add(reserve);
+    if free < need {
+        return Err(InstallError::DiskFull {
+            dir: dir.to_path_buf(),
+            need,
+            free,
+        });
+    }
+    Ok(())
+}
+
+/// Open (creating or resizing) every destination file; `true` if any existing file had a
+/// different size (then every journaled range is void).
+fn open_dests(partial: &Path, plan: &Plan) -> Result<(Dests, bool), InstallError> {
+    let mut files = Vec::new();
+    let mut paths = Vec::new();
+    let mut resized = false;
+    for (rel, size) in &plan.dest_files {
+        let p = partial.join(rel);
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&p)
+            .map_err(|e| InstallError::io("cannot open", &p, e))?;
+        let cur = f
+            .metadata()
+            .map_err(|e| InstallError::io("cannot stat", &p, e))?
+            .len();
+        if cur != *size {
+            resized |= cur != 0;
+            f.set_len(*size)
+                .map_err(|e| InstallError::io("cannot size", &p, e))?;
+        }
+        files.push(f);
+        paths.push(p);
+    }
+    fsync_dir(&partial.join(mference_format::EXPERTS_DIR))?;
+    fsync_dir(partial)?;
+    Ok((Dests { files, paths }, resized))
+}
+
+/// Write what the plan generates (resident index, layout.json) and copy the sidecars.
+fn write_generated(
+    source: &dyn Source,
+    ck: &Checkpoint,
+    plan: &Plan,
+    partial: &Path,
+    dests: &Dests,
+    tile: &mut [u8],
+) -> Result<(), InstallError> {
+    use std::os::unix::fs::FileExt;
+    let index = plan.resident.encode()?;
+    dests.files[0]
+        .write_all_at(&index, 0)
+        .and_then(|_| dests.files[0].sync_data())
+        .map_err(|e| InstallError::io("cannot write", &dests.paths[0], e))?;
+    write_atomic(&partial.join(LAYOUT_FILE), &plan.layout.to_bytes())?;
+    for (name, size) in &ck.sidecars {
+        let dst = partial.join(TOKENIZER_DIR).join(name);
+        let tmp = dst.with_extension("part");
+        let mut out =
+            std::fs::File::create(&tmp).map_err(|e| InstallError::io("cannot create", &tmp, e))?;
+        let mut r = source.open_range(name, 0, *size)?;
+        let mut left = *size;
+        while left > 0 {
+            let n = (left as usize).min(tile.len());
+            r.read_exact(&mut tile[..n])
+                .map_err(|e| InstallError::SourceInvalid {
+                    detail: format!("{name}: {e}"),
+                })?;
+            std::io::Write::write_all(&mut out, &tile[..n])
+                .map_err(|e| InstallError::io("cannot write", &tmp, e))?;
+            left -= n as u64;
+        }
+        out.sync_all()
+            .map_err(|e| InstallError::io("cannot fsync", &tmp, e))?;
+        std::fs::rename(&tmp, &dst).map_err(|e| InstallError::io("cannot rename", &tmp, e))?;
+    }
+    fsync_dir(&partial.join(TOKENIZER_DIR))
+}
+
+fn finalize(
+    ck: &Checkpoint,
+    plan: &Plan,
+    sid: &crate::source::SourceId,
+    opts: &InstallOptions,
+    paths: &OutPaths,
+) -> Result<(), InstallError> {
+    let mut rels: Vec<String> = plan.dest_files.iter().map(|(r, _)| r.clone()).collect();
+    rels.push(LAYOUT_FILE.to_string());
+    rels.extend(
+        ck.sidecars
+            .iter()
+            .map(|(n, _)| format!("{TOKENIZER_DIR}/{n}")),
+    );
+    let mut files = BTreeMap::new();
+    for rel in rels {
+        let (size, sha256) = sha256_file(&paths.partial.join(&rel))?;
+        files.insert(rel, FileEntry { size, sha256 });
+    }
+    let model_id =
+        opts.model_id
+            .clone()
+            .unwrap_or_else(|| match sid.repo_id.strip_prefix("local:") {
+                Some(p) => Path::new(p)
+                    .file_name()
+                    .map(|n| n.to_string_lossy().into_owned())
+                    .unwrap_or_default(),
+                None => sid.repo_id.clone(),
+            });
+    let manifest = Manifest {
+        magic: MAGIC.into(),
+        version_major: VERSION_MAJOR,
+        version_minor: VERSION_MINOR,
+        flags: Flags {
+            streaming_present: true,
+            turbo_quant_kv: false,
+            ane_shared_expert: false,
+        },
+        model_id,
+        source_snapshot_hash: format!("sha256:{}", ck.index_sha256),
+        arch: plan.arch.clone(),
+        quant: Some(plan.quant_slots.clone()),
+        files,
+        experts_per_layer: plan.layout.experts_per_layer,
+        num_layers: plan.layout.num_layers,
+        expert_stride: plan.layout.expert_stride,
+        bit_width_overrides_honored: plan.quant.overrides.len() as u64,
+        extra: BTreeMap::new(),
+    };
+    let mbytes = manifest.to_bytes();
+    write_atomic(&paths.partial.join(MANIFEST_FILE), &mbytes)?;
+    write_receipt(&paths.partial, &paths.out, &manifest, &mbytes, Some(sid))?;
+    // Verify the staged install against the final path before promoting it.
+    let opened = Install::open_with(
+        &paths.partial,
+        &OpenOptions {
+            policy: VerifyPolicy::TrustedReceipt,
+            bound_dir: Some(paths.out.clone()),
+            expect_family: Some(plan.family),
+        },
+    )?;
+    for l in opened.layout.layers.iter().filter(|l| l.blob.is_some()) {
+        opened.check_layer_file(l.layer)?;
+    }
+    Ok(())
+}
+
+/// Write `verified-install.json` into `dir`, bound to `bound` (the final install path).
+pub fn write_receipt(
+    dir: &Path,
+    bound: &Path,
+    manifest: &Manifest,
+    manifest_bytes: &[u8],
+    sid: Option<&crate::source::SourceId>,
+) -> Result<Receipt, InstallError> {
+    let manifest_sha256 = mference_format::hash::sha256_hex(manifest_bytes);
+    let mut files = manifest.files.clone();
+    files.insert(
+        MANIFEST_FILE.into(),
+        FileEntry {
+            size: manifest_bytes.len() as u64,
+            sha256: manifest_sha256.clone(),
+        },
+    );
+    let receipt = Receipt {
+        schema_version: 1,
+        manifest_sha256,
+        model_directory_path: bound.to_string_lossy().into_owned(),
+        source_repo_id: sid.map(|s| s.repo_id.clone()),
+        source_revision: sid.map(|s| s.revision.clone()),
+        verification_timestamp: utc_timestamp_now(),
+        tool_version: TOOL_VERSION.into(),
+        files,
+    };
+    write_atomic(&dir.join(RECEIPT_FILE), &receipt.to_bytes())?;
+    Ok(receipt)
+}
+
+fn promote(paths: &OutPaths, overwrite: bool) -> Result<(), InstallError> {
+    let mut old = None;
+    if overwrite && paths.out.exists() {
+        let mut n = paths.out.clone().into_os_string();
+        n.push(format!(".old-{}", std::process::id()));
+        let o = PathBuf::from(n);
+        std::fs::rename(&paths.out, &o)
+            .map_err(|e| InstallError::io("cannot move aside", &paths.out, e))?;
+        old = Some(o);
+    }
+    std::fs::rename(&paths.partial, &paths.out)
+        .map_err(|e| InstallError::io("cannot promote", &paths.partial, e))?;
+    fsync_parent(&paths.out)?;
+    if let Some(o) = old {
+        std::fs::remove_dir_all(&o).map_err(|e| InstallError::io("cannot remove", &o, e))?;
+        fsync_parent(&paths.out)?;
+    }
+    Ok(())
+}

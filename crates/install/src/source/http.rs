@@ -1,0 +1,396 @@
+//! HTTP(S) source in Hugging Face's layout: `{base}/{repo}/resolve/{revision}/{file}`.
+//! Only byte ranges are requested; every response must be `206` with a matching
+//! `Content-Range` (a `200` to a ranged request is an error). Redirects are followed by hand
+//! so `Range` is kept; `HF_TOKEN` is sent only after the base host answered `401`, and
+//! never to another host. Transient failures (connection errors, short or mismatched
+//! bodies, 5xx, 429) are retried with exponential backoff, resuming at the first missing
+//! byte.
+
+use super::{Source, SourceId};
+use crate::InstallError;
+use std::io::Read;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::Duration;
+
+/// Configuration of an [`HttpSource`].
+#[derive(Clone, Debug)]
+pub struct HttpConfig {
+    /// `https://huggingface.co`, `$HF_ENDPOINT`, or a mirror; must be http(s).
+    pub base_url: String,
+    /// `owner/name`.
+    pub repo: String,
+    /// Branch, tag or 40-hex commit.
+    pub revision: String,
+    /// Bearer token, sent only when the base host asks for authentication.
+    pub token: Option<String>,
+    /// Consecutive failed attempts allowed per request (default 4).
+    pub attempts: u32,
+    /// First retry delay; doubles each attempt (default 1 s).
+    pub retry_base_delay: Duration,
+    /// Redirects followed per request (default 10).
+    pub max_redirects: u32,
+    /// Limit for receiving one response body (default 600 s).
+    pub body_timeout: Duration,
+}
+
+impl Default for HttpConfig {
+    fn default() -> Self {
+        HttpConfig {
+            base_url: "https://huggingface.co".into(),
+            repo: String::new(),
+            revision: "main".into(),
+            token: None,
+            attempts: 4,
+            retry_base_delay: Duration::from_secs(1),
+            max_redirects: 10,
+            body_timeout: Duration::from_secs(600),
+        }
+    }
+}
+
+/// A Hugging Face-layout HTTP(S) source.
+pub struct HttpSource {
+    cfg: HttpConfig,
+    agent: ureq::Agent,
+    base_host: String,
+    auth_requested: AtomicBool,
+    requests: AtomicU64,
+    commit: Mutex<Option<String>>,
+}
+
+enum Failure {
+    Transient(String),
+    Fatal(String),
+}
+
+fn host_of(url: &str) -> &str {
+    let rest = url.split_once("://").map_or(url, |(_, r)| r);
+    rest.split('/').next().unwrap_or("")
+}
+
+fn resolve_location(current: &str, loc: &str) -> String {
+    if loc.contains("://") {
+        return loc.to_string();
+    }
+    let (scheme, rest) = current.split_once("://").unwrap_or(("http", current));
+    let host = rest.split('/').next().unwrap_or("");
+    if loc.starts_with('/') {
+        format!("{scheme}://{host}{loc}")
+    } else {
+        let dir = current.rsplit_once('/').map_or(current, |(d, _)| d);
+        format!("{dir}/{loc}")
+    }
+}
+
+/// Parse `bytes a-b/total` → (a, b inclusive, total).
+fn parse_content_range(v: &str) -> Option<(u64, u64, Option<u64>)> {
+    let v = v.trim().strip_prefix("bytes ")?;
+    let (span, total) = v.split_once('/')?;
+    let (a, b) = span.split_once('-')?;
+    Some((a.parse().ok()?, b.parse().ok()?, total.parse().ok()))
+}
+
+impl HttpSource {
+    /// Build a source. Errors: base URL not http(s).
+    pub fn new(cfg: HttpConfig) -> Result<Self, InstallError> {
+        if !(cfg.base_url.starts_with("http://") || cfg.base_url.starts_with("https://")) {
+            return Err(InstallError::BadOption {
+                detail: format!("--base-url {} must be http(s)", cfg.base_url),
+            });
+        }
+        let agent: ureq::Agent = ureq::Agent::config_builder()
+            .max_redirects(0)
+            .http_status_as_error(false)
+            .timeout_connect(Some(Duration::from_secs(30)))
+            .timeout_recv_response(Some(Duration::from_secs(120)))
+            .timeout_recv_body(Some(cfg.body_timeout))
+            .build()
+            .into();
+        Ok(HttpSource {
+            base_host: host_of(&cfg.base_url).to_string(),
+            cfg,
+            agent,
+            auth_requested: AtomicBool::new(false),
+            requests: AtomicU64::new(0),
+            commit: Mutex::new(None),
+        })
+    }
+
+    fn url(&self, rel: &str) -> String {
+        format!(
+            "{}/{}/resolve/{}/{}",
+            self.cfg.base_url.trim_end_matches('/'),
+            self.cfg.repo,
+            self.cfg.revision,
+            rel
+        )
+    }
+
+    /// One ranged GET (inclusive `last`), following redirects. `Ok(None)` on 404.
+    fn get_once(
+        &self,
+        url: &str,
+        first: u64,
+        last: Option<u64>,
+    ) -> Result<Option<(ureq::http::Response<ureq::Body>, u64, u64, Option<u64>)>, Failure> {
+        let range = match last {
+            Some(l) => format!("bytes={first}-{l}"),
+            None => format!("bytes={first}-"),
+        };
+        let mut cur = url.to_string();
+        let mut redirects = 0;
+        loop {
+            let mut req = self.agent.get(&cur).header("Range", &range);
+            let same_host = host_of(&cur) == self.base_host;
+            if let (Some(t), true, true) = (
+                &self.cfg.token,
+                self.auth_requested.load(Ordering::Relaxed),
+                same_host,
+            ) {
+                req = req.header("Authorization", &format!("Bearer {t}"));
+            }
+            let resp = req
+                .call()
+                .map_err(|e| Failure::Transient(format!("{cur}: {e}")))?;
+            let status = resp.status().as_u16();
+            if let Some(c) = resp
+                .headers()
+                .get("x-repo-commit")
+                .and_then(|v| v.to_str().ok())
+            {
+                *self.commit.lock().expect("lock") = Some(c.to_string());
+            }
+            match status {
+                401 if self.cfg.token.is_some()
+                    && same_host
+                    && !self.auth_requested.swap(true, Ordering::Relaxed) =>
+                {
+                    continue
+                }
+                401 | 403 => {
+                    return Err(Failure::Fatal(format!(
+                        "{cur}: {status}: authentication required; set HF_TOKEN"
+                    )))
+                }
+                404 => return Ok(None),
+                301 | 302 | 303 | 307 | 308 => {
+                    redirects += 1;
+                    if redirects > self.cfg.max_redirects {
+                        return Err(Failure::Fatal(format!("{url}: too many redirects")));
+                    }
+                    let loc = resp
+                        .headers()
+                        .get("location")
+                        .and_then(|v| v.to_str().ok())
+                        .ok_or_else(|| {
+                            Failure::Fatal(format!("{cur}: redirect without Location"))
+                        })?;
+                    cur = resolve_location(&cur, loc);
+                    continue;
+                }
+                206 => {}
+                200 => {
+                    return Err(Failure::Fatal(format!(
+                        "{cur}: server answered 200 to a ranged request (Range ignored)"
+                    )))
+                }
+                416 => {
+                    return Err(Failure::Fatal(format!(
+                        "{cur}: range {range} not satisfiable"
+                    )))
+                }
+                429 | 500..=599 => return Err(Failure::Transient(format!("{cur}: HTTP {status}"))),
+                s => return Err(Failure::Fatal(format!("{cur}: HTTP {s}"))),
+            }
+            let cr = resp
+                .headers()
+                .get("content-range")
+                .and_then(|v| v.to_str().ok())
+                .and_then(parse_content_range);
+            let (a, b, total) = cr.ok_or_else(|| {
+                Failure::Transient(format!("{cur}: 206 without a valid Content-Range"))
+            })?;
+            if a != first || last.is_some_and(|l| b != l) || b < a {
+                return Err(Failure::Transient(format!(
+                    "{cur}: asked for {range}, got bytes {a}-{b}"
+                )));
+            }
+            if let Some(len) = resp
+                .headers()
+                .get("content-length")
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.parse::<u64>().ok())
+            {
+                if len != b - a + 1 {
+                    return Err(Failure::Transient(format!(
+                        "{cur}: Content-Length {len} does not match Content-Range {a}-{b}"
+                    )));
+                }
+            }
+            return Ok(Some((resp, a, b, total)));
+        }
+    }
+
+    fn with_retries<T>(
+        &self,
+        url: &str,
+        mut f: impl FnMut() -> Result<T, Failure>,
+    ) -> Result<T, InstallError> {
+        let mut attempt = 0;
+        loop {
+            match f() {
+                Ok(v) => return Ok(v),
+                Err(Failure::Fatal(d)) => {
+                    return Err(InstallError::Http {
+                        url: url.into(),
+                        detail: d,
+                    })
+                }
+                Err(Failure::Transient(d)) => {
+                    attempt += 1;
+                    if attempt >= self.cfg.attempts {
+                        return Err(InstallError::Http {
+                            url: url.into(),
+                            detail: format!("{d} (gave up after {attempt} attempts)"),
+                        });
+                    }
+                    std::thread::sleep(self.cfg.retry_base_delay * (1 << (attempt - 1)));
+                }
+            }
+        }
+    }
+}
+
+impl Source for HttpSource {
+    fn id(&self) -> SourceId {
+        SourceId {
+            repo_id: self.cfg.repo.clone(),
+            revision: self.cfg.revision.clone(),
+            resolved_commit: self
+                .commit
+                .lock()
+                .expect("lock")
+                .clone()
+                .unwrap_or_else(|| self.cfg.revision.clone()),
+        }
+    }
+
+    fn read_small(&self, rel: &str, cap: u64) -> Result<Option<Vec<u8>>, InstallError> {
+        let url = self.url(rel);
+        self.with_retries(&url, || {
+            let Some((resp, a, b, total)) = self.get_once(&url, 0, Some(cap.saturating_sub(1)))?
+            else {
+                return Ok(None);
+            };
+            if total.is_some_and(|t| t > cap) {
+                return Err(Failure::Fatal(format!(
+                    "{rel} is larger than the {cap}-byte cap"
+                )));
+            }
+            let mut out = Vec::with_capacity((b - a + 1) as usize);
+            resp.into_body()
+                .into_reader()
+                .take(cap)
+                .read_to_end(&mut out)
+                .map_err(|e| Failure::Transient(format!("{url}: {e}")))?;
+            if out.len() as u64 != b - a + 1 {
+                return Err(Failure::Transient(format!("{url}: short body")));
+            }
+            Ok(Some(out))
+        })
+    }
+
+    fn size_of(&self, rel: &str) -> Result<Option<u64>, InstallError> {
+        let url = self.url(rel);
+        self.with_retries(&url, || match self.get_once(&url, 0, Some(0))? {
+            None => Ok(None),
+            Some((_, _, _, Some(total))) => Ok(Some(total)),
+            Some(_) => Err(Failure::Fatal(format!(
+                "{url}: Content-Range without a total size"
+            ))),
+        })
+    }
+
+    fn open_range(
+        &self,
+        rel: &str,
+        start: u64,
+        end: u64,
+    ) -> Result<Box<dyn Read + Send + '_>, InstallError> {
+        Ok(Box::new(RangeReader {
+            src: self,
+            url: self.url(rel),
+            pos: start,
+            end,
+            body: None,
+        }))
+    }
+
+    fn range_requests(&self) -> u64 {
+        self.requests.load(Ordering::Relaxed)
+    }
+}
+
+/// Streams `pos..end`, reconnecting at `pos` after a transient failure.
+struct RangeReader<'a> {
+    src: &'a HttpSource,
+    url: String,
+    pos: u64,
+    end: u64,
+    body: Option<Box<dyn Read + Send>>,
+}
+
+impl RangeReader<'_> {
+    fn connect(&mut self) -> Result<(), Failure> {
+        self.src.requests.fetch_add(1, Ordering::Relaxed);
+        match self.src.get_once(&self.url, self.pos, Some(self.end - 1))? {
+            None => Err(Failure::Fatal(format!("{}: 404", self.url))),
+            Some((resp, _, _, _)) => {
+                self.body = Some(Box::new(resp.into_body().into_reader()));
+                Ok(())
+            }
+        }
+    }
+}
+
+impl Read for RangeReader<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        if self.pos >= self.end || buf.is_empty() {
+            return Ok(0);
+        }
+        let want = buf.len().min((self.end - self.pos) as usize);
+        let mut attempt = 0;
+        loop {
+            let r = match self.body.as_mut() {
+                Some(b) => match b.read(&mut buf[..want]) {
+                    Ok(0) => Err(Failure::Transient(format!(
+                        "{}: body ended at byte {} of ..{}",
+                        self.url, self.pos, self.end
+                    ))),
+                    Ok(n) => Ok(n),
+                    Err(e) => Err(Failure::Transient(format!("{}: {e}", self.url))),
+                },
+                None => self.connect().map(|_| 0),
+            };
+            match r {
+                Ok(0) => continue,
+                Ok(n) => {
+                    self.pos += n as u64;
+                    return Ok(n);
+                }
+                Err(Failure::Fatal(d)) => return Err(std::io::Error::other(d)),
+                Err(Failure::Transient(d)) => {
+                    self.body = None;
+                    attempt += 1;
+                    if attempt >= self.src.cfg.attempts {
+                        return Err(std::io::Error::other(format!(
+                            "{d} (gave up after {attempt} attempts)"
+                        )));
+                    }
+                    std::thread::sleep(self.src.cfg.retry_base_delay * (1 << (attempt - 1)));
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,128 @@
+//! A local mlx-community-style checkpoint directory.
+
+use super::{Source, SourceId};
+use crate::InstallError;
+use std::io::{Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// A checkpoint directory on a local filesystem.
+pub struct LocalSource {
+    dir: PathBuf,
+    requests: AtomicU64,
+}
+
+impl LocalSource {
+    /// Open `dir` (must exist). Errors: [`InstallError::SourceInvalid`].
+    pub fn new(dir: &Path) -> Result<Self, InstallError> {
+        let dir = std::fs::canonicalize(dir).map_err(|e| InstallError::SourceInvalid {
+            detail: format!("{}: {e}", dir.display()),
+        })?;
+        if !dir.is_dir() {
+            return Err(InstallError::SourceInvalid {
+                detail: format!("{} is not a directory", dir.display()),
+            });
+        }
+        Ok(LocalSource {
+            dir,
+            requests: AtomicU64::new(0),
+        })
+    }
+
+    fn path(&self, rel: &str) -> Result<PathBuf, InstallError> {
+        if rel.starts_with('/') || rel.split('/').any(|c| c == "..") {
+            return Err(InstallError::SourceInvalid {
+                detail: format!("file name \"{rel}\" escapes the checkpoint directory"),
+            });
+        }
+        Ok(resolve_pointer(&self.dir.join(rel)))
+    }
+}
+
+/// Follow a "pointer file": a tiny file whose whole content is a relative path to a file
+/// with the same name (how a checkout without symlink support stores a symlink; the
+/// bundled tiny checkpoints point their tokenizer files at `assets/tokenizers/`).
+fn resolve_pointer(path: &Path) -> PathBuf {
+    let small = std::fs::metadata(path)
+        .map(|m| m.is_file() && m.len() < 1024)
+        .unwrap_or(false);
+    if !small {
+        return path.to_path_buf();
+    }
+    let Ok(text) = std::fs::read_to_string(path) else {
+        return path.to_path_buf();
+    };
+    let target = text.trim();
+    let same_name = Path::new(target).file_name() == path.file_name();
+    if same_name && !target.contains('\n') && !target.starts_with('/') {
+        let candidate = path.parent().unwrap_or(Path::new(".")).join(target);
+        if candidate.is_file() {
+            return candidate;
+        }
+    }
+    path.to_path_buf()
+}
+
+impl Source for LocalSource {
+    fn id(&self) -> SourceId {
+        SourceId {
+            repo_id: format!("local:{}", self.dir.display()),
+            revision: "local".into(),
+            resolved_commit: "local".into(),
+        }
+    }
+
+    fn read_small(&self, rel: &str, cap: u64) -> Result<Option<Vec<u8>>, InstallError> {
+        let p = self.path(rel)?;
+        let meta = match std::fs::metadata(&p) {
+            Ok(m) => m,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(InstallError::io("cannot read", p, e)),
+        };
+        if meta.len() > cap {
+            return Err(InstallError::SourceInvalid {
+                detail: format!("{rel} is {} bytes, above the {cap}-byte cap", meta.len()),
+            });
+        }
+        std::fs::read(&p)
+            .map(Some)
+            .map_err(|e| InstallError::io("cannot read", p, e))
+    }
+
+    fn size_of(&self, rel: &str) -> Result<Option<u64>, InstallError> {
+        let p = self.path(rel)?;
+        match std::fs::metadata(&p) {
+            Ok(m) if m.is_file() => Ok(Some(m.len())),
+            Ok(_) => Ok(None),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(InstallError::io("cannot stat", p, e)),
+        }
+    }
+
+    fn open_range(
+        &self,
+        rel: &str,
+        start: u64,
+        end: u64,
+    ) -> Result<Box<dyn Read + Send + '_>, InstallError> {
+        let p = self.path(rel)?;
+        let mut f = std::fs::File::open(&p).map_err(|e| InstallError::io("cannot open", &p, e))?;
+        let len = f
+            .metadata()
+            .map_err(|e| InstallError::io("cannot stat", &p, e))?
+            .len();
+        if end > len || start > end {
+            return Err(InstallError::SourceInvalid {
+                detail: format!("{rel}: range {start}..{end} is beyond the file size {len}"),
+            });
+        }
+        f.seek(SeekFrom::Start(start))
+            .map_err(|e| InstallError::io("cannot seek", &p, e))?;
+        self.requests.fetch_add(1, Ordering::Relaxed);
+        Ok(Box::new(f.take(end - start)))
+    }
+
+    fn range_requests(&self) -> u64 {
+        self.requests.load(Ordering::Relaxed)
+    }
+}

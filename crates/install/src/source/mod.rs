@@ -1,0 +1,46 @@
+//! Where checkpoint bytes come from: a local directory or an HTTP(S) mirror in Hugging
+//! Face's `resolve/{revision}/{file}` layout. Both are read with byte ranges only.
+
+pub mod http;
+pub mod local;
+
+use crate::InstallError;
+use std::io::Read;
+
+/// Identity of a source, recorded in the journal and receipt.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SourceId {
+    /// `owner/name` for Hugging Face, `local:<absolute dir>` for a directory.
+    pub repo_id: String,
+    /// Requested revision (`local` for a directory).
+    pub revision: String,
+    /// Resolved commit (40 hex) when known, else the revision.
+    pub resolved_commit: String,
+}
+
+/// A checkpoint source. `rel` is a file path inside the checkpoint (e.g. `config.json`).
+pub trait Source: Send + Sync {
+    /// Identity for the journal and the receipt.
+    fn id(&self) -> SourceId;
+
+    /// Read a whole small file (config, index, tokenizer sidecars), refusing more than
+    /// `cap` bytes. `Ok(None)` if the file does not exist.
+    fn read_small(&self, rel: &str, cap: u64) -> Result<Option<Vec<u8>>, InstallError>;
+
+    /// Size in bytes of `rel`, `Ok(None)` if it does not exist.
+    fn size_of(&self, rel: &str) -> Result<Option<u64>, InstallError>;
+
+    /// Stream bytes `start..end` of `rel`. The reader yields exactly `end - start` bytes or
+    /// fails; transient failures are retried inside (HTTP).
+    fn open_range(
+        &self,
+        rel: &str,
+        start: u64,
+        end: u64,
+    ) -> Result<Box<dyn Read + Send + '_>, InstallError>;
+
+    /// Requests made so far for data ranges (for reports and tests).
+    fn range_requests(&self) -> u64 {
+        0
+    }
+}

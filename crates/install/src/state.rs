@@ -1,0 +1,157 @@
+//! `verify`, `inspect` and `discard` on an install path.
+
+use crate::journal::{fsync_parent, Journal};
+use crate::lock::InstallLock;
+use crate::run::{write_receipt, OutPaths};
+use crate::InstallError;
+use mference_format::hash::{read_capped, sha256_file, sha256_hex};
+use mference_format::manifest::MANIFEST_MAX_BYTES;
+use mference_format::{
+    FormatError, Install, Manifest, Receipt, VerifyPolicy, MANIFEST_FILE, RECEIPT_FILE,
+};
+use std::path::{Path, PathBuf};
+
+/// Result of [`verify`].
+#[derive(Clone, Debug)]
+pub struct VerifySummary {
+    /// Files hashed, manifest included.
+    pub files: usize,
+    /// Bytes hashed.
+    pub bytes: u64,
+}
+
+/// Rehash every file listed in the manifest (and the manifest), check the structure
+/// ([`Install::open`]), and rewrite `verified-install.json` bound to `dir`.
+pub fn verify(dir: &Path) -> Result<VerifySummary, InstallError> {
+    let dir = std::fs::canonicalize(dir).map_err(|e| InstallError::io("cannot open", dir, e))?;
+    let mbytes = read_capped(&dir.join(MANIFEST_FILE), MANIFEST_FILE, MANIFEST_MAX_BYTES)?;
+    let manifest = Manifest::parse(&mbytes)?;
+    let mut bytes = mbytes.len() as u64;
+    for (rel, want) in &manifest.files {
+        let (size, sha) = sha256_file(&dir.join(rel)).map_err(|e| match e {
+            FormatError::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
+                FormatError::MissingFile {
+                    path: dir.join(rel),
+                }
+            }
+            other => other,
+        })?;
+        if size != want.size {
+            return Err(FormatError::SizeMismatch {
+                rel: rel.clone(),
+                expected: want.size,
+                actual: size,
+            }
+            .into());
+        }
+        if !sha.eq_ignore_ascii_case(&want.sha256) {
+            return Err(FormatError::ShaMismatch {
+                rel: rel.clone(),
+                expected: want.sha256.clone(),
+                actual: sha,
+            }
+            .into());
+        }
+        bytes += size;
+    }
+    Install::open(&dir, VerifyPolicy::FullSha256)?;
+    let old = read_capped(&dir.join(RECEIPT_FILE), RECEIPT_FILE, 4 << 20)
+        .ok()
+        .and_then(|b| Receipt::parse(&b).ok());
+    let sid = old.as_ref().and_then(|r| {
+        Some(crate::SourceId {
+            repo_id: r.source_repo_id.clone()?,
+            revision: r.source_revision.clone().unwrap_or_default(),
+            resolved_commit: String::new(),
+        })
+    });
+    write_receipt(&dir, &dir, &manifest, &mbytes, sid.as_ref())?;
+    debug_assert_eq!(sha256_hex(&mbytes).len(), 64);
+    Ok(VerifySummary {
+        files: manifest.files.len() + 1,
+        bytes,
+    })
+}
+
+/// What [`inspect`] found at an output path.
+#[derive(Clone, Debug)]
+pub struct InspectReport {
+    pub out: PathBuf,
+    /// The manifest of a complete install, if present and parseable.
+    pub manifest: Option<Manifest>,
+    /// Total bytes of the files listed in the manifest.
+    pub installed_bytes: u64,
+    /// Whether `<out>.partial/` exists.
+    pub partial: bool,
+    /// The journal of a saved partial install.
+    pub journal: Option<Journal>,
+}
+
+/// Describe `<out>`: the complete install (family, arch, sizes) and any saved partial
+/// install (journaled ranges and bytes). Accepts `<out>` or `<out>.partial`.
+pub fn inspect(out: &Path) -> Result<InspectReport, InstallError> {
+    let paths = OutPaths::new(&strip_partial(out))?;
+    let manifest = read_capped(
+        &paths.out.join(MANIFEST_FILE),
+        MANIFEST_FILE,
+        MANIFEST_MAX_BYTES,
+    )
+    .ok()
+    .map(|b| Manifest::parse(&b))
+    .transpose()?;
+    let journal = paths
+        .journal
+        .exists()
+        .then(|| Journal::load(&paths.journal))
+        .transpose()?;
+    let partial = paths.partial.is_dir();
+    if manifest.is_none() && journal.is_none() && !partial {
+        return Err(InstallError::NotAnInstall {
+            path: paths.out,
+            detail: "no manifest.json, no partial install and no journal".into(),
+        });
+    }
+    let installed_bytes = manifest
+        .as_ref()
+        .map(|m| m.files.values().map(|f| f.size).sum())
+        .unwrap_or(0);
+    Ok(InspectReport {
+        out: paths.out,
+        manifest,
+        installed_bytes,
+        partial,
+        journal,
+    })
+}
+
+/// Remove a saved partial install and its journal, under the install lock. Returns whether
+/// anything was removed. A complete install is never touched.
+pub fn discard(out: &Path) -> Result<bool, InstallError> {
+    let paths = OutPaths::new(&strip_partial(out))?;
+    let _lock = InstallLock::acquire(&paths.lock)?;
+    let mut removed = false;
+    if paths.partial.exists() {
+        std::fs::remove_dir_all(&paths.partial)
+            .map_err(|e| InstallError::io("cannot remove", &paths.partial, e))?;
+        removed = true;
+    }
+    for p in [
+        paths.journal.clone(),
+        paths.journal.with_extension("json.tmp"),
+    ] {
+        if p.exists() {
+            std::fs::remove_file(&p).map_err(|e| InstallError::io("cannot remove", &p, e))?;
+            removed = true;
+        }
+    }
+    fsync_parent(&paths.partial)?;
+    Ok(removed)
+}
+
+fn strip_partial(p: &Path) -> PathBuf {
+    let s = p.to_string_lossy();
+    match s.trim_end_matches('/').strip_suffix(".partial") {
+        Some(base) => PathBuf::from(base),
+        None => p.to_path_buf(),
+    }
+}
