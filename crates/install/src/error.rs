@@ -17,7 +17,7 @@ pub enum InstallError {
         "install busy: another installer holds {lock}; wait for it to finish (nothing was changed)"
     )]
     Busy { lock: PathBuf },
-    #[error("a saved partial install exists at {partial}: resume it with --resume or discard it with `mference discard {out}`")]
+    #[error("a saved partial install exists at {partial} (resume or discard it): pass --resume, or run `mference discard {out}`")]
     PartialExists { partial: PathBuf, out: PathBuf },
     #[error("the install state next to {out} is inconsistent ({detail}); run `mference discard {out}` and install again")]
     StateCorrupt { out: PathBuf, detail: String },

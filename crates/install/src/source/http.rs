@@ -211,7 +211,9 @@ impl HttpSource {
             let (a, b, total) = cr.ok_or_else(|| {
                 Failure::Transient(format!("{cur}: 206 without a valid Content-Range"))
             })?;
-            if a != first || last.is_some_and(|l| b != l) || b < a {
+            // A server may clamp the end of the range to the end of the file.
+            let clamped = |l: u64| b < l && total == Some(b + 1);
+            if a != first || last.is_some_and(|l| b != l && !clamped(l)) || b < a {
                 return Err(Failure::Transient(format!(
                     "{cur}: asked for {range}, got bytes {a}-{b}"
                 )));
