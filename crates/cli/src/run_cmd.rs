@@ -1,15 +1,533 @@
-//! `run` and `perplexity`.
+//! `run` (raw prompt, messages file, interactive chat) and `perplexity`.
 
+use std::io::{BufRead, Write};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
 use clap::Args;
 
-#[derive(Args)]
-pub struct RunArgs {}
-#[derive(Args)]
-pub struct PerplexityArgs {}
+use mference_format::VerifyPolicy;
+use mference_models::generate::{generate, StopReason};
+use mference_models::{LoadOptions, Logits, Model, Want};
+use mference_runtime::{CacheSlots, Sampler, SamplerConfig};
+use mference_text::{
+    stop_token_ids, ChatTemplate, Family, StopStrings, StreamingDetokenizer, Tokenizer,
+};
 
-pub fn run(_a: RunArgs) -> anyhow::Result<()> {
-    anyhow::bail!("run is not built yet")
+/// Options shared by every command that loads a model.
+#[derive(Args, Clone, Debug)]
+pub struct ModelArgs {
+    /// The installed model directory (`<name>.gturbo`).
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Expert cache slots per layer: 8, 16, 24, 32, 64, 96, 128, resident, or auto (by family and RAM).
+    #[arg(long, default_value = "auto")]
+    pub expert_cache_slots: String,
+    /// Integrity check at load: full-sha256 or trusted-receipt.
+    #[arg(long, default_value = "full-sha256")]
+    pub verify: String,
+    /// Read experts with O_DIRECT (no second copy in the page cache).
+    #[arg(long)]
+    pub direct_io: bool,
+    /// Kernel worker threads (default: all cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
 }
-pub fn perplexity(_a: PerplexityArgs) -> anyhow::Result<()> {
-    anyhow::bail!("perplexity is not built yet")
+
+/// `mference run`.
+#[derive(Args, Debug)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Raw completion of this text, no chat framing.
+    #[arg(long, group = "mode")]
+    pub prompt: Option<String>,
+    /// A JSON array of {role, content} rendered through the model's chat template.
+    #[arg(long, group = "mode")]
+    pub messages_file: Option<PathBuf>,
+    /// Interactive chat (/clear, /history, /quit).
+    #[arg(long, group = "mode")]
+    pub chat: bool,
+    /// System message for --chat (repeatable; joined with newlines).
+    #[arg(long)]
+    pub system: Vec<String>,
+    #[arg(long, default_value_t = 1024)]
+    pub max_new: usize,
+    #[arg(long, default_value_t = 4096)]
+    pub max_context: usize,
+    /// 0 = greedy.
+    #[arg(long, default_value_t = 0.2)]
+    pub temperature: f32,
+    /// 0…256; 0 = off.
+    #[arg(long, default_value_t = 64)]
+    pub top_k: usize,
+    /// (0, 1].
+    #[arg(long, default_value_t = 0.95)]
+    pub top_p: f32,
+    #[arg(long, default_value_t = 1.0)]
+    pub repetition_penalty: f32,
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Stop string (repeatable); it is not printed.
+    #[arg(long)]
+    pub stop: Vec<String>,
+    /// Prefill chunk rows: 32, 64, 128, 256, 512, 1024, 2048, 4096 or auto.
+    #[arg(long, default_value = "auto")]
+    pub prefill_chunk: String,
+    /// Print only the generated text (no footer).
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+/// `mference perplexity`.
+#[derive(Args, Debug)]
+pub struct PerplexityArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// UTF-8 text file to score.
+    #[arg(long)]
+    pub file: PathBuf,
+    /// Tokens per chunk (the first is replaced by BOS; the second half is scored).
+    #[arg(long, default_value_t = 512)]
+    pub ctx: usize,
+    /// Score only the first N tokens of the file.
+    #[arg(long)]
+    pub max_tokens: Option<usize>,
+}
+
+const CHUNKS: [usize; 8] = [32, 64, 128, 256, 512, 1024, 2048, 4096];
+
+/// The text side of an install: tokenizer, template, family.
+struct Text {
+    tok: Tokenizer,
+    template: Option<ChatTemplate>,
+    family: Family,
+}
+
+fn load_text(dir: &Path) -> Result<Text> {
+    let tdir = dir.join("tokenizer");
+    let tok = Tokenizer::from_dir(&tdir)
+        .with_context(|| format!("loading the tokenizer of {}", dir.display()))?;
+    let template = ChatTemplate::from_dir(&tdir).ok();
+    let config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(tdir.join("config.json")).with_context(|| {
+            format!(
+                "{} is not an install (no tokenizer/config.json)",
+                dir.display()
+            )
+        })?)?;
+    let mt = config
+        .get("model_type")
+        .and_then(|v| v.as_str())
+        .unwrap_or("");
+    let family =
+        Family::from_model_type(mt).with_context(|| format!("unknown model_type '{mt}'"))?;
+    Ok(Text {
+        tok,
+        template,
+        family,
+    })
+}
+
+fn validate_sampling(a: &RunArgs) -> Result<()> {
+    if !(a.top_p > 0.0 && a.top_p <= 1.0) {
+        bail!("--top-p must be in (0, 1], got {}", a.top_p);
+    }
+    if a.top_k > 256 {
+        bail!(
+            "--top-k must be between 0 and 256 (0 = off), got {}",
+            a.top_k
+        );
+    }
+    if a.temperature < 0.0 || !a.temperature.is_finite() {
+        bail!(
+            "--temperature must be >= 0 (0 = greedy), got {}",
+            a.temperature
+        );
+    }
+    if a.temperature > 0.0 && a.top_k == 0 && a.top_p < 1.0 {
+        bail!("--top-p {} requires --top-k between 1 and 256; to turn both truncations off pass --top-k 0 --top-p 1", a.top_p);
+    }
+    if a.repetition_penalty <= 0.0 {
+        bail!(
+            "--repetition-penalty must be > 0, got {}",
+            a.repetition_penalty
+        );
+    }
+    if !a.system.is_empty() && !a.chat {
+        bail!("--system requires --chat (put a system message in --messages-file instead)");
+    }
+    if a.max_new == 0 || a.max_context == 0 {
+        bail!("--max-new and --max-context must be positive");
+    }
+    Ok(())
+}
+
+fn parse_prefill_chunk(s: &str, prompt_len: Option<usize>) -> Result<usize> {
+    if s == "auto" {
+        let n = prompt_len.unwrap_or(128);
+        return Ok(CHUNKS
+            .iter()
+            .copied()
+            .find(|&c| c >= n)
+            .unwrap_or(4096)
+            .max(32));
+    }
+    match s.parse::<usize>() {
+        Ok(n) if CHUNKS.contains(&n) => Ok(n),
+        _ => bail!("invalid --prefill-chunk '{s}': allowed values are 32, 64, 128, 256, 512, 1024, 2048, 4096, auto"),
+    }
+}
+
+/// Resolves `auto` slots: everything resident when all layer files fit in a quarter of the available
+/// memory, otherwise 16 (the design default).
+fn resolve_slots(s: &str, dir: &Path) -> Result<CacheSlots> {
+    if s != "auto" {
+        return CacheSlots::parse(s).map_err(anyhow::Error::msg);
+    }
+    let experts: u64 = std::fs::read_dir(dir.join("packed_experts"))
+        .map(|rd| {
+            rd.filter_map(|e| e.ok()?.metadata().ok())
+                .map(|m| m.len())
+                .sum()
+        })
+        .unwrap_or(u64::MAX);
+    let avail = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .find(|l| l.starts_with("MemAvailable:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        })
+        .map(|kib| kib * 1024)
+        .unwrap_or(0);
+    Ok(if experts.saturating_mul(4) <= avail {
+        CacheSlots::Resident
+    } else {
+        CacheSlots::Fixed(16)
+    })
+}
+
+fn load_options(m: &ModelArgs, prefill_chunk: usize, max_context: usize) -> Result<LoadOptions> {
+    let verify = match m.verify.as_str() {
+        "full-sha256" => VerifyPolicy::FullSha256,
+        "trusted-receipt" => VerifyPolicy::TrustedReceipt,
+        other => {
+            bail!("invalid --verify '{other}': allowed values are full-sha256, trusted-receipt")
+        }
+    };
+    let mut o = LoadOptions {
+        slots: resolve_slots(&m.expert_cache_slots, &m.model)?,
+        direct_io: m.direct_io,
+        prefill_chunk,
+        max_context,
+        verify,
+        ..Default::default()
+    };
+    if let Some(t) = m.threads {
+        if t == 0 {
+            bail!("--threads must be at least 1");
+        }
+        o.threads = t;
+    }
+    Ok(o)
+}
+
+fn read_messages(path: &Path) -> Result<Vec<serde_json::Value>> {
+    let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    let v: serde_json::Value = serde_json::from_slice(&bytes)
+        .with_context(|| format!("{} is not valid JSON", path.display()))?;
+    let arr = v.as_array().with_context(|| {
+        format!(
+            "{} must hold a JSON array of {{role, content}} objects",
+            path.display()
+        )
+    })?;
+    if arr.is_empty() {
+        bail!("{}: the messages array is empty", path.display());
+    }
+    for (i, m) in arr.iter().enumerate() {
+        let role = m
+            .get("role")
+            .and_then(|r| r.as_str())
+            .with_context(|| format!("message {i}: missing string \"role\""))?;
+        if m.get("content").and_then(|c| c.as_str()).is_none() {
+            bail!("message {i}: missing string \"content\"");
+        }
+        match role {
+            "system" if i == 0 => {}
+            "system" => bail!("message {i}: a system message is only allowed first"),
+            "user" | "assistant" => {}
+            other => {
+                bail!("message {i}: unknown role '{other}' (allowed: system, user, assistant)")
+            }
+        }
+    }
+    Ok(arr.clone())
+}
+
+fn render(text: &Text, messages: &[serde_json::Value]) -> Result<Vec<u32>> {
+    let t = text
+        .template
+        .as_ref()
+        .context("this install has no chat template; use --prompt")?;
+    let s = t.render(messages, None, true, &serde_json::Map::new())?;
+    Ok(text.tok.encode(&s, false)?)
+}
+
+/// Generates and streams one reply; returns the reply text.
+fn reply(
+    model: &mut dyn Model,
+    text: &Text,
+    prompt: &[u32],
+    a: &RunArgs,
+    out: &mut impl Write,
+) -> Result<String> {
+    let mut sampler = Sampler::new(SamplerConfig {
+        temperature: a.temperature,
+        top_k: a.top_k,
+        top_p: a.top_p,
+        repetition_penalty: a.repetition_penalty,
+        seed: a.seed,
+    });
+    let stop_ids = stop_token_ids(text.family, &text.tok);
+    let mut detok = StreamingDetokenizer::new(&text.tok);
+    let mut stops = StopStrings::new(a.stop.clone());
+    let mut full = String::new();
+    let mut io_err = None;
+    let (reason, stats) = generate(model, prompt, &mut sampler, a.max_new, &stop_ids, |id| {
+        let (emit, stopped) = stops.push(&detok.push(id));
+        full.push_str(&emit);
+        if let Err(e) = out.write_all(emit.as_bytes()).and_then(|_| out.flush()) {
+            io_err = Some(e);
+            return false;
+        }
+        !stopped
+    })?;
+    if let Some(e) = io_err {
+        return Err(e.into());
+    }
+    if !stops.stopped() {
+        let (tail, _) = stops.push(&detok.finish());
+        let tail = tail + &stops.finish();
+        full.push_str(&tail);
+        out.write_all(tail.as_bytes())?;
+    }
+    out.flush()?;
+    let stop = match reason {
+        StopReason::StopToken(id) if Some(id) == text.tok.eos_id() => "eos",
+        StopReason::StopToken(_) => "endOfTurn",
+        StopReason::Caller => "stopString",
+        StopReason::MaxNew => "maxNew",
+        StopReason::Context => "context",
+    };
+    if !a.quiet {
+        let dec = stats.decode.as_secs_f64();
+        let tps = if dec > 0.0 {
+            stats.new_tokens as f64 / dec
+        } else {
+            0.0
+        };
+        eprintln!(
+            "\n[stop={stop} prefill={}tok/{:.2}s new={}tok decode={:.2}s tok/s={:.3}]",
+            stats.prompt_tokens,
+            stats.prefill.as_secs_f64(),
+            stats.new_tokens,
+            dec,
+            tps
+        );
+    }
+    Ok(full)
+}
+
+/// `mference run`.
+pub fn run(a: RunArgs) -> Result<()> {
+    validate_sampling(&a)?;
+    let text = load_text(&a.model.model)?;
+    let prompt: Option<Vec<u32>> = if let Some(p) = &a.prompt {
+        Some(text.tok.encode(p, true)?)
+    } else if let Some(f) = &a.messages_file {
+        Some(render(&text, &read_messages(f)?)?)
+    } else if a.chat {
+        None
+    } else {
+        bail!("give exactly one of --prompt, --messages-file or --chat");
+    };
+    if let Some(p) = &prompt {
+        if p.len() >= a.max_context {
+            bail!(
+                "the prompt is {} tokens, which does not fit --max-context {}",
+                p.len(),
+                a.max_context
+            );
+        }
+    }
+    let chunk = parse_prefill_chunk(
+        &a.prefill_chunk,
+        if a.chat {
+            None
+        } else {
+            prompt.as_ref().map(Vec::len)
+        },
+    )?;
+    let t0 = Instant::now();
+    let mut model = mference_models::load(
+        &a.model.model,
+        &load_options(&a.model, chunk, a.max_context)?,
+    )?;
+    if !a.quiet {
+        eprintln!(
+            "[loaded {} in {:.2}s, kernels {}, {} threads]",
+            a.model.model.display(),
+            t0.elapsed().as_secs_f64(),
+            model.engine().kernels.name(),
+            model.engine().pool.threads()
+        );
+    }
+    let stdout = std::io::stdout();
+    match prompt {
+        Some(p) => {
+            reply(model.as_mut(), &text, &p, &a, &mut stdout.lock())?;
+            println!();
+        }
+        None => chat(model.as_mut(), &text, &a)?,
+    }
+    Ok(())
+}
+
+/// Interactive chat: the whole conversation is re-rendered and re-prefilled each turn.
+fn chat(model: &mut dyn Model, text: &Text, a: &RunArgs) -> Result<()> {
+    let system = (!a.system.is_empty())
+        .then(|| serde_json::json!({"role": "system", "content": a.system.join("\n")}));
+    let mut turns: Vec<serde_json::Value> = Vec::new();
+    let stdin = std::io::stdin();
+    let mut line = String::new();
+    loop {
+        eprint!("> ");
+        line.clear();
+        if stdin.lock().read_line(&mut line)? == 0 {
+            return Ok(());
+        }
+        let input = line.trim_end_matches(['\n', '\r']);
+        match input.trim() {
+            "" => continue,
+            "/quit" | "/exit" => return Ok(()),
+            "/clear" => {
+                turns.clear();
+                eprintln!("[conversation cleared]");
+                continue;
+            }
+            "/history" => {
+                for m in system.iter().chain(&turns) {
+                    eprintln!(
+                        "{}: {}",
+                        m["role"].as_str().unwrap_or(""),
+                        m["content"].as_str().unwrap_or("")
+                    );
+                }
+                continue;
+            }
+            _ => {}
+        }
+        turns.push(serde_json::json!({"role": "user", "content": input}));
+        // Drop the oldest turns until the prompt fits, never the system message or the newest user turn.
+        let prompt = loop {
+            let msgs: Vec<_> = system
+                .iter()
+                .cloned()
+                .chain(turns.iter().cloned())
+                .collect();
+            let p = render(text, &msgs)?;
+            if p.len() + 1 < a.max_context || turns.len() <= 1 {
+                break p;
+            }
+            turns.remove(0);
+            eprintln!(
+                "[dropped the oldest message to fit --max-context {}]",
+                a.max_context
+            );
+        };
+        if prompt.len() + 1 >= a.max_context {
+            eprintln!(
+                "[the message does not fit --max-context {} even alone; try a shorter one]",
+                a.max_context
+            );
+            turns.pop();
+            continue;
+        }
+        model.truncate(0);
+        let out = reply(model, text, &prompt, a, &mut std::io::stdout().lock())?;
+        println!();
+        turns.push(serde_json::json!({"role": "assistant", "content": out}));
+    }
+}
+
+/// `mference perplexity`: llama-perplexity's protocol — chunks of `ctx` tokens, the first token of
+/// each chunk replaced by BOS, the second half of each chunk scored.
+pub fn perplexity(a: PerplexityArgs) -> Result<()> {
+    let text = load_text(&a.model.model)?;
+    if a.ctx < 4 {
+        bail!("--ctx must be at least 4");
+    }
+    let body = std::fs::read_to_string(&a.file)
+        .with_context(|| format!("reading {}", a.file.display()))?;
+    let mut ids = text.tok.encode(&body, false)?;
+    if let Some(m) = a.max_tokens {
+        ids.truncate(m);
+    }
+    let chunks = ids.len() / a.ctx;
+    if chunks == 0 {
+        bail!(
+            "{} has {} tokens, fewer than one --ctx {} chunk",
+            a.file.display(),
+            ids.len(),
+            a.ctx
+        );
+    }
+    let bos = text.tok.bos_id();
+    let mut model = mference_models::load(
+        &a.model.model,
+        &load_options(
+            &a.model,
+            a.ctx.min(512).max(32).next_power_of_two().min(4096),
+            a.ctx,
+        )?,
+    )?;
+    let vocab = model.vocab_size();
+    let first = a.ctx / 2;
+    let (mut nll, mut count) = (0.0f64, 0usize);
+    let t0 = Instant::now();
+    for c in 0..chunks {
+        let mut chunk = ids[c * a.ctx..(c + 1) * a.ctx].to_vec();
+        if let Some(b) = bos {
+            chunk[0] = b;
+        }
+        model.truncate(0);
+        let Logits::Rows(logits) = model.forward(&chunk, Want::All)? else {
+            bail!("model returned no logits")
+        };
+        for j in first..a.ctx - 1 {
+            let row = &logits[j * vocab..(j + 1) * vocab];
+            let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+            let lse = m + row.iter().map(|&z| (z as f64 - m).exp()).sum::<f64>().ln();
+            nll += lse - row[chunk[j + 1] as usize] as f64;
+            count += 1;
+        }
+        eprintln!(
+            "[chunk {}/{chunks}: running perplexity {:.4}]",
+            c + 1,
+            (nll / count as f64).exp()
+        );
+    }
+    println!("perplexity: {:.4}", (nll / count as f64).exp());
+    eprintln!(
+        "[{} chunks of {}, {} scored tokens, mean NLL {:.6}, {:.1}s]",
+        chunks,
+        a.ctx,
+        count,
+        nll / count as f64,
+        t0.elapsed().as_secs_f64()
+    );
+    Ok(())
 }
