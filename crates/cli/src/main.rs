@@ -6,7 +6,11 @@ mod install_cmd;
 mod run_cmd;
 
 #[derive(Parser)]
-#[command(name = "mference", version, about = "Run Mixture-of-Experts models larger than memory")]
+#[command(
+    name = "mference",
+    version,
+    about = "Run Mixture-of-Experts models larger than memory"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
