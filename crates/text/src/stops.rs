@@ -23,7 +23,8 @@ pub fn stop_token_ids(family: Family, tok: &Tokenizer) -> Vec<u32> {
 ///
 /// Text is held back while its tail could still be the start of a stop string; once a stop string
 /// appears, the text before it is emitted and the stop string and everything after it are
-/// dropped. Works on any chunking of the text, including a stop string split across pushes.
+/// dropped. The result does not depend on how the text is chunked (a stop string may be split
+/// across pushes): generation stops where the first stop string completes.
 #[derive(Debug, Clone)]
 pub struct StopStrings {
     stops: Vec<String>,
@@ -48,13 +49,22 @@ impl StopStrings {
             return (String::new(), true);
         }
         self.held.push_str(text);
-        // The earliest stop-string occurrence wins: nothing at or after it is emitted.
-        let hit = self
+        // Generation stops at the first stop string to *complete* (as if the text came one
+        // character at a time, so the result does not depend on chunking); among stops that
+        // complete at the same point, the longest one is cut.
+        let first_end = self
             .stops
             .iter()
-            .filter_map(|s| self.held.find(s.as_str()))
+            .filter_map(|s| self.held.find(s.as_str()).map(|at| at + s.len()))
             .min();
-        if let Some(at) = hit {
+        if let Some(end) = first_end {
+            let at = self
+                .stops
+                .iter()
+                .filter(|s| s.len() <= end && self.held[..end].ends_with(s.as_str()))
+                .map(|s| end - s.len())
+                .min()
+                .unwrap_or(end);
             let out = self.held[..at].to_string();
             self.held.clear();
             self.stopped = true;
