@@ -143,8 +143,19 @@ fn parse_xml_call(inner: &str, tools: Option<&[Value]>) -> Result<ToolCall, Text
 
 /// Types a parameter value written as text: by its declared schema type when known, else JSON
 /// literals (numbers, booleans, null, arrays, objects) become JSON and the rest stays a string.
+///
+/// The template prints non-JSON scalars with Python's `str()` (`True`, `False`, `None`), so for a
+/// declared non-string type those spellings are accepted too.
 fn typed_value(raw: &str, declared: Option<&str>) -> Result<Value, String> {
-    let parsed = serde_json::from_str::<Value>(raw.trim());
+    let trimmed = raw.trim();
+    let parsed = match trimmed {
+        "True" if declared == Some("boolean") => Ok(Value::Bool(true)),
+        "False" if declared == Some("boolean") => Ok(Value::Bool(false)),
+        _ => serde_json::from_str::<Value>(trimmed),
+    };
+    if declared.is_some_and(|t| t != "string") && matches!(trimmed, "null" | "None") {
+        return Ok(Value::Null);
+    }
     match declared {
         Some("string") => Ok(Value::String(raw.to_string())),
         Some("integer") => match parsed {
