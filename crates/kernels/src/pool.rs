@@ -21,14 +21,18 @@ thread_local! {
 type Job = dyn Fn(usize, usize) + Sync;
 
 struct Shared {
-    /// Bumped once per parallel region; workers run the job when they see a new value.
+    /// Bumped once per parallel region; workers look for work when they see a new value.
     epoch: AtomicU64,
-    /// The current job, lifetime-erased. Written by the caller before the epoch bump (Release) and read by
-    /// workers after observing the bump (Acquire); the caller waits for `pending == 0` before it returns, so
-    /// the pointee outlives every use.
+    /// The current job, lifetime-erased. Written by the caller before it resets `claims` (Release); read by a
+    /// worker only after it won its claim (AcqRel swap that saw the reset). The caller waits for every worker
+    /// that won a claim before it returns, so the pointee outlives every use and no read overlaps a write.
     job: UnsafeCell<Option<*const Job>>,
-    /// Workers that have not finished the current region.
-    pending: AtomicUsize,
+    /// `claims[i - 1]`: share `i` of the current region has been taken (by worker `i`, or by the caller when
+    /// the worker had not started by the time the caller finished its own share, e.g. because it was parked
+    /// or descheduled by another process on a shared machine).
+    claims: Box<[AtomicBool]>,
+    /// Workers that finished the share they claimed in the current region.
+    finished: AtomicUsize,
     /// Workers parked (or about to park) on `cv`.
     sleepers: AtomicUsize,
     lock: Mutex<()>,
@@ -40,9 +44,9 @@ struct Shared {
     spin: Duration,
 }
 
-// SAFETY: `job` is only written by the thread holding `ThreadPool::busy` while no worker reads it (all
-// workers finished the previous region: `pending == 0`), and read by workers only between the epoch bump and
-// their `pending` decrement. The pointee is `Sync`.
+// SAFETY: `job` is written only by the caller holding `ThreadPool::busy`, while every claim is taken and every
+// claiming worker has finished (so nobody reads it), and read only by a worker that won a claim afterwards.
+// The pointee is `Sync`.
 unsafe impl Sync for Shared {}
 // SAFETY: as above; the raw pointer is only dereferenced under that protocol.
 unsafe impl Send for Shared {}
@@ -73,7 +77,8 @@ impl ThreadPool {
         let shared = Arc::new(Shared {
             epoch: AtomicU64::new(0),
             job: UnsafeCell::new(None),
-            pending: AtomicUsize::new(0),
+            claims: (1..threads).map(|_| AtomicBool::new(true)).collect(),
+            finished: AtomicUsize::new(0),
             sleepers: AtomicUsize::new(0),
             lock: Mutex::new(()),
             cv: Condvar::new(),
@@ -103,8 +108,11 @@ impl ThreadPool {
         self.shared.threads
     }
 
-    /// Runs `f(thread_index, n_threads)` on every thread (the caller is index 0) and returns when all are done.
-    /// A panic in any share is re-raised on the caller after every share has finished.
+    /// Runs `f(share, n_shares)` for every share `0..threads()` and returns when all are done. The caller runs
+    /// share 0, workers the others; a share whose worker has not started by the time the caller finished its
+    /// own (parked, or descheduled by another process) is run by the caller instead, so each share runs exactly
+    /// once but not necessarily on a fixed thread. A panic in any share is re-raised on the caller after every
+    /// share has finished.
     pub fn run<F: Fn(usize, usize) + Sync>(&self, f: F) {
         let n = self.shared.threads;
         if n == 1 {
@@ -121,23 +129,37 @@ impl ThreadPool {
         let s = &*self.shared;
         let job: &(dyn Fn(usize, usize) + Sync + '_) = &f;
         // SAFETY: erasing the lifetime is sound because this function does not return (or unwind) before
-        // every worker has decremented `pending`, after which no worker touches the pointer again.
+        // every worker that claimed a share has finished it, and later workers cannot win a claim.
         let job: *const Job = unsafe {
             std::mem::transmute::<&(dyn Fn(usize, usize) + Sync + '_), &'static Job>(job)
         };
-        // SAFETY: no worker reads `job` now: the previous region ended with `pending == 0` and we hold `busy`.
+        // SAFETY: nobody reads `job` now: every claim of the previous region is taken and its claimants are done.
         unsafe { *s.job.get() = Some(job) };
         s.panicked.store(false, Ordering::Relaxed);
-        s.pending.store(n - 1, Ordering::Relaxed);
+        s.finished.store(0, Ordering::Relaxed);
+        for c in s.claims.iter() {
+            c.store(false, Ordering::Release);
+        }
         s.epoch.fetch_add(1, Ordering::SeqCst);
         if s.sleepers.load(Ordering::SeqCst) > 0 {
             let _g = s.lock.lock().unwrap_or_else(|e| e.into_inner());
             s.cv.notify_all();
         }
-        let mine = catch_unwind(AssertUnwindSafe(|| f(0, n)));
+        let mut result = catch_unwind(AssertUnwindSafe(|| f(0, n)));
+        let mut stolen = 0;
+        for (i, c) in s.claims.iter().enumerate() {
+            if !c.swap(true, Ordering::AcqRel) {
+                stolen += 1;
+                let r = catch_unwind(AssertUnwindSafe(|| f(i + 1, n)));
+                if result.is_ok() {
+                    result = r;
+                }
+            }
+        }
+        let expect = n - 1 - stolen;
         let start = Instant::now();
         let mut spins = 0u32;
-        while s.pending.load(Ordering::Acquire) != 0 {
+        while s.finished.load(Ordering::Acquire) != expect {
             spins = spins.wrapping_add(1);
             if spins % 64 == 0 && start.elapsed() > s.spin {
                 std::thread::yield_now();
@@ -145,7 +167,7 @@ impl ThreadPool {
                 std::hint::spin_loop();
             }
         }
-        if let Err(p) = mine {
+        if let Err(p) = result {
             resume_unwind(p);
         }
         if s.panicked.load(Ordering::Relaxed) {
@@ -342,15 +364,18 @@ fn worker_loop(s: &Shared, index: usize) {
         if s.shutdown.load(Ordering::Acquire) {
             return;
         }
-        // SAFETY: the epoch bump we observed (Acquire) happened after the caller stored the job, and the
-        // caller keeps the job alive until we decrement `pending` below.
-        let job = unsafe { (*s.job.get()).expect("job set before epoch bump") };
+        if s.claims[index - 1].swap(true, Ordering::AcqRel) {
+            continue; // the caller already ran our share
+        }
+        // SAFETY: winning the claim (AcqRel, after the caller's Release reset) makes the job written before the
+        // reset visible, and the caller keeps it alive until we bump `finished` below.
+        let job = unsafe { (*s.job.get()).expect("job set before claims reset") };
         // SAFETY: see above; the pointee is a live `Fn + Sync`.
         let r = catch_unwind(AssertUnwindSafe(|| unsafe { (*job)(index, s.threads) }));
         if r.is_err() {
             s.panicked.store(true, Ordering::Relaxed);
         }
-        s.pending.fetch_sub(1, Ordering::Release);
+        s.finished.fetch_add(1, Ordering::Release);
     }
 }
 

@@ -116,6 +116,9 @@ unsafe fn bias_dot(b: *const u8, sums: &[f32], gpr: usize) -> f32 {
     _mm512_reduce_add_ps(acc)
 }
 
+/// How far ahead (in rows) the GEMV prefetches packed weights.
+const PF_ROWS: usize = 8;
+
 /// Rows `r..r+R` of `W x` for 4- or 8-bit codes.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
 #[inline]
@@ -138,8 +141,16 @@ unsafe fn rows_dot<const R: usize, const BITS: u32>(
     let xp = x.as_ptr();
     let nib = _mm512_set1_epi32(0x0f);
     let mut acc = [_mm512_setzero_ps(); R];
+    // Software prefetch of the same bytes PF_ROWS rows ahead: the hardware prefetcher stops at 4 KiB pages,
+    // and a row block spans several of them. Prefetch never faults, so running past the end is harmless.
+    let pf = PF_ROWS * rb;
     for g in 0..gpr {
         let mut accg = [_mm512_setzero_ps(); R];
+        for i in 0..R {
+            _mm_prefetch::<_MM_HINT_T0>(
+                w.wrapping_add(pf + i * rb + g * gs * BITS as usize / 8) as *const i8
+            );
+        }
         if BITS == 4 {
             for c in 0..gs / 32 {
                 let col = g * gs + c * 32;
