@@ -21,7 +21,7 @@ mod x86;
 
 pub use dispatch::Kernels;
 pub use half::f16;
-pub use pool::ThreadPool;
+pub use pool::{MatJob, ThreadPool};
 pub use prepared::PreparedX;
 pub use qmatrix::{bf16_to_f32, QMatrix};
 

@@ -219,13 +219,8 @@ impl ThreadPool {
     /// Parallel `y[rows] = W x` for activations prepared by `k` (share one preparation across matrices that
     /// read the same input).
     pub fn gemv_prepared(&self, k: &Kernels, m: &QMatrix, p: &PreparedX, y: &mut [f32]) {
-        assert_eq!(y.len(), m.rows, "gemv: y must have rows elements");
-        let out = SyncPtr(y.as_mut_ptr());
-        self.for_chunks(m.rows, self.row_chunk(m), |r0, r1| {
-            // SAFETY: chunks are disjoint row ranges inside `y`, which outlives the parallel region.
-            let ys = unsafe { std::slice::from_raw_parts_mut(out.get().add(r0), r1 - r0) };
-            k.gemv_prepared(m, p, ys, r0, r1);
-        });
+        assert_eq!(p.n(), 1, "gemv_prepared: expected one activation row");
+        self.gemm_batch(k, &mut [MatJob { m: *m, x: p, y }]);
     }
 
     /// Parallel `Y[n, rows] = X[n, cols] · Wᵀ`, rows of W split across threads (each thread reads its weight
@@ -239,27 +234,59 @@ impl ThreadPool {
 
     /// Parallel `Y[n, rows] = X · Wᵀ` for activations prepared by `k`; `y` is `[p.n(), rows]`.
     pub fn gemm_prepared(&self, k: &Kernels, m: &QMatrix, p: &PreparedX, y: &mut [f32]) {
-        let n = p.n();
-        assert_eq!(y.len(), n * m.rows, "gemm: y must be [n, rows]");
-        if n == 1 {
-            return self.gemv_prepared(k, m, p, y);
+        self.gemm_batch(k, &mut [MatJob { m: *m, x: p, y }]);
+    }
+
+    /// Several independent products in one parallel region (one synchronisation instead of one per matrix):
+    /// e.g. the gate and up projections of every selected expert of a layer. Each job's rows are cut into
+    /// chunks and all chunks of all jobs are shared out between threads. Results are bit-identical to running
+    /// the jobs one by one.
+    ///
+    /// Panics if a job's `x` was not prepared by `k` for its matrix, or `y.len() != x.n() · m.rows`.
+    pub fn gemm_batch(&self, k: &Kernels, jobs: &mut [MatJob<'_>]) {
+        let mut items = Vec::new();
+        let mut outs = Vec::with_capacity(jobs.len());
+        for (j, job) in jobs.iter_mut().enumerate() {
+            assert_eq!(
+                job.y.len(),
+                job.x.n() * job.m.rows,
+                "gemm_batch: y must be [n, rows]"
+            );
+            outs.push(SyncPtr(job.y.as_mut_ptr()));
+            let chunk = self.row_chunk(&job.m);
+            let mut r = 0;
+            while r < job.m.rows {
+                let e = (r + chunk).min(job.m.rows);
+                items.push((j, r, e));
+                r = e;
+            }
         }
-        let out = SyncPtr(y.as_mut_ptr());
-        let rows = m.rows;
-        self.for_chunks(rows, self.row_chunk(m), |r0, r1| {
-            let w = r1 - r0;
-            OUT_TILE.with(|cell| {
-                let mut tile = cell.borrow_mut();
-                tile.clear();
-                tile.resize(n * w, 0.0);
-                k.gemm_prepared(m, p, &mut tile, r0, r1);
-                for t in 0..n {
-                    // SAFETY: row t of Y, columns [r0, r1): disjoint across chunks, inside `y`.
-                    let dst =
-                        unsafe { std::slice::from_raw_parts_mut(out.get().add(t * rows + r0), w) };
-                    dst.copy_from_slice(&tile[t * w..(t + 1) * w]);
+        let jobs = &*jobs;
+        self.for_chunks(items.len(), 1, |i0, i1| {
+            for &(j, r0, r1) in &items[i0..i1] {
+                let MatJob { m, x, .. } = &jobs[j];
+                let (n, rows, w) = (x.n(), m.rows, r1 - r0);
+                let out = outs[j];
+                if n == 1 {
+                    // SAFETY: chunks are disjoint row ranges inside job j's `y`, which outlives the region.
+                    let ys = unsafe { std::slice::from_raw_parts_mut(out.get().add(r0), w) };
+                    k.gemv_prepared(m, x, ys, r0, r1);
+                    continue;
                 }
-            });
+                OUT_TILE.with(|cell| {
+                    let mut tile = cell.borrow_mut();
+                    tile.clear();
+                    tile.resize(n * w, 0.0);
+                    k.gemm_prepared(m, x, &mut tile, r0, r1);
+                    for t in 0..n {
+                        // SAFETY: row t of job j's Y, columns [r0, r1): disjoint across chunks, inside `y`.
+                        let dst = unsafe {
+                            std::slice::from_raw_parts_mut(out.get().add(t * rows + r0), w)
+                        };
+                        dst.copy_from_slice(&tile[t * w..(t + 1) * w]);
+                    }
+                });
+            }
         });
     }
 
@@ -377,6 +404,17 @@ fn worker_loop(s: &Shared, index: usize) {
         }
         s.finished.fetch_add(1, Ordering::Release);
     }
+}
+
+/// One product of a [`ThreadPool::gemm_batch`]: `y[n, rows] = X · Wᵀ` with `X` prepared by the same
+/// [`Kernels`] for `m` (`n = x.n()`; `n == 1` is a GEMV).
+pub struct MatJob<'a> {
+    /// The quantized matrix.
+    pub m: QMatrix<'a>,
+    /// Activations prepared for `m` by the `Kernels` passed to `gemm_batch`.
+    pub x: &'a PreparedX,
+    /// Output, `[x.n(), m.rows]` row-major.
+    pub y: &'a mut [f32],
 }
 
 /// A raw output pointer shared across a parallel region whose shares write disjoint ranges.

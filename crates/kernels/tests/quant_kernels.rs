@@ -6,7 +6,7 @@
 mod common;
 
 use common::{max_rel_err, naive_gemm, OwnedQ, Rng};
-use mference_kernels::{Kernels, ThreadPool};
+use mference_kernels::{Kernels, MatJob, ThreadPool};
 use proptest::prelude::*;
 
 /// Scalar f32 reference vs exact f64: error relative to `Σ (|scale|·q + |bias|)·|x|` (see `naive_gemm`).
@@ -261,5 +261,48 @@ fn argmax_ties_go_to_the_lowest_index() {
             "{}",
             k.name()
         );
+    }
+}
+
+#[test]
+fn gemm_batch_equals_one_by_one() {
+    let mut rng = Rng::new(21);
+    let mats = [
+        OwnedQ::random(&mut rng, 70, 256, 4, 64, 2),
+        OwnedQ::random(&mut rng, 70, 256, 4, 64, 2),
+        OwnedQ::random(&mut rng, 33, 128, 8, 32, 6),
+        OwnedQ::random(&mut rng, 257, 64, 4, 32, 0),
+    ];
+    let ns = [1usize, 1, 5, 3];
+    for k in Kernels::available() {
+        let preps: Vec<_> = mats
+            .iter()
+            .zip(ns)
+            .map(|(q, n)| {
+                let x = activations(&mut rng, n * q.cols);
+                k.prepare(&q.view(), &x, n)
+            })
+            .collect();
+        let want: Vec<Vec<f32>> = mats
+            .iter()
+            .zip(&preps)
+            .map(|(q, p)| {
+                let mut y = vec![0.0f32; p.n() * q.rows];
+                k.gemm_prepared(&q.view(), p, &mut y, 0, q.rows);
+                y
+            })
+            .collect();
+        for threads in [1, 2] {
+            let pool = ThreadPool::new(threads);
+            let mut outs: Vec<Vec<f32>> = want.iter().map(|w| vec![f32::NAN; w.len()]).collect();
+            let mut jobs: Vec<MatJob> = mats
+                .iter()
+                .zip(&preps)
+                .zip(outs.iter_mut())
+                .map(|((q, x), y)| MatJob { m: q.view(), x, y })
+                .collect();
+            pool.gemm_batch(k, &mut jobs);
+            assert_eq!(outs, want, "{} threads {threads}", k.name());
+        }
     }
 }
