@@ -1,3 +1,4 @@
+#![warn(missing_docs)]
 //! mference-text: everything between token ids and text for the supported families.
 //!
 //! - [`Tokenizer`]: the HF `tokenizer.json` of an install, behind our own type.
@@ -74,4 +75,17 @@ pub enum TextError {
         /// What was wrong, with the offending part.
         message: String,
     },
+}
+
+#[cfg(test)]
+mod tests {
+    /// The server shares one tokenizer and template across threads.
+    #[test]
+    fn shared_types_are_send_and_sync() {
+        fn check<T: Send + Sync>() {}
+        check::<crate::Tokenizer>();
+        check::<crate::ChatTemplate>();
+        check::<crate::StopStrings>();
+        check::<crate::ParsedOutput>();
+    }
 }

@@ -228,9 +228,7 @@ impl<'a> Parser<'a> {
     /// `true`, `false`, `null`/`None` (the template prints Python's None), or a JSON number.
     fn literal(&mut self) -> Result<Value, String> {
         let rest = self.rest();
-        let end = rest
-            .find(|c: char| matches!(c, ',' | '}' | ']'))
-            .unwrap_or(rest.len());
+        let end = rest.find([',', '}', ']']).unwrap_or(rest.len());
         let lit = rest[..end].trim();
         let value = match lit {
             "true" => Value::Bool(true),
