@@ -22,6 +22,18 @@ impl Family {
     }
 }
 
+impl Family {
+    /// The extra template variables mference renders chats with, as the original does
+    /// (`reference/original-system.md` §2.6): thinking off. Gemma 4 then ends the prompt with an
+    /// empty thought channel, Qwen 3.6 with an empty think block
+    /// (`<|im_start|>assistant\n<think>\n\n</think>\n\n`), DeepSeek-V4 with `</think>`.
+    pub fn default_template_kwargs(self) -> serde_json::Map<String, serde_json::Value> {
+        let mut kwargs = serde_json::Map::new();
+        kwargs.insert("enable_thinking".into(), false.into());
+        kwargs
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

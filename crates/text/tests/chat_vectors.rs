@@ -33,3 +33,33 @@ fn plain_chats_render_like_the_vectors() {
         vector("deepseek_v4", "plain")
     );
 }
+
+/// With the default kwargs, generation prompts end as `reference/original-system.md` §2.6 and
+/// `reference/architectures.md` §10 describe.
+#[test]
+fn default_kwargs_give_the_original_generation_suffixes() {
+    use mference_text::Family;
+    for (family, name, suffix) in [
+        (
+            Family::Gemma4,
+            "gemma4",
+            "<|turn>model\n<|channel>thought\n<channel|>",
+        ),
+        (
+            Family::Qwen36,
+            "qwen3_6",
+            "<|im_start|>assistant\n<think>\n\n</think>\n\n",
+        ),
+        (Family::DeepSeekV4, "deepseek_v4", "<｜Assistant｜></think>"),
+    ] {
+        let t = ChatTemplate::from_dir(&tokenizer_dir(name)).unwrap();
+        let messages = [
+            json!({"role": "system", "content": "Be brief."}),
+            json!({"role": "user", "content": "Hi"}),
+        ];
+        let out = t
+            .render(&messages, None, true, &family.default_template_kwargs())
+            .unwrap();
+        assert!(out.ends_with(suffix), "{name}: {out:?}");
+    }
+}
