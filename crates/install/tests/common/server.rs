@@ -34,6 +34,7 @@ pub struct Logged {
     pub range: Option<(u64, u64)>,
     pub status: u16,
     pub authorized: bool,
+    pub at: std::time::Instant,
 }
 
 pub struct Server {
@@ -150,6 +151,7 @@ fn handle(mut conn: TcpStream, st: &State) -> std::io::Result<()> {
             range: r,
             status,
             authorized: auth.is_some(),
+            at: std::time::Instant::now(),
         });
     };
     let respond = |conn: &mut TcpStream, status: &str, headers: &str| -> std::io::Result<()> {

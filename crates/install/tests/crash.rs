@@ -1,0 +1,271 @@
+//! Crash safety: kill -9 at random points and resume; corrupt a journaled range; a second
+//! installer is refused; a fresh install over a saved partial is refused.
+
+mod common;
+use common::server::{checkpoint_files, Fault, Server};
+use mference_install::journal::Journal;
+use mference_install::source::local::LocalSource;
+use mference_install::{checkpoint, plan, InstallError, InstallOptions, OutPaths};
+use rand::{RngExt, SeedableRng};
+use std::collections::{BTreeMap, HashSet};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+const RANGE: u64 = 1 << 20;
+
+fn opts() -> InstallOptions {
+    InstallOptions {
+        max_range_bytes: RANGE,
+        model_id: Some("tiny".into()),
+        ..common::quiet()
+    }
+}
+
+/// Range start offset → range id, from the same plan the installer builds.
+fn range_ids(model: &str) -> BTreeMap<u64, String> {
+    let ck = checkpoint::load(&LocalSource::new(&common::asset(model)).unwrap(), None).unwrap();
+    let p = plan::build(&ck, RANGE).unwrap();
+    assert_eq!(p.shard_files.len(), 1);
+    p.ranges.iter().map(|r| (r.start, r.id.clone())).collect()
+}
+
+fn child(base: &str, out: &std::path::Path, resume: bool) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_gturbo-install"));
+    c.args([
+        "--url",
+        base,
+        "--repo",
+        common::REPO,
+        "--revision",
+        common::REV,
+        "--range-bytes",
+        &RANGE.to_string(),
+    ])
+    .args(["--retry-ms", "5", "--model-id", "tiny", "--quiet", "--out"])
+    .arg(out)
+    .stdout(Stdio::null())
+    .stderr(Stdio::piped());
+    if resume {
+        c.arg("--resume");
+    }
+    c
+}
+
+fn journaled(paths: &OutPaths) -> HashSet<String> {
+    Journal::load(&paths.journal)
+        .map(|j| j.completed_ranges.into_iter().map(|c| c.id).collect())
+        .unwrap_or_default()
+}
+
+#[test]
+fn kill_dash_nine_at_random_points_then_resume_gives_an_identical_install() {
+    let tmp = tempfile::tempdir().unwrap();
+    let reference = tmp.path().join("ref.gturbo");
+    mference_install::install_local(&common::asset("gemma4-tiny"), &reference, &opts()).unwrap();
+    let ids = range_ids("gemma4-tiny");
+
+    let srv = Server::start(
+        "127.0.0.1:0",
+        common::REPO,
+        common::REV,
+        checkpoint_files(&common::asset("gemma4-tiny")),
+        None,
+        None,
+    );
+    srv.throttle_ms
+        .store(3, std::sync::atomic::Ordering::Relaxed);
+    let out = tmp.path().join("crash.gturbo");
+    let paths = OutPaths::new(&out).unwrap();
+
+    // An uninterrupted run's duration sets the scale of the kill points.
+    let probe = tmp.path().join("probe.gturbo");
+    let t0 = Instant::now();
+    assert!(child(&srv.base, &probe, false).status().unwrap().success());
+    let full = t0.elapsed();
+    // Time from spawn to the first data range: kill points are spread over the copy phase
+    // (and a little before it), where a kill can land mid-range.
+    let first_data = srv
+        .log
+        .lock()
+        .unwrap()
+        .iter()
+        .find(|l| l.status == 206 && l.range.is_some_and(|r| ids.contains_key(&r.0)))
+        .unwrap()
+        .at;
+    let startup = first_data.duration_since(t0).as_millis() as u64;
+    let copy_ms = full.as_millis() as u64 - startup;
+    srv.log.lock().unwrap().clear();
+
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(20);
+    let (mut kills, mut fetched_total, mut runs) = (0, 0usize, 0);
+    let (lo, hi) = (
+        startup.saturating_sub(20).max(5),
+        startup + (copy_ms / 12).max(20),
+    );
+    loop {
+        let last = kills >= 24;
+        let before = journaled(&paths);
+        let log_start = srv.log.lock().unwrap().len();
+        let mut c = child(&srv.base, &out, runs > 0).spawn().unwrap();
+        runs += 1;
+        let delay = Duration::from_millis(rng.random_range(lo..hi));
+        if last {
+            c.wait().unwrap();
+        } else {
+            std::thread::sleep(delay);
+        }
+        let finished = c.try_wait().unwrap().is_some();
+        if !finished {
+            c.kill().unwrap(); // SIGKILL
+            kills += 1;
+        }
+        let status = c.wait().unwrap();
+        // This run fetched only ranges that were not journaled when it started.
+        let log = srv.log.lock().unwrap()[log_start..].to_vec();
+        for l in log
+            .iter()
+            .filter(|l| l.status == 206 && l.path.ends_with(".safetensors"))
+        {
+            if let Some(id) = l.range.and_then(|(a, _)| ids.get(&a)) {
+                assert!(!before.contains(id), "run {runs} refetched journaled {id}");
+                fetched_total += 1;
+            }
+        }
+        if finished {
+            assert!(status.success(), "run {runs} failed");
+            break;
+        }
+    }
+    assert!(kills >= 20, "only {kills} kills");
+    assert_eq!(common::tree_digest(&out), common::tree_digest(&reference));
+    assert!(!paths.journal.exists() && !paths.partial.exists());
+    // Each kill can waste at most the one range in flight (fsynced but not yet journaled).
+    assert!(
+        fetched_total <= ids.len() + kills,
+        "fetched {fetched_total} ranges for {} with {kills} kills",
+        ids.len()
+    );
+    assert!(
+        fetched_total > ids.len(),
+        "no kill landed inside a range: the test did not exercise resume"
+    );
+    eprintln!(
+        "{kills} kills over {runs} runs; {fetched_total} range fetches for {} ranges",
+        ids.len()
+    );
+}
+
+#[test]
+fn a_corrupted_journaled_range_is_detected_and_fetched_again() {
+    let tmp = tempfile::tempdir().unwrap();
+    let srv = Server::start(
+        "127.0.0.1:0",
+        common::REPO,
+        common::REV,
+        checkpoint_files(&common::asset("gemma4-tiny")),
+        None,
+        None,
+    );
+    for _ in 0..5 {
+        srv.push_fault(Fault::Pass);
+    }
+    srv.push_fault(Fault::IgnoreRange); // a fatal error after five ranges
+    let src = common::http_source(&srv.base, None);
+    let out = tmp.path().join("c.gturbo");
+    let paths = OutPaths::new(&out).unwrap();
+    assert!(mference_install::install(&src, &out, &opts()).is_err());
+    let j = Journal::load(&paths.journal).unwrap();
+    assert_eq!(j.completed_ranges.len(), 5);
+
+    // Flip one byte inside the destination of the third journaled range.
+    let ck = checkpoint::load(
+        &LocalSource::new(&common::asset("gemma4-tiny")).unwrap(),
+        None,
+    )
+    .unwrap();
+    let p = plan::build(&ck, RANGE).unwrap();
+    let victim = &j.completed_ranges[2].id;
+    let r = p.ranges.iter().find(|r| &r.id == victim).unwrap();
+    let c = p.copies[r.copies.clone()][0];
+    let file = paths.partial.join(&p.dest_files[c.dest].0);
+    let mut bytes = std::fs::read(&file).unwrap();
+    bytes[(c.dst + c.len / 2) as usize] ^= 0x5a;
+    std::fs::write(&file, bytes).unwrap();
+
+    let log_start = srv.log.lock().unwrap().len();
+    let rep = mference_install::install(
+        &src,
+        &out,
+        &InstallOptions {
+            resume: true,
+            ..opts()
+        },
+    )
+    .unwrap();
+    assert_eq!(rep.ranges_reused, 4);
+    assert_eq!(rep.ranges_fetched, p.ranges.len() - 4);
+    let refetched = srv.log.lock().unwrap()[log_start..]
+        .iter()
+        .any(|l| l.status == 206 && l.range.map(|x| x.0) == Some(r.start));
+    assert!(refetched, "the corrupted range was not fetched again");
+    let reference = tmp.path().join("ref.gturbo");
+    mference_install::install_local(&common::asset("gemma4-tiny"), &reference, &opts()).unwrap();
+    assert_eq!(common::tree_digest(&out), common::tree_digest(&reference));
+}
+
+#[test]
+fn a_second_installer_is_refused_as_busy_and_touches_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("b.gturbo");
+    let paths = OutPaths::new(&out).unwrap();
+    let _held = mference_install::lock::InstallLock::acquire(&paths.lock).unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_gturbo-install"))
+        .arg("--dir")
+        .arg(common::asset("gemma4-tiny"))
+        .arg("--out")
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("install busy"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(!out.exists() && !paths.partial.exists() && !paths.journal.exists());
+    let err =
+        mference_install::install_local(&common::asset("gemma4-tiny"), &out, &opts()).unwrap_err();
+    assert!(matches!(err, InstallError::Busy { .. }));
+}
+
+#[test]
+fn a_fresh_install_over_a_saved_partial_refuses_and_discard_clears_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let srv = Server::start(
+        "127.0.0.1:0",
+        common::REPO,
+        common::REV,
+        checkpoint_files(&common::asset("qwen3_6-tiny")),
+        None,
+        None,
+    );
+    srv.push_fault(Fault::Pass);
+    srv.push_fault(Fault::IgnoreRange);
+    let src = common::http_source(&srv.base, None);
+    let out = tmp.path().join("q.gturbo");
+    let paths = OutPaths::new(&out).unwrap();
+    assert!(mference_install::install(&src, &out, &opts()).is_err());
+    let before = common::tree_digest(&paths.partial);
+    let err = mference_install::install(&src, &out, &opts()).unwrap_err();
+    assert!(err.to_string().contains("resume or discard"), "{err}");
+    assert_eq!(
+        common::tree_digest(&paths.partial),
+        before,
+        "the refused install changed the partial"
+    );
+    let insp = mference_install::state::inspect(&out).unwrap();
+    assert!(insp.partial && insp.journal.as_ref().unwrap().completed_ranges.len() == 1);
+    assert!(mference_install::state::discard(&out).unwrap());
+    assert!(!paths.partial.exists() && !paths.journal.exists());
+    mference_install::install(&src, &out, &opts()).unwrap();
+}
