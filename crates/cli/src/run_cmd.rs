@@ -10,7 +10,7 @@ use clap::Args;
 use mference_format::VerifyPolicy;
 use mference_models::generate::{generate, StopReason};
 use mference_models::{LoadOptions, Logits, Model, Want};
-use mference_runtime::{CacheSlots, Sampler, SamplerConfig};
+use mference_runtime::{CacheSlots, KvDtype, Sampler, SamplerConfig};
 use mference_text::{
     stop_token_ids, ChatTemplate, Family, StopStrings, StreamingDetokenizer, Tokenizer,
 };
@@ -33,6 +33,9 @@ pub struct ModelArgs {
     /// Kernel worker threads (default: all cores).
     #[arg(long)]
     pub threads: Option<usize>,
+    /// KV cache element type: f16 (half the memory) or f32 (K and V kept exactly).
+    #[arg(long, default_value = "f16")]
+    pub kv_cache: String,
 }
 
 /// `mference run`.

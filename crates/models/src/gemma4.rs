@@ -300,9 +300,21 @@ impl Gemma4 {
                 .iter()
                 .map(|l| {
                     if l.sliding {
-                        KvLayer::new(ring.min(opts.max_context), true, l.n_kv_heads, l.head_dim)
+                        KvLayer::new(
+                            ring.min(opts.max_context),
+                            true,
+                            l.n_kv_heads,
+                            l.head_dim,
+                            opts.kv_dtype,
+                        )
                     } else {
-                        KvLayer::new(opts.max_context, false, l.n_kv_heads, l.head_dim)
+                        KvLayer::new(
+                            opts.max_context,
+                            false,
+                            l.n_kv_heads,
+                            l.head_dim,
+                            opts.kv_dtype,
+                        )
                     }
                 })
                 .collect(),

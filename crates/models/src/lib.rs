@@ -12,7 +12,7 @@ use std::sync::Arc;
 use mference_format::{Install, ResidentIndex, VerifyPolicy};
 use mference_kernels::{Kernels, ThreadPool};
 use mference_runtime::streamer::IoPool;
-use mference_runtime::{CacheSlots, ExpertStreamer, RuntimeError, StreamerStats};
+use mference_runtime::{CacheSlots, ExpertStreamer, KvDtype, RuntimeError, StreamerStats};
 
 /// Errors from loading or running a model.
 #[derive(Debug, thiserror::Error)]
@@ -72,6 +72,8 @@ pub struct LoadOptions {
     /// Positions the KV cache can hold.
     pub max_context: usize,
     pub verify: VerifyPolicy,
+    /// KV cache element type (FP16 by default).
+    pub kv_dtype: KvDtype,
     /// Force a kernel variant by name (`scalar`, `avx2`, `avx512`); `None` = best available.
     pub kernels: Option<String>,
 }
@@ -88,6 +90,7 @@ impl Default for LoadOptions {
             max_context: 4096,
             verify: VerifyPolicy::FullSha256,
             kernels: None,
+            kv_dtype: KvDtype::F16,
         }
     }
 }

@@ -4,7 +4,7 @@
 use std::sync::Mutex;
 
 use mference_kernels::{Kernels, ThreadPool};
-use mference_runtime::KvLayer;
+use mference_runtime::{KvLayer, KvRow};
 
 use crate::tensors::VRef;
 
@@ -145,11 +145,20 @@ pub fn attention(
             let lo = s.window.map_or(0, |w| (p + 1).saturating_sub(w));
             let qh = &q[item * d..(item + 1) * d];
             scores.clear();
-            scores.extend((lo..=p).map(|kp| k.dot_f16(qh, kv.k(kp, kvh)) * s.scale));
+            scores.extend((lo..=p).map(|kp| {
+                let dot = match kv.k(kp, kvh) {
+                    KvRow::F16(r) => k.dot_f16(qh, r),
+                    KvRow::F32(r) => k.dot_f32(qh, r),
+                };
+                dot * s.scale
+            }));
             softmax(&mut scores);
             o.fill(0.0);
             for (kp, &w) in (lo..=p).zip(&scores) {
-                k.axpy_f16(w, kv.v(kp, kvh), o);
+                match kv.v(kp, kvh) {
+                    KvRow::F16(r) => k.axpy_f16(w, r, o),
+                    KvRow::F32(r) => k.axpy(w, r, o),
+                }
             }
         }
     });

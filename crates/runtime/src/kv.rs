@@ -7,27 +7,108 @@
 
 use half::f16;
 
-/// One layer's K and V rows, each row `[n_kv_heads, head_dim]` in FP16.
+/// Element type of the KV cache. FP16 is the design default (half the memory); FP32 keeps K and V
+/// exactly as computed, for bit-faithful comparisons with an f32 reference.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum KvDtype {
+    #[default]
+    F16,
+    F32,
+}
+
+impl KvDtype {
+    /// Parses `f16|f32`.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s {
+            "f16" => Ok(Self::F16),
+            "f32" => Ok(Self::F32),
+            _ => Err(format!(
+                "invalid KV cache type '{s}': allowed values are f16, f32"
+            )),
+        }
+    }
+}
+
+/// Rows of K or V.
+enum Store {
+    F16(Vec<f16>),
+    F32(Vec<f32>),
+}
+
+/// One row of K or V for one head.
+pub enum KvRow<'a> {
+    F16(&'a [f16]),
+    F32(&'a [f32]),
+}
+
+impl Store {
+    fn new(dtype: KvDtype, n: usize) -> Self {
+        match dtype {
+            KvDtype::F16 => Store::F16(vec![f16::ZERO; n]),
+            KvDtype::F32 => Store::F32(vec![0.0; n]),
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Store::F16(v) => v.len(),
+            Store::F32(v) => v.len(),
+        }
+    }
+
+    fn elem_bytes(&self) -> usize {
+        match self {
+            Store::F16(_) => 2,
+            Store::F32(_) => 4,
+        }
+    }
+
+    fn write(&mut self, at: usize, src: &[f32]) {
+        match self {
+            Store::F16(v) => v[at..at + src.len()]
+                .iter_mut()
+                .zip(src)
+                .for_each(|(d, s)| *d = f16::from_f32(*s)),
+            Store::F32(v) => v[at..at + src.len()].copy_from_slice(src),
+        }
+    }
+
+    #[inline]
+    fn row(&self, at: usize, len: usize) -> KvRow<'_> {
+        match self {
+            Store::F16(v) => KvRow::F16(&v[at..at + len]),
+            Store::F32(v) => KvRow::F32(&v[at..at + len]),
+        }
+    }
+}
+
+/// One layer's K and V rows, each row `[n_kv_heads, head_dim]`.
 pub struct KvLayer {
     rows: usize,
     ring: bool,
     n_kv_heads: usize,
     head_dim: usize,
-    k: Vec<f16>,
-    v: Vec<f16>,
+    k: Store,
+    v: Store,
 }
 
 impl KvLayer {
     /// A ring of `rows` rows (sliding window) or a linear buffer of `rows` positions (full attention).
-    pub fn new(rows: usize, ring: bool, n_kv_heads: usize, head_dim: usize) -> Self {
+    pub fn new(
+        rows: usize,
+        ring: bool,
+        n_kv_heads: usize,
+        head_dim: usize,
+        dtype: KvDtype,
+    ) -> Self {
         let n = rows * n_kv_heads * head_dim;
         Self {
             rows,
             ring,
             n_kv_heads,
             head_dim,
-            k: vec![f16::ZERO; n],
-            v: vec![f16::ZERO; n],
+            k: Store::new(dtype, n),
+            v: Store::new(dtype, n),
         }
     }
 
@@ -38,7 +119,7 @@ impl KvLayer {
 
     /// Bytes held by K and V.
     pub fn bytes(&self) -> usize {
-        (self.k.len() + self.v.len()) * 2
+        (self.k.len() + self.v.len()) * self.k.elem_bytes()
     }
 
     fn row_index(&self, pos: usize) -> usize {
@@ -58,26 +139,22 @@ impl KvLayer {
     pub fn write(&mut self, pos: usize, k: &[f32], v: &[f32]) {
         let w = self.n_kv_heads * self.head_dim;
         let r = self.row_index(pos) * w;
-        for (d, s) in self.k[r..r + w].iter_mut().zip(k) {
-            *d = f16::from_f32(*s);
-        }
-        for (d, s) in self.v[r..r + w].iter_mut().zip(v) {
-            *d = f16::from_f32(*s);
-        }
+        self.k.write(r, &k[..w]);
+        self.v.write(r, &v[..w]);
     }
 
     /// K of `head` at absolute position `pos` (`[head_dim]`).
     #[inline]
-    pub fn k(&self, pos: usize, head: usize) -> &[f16] {
+    pub fn k(&self, pos: usize, head: usize) -> KvRow<'_> {
         let o = (self.row_index(pos) * self.n_kv_heads + head) * self.head_dim;
-        &self.k[o..o + self.head_dim]
+        self.k.row(o, self.head_dim)
     }
 
     /// V of `head` at absolute position `pos` (`[head_dim]`).
     #[inline]
-    pub fn v(&self, pos: usize, head: usize) -> &[f16] {
+    pub fn v(&self, pos: usize, head: usize) -> KvRow<'_> {
         let o = (self.row_index(pos) * self.n_kv_heads + head) * self.head_dim;
-        &self.v[o..o + self.head_dim]
+        self.v.row(o, self.head_dim)
     }
 }
 
@@ -118,15 +195,18 @@ mod tests {
 
     #[test]
     fn ring_keeps_the_last_rows() {
-        let mut l = KvLayer::new(5, true, 2, 4);
+        let mut l = KvLayer::new(5, true, 2, 4, KvDtype::F16);
         for pos in 0..13 {
             let k: Vec<f32> = (0..8).map(|i| (pos * 10 + i) as f32).collect();
             let v: Vec<f32> = k.iter().map(|x| -x).collect();
             l.write(pos, &k, &v);
         }
         for pos in 8..13 {
-            assert_eq!(l.k(pos, 1)[0].to_f32(), (pos * 10 + 4) as f32);
-            assert_eq!(l.v(pos, 0)[3].to_f32(), -((pos * 10 + 3) as f32));
+            let (KvRow::F16(k), KvRow::F16(v)) = (l.k(pos, 1), l.v(pos, 0)) else {
+                panic!("dtype")
+            };
+            assert_eq!(k[0].to_f32(), (pos * 10 + 4) as f32);
+            assert_eq!(v[3].to_f32(), -((pos * 10 + 3) as f32));
         }
     }
 }

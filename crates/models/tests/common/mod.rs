@@ -1,0 +1,262 @@
+//! Shared harness for family parity tests: the mlx-lm reference (tools/ref, run in the repo's
+//! `.venv`), tiny random checkpoints with fresh seeds, installs through the real installer, and
+//! the comparison metrics.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use mference_models::{load, LoadOptions, Logits, Model, Want};
+
+pub fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
+        .canonicalize()
+        .unwrap()
+}
+
+/// The reference venv's python. The README's test command creates it (tools/ref/setup-venv.sh);
+/// a missing venv is a failure, never a skip.
+pub fn python() -> PathBuf {
+    let p = repo().join(".venv/bin/python");
+    assert!(
+        p.exists(),
+        "{} is missing: run `bash tools/ref/setup-venv.sh` (the README's test command does)",
+        p.display()
+    );
+    p
+}
+
+pub fn run_py(script: &str, args: &[&str]) {
+    let out = Command::new(python())
+        .arg(repo().join("tools/ref").join(script))
+        .args(args)
+        .output()
+        .expect("spawn python");
+    assert!(
+        out.status.success(),
+        "{script} {args:?} failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A fresh seed per run (printed so a failure can be replayed with MFERENCE_SEED).
+pub fn fresh_seed(salt: u64) -> u64 {
+    let seed = match std::env::var("MFERENCE_SEED") {
+        Ok(s) => s.parse().expect("MFERENCE_SEED must be an integer"),
+        Err(_) => {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos() as u64
+                % 1_000_000_007
+        }
+    };
+    eprintln!("seed {seed} (replay with MFERENCE_SEED={seed})");
+    seed.wrapping_add(salt)
+}
+
+/// Builds a tiny random checkpoint with mlx-lm (tools/ref/make_tiny.py) into `dir`.
+pub fn make_tiny(family: &str, seed: u64, dir: &Path, extra: &[&str]) {
+    let seed = seed.to_string();
+    let mut args = vec![
+        "--family",
+        family,
+        "--seed",
+        &seed,
+        "--out",
+        dir.to_str().unwrap(),
+        "--force",
+    ];
+    args.extend_from_slice(extra);
+    run_py("make_tiny.py", &args);
+}
+
+/// Installs `src` into `<dir>/model.gturbo` through the real installer.
+pub fn install(src: &Path, dir: &Path) -> PathBuf {
+    let out = dir.join("model.gturbo");
+    let opts = mference_install::InstallOptions {
+        progress: mference_install::ProgressMode::Plain,
+        ..Default::default()
+    };
+    mference_install::install_local(src, &out, &opts).expect("install");
+    out
+}
+
+/// mlx-lm float32 logits for every position of `tokens`: `[T, vocab]`.
+pub fn ref_logits(model: &Path, tokens: &[u32], work: &Path) -> (Vec<f32>, usize) {
+    let tf = work.join("tokens.json");
+    std::fs::write(&tf, serde_json::to_string(tokens).unwrap()).unwrap();
+    let out = work.join("ref_logits.bin");
+    run_py(
+        "ref_logits.py",
+        &[
+            "--model",
+            model.to_str().unwrap(),
+            "--tokens-file",
+            tf.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ],
+    );
+    let bytes = std::fs::read(&out).unwrap();
+    let v: Vec<f32> = bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect();
+    let side: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.with_extension("json")).unwrap()).unwrap();
+    let vocab = side["vocab"].as_u64().unwrap() as usize;
+    assert_eq!(v.len(), tokens.len() * vocab);
+    (v, vocab)
+}
+
+/// mlx-lm float32 greedy continuation of `n` tokens.
+pub fn ref_greedy(model: &Path, tokens: &[u32], n: usize, work: &Path) -> Vec<u32> {
+    let tf = work.join("greedy_tokens.json");
+    std::fs::write(&tf, serde_json::to_string(tokens).unwrap()).unwrap();
+    let out = work.join("ref_greedy.json");
+    let n = n.to_string();
+    run_py(
+        "ref_logits.py",
+        &[
+            "--model",
+            model.to_str().unwrap(),
+            "--tokens-file",
+            tf.to_str().unwrap(),
+            "--greedy",
+            &n,
+            "--greedy-out",
+            out.to_str().unwrap(),
+        ],
+    );
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
+    v["generated"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+/// `max|Δlogit| / max|ref logit|` over everything, and the share of rows whose argmax agrees.
+pub fn compare(ours: &[f32], reference: &[f32], vocab: usize) -> (f32, f64) {
+    assert_eq!(ours.len(), reference.len());
+    let max_ref = reference.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let max_d = ours
+        .iter()
+        .zip(reference)
+        .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+    let rows = reference.len() / vocab;
+    let agree = (0..rows)
+        .filter(|&r| {
+            argmax(&ours[r * vocab..(r + 1) * vocab])
+                == argmax(&reference[r * vocab..(r + 1) * vocab])
+        })
+        .count();
+    (max_d / max_ref, agree as f64 / rows as f64)
+}
+
+pub fn argmax(v: &[f32]) -> usize {
+    let mut b = 0;
+    for (i, &x) in v.iter().enumerate() {
+        if x > v[b] {
+            b = i;
+        }
+    }
+    b
+}
+
+pub fn opts(chunk: usize, max_context: usize) -> LoadOptions {
+    LoadOptions {
+        prefill_chunk: chunk,
+        max_context,
+        threads: 2,
+        ..Default::default()
+    }
+}
+
+/// Logits of every position via one chunked prefill.
+pub fn prefill_all(install: &Path, tokens: &[u32], o: &LoadOptions) -> Vec<f32> {
+    let mut m = load(install, o).expect("load");
+    match m.forward(tokens, Want::All).expect("forward") {
+        Logits::Rows(r) => r,
+        other => panic!("unexpected {other:?}"),
+    }
+}
+
+/// Logits of every position via token-by-token decode.
+pub fn decode_all(install: &Path, tokens: &[u32], o: &LoadOptions) -> Vec<f32> {
+    let mut m = load(install, o).expect("load");
+    let mut all = Vec::new();
+    for &t in tokens {
+        match m.forward(&[t], Want::Last).expect("forward") {
+            Logits::Rows(r) => all.extend(r),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    all
+}
+
+/// Greedy continuation of `n` tokens through the fused-argmax path.
+pub fn greedy(m: &mut dyn Model, prompt: &[u32], n: usize) -> Vec<u32> {
+    let mut out = Vec::new();
+    let mut l = m.forward(prompt, Want::Argmax).expect("forward");
+    for _ in 0..n {
+        let Logits::Argmax(id) = l else {
+            panic!("expected argmax")
+        };
+        out.push(id);
+        l = m.forward(&[id], Want::Argmax).expect("forward");
+    }
+    out
+}
+
+/// A deterministic pseudo-random prompt of `n` ids in `[3, vocab)` after BOS (2).
+pub fn random_prompt(seed: u64, n: usize, vocab: usize) -> Vec<u32> {
+    let mut s = seed | 1;
+    let mut v = vec![2u32];
+    while v.len() < n {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        v.push(3 + (s % (vocab as u64 - 3)) as u32);
+    }
+    v
+}
+
+/// The FP16 KV cache (the default) rounds K and V to 11 bits. At a position where two experts' router
+/// logits are nearly tied that can flip the top-k choice and move that row's logits well past 1e-2
+/// (measured: FP32 K/V agree to ~1e-5 on the same models and prompts, FP16 shows isolated rows at
+/// 2e-2…3e-1). Random routers are near-tied far more often than trained ones, so the FP16 criterion
+/// is applied on the trained checkpoint (`gemma4_tiny.rs`): top-1 at ≥ 99% of positions and 95% of
+/// rows within the 1e-2 budget.
+pub fn check_f16(label: &str, ours: &[f32], reference: &[f32], vocab: usize) {
+    let (rel, agree) = compare(ours, reference, vocab);
+    let rows = reference.len() / vocab;
+    let mut per_row: Vec<f32> = (0..rows)
+        .map(|r| {
+            let (o, f) = (
+                &ours[r * vocab..(r + 1) * vocab],
+                &reference[r * vocab..(r + 1) * vocab],
+            );
+            let m = f.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            o.iter()
+                .zip(f)
+                .fold(0.0f32, |a, (x, y)| a.max((x - y).abs()))
+                / m
+        })
+        .collect();
+    per_row.sort_by(f32::total_cmp);
+    let p95 = per_row[rows * 95 / 100];
+    eprintln!(
+        "{label} (f16 KV): max {rel:.2e}, p95 row {p95:.2e}, top-1 agreement {:.2}%",
+        agree * 100.0
+    );
+    assert!(
+        p95 <= 1e-2,
+        "{label}: 95th-percentile row error {p95} > 1e-2"
+    );
+    assert!(agree >= 0.99, "{label}: top-1 agreement {agree} < 99%");
+}
