@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The README's first command: build mference, install the bundled trained tiny Gemma 4 through the
+# real installer (first run only), and generate English text from a prompt.
+#
+#   tools/demo.sh ["your prompt"]   # extra flags after the prompt go to `mference run`
+set -euo pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$repo"
+src="assets/models/gemma4-tiny"
+out="work/gemma4-tiny.gturbo"
+prompt="${1:-It is a truth universally acknowledged, that}"
+shift || true
+
+# The bundled checkpoint must be byte-for-byte the one its README describes.
+while read -r file sum; do
+    got="$(sha256sum "$src/$file" | cut -d' ' -f1)"
+    if [ "$got" != "$sum" ]; then
+        echo "demo: $src/$file has sha256 $got, its README says $sum: the bundled model is damaged" >&2
+        exit 1
+    fi
+done < <(grep -E '^\| `[^`]+` \| [0-9,]+ \| `[0-9a-f]{64}` \|' "$src/README.md" | sed -E 's/^\| `([^`]+)` \| [0-9,]+ \| `([0-9a-f]{64})` \|.*/\1 \2/')
+
+cargo build --release --quiet -p mference-cli
+bin="target/release/mference"
+if [ ! -d "$out" ]; then
+    mkdir -p work
+    "$bin" install "$src" --output "$out"
+fi
+"$bin" run --model "$out" --prompt "$prompt" --max-new 64 "$@"
