@@ -226,75 +226,91 @@ unsafe fn gemv_impl(m: &QMatrix, p: &PreparedX, y: &mut [f32], r0: usize, r1: us
     }
 }
 
-/// Dequantizes row `r` into `out` (`cols` floats) in the prepared-activation column order.
+/// Dequantizes columns `[c0, c1)` of row `r` into `out[..c1 - c0]`, in the prepared-activation column order
+/// (`c0`, `c1` multiples of the group size).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
 #[inline]
-unsafe fn dequant_row(m: &QMatrix, r: usize, out: &mut [f32]) {
+unsafe fn dequant_cols(m: &QMatrix, r: usize, c0: usize, c1: usize, out: &mut [f32]) {
     let gs = m.group_size;
     let gpr = m.groups_per_row();
     let rb = m.row_bytes();
-    debug_assert!(out.len() >= m.cols && r < m.rows);
-    // SAFETY (pointer arithmetic below): row r exists; columns stay below cols, groups below gpr.
+    debug_assert!(
+        out.len() >= c1 - c0 && r < m.rows && c0 % gs == 0 && c1 % gs == 0 && c1 <= m.cols
+    );
+    // SAFETY (pointer arithmetic below): row r exists; columns stay below c1 <= cols, groups below gpr.
     let w = unsafe { m.weight.as_ptr().add(r * rb) };
     let o = out.as_mut_ptr();
     let nib = _mm512_set1_epi32(0x0f);
-    for g in 0..gpr {
+    for g in c0 / gs..c1 / gs {
         // SAFETY: group g of row r.
         let (s, b) = unsafe {
+            let i = (r * gpr + g) * 2;
             (
-                read_bf16(m.scales.as_ptr().add((r * gpr + g) * 2)),
-                read_bf16(m.biases.as_ptr().add((r * gpr + g) * 2)),
+                read_bf16(m.scales.as_ptr().add(i)),
+                read_bf16(m.biases.as_ptr().add(i)),
             )
         };
         let (s, b) = (_mm512_set1_ps(s), _mm512_set1_ps(b));
         if m.bits == 4 {
             for c in 0..gs / 32 {
                 let col = g * gs + c * 32;
-                // SAFETY: 16 bytes of the row at col/2; 32 floats of `out` at col.
+                // SAFETY: 16 bytes of the row at col/2; 32 floats of `out` at col - c0.
                 unsafe {
                     let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(w.add(col / 2) as *const __m128i));
-                    _mm512_storeu_ps(
-                        o.add(col),
-                        _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, nib)), s, b),
-                    );
-                    _mm512_storeu_ps(
-                        o.add(col + 16),
-                        _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(v)), s, b),
-                    );
+                    let lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, nib));
+                    let hi = _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(v));
+                    _mm512_storeu_ps(o.add(col - c0), _mm512_fmadd_ps(lo, s, b));
+                    _mm512_storeu_ps(o.add(col - c0 + 16), _mm512_fmadd_ps(hi, s, b));
                 }
             }
         } else {
             for c in 0..gs / 16 {
                 let col = g * gs + c * 16;
-                // SAFETY: 16 bytes of the row at col; 16 floats of `out` at col.
+                // SAFETY: 16 bytes of the row at col; 16 floats of `out` at col - c0.
                 unsafe {
                     let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(w.add(col) as *const __m128i));
-                    _mm512_storeu_ps(o.add(col), _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), s, b));
+                    _mm512_storeu_ps(
+                        o.add(col - c0),
+                        _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), s, b),
+                    );
                 }
             }
         }
     }
 }
 
-/// `y[t·ldy + i] = Σ_c wt[i][c] · x[t][c]` for R dequantized rows and T tokens.
+/// Rows per GEMM register tile.
+const GEMM_RB: usize = 8;
+/// Tokens per GEMM register tile (GEMM_RB · GEMM_TB = 24 accumulators of the 32 zmm registers).
+const GEMM_TB: usize = 3;
+/// Tokens per GEMM L2 block (a multiple of GEMM_TB): the block's activations stay in L2 while every row
+/// block of the call passes over them.
+const GEMM_NB: usize = 48;
+/// Columns per GEMM L1 block: a row block's slice (GEMM_RB · GEMM_KC floats = 8 KiB) stays in L1 while the
+/// tokens of the block stream past it. A multiple of every group size.
+const GEMM_KC: usize = 256;
+
+/// Adds `Σ_{c < kc} w[i][c] · x[t][c]` to `part[t·GEMM_RB + i]` for R rows (stride `ldw`) and T tokens (stride
+/// `ldx`). The per-(row, token) operation sequence is the same for every R and T.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
 #[inline]
 unsafe fn tile_dots<const R: usize, const T: usize>(
-    wt: &[f32],
-    x: &[f32],
-    cols: usize,
-    out: &mut [[f32; 4]; 4],
+    w: *const f32,
+    ldw: usize,
+    x: *const f32,
+    ldx: usize,
+    kc: usize,
+    part: &mut [f32],
 ) {
-    debug_assert!(wt.len() >= R * cols && x.len() >= T * cols && cols % 16 == 0);
+    debug_assert!(kc % 16 == 0 && part.len() >= (T - 1) * GEMM_RB + R);
     let mut acc = [[_mm512_setzero_ps(); R]; T];
-    let (wp, xp) = (wt.as_ptr(), x.as_ptr());
     let mut c = 0;
-    while c < cols {
-        // SAFETY: c + 16 <= cols for every row/token slice.
+    while c < kc {
+        // SAFETY: c + 16 <= kc for every row of `w` and every token row of `x` (the caller's contract).
         unsafe {
-            let wv: [__m512; R] = std::array::from_fn(|i| _mm512_loadu_ps(wp.add(i * cols + c)));
+            let wv: [__m512; R] = std::array::from_fn(|i| _mm512_loadu_ps(w.add(i * ldw + c)));
             for t in 0..T {
-                let xv = _mm512_loadu_ps(xp.add(t * cols + c));
+                let xv = _mm512_loadu_ps(x.add(t * ldx + c));
                 for i in 0..R {
                     acc[t][i] = _mm512_fmadd_ps(wv[i], xv, acc[t][i]);
                 }
@@ -304,62 +320,79 @@ unsafe fn tile_dots<const R: usize, const T: usize>(
     }
     for t in 0..T {
         for i in 0..R {
-            out[t][i] = _mm512_reduce_add_ps(acc[t][i]);
+            part[t * GEMM_RB + i] += _mm512_reduce_add_ps(acc[t][i]);
         }
     }
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
 unsafe fn gemm_impl(m: &QMatrix, p: &PreparedX, y: &mut [f32], r0: usize, r1: usize) {
-    const RB: usize = 4;
-    const TB: usize = 4;
     let (cols, n, ldy) = (m.cols, p.n, r1 - r0);
-    with_wtile(RB * cols, |wt| {
+    with_wtile(GEMM_RB * cols + GEMM_NB * GEMM_RB, |buf| {
+        let (wt, part) = buf.split_at_mut(GEMM_RB * cols);
         let mut r = r0;
         while r < r1 {
-            let rb = (r1 - r).min(RB);
+            let rb = (r1 - r).min(GEMM_RB);
+            // Each weight row is dequantized once per call (rb · cols floats, in L2).
             for i in 0..rb {
-                // SAFETY: row r+i < r1 <= rows; wt has RB·cols floats.
-                unsafe { dequant_row(m, r + i, &mut wt[i * cols..(i + 1) * cols]) };
+                // SAFETY: row r+i < r1 <= rows; wt has GEMM_RB · cols floats.
+                unsafe { dequant_cols(m, r + i, 0, cols, &mut wt[i * cols..(i + 1) * cols]) };
             }
-            let mut t = 0;
-            while t < n {
-                let tb = (n - t).min(TB);
-                let xs = &p.x[t * cols..(t + tb) * cols];
-                let mut out = [[0.0f32; 4]; 4];
-                // SAFETY: wt holds rb rows and xs holds tb tokens of `cols` floats each (a multiple of 16).
-                unsafe {
-                    match (rb, tb) {
-                        (4, 4) => tile_dots::<4, 4>(wt, xs, cols, &mut out),
-                        (4, _) => {
-                            for k in 0..tb {
-                                let mut o = [[0.0f32; 4]; 4];
-                                tile_dots::<4, 1>(wt, &xs[k * cols..], cols, &mut o);
-                                out[k] = o[0];
-                            }
-                        }
-                        (_, _) => {
-                            for i in 0..rb {
+            let mut n0 = 0;
+            while n0 < n {
+                let nb = (n - n0).min(GEMM_NB);
+                part.fill(0.0);
+                let mut c0 = 0;
+                while c0 < cols {
+                    let kc = (cols - c0).min(GEMM_KC);
+                    let mut t = 0;
+                    while t < nb {
+                        let tb = (nb - t).min(GEMM_TB);
+                        let pt = &mut part[t * GEMM_RB..];
+                        // SAFETY: tokens n0+t..n0+t+tb exist in p.x ([n, cols]); wt holds rb rows of cols
+                        // floats; [c0, c0+kc) is inside both and kc is a multiple of 16.
+                        unsafe {
+                            let xt = p.x.as_ptr().add((n0 + t) * cols + c0);
+                            let wc = wt.as_ptr().add(c0);
+                            if rb == GEMM_RB && tb == GEMM_TB {
+                                tile_dots::<GEMM_RB, GEMM_TB>(wc, cols, xt, cols, kc, pt);
+                            } else if rb == GEMM_RB {
                                 for k in 0..tb {
-                                    let mut o = [[0.0f32; 4]; 4];
-                                    tile_dots::<1, 1>(
-                                        &wt[i * cols..],
-                                        &xs[k * cols..],
+                                    let pk = &mut pt[k * GEMM_RB..];
+                                    tile_dots::<GEMM_RB, 1>(
+                                        wc,
                                         cols,
-                                        &mut o,
+                                        xt.add(k * cols),
+                                        cols,
+                                        kc,
+                                        pk,
                                     );
-                                    out[k][i] = o[0][0];
+                                }
+                            } else {
+                                for i in 0..rb {
+                                    for k in 0..tb {
+                                        let pk = &mut pt[k * GEMM_RB + i..];
+                                        tile_dots::<1, 1>(
+                                            wc.add(i * cols),
+                                            cols,
+                                            xt.add(k * cols),
+                                            cols,
+                                            kc,
+                                            pk,
+                                        );
+                                    }
                                 }
                             }
                         }
+                        t += tb;
                     }
+                    c0 += kc;
                 }
-                for k in 0..tb {
-                    for i in 0..rb {
-                        y[(t + k) * ldy + (r - r0) + i] = out[k][i];
-                    }
+                for t in 0..nb {
+                    let dst = (n0 + t) * ldy + (r - r0);
+                    y[dst..dst + rb].copy_from_slice(&part[t * GEMM_RB..t * GEMM_RB + rb]);
                 }
-                t += tb;
+                n0 += nb;
             }
             r += rb;
         }
