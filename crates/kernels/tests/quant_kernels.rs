@@ -10,9 +10,11 @@ use mference_kernels::{Kernels, MatJob, ThreadPool};
 use proptest::prelude::*;
 
 /// Scalar f32 reference vs exact f64: error relative to `Σ (|scale|·q + |bias|)·|x|` (see `naive_gemm`).
-const SCALAR_VS_F64_REL: f64 = 1e-5;
+/// Observed maxima are ~2.5e-7 (a few f32 ulps of the magnitude); the budget leaves ~15x headroom and is
+/// still below the worst-case bound for a 128-term f32 sum (~7.6e-6).
+const SCALAR_VS_F64_REL: f64 = 4e-6;
 /// Any f32 SIMD table vs the scalar reference, same relative measure (different summation orders only).
-const SIMD_VS_SCALAR_REL: f64 = 1e-5;
+const SIMD_VS_SCALAR_REL: f64 = 4e-6;
 
 /// Activations: uniform ±1 with a few ×16 outliers (like real residual streams).
 fn activations(rng: &mut Rng, len: usize) -> Vec<f32> {
@@ -186,7 +188,7 @@ proptest! {
 
 #[test]
 fn gemm_of_a_long_batch_matches_scalar() {
-    // Prefill-sized batch (more tokens than any register tile) on a real row width.
+    // Prefill-sized batch (more tokens than one L2 token block, ragged register tiles) on a real row width.
     check(
         &Case {
             seed: 99,
