@@ -161,7 +161,7 @@ impl ThreadPool {
         let mut spins = 0u32;
         while s.finished.load(Ordering::Acquire) != expect {
             spins = spins.wrapping_add(1);
-            if spins % 64 == 0 && start.elapsed() > s.spin {
+            if spins.is_multiple_of(64) && start.elapsed() > s.spin {
                 std::thread::yield_now();
             } else {
                 std::hint::spin_loop();
@@ -372,7 +372,7 @@ fn worker_loop(s: &Shared, index: usize) {
                 break;
             }
             spins = spins.wrapping_add(1);
-            if spins % 64 != 0 || start.elapsed() < s.spin {
+            if !spins.is_multiple_of(64) || start.elapsed() < s.spin {
                 std::hint::spin_loop();
                 continue;
             }

@@ -66,7 +66,7 @@ impl<'a> QMatrix<'a> {
         if rows == 0 || cols == 0 {
             return Err(KernelError::Empty { rows, cols });
         }
-        if cols % group_size != 0 {
+        if !cols.is_multiple_of(group_size) {
             return Err(KernelError::ColsNotMultipleOfGroup { cols, group_size });
         }
         let expect_w = rows * cols * bits as usize / 8;
@@ -146,7 +146,7 @@ impl<'a> QMatrix<'a> {
         match self.bits {
             4 => {
                 let b = w[col / 2];
-                if col % 2 == 0 {
+                if col.is_multiple_of(2) {
                     (b & 0x0f) as u32
                 } else {
                     (b >> 4) as u32

@@ -291,7 +291,7 @@ unsafe fn tile_dots<const R: usize, const T: usize>(
     cols: usize,
     out: &mut [[f32; 4]; 4],
 ) {
-    debug_assert!(wt.len() >= R * cols && x.len() >= T * cols && cols % 8 == 0);
+    debug_assert!(wt.len() >= R * cols && x.len() >= T * cols && cols.is_multiple_of(8));
     let mut acc = [[_mm256_setzero_ps(); R]; T];
     let (wp, xp) = (wt.as_ptr(), x.as_ptr());
     let mut c = 0;

@@ -235,7 +235,11 @@ unsafe fn dequant_cols(m: &QMatrix, r: usize, c0: usize, c1: usize, out: &mut [f
     let gpr = m.groups_per_row();
     let rb = m.row_bytes();
     debug_assert!(
-        out.len() >= c1 - c0 && r < m.rows && c0 % gs == 0 && c1 % gs == 0 && c1 <= m.cols
+        out.len() >= c1 - c0
+            && r < m.rows
+            && c0.is_multiple_of(gs)
+            && c1.is_multiple_of(gs)
+            && c1 <= m.cols
     );
     // SAFETY (pointer arithmetic below): row r exists; columns stay below c1 <= cols, groups below gpr.
     let w = unsafe { m.weight.as_ptr().add(r * rb) };
@@ -302,7 +306,7 @@ unsafe fn tile_dots<const R: usize, const T: usize>(
     kc: usize,
     part: &mut [f32],
 ) {
-    debug_assert!(kc % 16 == 0 && part.len() >= (T - 1) * GEMM_RB + R);
+    debug_assert!(kc.is_multiple_of(16) && part.len() >= (T - 1) * GEMM_RB + R);
     let mut acc = [[_mm512_setzero_ps(); R]; T];
     let mut c = 0;
     while c < kc {

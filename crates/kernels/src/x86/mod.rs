@@ -2,6 +2,9 @@
 //! [`available`], which checks the CPU features first: that check is what makes the `unsafe` calls from the
 //! table's safe wrappers into `#[target_feature]` functions sound.
 
+// Register-tile loops index several arrays (accumulators, loaded vectors, outputs) in lockstep.
+#![allow(clippy::needless_range_loop)]
+
 use std::cell::RefCell;
 
 use crate::dispatch::Kernels;
