@@ -81,6 +81,9 @@ pub struct RunArgs {
     /// Print only the generated text (no footer).
     #[arg(long)]
     pub quiet: bool,
+    /// Also print the prompt and generated token ids to stderr as one JSON line.
+    #[arg(long)]
+    pub show_ids: bool,
 }
 
 /// `mference perplexity`.
@@ -163,6 +166,27 @@ fn validate_sampling(a: &RunArgs) -> Result<()> {
     }
     if a.max_new == 0 || a.max_context == 0 {
         bail!("--max-new and --max-context must be positive");
+    }
+    if a.prefill_chunk != "auto" {
+        parse_prefill_chunk(&a.prefill_chunk, None)?;
+    }
+    validate_model_args(&a.model)
+}
+
+/// Checks the model flags' values before anything is read from disk.
+fn validate_model_args(m: &ModelArgs) -> Result<()> {
+    if m.expert_cache_slots != "auto" {
+        CacheSlots::parse(&m.expert_cache_slots).map_err(anyhow::Error::msg)?;
+    }
+    KvDtype::parse(&m.kv_cache).map_err(anyhow::Error::msg)?;
+    if !matches!(m.verify.as_str(), "full-sha256" | "trusted-receipt") {
+        bail!(
+            "invalid --verify '{}': allowed values are full-sha256, trusted-receipt",
+            m.verify
+        );
+    }
+    if m.threads == Some(0) {
+        bail!("--threads must be at least 1");
     }
     Ok(())
 }
@@ -275,7 +299,7 @@ fn render(text: &Text, messages: &[serde_json::Value]) -> Result<Vec<u32>> {
         .template
         .as_ref()
         .context("this install has no chat template; use --prompt")?;
-    let s = t.render(messages, None, true, &serde_json::Map::new())?;
+    let s = t.render(messages, None, true, &text.family.default_template_kwargs())?;
     Ok(text.tok.encode(&s, false)?)
 }
 
@@ -299,7 +323,9 @@ fn reply(
     let mut stops = StopStrings::new(a.stop.clone());
     let mut full = String::new();
     let mut io_err = None;
+    let mut ids = Vec::new();
     let (reason, stats) = generate(model, prompt, &mut sampler, a.max_new, &stop_ids, |id| {
+        ids.push(id);
         let (emit, stopped) = stops.push(&detok.push(id));
         full.push_str(&emit);
         if let Err(e) = out.write_all(emit.as_bytes()).and_then(|_| out.flush()) {
@@ -318,6 +344,12 @@ fn reply(
         out.write_all(tail.as_bytes())?;
     }
     out.flush()?;
+    if a.show_ids {
+        eprintln!(
+            "{}",
+            serde_json::json!({"prompt": prompt, "generated": ids})
+        );
+    }
     let stop = match reason {
         StopReason::StopToken(id) if Some(id) == text.tok.eos_id() => "eos",
         StopReason::StopToken(_) => "endOfTurn",
@@ -469,6 +501,7 @@ fn chat(model: &mut dyn Model, text: &Text, a: &RunArgs) -> Result<()> {
 /// `mference perplexity`: llama-perplexity's protocol — chunks of `ctx` tokens, the first token of
 /// each chunk replaced by BOS, the second half of each chunk scored.
 pub fn perplexity(a: PerplexityArgs) -> Result<()> {
+    validate_model_args(&a.model)?;
     let text = load_text(&a.model.model)?;
     if a.ctx < 4 {
         bail!("--ctx must be at least 4");

@@ -1,0 +1,237 @@
+//! End to end through the binary: install the bundled demo model with the real installer, then
+//! `run --prompt` and `run --messages-file` greedy for 32 tokens must produce exactly mlx-lm's
+//! token ids (float32 reference) for the same prompt and chat render, and its text.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
+        .canonicalize()
+        .unwrap()
+}
+
+fn python() -> PathBuf {
+    let p = repo().join(".venv/bin/python");
+    assert!(
+        p.exists(),
+        "{} is missing: run `bash tools/ref/setup-venv.sh` (the README's test command does)",
+        p.display()
+    );
+    p
+}
+
+fn py(args: &[&str]) -> serde_json::Value {
+    let out = Command::new(python())
+        .args(args)
+        .current_dir(repo())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn mference(args: &[&str]) -> std::process::Output {
+    let out = Command::new(env!("CARGO_BIN_EXE_mference"))
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "mference {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+/// mlx-lm's greedy ids for `prompt`, cut at the first Gemma stop token (the CLI never prints those).
+fn reference(model: &Path, prompt: &serde_json::Value, work: &Path, n: usize) -> Vec<u64> {
+    let tf = work.join("prompt.json");
+    std::fs::write(&tf, prompt.to_string()).unwrap();
+    let g = py(&[
+        "tools/ref/ref_logits.py",
+        "--model",
+        model.to_str().unwrap(),
+        "--tokens-file",
+        tf.to_str().unwrap(),
+        "--greedy",
+        &n.to_string(),
+    ]);
+    let ids: Vec<u64> = g["generated"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    ids.into_iter()
+        .take_while(|id| ![1, 106, 50].contains(id))
+        .collect()
+}
+
+fn ours(out: &std::process::Output) -> (serde_json::Value, Vec<u64>, String) {
+    let err = String::from_utf8_lossy(&out.stderr);
+    let line = err
+        .lines()
+        .find(|l| l.starts_with("{\""))
+        .expect("--show-ids line");
+    let v: serde_json::Value = serde_json::from_str(line).unwrap();
+    let ids = v["generated"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap())
+        .collect();
+    (
+        v["prompt"].clone(),
+        ids,
+        String::from_utf8(out.stdout.clone()).unwrap(),
+    )
+}
+
+fn decode(ids: &[u64]) -> String {
+    let tok = repo().join("assets/tokenizers/gemma4/tokenizer.json");
+    let code = format!("import json,sys; from tokenizers import Tokenizer; t=Tokenizer.from_file({:?}); print(json.dumps(t.decode(json.loads(sys.argv[1]), skip_special_tokens=True)))", tok.to_str().unwrap());
+    let out = Command::new(python())
+        .args(["-c", &code, &serde_json::to_string(ids).unwrap()])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice::<String>(&out.stdout).unwrap()
+}
+
+#[test]
+fn demo_prompt_and_messages_match_mlx_lm_token_for_token() {
+    let work = tempfile::tempdir_in(repo().join("target")).unwrap();
+    let src = repo().join("assets/models/gemma4-tiny");
+    let inst = work.path().join("demo.gturbo");
+    mference(&[
+        "install",
+        src.to_str().unwrap(),
+        "--output",
+        inst.to_str().unwrap(),
+        "--quiet",
+    ]);
+    let m = inst.to_str().unwrap();
+
+    // Raw completion: BOS + text, no chat framing.
+    let text = "It is a truth universally acknowledged, that";
+    let want_prompt = py(&[
+        "tools/ref/encode.py",
+        "--model",
+        src.to_str().unwrap(),
+        "--text",
+        text,
+        "--bos",
+    ])["prompt"]
+        .clone();
+    let out = mference(&[
+        "run",
+        "--model",
+        m,
+        "--prompt",
+        text,
+        "--temperature",
+        "0",
+        "--max-new",
+        "32",
+        "--show-ids",
+    ]);
+    let (prompt, ids, stdout) = ours(&out);
+    assert_eq!(prompt, want_prompt, "raw prompt tokenization differs");
+    let want = reference(&src, &want_prompt, work.path(), 32);
+    assert_eq!(ids, want, "raw prompt: greedy ids differ from mlx-lm");
+    assert_eq!(
+        stdout.trim_end_matches('\n'),
+        decode(&want),
+        "raw prompt: text differs"
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("[stop=maxNew prefill="),
+        "footer missing"
+    );
+
+    // Chat: one user message through the template (thinking off, as the CLI renders it).
+    let user = "Tell me about the weather in London.";
+    let want_prompt = py(&[
+        "tools/ref/encode.py",
+        "--model",
+        src.to_str().unwrap(),
+        "--chat-user",
+        user,
+        "--thinking",
+        "false",
+    ])["prompt"]
+        .clone();
+    let mf = work.path().join("messages.json");
+    std::fs::write(
+        &mf,
+        serde_json::json!([{"role": "user", "content": user}]).to_string(),
+    )
+    .unwrap();
+    let out = mference(&[
+        "run",
+        "--model",
+        m,
+        "--messages-file",
+        mf.to_str().unwrap(),
+        "--temperature",
+        "0",
+        "--max-new",
+        "32",
+        "--show-ids",
+    ]);
+    let (prompt, ids, stdout) = ours(&out);
+    assert_eq!(
+        prompt, want_prompt,
+        "chat render/tokenization differs from the transformers template render"
+    );
+    let want = reference(&src, &want_prompt, work.path(), 32);
+    assert_eq!(ids, want, "messages: greedy ids differ from mlx-lm");
+    assert_eq!(
+        stdout.trim_end_matches('\n'),
+        decode(&want),
+        "messages: text differs"
+    );
+}
+
+#[test]
+fn bad_flags_are_rejected_with_the_allowed_values() {
+    let bin = env!("CARGO_BIN_EXE_mference");
+    let cases: [(&[&str], &str); 4] = [
+        (
+            &["--temperature", "0.5", "--top-k", "0", "--top-p", "0.9"],
+            "requires --top-k between 1 and 256",
+        ),
+        (
+            &["--expert-cache-slots", "7"],
+            "allowed values are 8, 16, 24, 32, 64, 96, 128, resident",
+        ),
+        (
+            &["--prefill-chunk", "100"],
+            "allowed values are 32, 64, 128",
+        ),
+        (&["--top-p", "0"], "--top-p must be in (0, 1]"),
+    ];
+    for (flags, msg) in cases {
+        let mut args = vec!["run", "--model", "/nonexistent.gturbo", "--prompt", "x"];
+        args.extend_from_slice(flags);
+        let out = Command::new(bin).args(&args).output().unwrap();
+        assert!(!out.status.success(), "{flags:?} accepted");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(msg), "{flags:?}: {err}");
+    }
+    let out = Command::new(bin)
+        .args(["run", "--model", "/x", "--prompt", "a", "--chat"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "two modes accepted");
+}
