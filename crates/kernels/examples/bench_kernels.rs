@@ -1,7 +1,8 @@
 //! Kernel microbenchmark: GB/s of packed bytes (weights + scales + biases) streamed by the quantized GEMV for
 //! Gemma-4-26B-A4B shapes, per kernel table and thread count, plus prefill GEMM throughput.
 //!
-//! `cargo run --release -p mference-kernels --example bench_kernels [-- quick]`
+//! `cargo run --release -p mference-kernels --example bench_kernels [-- quick] [only=roof|expert|gemm|head]`
+//! (`MFERENCE_KERNELS=avx2` etc. changes which table `detect()` picks; all available tables are measured.)
 //!
 //! - "expert hot": one expert matrix read again and again (stays in L2/L3: kernel compute ceiling).
 //! - "expert cold": round-robin over 48 experts (~150 MiB, larger than L3), as in decode from the slot slab.
@@ -76,6 +77,8 @@ fn gbs(bytes: usize, d: Duration) -> f64 {
 
 fn main() {
     let quick = std::env::args().any(|a| a == "quick");
+    let only = std::env::args().find_map(|a| a.strip_prefix("only=").map(str::to_owned));
+    let want = |part: &str| only.as_deref().is_none_or(|o| o == part);
     let threads_list = [1usize, 2];
     let pools: Vec<ThreadPool> = threads_list.iter().map(|&t| ThreadPool::new(t)).collect();
     let tables = Kernels::available();
@@ -87,7 +90,7 @@ fn main() {
 
     // Memory-bandwidth roof: sum of f32 over 512 MiB, split across threads.
     let big = vec![1.0f32; 128 << 20];
-    for pool in &pools {
+    for pool in pools.iter().filter(|_| want("roof")) {
         let n = big.len();
         let d = time(5, || {
             let parts: Vec<std::sync::Mutex<f32>> = (0..pool.threads())
@@ -129,7 +132,7 @@ fn main() {
         .collect();
     let mut y_i = vec![0.0f32; inter];
     let mut y_h = vec![0.0f32; hidden];
-    for k in &tables {
+    for k in tables.iter().filter(|_| want("expert")) {
         let iters = if k.name() == "scalar" { 20 } else { 200 };
         for pool in &pools {
             let gate = experts[0][0].view();
@@ -162,7 +165,7 @@ fn main() {
     black_box((&y_i, &y_h));
 
     // Prefill GEMM on one expert's gate projection.
-    for &n in &[8usize, 32, 128] {
+    for &n in [8usize, 32, 128].iter().filter(|_| want("gemm")) {
         let x: Vec<f32> = (0..n * hidden)
             .map(|i| ((i * 31 % 113) as f32 - 56.0) / 56.0)
             .collect();
@@ -190,7 +193,7 @@ fn main() {
     let head = Owned::random(vocab, hidden, 99);
     let hv = head.view();
     let mut logits = vec![0.0f32; vocab];
-    for k in &tables {
+    for k in tables.iter().filter(|_| want("head")) {
         let iters = if k.name() == "scalar" { 2 } else { 10 };
         for pool in &pools {
             let d = time(iters, || pool.gemv(k, &hv, &x_h, &mut logits));

@@ -249,9 +249,10 @@ unsafe fn dequant_row(m: &QMatrix, r: usize, out: &mut [f32]) {
     for g in 0..gpr {
         // SAFETY: group g of row r.
         let (s, b) = unsafe {
+            let i = (r * gpr + g) * 2;
             (
-                read_bf16(m.scales.as_ptr().add((r * gpr + g) * 2)),
-                read_bf16(m.biases.as_ptr().add((r * gpr + g) * 2)),
+                read_bf16(m.scales.as_ptr().add(i)),
+                read_bf16(m.biases.as_ptr().add(i)),
             )
         };
         let (s, b) = (_mm256_set1_ps(s), _mm256_set1_ps(b));
@@ -282,25 +283,37 @@ unsafe fn dequant_row(m: &QMatrix, r: usize, out: &mut [f32]) {
     }
 }
 
-/// `out[t][i] = Σ_c wt[i][c] · x[t][c]` for R dequantized rows and T tokens.
+/// Rows per GEMM register tile.
+const GEMM_RB: usize = 4;
+/// Tokens per GEMM register tile (GEMM_RB · GEMM_TB = 8 accumulators + 4 weight vectors + 1 activation of
+/// the 16 ymm registers).
+const GEMM_TB: usize = 2;
+/// Tokens per GEMM L2 block (a multiple of GEMM_TB).
+const GEMM_NB: usize = 48;
+/// Columns per GEMM L1 block (a multiple of every group size).
+const GEMM_KC: usize = 256;
+
+/// Adds `Σ_{c < kc} w[i][c] · x[t][c]` to `part[t·GEMM_RB + i]` for R rows (stride `ldw`) and T tokens (stride
+/// `ldx`). The per-(row, token) operation sequence is the same for every R and T.
 #[target_feature(enable = "avx2,fma")]
 #[inline]
 unsafe fn tile_dots<const R: usize, const T: usize>(
-    wt: &[f32],
-    x: &[f32],
-    cols: usize,
-    out: &mut [[f32; 4]; 4],
+    w: *const f32,
+    ldw: usize,
+    x: *const f32,
+    ldx: usize,
+    kc: usize,
+    part: &mut [f32],
 ) {
-    debug_assert!(wt.len() >= R * cols && x.len() >= T * cols && cols.is_multiple_of(8));
+    debug_assert!(kc.is_multiple_of(8) && part.len() >= (T - 1) * GEMM_RB + R);
     let mut acc = [[_mm256_setzero_ps(); R]; T];
-    let (wp, xp) = (wt.as_ptr(), x.as_ptr());
     let mut c = 0;
-    while c < cols {
-        // SAFETY: c + 8 <= cols for every row/token slice.
+    while c < kc {
+        // SAFETY: c + 8 <= kc for every row of `w` and every token row of `x` (the caller's contract).
         unsafe {
-            let wv: [__m256; R] = std::array::from_fn(|i| _mm256_loadu_ps(wp.add(i * cols + c)));
+            let wv: [__m256; R] = std::array::from_fn(|i| _mm256_loadu_ps(w.add(i * ldw + c)));
             for t in 0..T {
-                let xv = _mm256_loadu_ps(xp.add(t * cols + c));
+                let xv = _mm256_loadu_ps(x.add(t * ldx + c));
                 for i in 0..R {
                     acc[t][i] = _mm256_fmadd_ps(wv[i], xv, acc[t][i]);
                 }
@@ -310,62 +323,78 @@ unsafe fn tile_dots<const R: usize, const T: usize>(
     }
     for t in 0..T {
         for i in 0..R {
-            out[t][i] = hsum(acc[t][i]);
+            part[t * GEMM_RB + i] += hsum(acc[t][i]);
         }
     }
 }
 
 #[target_feature(enable = "avx2,fma")]
 unsafe fn gemm_impl(m: &QMatrix, p: &PreparedX, y: &mut [f32], r0: usize, r1: usize) {
-    const RB: usize = 4;
-    const TB: usize = 3;
     let (cols, n, ldy) = (m.cols, p.n, r1 - r0);
-    with_wtile(RB * cols, |wt| {
+    with_wtile(GEMM_RB * cols + GEMM_NB * GEMM_RB, |buf| {
+        let (wt, part) = buf.split_at_mut(GEMM_RB * cols);
         let mut r = r0;
         while r < r1 {
-            let rb = (r1 - r).min(RB);
+            let rb = (r1 - r).min(GEMM_RB);
             for i in 0..rb {
-                // SAFETY: row r+i < r1 <= rows; wt has RB·cols floats.
+                // SAFETY: row r+i < r1 <= rows; wt has GEMM_RB · cols floats.
                 unsafe { dequant_row(m, r + i, &mut wt[i * cols..(i + 1) * cols]) };
             }
-            let mut t = 0;
-            while t < n {
-                let tb = (n - t).min(TB);
-                let xs = &p.x[t * cols..(t + tb) * cols];
-                let mut out = [[0.0f32; 4]; 4];
-                // SAFETY: wt holds rb rows and xs holds tb tokens of `cols` floats each (a multiple of 8).
-                unsafe {
-                    match (rb, tb) {
-                        (4, 3) => tile_dots::<4, 3>(wt, xs, cols, &mut out),
-                        (4, _) => {
-                            for k in 0..tb {
-                                let mut o = [[0.0f32; 4]; 4];
-                                tile_dots::<4, 1>(wt, &xs[k * cols..], cols, &mut o);
-                                out[k] = o[0];
-                            }
-                        }
-                        (_, _) => {
-                            for i in 0..rb {
+            let mut n0 = 0;
+            while n0 < n {
+                let nb = (n - n0).min(GEMM_NB);
+                part.fill(0.0);
+                let mut c0 = 0;
+                while c0 < cols {
+                    let kc = (cols - c0).min(GEMM_KC);
+                    let mut t = 0;
+                    while t < nb {
+                        let tb = (nb - t).min(GEMM_TB);
+                        let pt = &mut part[t * GEMM_RB..];
+                        // SAFETY: tokens n0+t..n0+t+tb exist in p.x ([n, cols]); wt holds rb rows of cols
+                        // floats; [c0, c0+kc) is inside both and kc is a multiple of 8.
+                        unsafe {
+                            let xt = p.x.as_ptr().add((n0 + t) * cols + c0);
+                            let wc = wt.as_ptr().add(c0);
+                            if rb == GEMM_RB && tb == GEMM_TB {
+                                tile_dots::<GEMM_RB, GEMM_TB>(wc, cols, xt, cols, kc, pt);
+                            } else if rb == GEMM_RB {
                                 for k in 0..tb {
-                                    let mut o = [[0.0f32; 4]; 4];
-                                    tile_dots::<1, 1>(
-                                        &wt[i * cols..],
-                                        &xs[k * cols..],
+                                    let pk = &mut pt[k * GEMM_RB..];
+                                    tile_dots::<GEMM_RB, 1>(
+                                        wc,
                                         cols,
-                                        &mut o,
+                                        xt.add(k * cols),
+                                        cols,
+                                        kc,
+                                        pk,
                                     );
-                                    out[k][i] = o[0][0];
+                                }
+                            } else {
+                                for i in 0..rb {
+                                    for k in 0..tb {
+                                        let pk = &mut pt[k * GEMM_RB + i..];
+                                        tile_dots::<1, 1>(
+                                            wc.add(i * cols),
+                                            cols,
+                                            xt.add(k * cols),
+                                            cols,
+                                            kc,
+                                            pk,
+                                        );
+                                    }
                                 }
                             }
                         }
+                        t += tb;
                     }
+                    c0 += kc;
                 }
-                for k in 0..tb {
-                    for i in 0..rb {
-                        y[(t + k) * ldy + (r - r0) + i] = out[k][i];
-                    }
+                for t in 0..nb {
+                    let dst = (n0 + t) * ldy + (r - r0);
+                    y[dst..dst + rb].copy_from_slice(&part[t * GEMM_RB..t * GEMM_RB + rb]);
                 }
-                t += tb;
+                n0 += nb;
             }
             r += rb;
         }
