@@ -4,6 +4,7 @@
 pub mod gemma4;
 pub mod generate;
 pub mod ops;
+pub mod qwen3_5_moe;
 pub mod tensors;
 
 use std::path::Path;
@@ -25,7 +26,7 @@ pub enum ModelError {
     Tensor { name: String, why: String },
     #[error("config: {0}")]
     Config(String),
-    #[error("unsupported family '{0}' (this build runs: gemma4)")]
+    #[error("unsupported family '{0}' (this build runs: gemma4, qwen3_5_moe)")]
     Family(String),
     #[error("input: {0}")]
     Input(String),
@@ -226,6 +227,10 @@ pub fn load(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn Model>, ModelError
         "gemma4" | "gemma4_text" => {
             let cfg = gemma4::Config::from_config_json(&install.config_json)?;
             Ok(Box::new(gemma4::Gemma4::load(install, cfg, opts)?))
+        }
+        "qwen3_5_moe" | "qwen3_5_moe_text" => {
+            let cfg = qwen3_5_moe::Config::from_config_json(&install.config_json)?;
+            Ok(Box::new(qwen3_5_moe::Qwen35Moe::load(install, cfg, opts)?))
         }
         other => Err(ModelError::Family(other.to_string())),
     }

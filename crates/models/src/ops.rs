@@ -163,3 +163,136 @@ pub fn attention(
         }
     });
 }
+
+/// SiLU, `x · sigmoid(x)` (mlx `nn.silu`).
+#[inline]
+pub fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+/// The logistic function `1 / (1 + e^-x)`.
+#[inline]
+pub fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+/// `log(1 + e^x)`, computed as mlx's `nn.softplus` (`logaddexp(x, 0)`): `max(x, 0) + log1p(e^-|x|)`.
+#[inline]
+pub fn softplus(x: f32) -> f32 {
+    x.max(0.0) + (-x.abs()).exp().ln_1p()
+}
+
+/// Depthwise causal 1-D convolution followed by SiLU, continuing from a rolling state
+/// (Gated DeltaNet's `conv1d`, `reference/architectures.md` §3.2 step 2; mlx-lm `qwen3_5.py`
+/// `GatedDeltaNet.__call__`).
+///
+/// - `x`: `[t, channels]` pre-conv rows; `out`: `[t, channels]`.
+/// - `w`: `[channels, kernel]` (the MLX `[C, K, 1]` weight); output row `r` of channel `c` is
+///   `silu(Σ_j w[c, j] · in[r + j])` over the sequence `in = state ++ x` (cross-correlation, no flip).
+/// - `state`: `[kernel - 1, channels]`, the last `kernel - 1` pre-conv rows seen (zeros at the start);
+///   updated to the last `kernel - 1` rows of `state ++ x`.
+pub fn causal_conv1d_silu(
+    x: &[f32],
+    state: &mut [f32],
+    w: &[f32],
+    channels: usize,
+    kernel: usize,
+    out: &mut [f32],
+) {
+    let keep = kernel - 1;
+    let t = x.len() / channels;
+    let mut seq = Vec::with_capacity((keep + t) * channels);
+    seq.extend_from_slice(state);
+    seq.extend_from_slice(x);
+    for r in 0..t {
+        let o = &mut out[r * channels..(r + 1) * channels];
+        for (c, oc) in o.iter_mut().enumerate() {
+            let wc = &w[c * kernel..(c + 1) * kernel];
+            let mut acc = 0.0f32;
+            for (j, wj) in wc.iter().enumerate() {
+                acc += wj * seq[(r + j) * channels + c];
+            }
+            *oc = silu(acc);
+        }
+    }
+    state.copy_from_slice(&seq[t * channels..]);
+}
+
+/// Head counts and sizes of one gated delta rule call.
+pub struct DeltaShape {
+    pub n_k_heads: usize,
+    pub n_v_heads: usize,
+    pub head_k_dim: usize,
+    pub head_v_dim: usize,
+}
+
+/// The gated delta rule recurrence over `t` rows (mlx-lm `gated_delta.py::_gated_delta_step_ops`;
+/// `reference/architectures.md` §3.2 step 6), one value head per work item, in FP32:
+///
+/// ```text
+/// S ← g·S;  u = (v − S·k)·β;  S ← S + u ⊗ k;  o = S·q
+/// ```
+///
+/// - `q`, `k`: `[t, n_k_heads, head_k_dim]` (already L2-normalised; q carries the `head_k_dim^-0.5`);
+///   value head `h` reads key head `h / (n_v_heads / n_k_heads)`.
+/// - `v`: `[t, n_v_heads, head_v_dim]`; `g` (the decay `exp(log-decay)`), `beta`: `[t, n_v_heads]`.
+/// - `state`: `[n_v_heads, head_v_dim, head_k_dim]` (mlx's `[B, Hv, Dv, Dk]` layout), carried across calls.
+/// - `out`: `[t, n_v_heads, head_v_dim]`.
+#[allow(clippy::too_many_arguments)]
+pub fn gated_delta_rule(
+    pool: &ThreadPool,
+    kern: &Kernels,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    g: &[f32],
+    beta: &[f32],
+    state: &mut [f32],
+    s: &DeltaShape,
+    out: &mut [f32],
+) {
+    let (nk, nv, dk, dv) = (s.n_k_heads, s.n_v_heads, s.head_k_dim, s.head_v_dim);
+    let t = g.len() / nv;
+    let rep = nv / nk;
+    let threads = pool.threads().min(nv).max(1);
+    let per = nv.div_ceil(threads);
+    // Each work piece owns a run of value heads: their states and a head-major output.
+    let mut head_out = vec![0.0f32; nv * t * dv];
+    let pieces: Vec<Mutex<Option<(&mut [f32], &mut [f32])>>> = state
+        .chunks_mut(per * dv * dk)
+        .zip(head_out.chunks_mut(per * t * dv))
+        .map(|p| Mutex::new(Some(p)))
+        .collect();
+    pool.run(|tid, _n| {
+        let Some((st, ho)) = pieces.get(tid).and_then(|m| m.lock().ok()?.take()) else {
+            return;
+        };
+        for (j, (sh, oh)) in st
+            .chunks_exact_mut(dv * dk)
+            .zip(ho.chunks_exact_mut(t * dv))
+            .enumerate()
+        {
+            let h = tid * per + j;
+            let kh = h / rep;
+            for r in 0..t {
+                let qr = &q[(r * nk + kh) * dk..(r * nk + kh + 1) * dk];
+                let kr = &k[(r * nk + kh) * dk..(r * nk + kh + 1) * dk];
+                let vr = &v[(r * nv + h) * dv..(r * nv + h + 1) * dv];
+                let (gr, br) = (g[r * nv + h], beta[r * nv + h]);
+                let o = &mut oh[r * dv..(r + 1) * dv];
+                for (i, row) in sh.chunks_exact_mut(dk).enumerate() {
+                    row.iter_mut().for_each(|x| *x *= gr);
+                    let delta = (vr[i] - kern.dot_f32(row, kr)) * br;
+                    kern.axpy(delta, kr, row);
+                    o[i] = kern.dot_f32(row, qr);
+                }
+            }
+        }
+    });
+    for h in 0..nv {
+        for r in 0..t {
+            out[(r * nv + h) * dv..(r * nv + h + 1) * dv]
+                .copy_from_slice(&head_out[(h * t + r) * dv..(h * t + r + 1) * dv]);
+        }
+    }
+}
