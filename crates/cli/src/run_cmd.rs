@@ -540,11 +540,11 @@ pub fn perplexity(a: PerplexityArgs) -> Result<()> {
             chunk[0] = b;
         }
         model.truncate(0);
-        let Logits::Rows(logits) = model.forward(&chunk, Want::All)? else {
+        let Logits::Rows(logits) = model.forward(&chunk, Want::Tail(a.ctx - first))? else {
             bail!("model returned no logits")
         };
         for j in first..a.ctx - 1 {
-            let row = &logits[j * vocab..(j + 1) * vocab];
+            let row = &logits[(j - first) * vocab..(j - first + 1) * vocab];
             let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
             let lse = m + row.iter().map(|&z| (z as f64 - m).exp()).sum::<f64>().ln();
             nll += lse - row[chunk[j + 1] as usize] as f64;

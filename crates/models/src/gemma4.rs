@@ -16,7 +16,7 @@ use mference_runtime::{KvCache, KvLayer};
 
 use crate::ops::{attention, gelu_tanh, rms_norm, rms_norm_into, softmax, top_k, AttnShape, Rope};
 use crate::tensors::{QRef, VRef};
-use crate::{Engine, LoadOptions, Logits, ModelError, Streamers, Want};
+use crate::{ChunkWant, Engine, LoadOptions, Logits, ModelError, Streamers, Want};
 
 /// `text_config` of a Gemma 4 `config.json` (HF keys; defaults as mlx-lm's `ModelArgs`).
 #[derive(Clone, Debug, Deserialize)]
@@ -345,8 +345,8 @@ impl Gemma4 {
         &self.cfg
     }
 
-    /// Runs `tokens` (one chunk, at most the prefill chunk) at positions `kv.len ..`; see [`Want`].
-    fn forward_chunk(&mut self, tokens: &[u32], want: Want) -> Result<Logits, ModelError> {
+    /// Runs `tokens` (one chunk, at most the prefill chunk) at positions `kv.len ..`.
+    fn forward_chunk(&mut self, tokens: &[u32], want: ChunkWant) -> Result<Logits, ModelError> {
         let t = tokens.len();
         let h = self.cfg.hidden_size;
         let pos0 = self.kv.len;
@@ -552,24 +552,22 @@ impl Gemma4 {
         self.kv.len = pos0 + t;
 
         // Final norm and the tied head, only for the rows asked for.
-        let rows: Vec<usize> = match want {
-            Want::None => return Ok(Logits::None),
-            Want::All => (0..t).collect(),
-            Want::Last | Want::Argmax => vec![t - 1],
+        let first = match want {
+            ChunkWant::None => return Ok(Logits::None),
+            ChunkWant::From(r) => r,
+            ChunkWant::Argmax => t - 1,
         };
-        let mut xf = Vec::with_capacity(rows.len() * h);
-        for &r in &rows {
-            xf.extend_from_slice(&x[r * h..(r + 1) * h]);
-        }
+        let rows = t - first;
+        let mut xf = x[first * h..].to_vec();
         rms_norm(&mut xf, h, Some((&self.norm, map)), eps);
         let head = self.embed_tokens.mat(map);
         let cap = self.cfg.final_logit_softcapping;
-        if want == Want::Argmax {
+        if want == ChunkWant::Argmax {
             let (id, _) = pool.gemv_argmax(k, &head, &xf, cap);
             return Ok(Logits::Argmax(id as u32));
         }
-        let mut logits = vec![0.0f32; rows.len() * self.cfg.vocab_size];
-        pool.gemm(k, &head, &xf, rows.len(), &mut logits);
+        let mut logits = vec![0.0f32; rows * self.cfg.vocab_size];
+        pool.gemm(k, &head, &xf, rows, &mut logits);
         if let Some(c) = cap {
             logits.iter_mut().for_each(|z| *z = c * (*z / c).tanh());
         }
@@ -682,21 +680,7 @@ impl crate::Model for Gemma4 {
             });
         }
         let chunk = self.engine.prefill_chunk;
-        let mut all = Vec::new();
-        let n = tokens.len().div_ceil(chunk);
-        for (i, c) in tokens.chunks(chunk).enumerate() {
-            let w = match want {
-                Want::All => Want::All,
-                _ if i + 1 < n => Want::None,
-                w => w,
-            };
-            match self.forward_chunk(c, w)? {
-                Logits::Rows(r) if want == Want::All => all.extend(r),
-                out if i + 1 == n => return Ok(out),
-                _ => {}
-            }
-        }
-        Ok(Logits::Rows(all))
+        crate::run_chunked(tokens, chunk, want, |c, w| self.forward_chunk(c, w))
     }
 
     fn position(&self) -> usize {

@@ -46,10 +46,58 @@ pub enum Want {
     None,
     /// The last row's logits (`[vocab]`, post-softcap).
     Last,
-    /// Every row's logits (`[T, vocab]`): parity tests and perplexity.
+    /// Every row's logits (`[T, vocab]`): parity tests.
     All,
+    /// The logits of the last `n` rows (`[n, vocab]`): perplexity scores only the second half.
+    Tail(usize),
     /// Only the argmax of the last row (pure greedy; full logits are never materialised).
     Argmax,
+}
+
+/// What one prefill chunk must return.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ChunkWant {
+    None,
+    /// Logits of the chunk's rows from this row on.
+    From(usize),
+    Argmax,
+}
+
+/// Splits `tokens` into chunks of `chunk` rows and runs `run(chunk_tokens, chunk_want)` on each in
+/// order, asking each chunk only for the logits `want` needs; concatenates rows across chunks.
+pub fn run_chunked(
+    tokens: &[u32],
+    chunk: usize,
+    want: Want,
+    mut run: impl FnMut(&[u32], ChunkWant) -> Result<Logits, ModelError>,
+) -> Result<Logits, ModelError> {
+    let total = tokens.len();
+    let first = match want {
+        Want::None => total,
+        Want::All => 0,
+        Want::Tail(n) => total - n.min(total),
+        Want::Last | Want::Argmax => total - 1,
+    };
+    let mut rows = Vec::new();
+    let mut last = Logits::None;
+    for (i, c) in tokens.chunks(chunk).enumerate() {
+        let (start, end) = (i * chunk, i * chunk + c.len());
+        let w = if want == Want::Argmax && end == total {
+            ChunkWant::Argmax
+        } else if end > first {
+            ChunkWant::From(first.saturating_sub(start))
+        } else {
+            ChunkWant::None
+        };
+        match run(c, w)? {
+            Logits::Rows(r) => rows.extend(r),
+            other => last = other,
+        }
+    }
+    Ok(match want {
+        Want::None | Want::Argmax => last,
+        _ => Logits::Rows(rows),
+    })
 }
 
 /// The result of a forward pass.
