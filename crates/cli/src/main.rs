@@ -4,6 +4,7 @@ use clap::{Parser, Subcommand};
 
 mod install_cmd;
 mod run_cmd;
+mod serve_cmd;
 
 #[derive(Parser)]
 #[command(
@@ -30,6 +31,8 @@ enum Command {
     Run(run_cmd::RunArgs),
     /// Perplexity of a text file, computed as llama-perplexity does.
     Perplexity(run_cmd::PerplexityArgs),
+    /// Serve the model over an OpenAI-compatible HTTP API.
+    Serve(serve_cmd::ServeArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -41,6 +44,7 @@ fn main() -> std::process::ExitCode {
         Command::Discard(a) => install_cmd::discard(a),
         Command::Run(a) => run_cmd::run(a),
         Command::Perplexity(a) => run_cmd::perplexity(a),
+        Command::Serve(a) => serve_cmd::serve(a),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

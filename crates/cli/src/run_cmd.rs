@@ -236,7 +236,7 @@ fn resolve_slots(s: &str, dir: &Path) -> Result<CacheSlots> {
     })
 }
 
-fn load_options(m: &ModelArgs, prefill_chunk: usize, max_context: usize) -> Result<LoadOptions> {
+pub(crate) fn load_options(m: &ModelArgs, prefill_chunk: usize, max_context: usize) -> Result<LoadOptions> {
     let verify = match m.verify.as_str() {
         "full-sha256" => VerifyPolicy::FullSha256,
         "trusted-receipt" => VerifyPolicy::TrustedReceipt,

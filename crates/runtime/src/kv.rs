@@ -177,9 +177,9 @@ impl KvCache {
     }
 
     /// Keeps the first `n` positions (for a retained prefix). Ring layers can only be truncated
-    /// when no row of the kept prefix has been overwritten.
+    /// when no row of the kept prefix has been overwritten; `n == 0` (keep nothing) always works.
     pub fn truncate(&mut self, n: usize) -> bool {
-        let ok = self.layers.iter().all(|l| !l.ring || self.len <= l.rows);
+        let ok = n == 0 || self.layers.iter().all(|l| !l.ring || self.len <= l.rows);
         if ok && n <= self.len {
             self.len = n;
             true
@@ -192,6 +192,19 @@ impl KvCache {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn truncate_refuses_a_wrapped_ring_except_to_zero() {
+        let mut c = KvCache {
+            layers: vec![KvLayer::new(4, true, 1, 2, KvDtype::F16)],
+            len: 3,
+        };
+        assert!(c.truncate(2) && c.len == 2);
+        c.len = 6; // positions 4 and 5 overwrote rows 0 and 1
+        assert!(!c.truncate(3));
+        assert_eq!(c.len, 6);
+        assert!(c.truncate(0) && c.len == 0);
+    }
 
     #[test]
     fn ring_keeps_the_last_rows() {

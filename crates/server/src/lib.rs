@@ -1,1 +1,385 @@
-//! mference-server
+#![warn(missing_docs)]
+//! mference-server: an OpenAI-compatible HTTP server over one loaded model
+//! (`shared/docs/DESIGN.md` §8, rules from `reference/original-system.md` §2.4).
+//!
+//! - `GET /health`, `GET /v1/models`, `POST /v1/chat/completions` and `POST /v1/completions`, JSON
+//!   or SSE (`stream_options.include_usage`, `: ping` heartbeats, in-band errors after the head).
+//! - Every check (content type 415, body size 413, options 400, model 404, queue 429, context 400)
+//!   runs before any byte of the response is written.
+//! - One model, owned by one generation thread; requests wait in a bounded queue. The thread keeps
+//!   one conversational KV prefix: a prompt that starts with the tokens already in the KV cache
+//!   reuses them (`usage.prompt_tokens_details.cached_tokens`).
+//! - Tool calls in the family's native syntax become OpenAI `tool_calls`; malformed call output is
+//!   an error, never a half-parsed call.
+//!
+//! [`start`] binds, spawns the generation thread and the HTTP runtime, and returns a [`Server`].
+
+mod api;
+mod error;
+mod http;
+mod messages;
+mod worker;
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use mference_models::Model;
+use mference_text::{ChatTemplate, Family, TextError, Tokenizer};
+
+pub use error::ApiError;
+
+/// Errors of starting the server. Request errors are [`ApiError`]s and never end the server.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    /// The install's tokenizer or template could not be loaded.
+    #[error("{0}")]
+    Text(#[from] TextError),
+    /// The install has no readable `tokenizer/config.json` or an unknown `model_type`.
+    #[error("{0}")]
+    Install(String),
+    /// `--bind tailnet` could not find exactly one tailnet address.
+    #[error("--bind tailnet: {0}")]
+    Tailnet(String),
+    /// Binding the port or starting a thread failed.
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        /// The address we tried.
+        addr: SocketAddr,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// Starting the generation thread or the HTTP runtime failed.
+    #[error("cannot start the server: {0}")]
+    Runtime(std::io::Error),
+}
+
+/// Where to listen (`--bind`). Never a wildcard address.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BindMode {
+    /// `127.0.0.1`.
+    Loopback,
+    /// The one 100.64.0.0/10 address that `tailscale ip -4` prints.
+    Tailnet,
+}
+
+impl BindMode {
+    /// Parses `loopback|tailnet`.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s {
+            "loopback" => Ok(Self::Loopback),
+            "tailnet" => Ok(Self::Tailnet),
+            _ => Err(format!(
+                "invalid --bind '{s}': allowed values are loopback, tailnet"
+            )),
+        }
+    }
+
+    /// The address to bind. `Tailnet` runs `tailscale ip -4` directly (no shell).
+    ///
+    /// Errors: [`ServerError::Tailnet`] when tailscale cannot run, fails, or prints anything but
+    /// exactly one IPv4 address inside 100.64.0.0/10.
+    pub fn resolve(self) -> Result<IpAddr, ServerError> {
+        match self {
+            Self::Loopback => Ok(IpAddr::V4(Ipv4Addr::LOCALHOST)),
+            Self::Tailnet => {
+                let out = std::process::Command::new("tailscale")
+                    .args(["ip", "-4"])
+                    .output()
+                    .map_err(|e| {
+                        ServerError::Tailnet(format!(
+                            "cannot run `tailscale ip -4`: {e} (is Tailscale installed and up?)"
+                        ))
+                    })?;
+                if !out.status.success() {
+                    return Err(ServerError::Tailnet(format!(
+                        "`tailscale ip -4` failed ({}): {}",
+                        out.status,
+                        String::from_utf8_lossy(&out.stderr).trim()
+                    )));
+                }
+                parse_tailnet_ip(&String::from_utf8_lossy(&out.stdout))
+                    .map(IpAddr::V4)
+                    .map_err(ServerError::Tailnet)
+            }
+        }
+    }
+}
+
+/// Checks the output of `tailscale ip -4`: exactly one IPv4 address, inside 100.64.0.0/10
+/// (the CGNAT range Tailscale assigns from).
+pub fn parse_tailnet_ip(output: &str) -> Result<Ipv4Addr, String> {
+    let lines: Vec<&str> = output
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect();
+    let [line] = lines.as_slice() else {
+        return Err(format!(
+            "`tailscale ip -4` printed {} addresses, expected exactly one: {:?}",
+            lines.len(),
+            output.trim()
+        ));
+    };
+    let ip: Ipv4Addr = line
+        .parse()
+        .map_err(|_| format!("`tailscale ip -4` printed '{line}', which is not an IPv4 address"))?;
+    let [a, b, ..] = ip.octets();
+    if a != 100 || b & 0xC0 != 64 {
+        return Err(format!(
+            "{ip} is not a tailnet address (100.64.0.0/10); refusing to bind it"
+        ));
+    }
+    Ok(ip)
+}
+
+/// Whether the server keeps a conversational KV prefix between requests (`--prompt-cache-mode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PromptCacheMode {
+    /// Every request is prefilled from position 0.
+    Off,
+    /// One retained prefix: a prompt sharing a prefix with the tokens in the KV cache reuses them.
+    SinglePrefix,
+}
+
+impl PromptCacheMode {
+    /// Parses `off|single-prefix`.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s {
+            "off" => Ok(Self::Off),
+            "single-prefix" => Ok(Self::SinglePrefix),
+            _ => Err(format!(
+                "invalid --prompt-cache-mode '{s}': allowed values are off, single-prefix"
+            )),
+        }
+    }
+}
+
+/// The text side of an install: tokenizer, chat template and family, shared by the HTTP handlers
+/// (rendering, tokenizing) and the generation thread (detokenizing, tool-call parsing).
+pub struct TextSide {
+    /// The install's tokenizer.
+    pub tokenizer: Tokenizer,
+    /// The install's chat template; `None` means only `/v1/completions` works.
+    pub template: Option<ChatTemplate>,
+    /// The family (stop tokens, template variables, tool-call syntax).
+    pub family: Family,
+}
+
+impl TextSide {
+    /// Loads `<install>/tokenizer/` (tokenizer, template and `config.json`'s `model_type`).
+    ///
+    /// Errors: [`ServerError::Text`] for the tokenizer or a template that does not compile,
+    /// [`ServerError::Install`] for a missing `config.json` or an unknown `model_type`.
+    pub fn load(install: &Path) -> Result<Self, ServerError> {
+        let dir: PathBuf = install.join("tokenizer");
+        let tokenizer = Tokenizer::from_dir(&dir)?;
+        let template = match ChatTemplate::from_dir(&dir) {
+            Ok(t) => Some(t),
+            Err(TextError::NoChatTemplate(_)) => None,
+            Err(e) => return Err(e.into()),
+        };
+        let config = std::fs::read(dir.join("config.json")).map_err(|e| {
+            ServerError::Install(format!(
+                "{} is not an install (cannot read tokenizer/config.json: {e})",
+                install.display()
+            ))
+        })?;
+        let config: serde_json::Value = serde_json::from_slice(&config).map_err(|e| {
+            ServerError::Install(format!("tokenizer/config.json is not valid JSON: {e}"))
+        })?;
+        let mt = config
+            .get("model_type")
+            .and_then(|v| v.as_str())
+            .unwrap_or("");
+        let family = Family::from_model_type(mt)
+            .ok_or_else(|| ServerError::Install(format!("unknown model_type '{mt}'")))?;
+        Ok(Self {
+            tokenizer,
+            template,
+            family,
+        })
+    }
+}
+
+/// The original's default model id per family (`ServerInference.swift`, original-system.md §2.4).
+pub fn default_model_id(family: Family) -> &'static str {
+    match family {
+        Family::Gemma4 => "gemma-4-26b-a4b-it",
+        Family::Qwen36 => "qwen3.6-35b-a3b",
+        Family::DeepSeekV4 => "deepseek-v4-flash-2bit-dq",
+    }
+}
+
+/// Server settings.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// The id clients must send as `model` (404 otherwise).
+    pub model_id: String,
+    /// Requests allowed to wait behind the running one; more get 429.
+    pub queue_limit: usize,
+    /// Conversational KV prefix reuse.
+    pub prompt_cache: PromptCacheMode,
+    /// Idle time after which a stream gets a `: ping` comment (5 s in the original).
+    pub heartbeat: Duration,
+}
+
+impl ServerConfig {
+    /// The original's defaults for `model_id`: queue 4, single-prefix cache, 5 s heartbeat.
+    pub fn new(model_id: impl Into<String>) -> Self {
+        Self {
+            model_id: model_id.into(),
+            queue_limit: 4,
+            prompt_cache: PromptCacheMode::SinglePrefix,
+            heartbeat: Duration::from_secs(5),
+        }
+    }
+}
+
+/// A running server: the HTTP runtime thread and the generation thread.
+pub struct Server {
+    addr: SocketAddr,
+    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    http: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Server {
+    /// The bound address (useful with port 0).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Blocks until the server stops (it runs until [`Server::shutdown`] or process exit).
+    pub fn wait(mut self) {
+        if let Some(h) = self.http.take() {
+            let _ = h.join();
+        }
+    }
+
+    /// Stops accepting connections, lets open ones finish, and waits for the HTTP thread.
+    pub fn shutdown(mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        if let Some(h) = self.http.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+/// Binds `addr` (an already loaded model, so the port opens only when it can answer), starts the
+/// generation thread and the HTTP runtime, and returns at once.
+///
+/// Errors: [`ServerError::Bind`] when the address cannot be bound, [`ServerError::Runtime`] when a
+/// thread or the runtime cannot start.
+pub fn start(
+    model: Box<dyn Model>,
+    text: TextSide,
+    cfg: ServerConfig,
+    addr: SocketAddr,
+) -> Result<Server, ServerError> {
+    let listener =
+        std::net::TcpListener::bind(addr).map_err(|source| ServerError::Bind { addr, source })?;
+    let local = listener
+        .local_addr()
+        .map_err(|source| ServerError::Bind { addr, source })?;
+    listener
+        .set_nonblocking(true)
+        .map_err(ServerError::Runtime)?;
+    let max_context = model.engine().max_context;
+    let text = Arc::new(text);
+    let (jobs, _worker) =
+        worker::spawn(model, Arc::clone(&text), cfg.prompt_cache, cfg.queue_limit)
+            .map_err(ServerError::Runtime)?;
+    let state = Arc::new(http::AppState {
+        model_id: cfg.model_id.clone(),
+        max_context,
+        text,
+        jobs,
+        heartbeat: cfg.heartbeat,
+        started: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0),
+    });
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .thread_name("mference-http")
+        .build()
+        .map_err(ServerError::Runtime)?;
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let http = std::thread::Builder::new()
+        .name("mference-serve".into())
+        .spawn(move || {
+            rt.block_on(async move {
+                let listener = match tokio::net::TcpListener::from_std(listener) {
+                    Ok(l) => l,
+                    Err(e) => {
+                        eprintln!("error: cannot register the listener: {e}");
+                        return;
+                    }
+                };
+                let app = http::router(state);
+                let res = axum::serve(listener, app)
+                    .with_graceful_shutdown(async {
+                        let _ = rx.await;
+                    })
+                    .await;
+                if let Err(e) = res {
+                    eprintln!("error: the HTTP server stopped: {e}");
+                }
+            });
+            // Streams still open hold tasks; do not wait for them on shutdown.
+            rt.shutdown_timeout(Duration::from_secs(1));
+        })
+        .map_err(ServerError::Runtime)?;
+    Ok(Server {
+        addr: local,
+        shutdown: Some(tx),
+        http: Some(http),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tailnet_output_must_be_one_cgnat_address() {
+        assert_eq!(
+            parse_tailnet_ip("100.101.102.103\n"),
+            Ok(Ipv4Addr::new(100, 101, 102, 103))
+        );
+        assert_eq!(
+            parse_tailnet_ip("100.64.0.1"),
+            Ok(Ipv4Addr::new(100, 64, 0, 1))
+        );
+        assert_eq!(
+            parse_tailnet_ip("100.127.255.254"),
+            Ok(Ipv4Addr::new(100, 127, 255, 254))
+        );
+        for bad in [
+            "",
+            "\n",
+            "100.63.255.255",
+            "100.128.0.1",
+            "192.168.1.2",
+            "0.0.0.0",
+            "100.64.0.1\n100.64.0.2\n",
+            "fd7a:115c:a1e0::1",
+            "not an ip",
+        ] {
+            assert!(parse_tailnet_ip(bad).is_err(), "{bad:?} was accepted");
+        }
+    }
+
+    #[test]
+    fn mode_parsers_refuse_unknown_values() {
+        assert_eq!(BindMode::parse("loopback"), Ok(BindMode::Loopback));
+        assert!(BindMode::parse("0.0.0.0").is_err());
+        assert_eq!(PromptCacheMode::parse("off"), Ok(PromptCacheMode::Off));
+        assert!(PromptCacheMode::parse("multi").is_err());
+    }
+}

@@ -1,0 +1,90 @@
+//! `serve`: the OpenAI-compatible HTTP server (`mference-server`).
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+
+use mference_runtime::KvDtype;
+use mference_server::{BindMode, PromptCacheMode, ServerConfig, TextSide};
+
+use crate::run_cmd::{load_options, ModelArgs};
+
+/// Context sizes the server accepts, as the original (`ServerArguments.swift`).
+const CONTEXTS: [usize; 6] = [4096, 8192, 16384, 32768, 65536, 128000];
+
+/// `mference serve`.
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// TCP port.
+    #[arg(long, default_value_t = 8080)]
+    pub port: u16,
+    /// loopback (127.0.0.1) or tailnet (the one 100.64.0.0/10 address of `tailscale ip -4`).
+    #[arg(long, default_value = "loopback")]
+    pub bind: String,
+    /// The id clients send as `model` (default: the family's id, e.g. gemma-4-26b-a4b-it).
+    #[arg(long)]
+    pub model_id: Option<String>,
+    /// KV cache positions: 4096, 8192, 16384, 32768, 65536 or 128000.
+    #[arg(long, default_value_t = 16384)]
+    pub max_context: usize,
+    /// Requests that may wait behind the running one; more get 429.
+    #[arg(long, default_value_t = 4)]
+    pub queue_limit: usize,
+    /// off or single-prefix (reuse the KV of the previous prompt's shared prefix).
+    #[arg(long, default_value = "single-prefix")]
+    pub prompt_cache_mode: String,
+    /// Prefill chunk rows: 32, 64, 128, 256, 512, 1024, 2048 or 4096.
+    #[arg(long, default_value_t = 128)]
+    pub prefill_chunk: usize,
+}
+
+/// `mference serve`: validate, load the model, then open the port and print the ready line.
+pub fn serve(a: ServeArgs) -> Result<()> {
+    if !CONTEXTS.contains(&a.max_context) {
+        bail!(
+            "invalid --max-context {}: allowed values are 4096, 8192, 16384, 32768, 65536, 128000",
+            a.max_context
+        );
+    }
+    if a.queue_limit == 0 {
+        bail!("--queue-limit must be at least 1");
+    }
+    if ![32, 64, 128, 256, 512, 1024, 2048, 4096].contains(&a.prefill_chunk) {
+        bail!("invalid --prefill-chunk {}: allowed values are 32, 64, 128, 256, 512, 1024, 2048, 4096", a.prefill_chunk);
+    }
+    let bind = BindMode::parse(&a.bind).map_err(anyhow::Error::msg)?;
+    let cache = PromptCacheMode::parse(&a.prompt_cache_mode).map_err(anyhow::Error::msg)?;
+    // Resolve the address first: a tailnet failure should not wait for a model load.
+    let ip = bind.resolve()?;
+    let text = TextSide::load(&a.model.model)
+        .with_context(|| format!("loading the text side of {}", a.model.model.display()))?;
+    let model_id = a
+        .model_id
+        .clone()
+        .unwrap_or_else(|| mference_server::default_model_id(text.family).to_string());
+    let mut opts = load_options(&a.model, a.prefill_chunk, a.max_context)?;
+    opts.kv_dtype = KvDtype::parse(&a.model.kv_cache).map_err(anyhow::Error::msg)?;
+    let t0 = Instant::now();
+    let model = mference_models::load(&a.model.model, &opts)?;
+    let loaded = t0.elapsed().as_secs_f64();
+    let cfg = ServerConfig {
+        model_id: model_id.clone(),
+        queue_limit: a.queue_limit,
+        prompt_cache: cache,
+        heartbeat: Duration::from_secs(5),
+    };
+    let server = mference_server::start(model, text, cfg, SocketAddr::new(ip, a.port))?;
+    eprintln!(
+        "MferenceServer ready on http://{} model={model_id} context={} queue={} prompt-cache={} (loaded in {loaded:.2}s)",
+        server.local_addr(),
+        a.max_context,
+        a.queue_limit,
+        a.prompt_cache_mode
+    );
+    server.wait();
+    Ok(())
+}

@@ -1,0 +1,413 @@
+//! Request parsing and validation (`reference/original-system.md` §2.4): every check that can fail
+//! runs here, before the request is queued and before any byte of the response is written.
+
+use serde_json::{Map, Value};
+
+use crate::error::ApiError;
+use mference_text::Family;
+
+/// Sampling and stopping options shared by both endpoints.
+#[derive(Debug, Clone)]
+pub(crate) struct Sampling {
+    pub temperature: f32,
+    pub top_p: f32,
+    pub top_k: usize,
+    pub repetition_penalty: f32,
+    pub seed: Option<u64>,
+    pub stop: Vec<String>,
+    /// New-token budget (`max_tokens` / `max_completion_tokens`, default 4096 as the original).
+    pub max_tokens: usize,
+}
+
+/// The options every generation request carries.
+#[derive(Debug, Clone)]
+pub(crate) struct Common {
+    pub stream: bool,
+    pub include_usage: bool,
+    pub sampling: Sampling,
+    /// `Some(n)`: return the chosen token's log-probability and the `n` most likely alternatives.
+    pub logprobs: Option<usize>,
+}
+
+/// A validated `/v1/chat/completions` body.
+#[derive(Debug)]
+pub(crate) struct ChatRequest {
+    pub common: Common,
+    /// Messages ready for the chat template (roles merged, arguments as JSON objects).
+    pub messages: Vec<Value>,
+    /// Tools to render, `None` when there are none or `tool_choice` is `none`.
+    pub tools: Option<Vec<Value>>,
+}
+
+/// The prompt of a `/v1/completions` body.
+#[derive(Debug)]
+pub(crate) enum CompletionPrompt {
+    Text(String),
+    Tokens(Vec<u32>),
+}
+
+/// A validated `/v1/completions` body.
+#[derive(Debug)]
+pub(crate) struct CompletionRequest {
+    pub common: Common,
+    pub prompt: CompletionPrompt,
+}
+
+/// The default `max_tokens` when neither `max_tokens` nor `max_completion_tokens` is set.
+const DEFAULT_MAX_TOKENS: usize = 4096;
+
+fn obj(body: &Value) -> Result<&Map<String, Value>, ApiError> {
+    body.as_object()
+        .ok_or_else(|| ApiError::invalid("the request body must be a JSON object"))
+}
+
+/// A field that is present and not `null`.
+fn field<'a>(o: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
+    o.get(key).filter(|v| !v.is_null())
+}
+
+fn number(o: &Map<String, Value>, key: &str) -> Result<Option<f64>, ApiError> {
+    match field(o, key) {
+        None => Ok(None),
+        Some(v) => v
+            .as_f64()
+            .filter(|x| x.is_finite())
+            .map(Some)
+            .ok_or_else(|| ApiError::param(key, format!("`{key}` must be a number"))),
+    }
+}
+
+fn integer(o: &Map<String, Value>, key: &str) -> Result<Option<i64>, ApiError> {
+    match field(o, key) {
+        None => Ok(None),
+        Some(v) => v
+            .as_i64()
+            .map(Some)
+            .ok_or_else(|| ApiError::param(key, format!("`{key}` must be an integer"))),
+    }
+}
+
+fn boolean(o: &Map<String, Value>, key: &str) -> Result<Option<bool>, ApiError> {
+    match field(o, key) {
+        None => Ok(None),
+        Some(v) => v
+            .as_bool()
+            .map(Some)
+            .ok_or_else(|| ApiError::param(key, format!("`{key}` must be true or false"))),
+    }
+}
+
+/// Checks `model` against the served id: missing → 400, another id → 404.
+fn check_model(o: &Map<String, Value>, model_id: &str) -> Result<(), ApiError> {
+    let m = field(o, "model")
+        .ok_or_else(|| ApiError::param("model", "`model` is required"))?
+        .as_str()
+        .ok_or_else(|| ApiError::param("model", "`model` must be a string"))?;
+    if m != model_id {
+        let mut e = ApiError::new(
+            axum::http::StatusCode::NOT_FOUND,
+            format!(
+                "the model `{m}` does not exist; this server serves `{model_id}` (GET /v1/models)"
+            ),
+        )
+        .with_code("model_not_found");
+        e.param = Some("model".into());
+        return Err(e);
+    }
+    Ok(())
+}
+
+/// Options both endpoints share; `logprobs` is parsed by the caller (its type differs).
+fn common(o: &Map<String, Value>, logprobs: Option<usize>) -> Result<Common, ApiError> {
+    let stream = boolean(o, "stream")?.unwrap_or(false);
+    let mut include_usage = false;
+    if let Some(so) = field(o, "stream_options") {
+        if !stream {
+            return Err(ApiError::param(
+                "stream_options",
+                "`stream_options` is only allowed with `stream: true`",
+            ));
+        }
+        let so = so.as_object().ok_or_else(|| {
+            ApiError::param("stream_options", "`stream_options` must be an object")
+        })?;
+        include_usage = boolean(so, "include_usage")?.unwrap_or(false);
+    }
+    if let Some(n) = integer(o, "n")? {
+        if n != 1 {
+            return Err(ApiError::param(
+                "n",
+                format!("`n` must be 1 (one choice per request), got {n}"),
+            ));
+        }
+    }
+    for key in ["presence_penalty", "frequency_penalty"] {
+        if let Some(p) = number(o, key)? {
+            if p != 0.0 {
+                return Err(ApiError::param(
+                    key,
+                    format!("`{key}` is not supported (must be 0); use `repetition_penalty`"),
+                ));
+            }
+        }
+    }
+    if let Some(lb) = field(o, "logit_bias") {
+        if lb.as_object().is_none_or(|m| !m.is_empty()) {
+            return Err(ApiError::param(
+                "logit_bias",
+                "`logit_bias` is not supported",
+            ));
+        }
+    }
+    let temperature = number(o, "temperature")?.unwrap_or(0.2);
+    if !(0.0..=2.0).contains(&temperature) {
+        return Err(ApiError::param(
+            "temperature",
+            format!("`temperature` must be between 0 and 2, got {temperature}"),
+        ));
+    }
+    let top_p = number(o, "top_p")?.unwrap_or(0.95);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(ApiError::param(
+            "top_p",
+            format!("`top_p` must be in (0, 1], got {top_p}"),
+        ));
+    }
+    let top_k = integer(o, "top_k")?.unwrap_or(64);
+    if !(1..=256).contains(&top_k) {
+        return Err(ApiError::param(
+            "top_k",
+            format!("`top_k` must be between 1 and 256, got {top_k}"),
+        ));
+    }
+    let repetition_penalty = number(o, "repetition_penalty")?.unwrap_or(1.0);
+    if repetition_penalty <= 0.0 {
+        return Err(ApiError::param(
+            "repetition_penalty",
+            format!("`repetition_penalty` must be > 0, got {repetition_penalty}"),
+        ));
+    }
+    let seed = integer(o, "seed")?.map(|s| s as u64);
+    let stop = match field(o, "stop") {
+        None => Vec::new(),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(a)) => {
+            let v: Option<Vec<String>> = a.iter().map(|s| s.as_str().map(str::to_string)).collect();
+            let v = v.ok_or_else(|| {
+                ApiError::param("stop", "`stop` must be a string or a list of strings")
+            })?;
+            if v.len() > 16 {
+                return Err(ApiError::param("stop", "`stop` allows at most 16 strings"));
+            }
+            v
+        }
+        Some(_) => {
+            return Err(ApiError::param(
+                "stop",
+                "`stop` must be a string or a list of strings",
+            ))
+        }
+    };
+    let max_tokens = match (
+        integer(o, "max_completion_tokens")?,
+        integer(o, "max_tokens")?,
+    ) {
+        (Some(n), _) | (None, Some(n)) if n >= 1 => n as usize,
+        (None, None) => DEFAULT_MAX_TOKENS,
+        (Some(n), _) | (None, Some(n)) => {
+            return Err(ApiError::param(
+                "max_tokens",
+                format!("`max_tokens` must be at least 1, got {n}"),
+            ))
+        }
+    };
+    Ok(Common {
+        stream,
+        include_usage,
+        sampling: Sampling {
+            temperature: temperature as f32,
+            top_p: top_p as f32,
+            top_k: top_k as usize,
+            repetition_penalty: repetition_penalty as f32,
+            seed,
+            stop,
+            max_tokens,
+        },
+        logprobs,
+    })
+}
+
+/// Parses and validates a chat completion body for `family`'s template.
+pub(crate) fn parse_chat(
+    body: &Value,
+    model_id: &str,
+    family: Family,
+) -> Result<ChatRequest, ApiError> {
+    let o = obj(body)?;
+    check_model(o, model_id)?;
+    let logprobs = match (boolean(o, "logprobs")?, integer(o, "top_logprobs")?) {
+        (Some(true), top) => {
+            let top = top.unwrap_or(0);
+            if !(0..=20).contains(&top) {
+                return Err(ApiError::param(
+                    "top_logprobs",
+                    format!("`top_logprobs` must be between 0 and 20, got {top}"),
+                ));
+            }
+            Some(top as usize)
+        }
+        (_, Some(_)) => {
+            return Err(ApiError::param(
+                "top_logprobs",
+                "`top_logprobs` requires `logprobs: true`",
+            ))
+        }
+        _ => None,
+    };
+    let common = common(o, logprobs)?;
+    if let Some(rf) = field(o, "response_format") {
+        if rf.get("type").and_then(Value::as_str) != Some("text") {
+            return Err(ApiError::param(
+                "response_format",
+                "structured output is not supported; only `{\"type\": \"text\"}`",
+            ));
+        }
+    }
+    if boolean(o, "parallel_tool_calls")? == Some(false) {
+        return Err(ApiError::param(
+            "parallel_tool_calls",
+            "`parallel_tool_calls: false` is not supported",
+        ));
+    }
+    let tools = parse_tools(o)?;
+    let choice_none = match field(o, "tool_choice") {
+        None => false,
+        Some(Value::String(s)) if s == "auto" => false,
+        Some(Value::String(s)) if s == "none" => true,
+        Some(_) => {
+            return Err(ApiError::param(
+                "tool_choice",
+                "`tool_choice` must be \"auto\" or \"none\" (required and named tools are not supported)",
+            ))
+        }
+    };
+    let messages = field(o, "messages")
+        .ok_or_else(|| ApiError::param("messages", "`messages` is required"))?
+        .as_array()
+        .ok_or_else(|| ApiError::param("messages", "`messages` must be an array"))?;
+    let messages = crate::messages::normalize(messages, family)?;
+    Ok(ChatRequest {
+        common,
+        messages,
+        tools: if choice_none { None } else { tools },
+    })
+}
+
+/// `tools`: function tools only, each with a name.
+fn parse_tools(o: &Map<String, Value>) -> Result<Option<Vec<Value>>, ApiError> {
+    let Some(t) = field(o, "tools") else {
+        return Ok(None);
+    };
+    let list = t
+        .as_array()
+        .ok_or_else(|| ApiError::param("tools", "`tools` must be an array"))?;
+    for (i, tool) in list.iter().enumerate() {
+        let p = format!("tools[{i}]");
+        if tool.get("type").and_then(Value::as_str) != Some("function") {
+            return Err(ApiError::param(
+                p,
+                "only function tools are supported (`\"type\": \"function\"`)",
+            ));
+        }
+        let f = tool
+            .get("function")
+            .and_then(Value::as_object)
+            .ok_or_else(|| ApiError::param(&p, "a function tool needs a `function` object"))?;
+        if f.get("name")
+            .and_then(Value::as_str)
+            .is_none_or(str::is_empty)
+        {
+            return Err(ApiError::param(
+                format!("{p}.function.name"),
+                "a function tool needs a non-empty `name`",
+            ));
+        }
+        if let Some(params) = f.get("parameters").filter(|v| !v.is_null()) {
+            if !params.is_object() {
+                return Err(ApiError::param(
+                    format!("{p}.function.parameters"),
+                    "`parameters` must be a JSON-schema object",
+                ));
+            }
+        }
+    }
+    Ok((!list.is_empty()).then(|| list.clone()))
+}
+
+/// Parses and validates a legacy completion body.
+pub(crate) fn parse_completion(
+    body: &Value,
+    model_id: &str,
+) -> Result<CompletionRequest, ApiError> {
+    let o = obj(body)?;
+    check_model(o, model_id)?;
+    let logprobs = match integer(o, "logprobs")? {
+        None => None,
+        Some(n) if (0..=5).contains(&n) => Some(n as usize),
+        Some(n) => {
+            return Err(ApiError::param(
+                "logprobs",
+                format!("`logprobs` must be between 0 and 5, got {n}"),
+            ))
+        }
+    };
+    let common = common(o, logprobs)?;
+    if boolean(o, "echo")? == Some(true) {
+        return Err(ApiError::param("echo", "`echo: true` is not supported"));
+    }
+    if field(o, "suffix").is_some() {
+        return Err(ApiError::param("suffix", "`suffix` is not supported"));
+    }
+    if let Some(b) = integer(o, "best_of")? {
+        if b != 1 {
+            return Err(ApiError::param("best_of", "`best_of` must be 1"));
+        }
+    }
+    let bad = || {
+        ApiError::param(
+            "prompt",
+            "`prompt` must be a non-empty string, a list of one string, or a list of token ids",
+        )
+    };
+    let prompt = match field(o, "prompt")
+        .ok_or_else(|| ApiError::param("prompt", "`prompt` is required"))?
+    {
+        Value::String(s) if !s.is_empty() => CompletionPrompt::Text(s.clone()),
+        Value::Array(a) if a.len() == 1 && a[0].is_string() => {
+            let s = a[0].as_str().unwrap_or_default();
+            if s.is_empty() {
+                return Err(bad());
+            }
+            CompletionPrompt::Text(s.to_string())
+        }
+        Value::Array(a) if !a.is_empty() && a.iter().all(Value::is_u64) => {
+            CompletionPrompt::Tokens(
+                a.iter()
+                    .map(|v| {
+                        v.as_u64()
+                            .and_then(|x| u32::try_from(x).ok())
+                            .ok_or_else(bad)
+                    })
+                    .collect::<Result<_, _>>()?,
+            )
+        }
+        Value::Array(a) if a.len() > 1 && a.iter().all(|v| v.is_string() || v.is_array()) => {
+            return Err(ApiError::param(
+                "prompt",
+                "batched prompts are not supported: send one prompt per request",
+            ))
+        }
+        _ => return Err(bad()),
+    };
+    Ok(CompletionRequest { common, prompt })
+}

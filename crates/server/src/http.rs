@@ -1,0 +1,566 @@
+//! Routes, body checks, and the chat/completion responses (JSON and SSE).
+
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::extract::{Path, Request, State};
+use axum::http::{header, StatusCode};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+
+use crate::api::{self, Common, CompletionPrompt};
+use crate::error::ApiError;
+use crate::worker::{timestamp, Done, Event, Job, TokenLogprob, Usage};
+use crate::TextSide;
+
+/// Largest accepted request body, bytes (413 above).
+pub(crate) const BODY_LIMIT: usize = 1 << 20;
+
+/// Everything a handler needs.
+pub(crate) struct AppState {
+    pub model_id: String,
+    pub max_context: usize,
+    pub text: Arc<TextSide>,
+    pub jobs: mpsc::Sender<Job>,
+    pub heartbeat: Duration,
+    /// Unix seconds at startup (`created` of the model object).
+    pub started: u64,
+}
+
+type Shared = Arc<AppState>;
+
+pub(crate) fn router(state: Shared) -> Router {
+    Router::new()
+        .route("/health", get(health))
+        .route("/v1/models", get(models))
+        .route("/v1/models/{id}", get(model))
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions", post(completions))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .with_state(state)
+}
+
+async fn health() -> Json<Value> {
+    Json(json!({"status": "ok"}))
+}
+
+fn model_object(st: &AppState) -> Value {
+    json!({"id": st.model_id, "object": "model", "created": st.started, "owned_by": "mference"})
+}
+
+async fn models(State(st): State<Shared>) -> Json<Value> {
+    Json(json!({"object": "list", "data": [model_object(&st)]}))
+}
+
+async fn model(State(st): State<Shared>, Path(id): Path<String>) -> Response {
+    if id == st.model_id {
+        Json(model_object(&st)).into_response()
+    } else {
+        ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!("the model `{id}` does not exist"),
+        )
+        .with_code("model_not_found")
+        .into_response()
+    }
+}
+
+async fn not_found(req: Request) -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        format!(
+            "no route {} {} (this server has GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/completions)",
+            req.method(),
+            req.uri().path()
+        ),
+    )
+}
+
+async fn method_not_allowed(req: Request) -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        format!("{} is not allowed on {}", req.method(), req.uri().path()),
+    )
+}
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+/// `prefix-<time><counter>`: unique within the process and across restarts.
+pub(crate) fn new_id(prefix: &str) -> String {
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_micros() as u64)
+        .unwrap_or(0);
+    format!(
+        "{prefix}-{t:x}{:04x}",
+        NEXT_ID.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// Content type (415), size (413) and JSON (400) checks; nothing has been written yet.
+async fn read_json(req: Request) -> Result<Value, ApiError> {
+    let ct = req
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    let essence = ct.split(';').next().unwrap_or("").trim();
+    if !essence.eq_ignore_ascii_case("application/json") {
+        return Err(ApiError::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            format!(
+                "the content type must be application/json, got {}",
+                if ct.is_empty() { "none" } else { ct }
+            ),
+        ));
+    }
+    let too_large = || {
+        ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("the request body is larger than {BODY_LIMIT} bytes"),
+        )
+    };
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > BODY_LIMIT as u64) {
+        return Err(too_large());
+    }
+    let bytes = axum::body::to_bytes(req.into_body(), BODY_LIMIT)
+        .await
+        .map_err(|e| {
+            if e.to_string().contains("length limit") {
+                too_large()
+            } else {
+                ApiError::invalid(format!("cannot read the request body: {e}"))
+            }
+        })?;
+    serde_json::from_slice(&bytes)
+        .map_err(|e| ApiError::invalid(format!("the request body is not valid JSON: {e}")))
+}
+
+fn log_rejected(id: &str, received: Instant, e: &ApiError) {
+    eprintln!(
+        "{} request {id} rejected in {:.3}s status={} ({})",
+        timestamp(),
+        received.elapsed().as_secs_f64(),
+        e.status.as_u16(),
+        e.message
+    );
+}
+
+/// Which endpoint a response is for.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Chat,
+    Completion,
+}
+
+/// Everything needed to shape the response of one request.
+struct Reply {
+    kind: Kind,
+    id: String,
+    created: u64,
+    model: String,
+    common: Common,
+}
+
+async fn chat(State(st): State<Shared>, req: Request) -> Response {
+    let received = Instant::now();
+    let id = new_id("chatcmpl");
+    match chat_inner(&st, req, &id, received).await {
+        Ok(r) => r,
+        Err(e) => {
+            log_rejected(&id, received, &e);
+            e.into_response()
+        }
+    }
+}
+
+async fn chat_inner(
+    st: &Shared,
+    req: Request,
+    id: &str,
+    received: Instant,
+) -> Result<Response, ApiError> {
+    let body = read_json(req).await?;
+    let r = api::parse_chat(&body, &st.model_id, st.text.family)?;
+    let template = st.text.template.as_ref().ok_or_else(|| {
+        ApiError::invalid("this install has no chat template; use POST /v1/completions")
+    })?;
+    let rendered = template
+        .render(
+            &r.messages,
+            r.tools.as_deref(),
+            true,
+            &st.text.family.default_template_kwargs(),
+        )
+        .map_err(|e| ApiError::param("messages", e.to_string()))?;
+    let prompt = st
+        .text
+        .tokenizer
+        .encode(&rendered, false)
+        .map_err(|e| ApiError::invalid(format!("cannot tokenize the prompt: {e}")))?;
+    let reply = Reply {
+        kind: Kind::Chat,
+        id: id.to_string(),
+        created: unix_now(),
+        model: st.model_id.clone(),
+        common: r.common,
+    };
+    submit(st, reply, prompt, r.tools, received).await
+}
+
+async fn completions(State(st): State<Shared>, req: Request) -> Response {
+    let received = Instant::now();
+    let id = new_id("cmpl");
+    let res = async {
+        let body = read_json(req).await?;
+        let r = api::parse_completion(&body, &st.model_id)?;
+        let prompt = match r.prompt {
+            CompletionPrompt::Text(s) => st
+                .text
+                .tokenizer
+                .encode(&s, true)
+                .map_err(|e| ApiError::invalid(format!("cannot tokenize the prompt: {e}")))?,
+            CompletionPrompt::Tokens(ids) => {
+                let vocab = st.text.tokenizer.vocab_size() as u32;
+                if let Some(bad) = ids.iter().find(|&&t| t >= vocab) {
+                    return Err(ApiError::param(
+                        "prompt",
+                        format!("token id {bad} is outside the vocabulary (size {vocab})"),
+                    ));
+                }
+                ids
+            }
+        };
+        let reply = Reply {
+            kind: Kind::Completion,
+            id: id.clone(),
+            created: unix_now(),
+            model: st.model_id.clone(),
+            common: r.common,
+        };
+        submit(&st, reply, prompt, None, received).await
+    }
+    .await;
+    match res {
+        Ok(r) => r,
+        Err(e) => {
+            log_rejected(&id, received, &e);
+            e.into_response()
+        }
+    }
+}
+
+/// Context check, queue admission (429 when full), then the JSON or SSE response.
+async fn submit(
+    st: &Shared,
+    reply: Reply,
+    prompt: Vec<u32>,
+    tools: Option<Vec<Value>>,
+    received: Instant,
+) -> Result<Response, ApiError> {
+    if prompt.len() >= st.max_context {
+        return Err(ApiError::param(
+            "messages",
+            format!(
+                "the prompt is {} tokens, which does not fit this server's context of {} tokens (at least one token must be generated); shorten it or restart with a larger --max-context",
+                prompt.len(),
+                st.max_context
+            ),
+        )
+        .with_code("context_length_exceeded"));
+    }
+    let (tx, rx) = mpsc::unbounded_channel();
+    let job = Job {
+        id: reply.id.clone(),
+        received,
+        prompt,
+        sampling: reply.common.sampling.clone(),
+        logprobs: reply.common.logprobs,
+        tools,
+        events: tx,
+    };
+    st.jobs.try_send(job).map_err(|e| match e {
+        mpsc::error::TrySendError::Full(_) => ApiError::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "the generation queue is full; retry later",
+        )
+        .with_code("queue_full"),
+        mpsc::error::TrySendError::Closed(_) => ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the generation thread has stopped",
+        ),
+    })?;
+    if reply.common.stream {
+        Ok(stream_response(reply, rx, st.heartbeat))
+    } else {
+        collect_response(reply, rx).await
+    }
+}
+
+/// The logprobs object of a chat choice or chunk: `{"content": [...]}`.
+fn chat_logprobs(lps: &[TokenLogprob]) -> Value {
+    let content: Vec<Value> = lps
+        .iter()
+        .map(|t| {
+            json!({
+                "token": t.token,
+                "logprob": t.logprob,
+                "bytes": t.bytes,
+                "top_logprobs": t.top.iter().map(|(tok, b, lp)| json!({"token": tok, "logprob": lp, "bytes": b})).collect::<Vec<_>>(),
+            })
+        })
+        .collect();
+    json!({"content": content, "refusal": null})
+}
+
+/// The legacy completions logprobs object; `offset` is the text offset of the first token.
+fn completion_logprobs(lps: &[TokenLogprob], offset: &mut usize) -> Value {
+    let mut text_offset = Vec::with_capacity(lps.len());
+    for t in lps {
+        text_offset.push(*offset);
+        *offset += t.token.len();
+    }
+    json!({
+        "tokens": lps.iter().map(|t| t.token.clone()).collect::<Vec<_>>(),
+        "token_logprobs": lps.iter().map(|t| t.logprob).collect::<Vec<_>>(),
+        "top_logprobs": lps.iter().map(|t| {
+            let m: serde_json::Map<String, Value> = t.top.iter().map(|(tok, _, lp)| (tok.clone(), json!(lp))).collect();
+            Value::Object(m)
+        }).collect::<Vec<_>>(),
+        "text_offset": text_offset,
+    })
+}
+
+fn usage_json(u: &Usage) -> Value {
+    json!({
+        "prompt_tokens": u.prompt,
+        "completion_tokens": u.completion,
+        "total_tokens": u.prompt + u.completion,
+        "prompt_tokens_details": {"cached_tokens": u.cached},
+    })
+}
+
+fn tool_calls_json(d: &Done) -> Vec<Value> {
+    d.tool_calls
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            json!({
+                "index": i,
+                "id": new_id("call"),
+                "type": "function",
+                "function": {"name": c.name, "arguments": c.arguments.to_string()},
+            })
+        })
+        .collect()
+}
+
+async fn collect_response(
+    reply: Reply,
+    mut rx: mpsc::UnboundedReceiver<Event>,
+) -> Result<Response, ApiError> {
+    let mut text = String::new();
+    let mut lps: Vec<TokenLogprob> = Vec::new();
+    while let Some(ev) = rx.recv().await {
+        match ev {
+            Event::Delta { text: t, logprobs } => {
+                text.push_str(&t);
+                lps.extend(logprobs);
+            }
+            Event::Error(e) => return Err(e),
+            Event::Done(d) => {
+                let want_lp = reply.common.logprobs.is_some();
+                let body = match reply.kind {
+                    Kind::Chat => {
+                        let mut message =
+                            json!({"role": "assistant", "content": d.content, "refusal": null});
+                        if !d.tool_calls.is_empty() {
+                            let calls: Vec<Value> = tool_calls_json(&d)
+                                .into_iter()
+                                .map(|mut c| {
+                                    c.as_object_mut().map(|o| o.remove("index"));
+                                    c
+                                })
+                                .collect();
+                            message["tool_calls"] = Value::Array(calls);
+                            if d.content.is_empty() {
+                                message["content"] = Value::Null;
+                            }
+                        }
+                        json!({
+                            "id": reply.id, "object": "chat.completion", "created": reply.created, "model": reply.model,
+                            "choices": [{
+                                "index": 0, "message": message,
+                                "logprobs": if want_lp { chat_logprobs(&lps) } else { Value::Null },
+                                "finish_reason": d.finish.as_str(),
+                            }],
+                            "usage": usage_json(&d.usage),
+                        })
+                    }
+                    Kind::Completion => json!({
+                        "id": reply.id, "object": "text_completion", "created": reply.created, "model": reply.model,
+                        "choices": [{
+                            "index": 0, "text": d.content,
+                            "logprobs": if want_lp { completion_logprobs(&lps, &mut 0) } else { Value::Null },
+                            "finish_reason": d.finish.as_str(),
+                        }],
+                        "usage": usage_json(&d.usage),
+                    }),
+                };
+                return Ok(Json(body).into_response());
+            }
+        }
+    }
+    Err(ApiError::new(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "the generation thread ended without a result",
+    ))
+}
+
+impl Reply {
+    /// One streamed chunk with a single choice.
+    fn chunk(&self, choice: Value) -> Value {
+        let object = match self.kind {
+            Kind::Chat => "chat.completion.chunk",
+            Kind::Completion => "text_completion",
+        };
+        let mut c = json!({"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": [choice]});
+        if self.common.include_usage {
+            c["usage"] = Value::Null;
+        }
+        c
+    }
+
+    fn delta_chunk(&self, text: &str, lps: &[TokenLogprob], offset: &mut usize) -> Value {
+        let want_lp = self.common.logprobs.is_some();
+        match self.kind {
+            Kind::Chat => self.chunk(json!({
+                "index": 0, "delta": {"content": text},
+                "logprobs": if want_lp { chat_logprobs(lps) } else { Value::Null },
+                "finish_reason": null,
+            })),
+            Kind::Completion => self.chunk(json!({
+                "index": 0, "text": text,
+                "logprobs": if want_lp { completion_logprobs(lps, offset) } else { Value::Null },
+                "finish_reason": null,
+            })),
+        }
+    }
+
+    fn finish_chunks(&self, d: &Done) -> Vec<Value> {
+        let mut out = Vec::new();
+        match self.kind {
+            Kind::Chat => {
+                if !d.tool_calls.is_empty() {
+                    out.push(self.chunk(json!({
+                        "index": 0, "delta": {"tool_calls": tool_calls_json(d)},
+                        "logprobs": null, "finish_reason": null,
+                    })));
+                }
+                out.push(self.chunk(json!({"index": 0, "delta": {}, "logprobs": null, "finish_reason": d.finish.as_str()})));
+            }
+            Kind::Completion => out.push(self.chunk(json!({
+                "index": 0, "text": "", "logprobs": null, "finish_reason": d.finish.as_str(),
+            }))),
+        }
+        if self.common.include_usage {
+            let object = match self.kind {
+                Kind::Chat => "chat.completion.chunk",
+                Kind::Completion => "text_completion",
+            };
+            out.push(json!({
+                "id": self.id, "object": object, "created": self.created, "model": self.model,
+                "choices": [], "usage": usage_json(&d.usage),
+            }));
+        }
+        out
+    }
+}
+
+/// SSE: the 200 head goes out now; the worker's events become chunks; `: ping` while idle; a
+/// failure goes in-band as `data: {"error": …}`; always ends with `data: [DONE]`.
+fn stream_response(
+    reply: Reply,
+    mut rx: mpsc::UnboundedReceiver<Event>,
+    heartbeat: Duration,
+) -> Response {
+    let (tx, out) = mpsc::channel::<Result<SseEvent, Infallible>>(64);
+    tokio::spawn(async move {
+        let send = |v: Value| {
+            let tx = tx.clone();
+            async move {
+                tx.send(Ok(SseEvent::default().data(v.to_string())))
+                    .await
+                    .is_ok()
+            }
+        };
+        if reply.kind == Kind::Chat {
+            let first = reply.chunk(json!({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}));
+            if !send(first).await {
+                return;
+            }
+        }
+        let mut offset = 0usize;
+        loop {
+            match rx.recv().await {
+                Some(Event::Delta { text, logprobs }) => {
+                    if !send(reply.delta_chunk(&text, &logprobs, &mut offset)).await {
+                        return; // the client went away; dropping `rx` stops the worker
+                    }
+                }
+                Some(Event::Done(d)) => {
+                    for c in reply.finish_chunks(&d) {
+                        if !send(c).await {
+                            return;
+                        }
+                    }
+                    break;
+                }
+                Some(Event::Error(e)) => {
+                    if !send(e.body()).await {
+                        return;
+                    }
+                    break;
+                }
+                None => {
+                    let e = ApiError::new(
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        "the generation thread ended without a result",
+                    );
+                    if !send(e.body()).await {
+                        return;
+                    }
+                    break;
+                }
+            }
+        }
+        let _ = tx.send(Ok(SseEvent::default().data("[DONE]"))).await;
+    });
+    let mut resp = Sse::new(ReceiverStream::new(out))
+        .keep_alive(KeepAlive::new().interval(heartbeat).text("ping"))
+        .into_response();
+    resp.headers_mut().insert(
+        header::CONNECTION,
+        header::HeaderValue::from_static("keep-alive"),
+    );
+    resp
+}
