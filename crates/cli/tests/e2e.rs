@@ -235,3 +235,120 @@ fn bad_flags_are_rejected_with_the_allowed_values() {
         .unwrap();
     assert!(!out.status.success(), "two modes accepted");
 }
+
+#[test]
+fn interactive_chat_answers_and_handles_slash_commands() {
+    use std::io::Write;
+    let work = tempfile::tempdir_in(repo().join("target")).unwrap();
+    let inst = work.path().join("chat.gturbo");
+    let src = repo().join("assets/models/gemma4-tiny");
+    mference(&[
+        "install",
+        src.to_str().unwrap(),
+        "--output",
+        inst.to_str().unwrap(),
+        "--quiet",
+    ]);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_mference"))
+        .args([
+            "run",
+            "--model",
+            inst.to_str().unwrap(),
+            "--chat",
+            "--system",
+            "You are terse.",
+            "--temperature",
+            "0",
+            "--max-new",
+            "8",
+            "--max-context",
+            "256",
+        ])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"Hello there.\n/history\n/clear\n/history\nHow are you?\n/quit\n")
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.trim().lines().count() >= 1 && !stdout.trim().is_empty(),
+        "no reply: {stdout:?}"
+    );
+    assert!(
+        err.contains("system: You are terse.") && err.contains("user: Hello there."),
+        "/history: {err}"
+    );
+    assert!(err.contains("[conversation cleared]"), "{err}");
+    assert_eq!(
+        err.matches("[stop=").count(),
+        2,
+        "two replies expected: {err}"
+    );
+}
+
+#[test]
+fn chat_drops_the_oldest_turns_to_fit_but_keeps_system_and_newest_user() {
+    use std::io::Write;
+    let work = tempfile::tempdir_in(repo().join("target")).unwrap();
+    let inst = work.path().join("chat.gturbo");
+    let src = repo().join("assets/models/gemma4-tiny");
+    mference(&[
+        "install",
+        src.to_str().unwrap(),
+        "--output",
+        inst.to_str().unwrap(),
+        "--quiet",
+    ]);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_mference"))
+        .args([
+            "run",
+            "--model",
+            inst.to_str().unwrap(),
+            "--chat",
+            "--system",
+            "Be brief.",
+            "--temperature",
+            "0",
+            "--max-new",
+            "6",
+            "--max-context",
+            "64",
+        ])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let turns = "Tell me about the sea and the ships upon it.\nTell me about the hills and the sheep.\nWhat of the town?\n/history\n/quit\n";
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(turns.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("[dropped the oldest message"),
+        "nothing was dropped: {err}"
+    );
+    let history = &err[err.rfind("system: Be brief.").expect("system message kept")..];
+    assert!(
+        history.contains("user: What of the town?"),
+        "newest user message lost: {history}"
+    );
+    assert!(
+        !history.contains("the sea and the ships"),
+        "oldest turn kept: {history}"
+    );
+}
