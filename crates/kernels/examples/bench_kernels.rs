@@ -1,18 +1,19 @@
 //! Kernel microbenchmark: GB/s of packed bytes (weights + scales + biases) streamed by the quantized GEMV for
 //! Gemma-4-26B-A4B shapes, per kernel table and thread count, plus prefill GEMM throughput.
 //!
-//! `cargo run --release -p mference-kernels --example bench_kernels [-- quick] [only=roof|expert|gemm|head]`
+//! `cargo run --release -p mference-kernels --example bench_kernels [-- quick] [only=roof|expert|moe|gemm|head]`
 //! (`MFERENCE_KERNELS=avx2` etc. changes which table `detect()` picks; all available tables are measured.)
 //!
 //! - "expert hot": one expert matrix read again and again (stays in L2/L3: kernel compute ceiling).
 //! - "expert cold": round-robin over 48 experts (~150 MiB, larger than L3), as in decode from the slot slab.
+//! - "moe": one decode MoE layer (top-8 experts; gate+up of all 8 in one pool region, downs in a second).
 //! - "head": the tied 262144 × 2816 head (~415 MB, DRAM-bound), plain GEMV and the fused argmax.
 //! - "read roof": a plain f32 sum over a 512 MiB buffer, the memory-bandwidth roof for comparison.
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
-use mference_kernels::{Kernels, QMatrix, ThreadPool};
+use mference_kernels::{Kernels, MatJob, QMatrix, ThreadPool};
 
 struct Owned {
     w: Vec<u8>,
@@ -163,6 +164,58 @@ fn main() {
         }
     }
     black_box((&y_i, &y_h));
+
+    // One MoE layer of decode as the runtime would run it: top-8 experts, gate+up of all 8 in one parallel
+    // region (activations prepared once), then the 8 downs in a second region. Experts cycle through the
+    // whole set, so weights come from DRAM (plus whatever L3 still holds).
+    for k in tables
+        .iter()
+        .filter(|k| k.name() != "scalar" && want("moe"))
+    {
+        for pool in &pools {
+            let mut outs_gu = vec![vec![0.0f32; inter]; 16];
+            let mut outs_d = vec![vec![0.0f32; hidden]; 8];
+            let mut e = 0usize;
+            let bytes: usize = 8 * experts[0]
+                .iter()
+                .map(|m| m.view().total_bytes())
+                .sum::<usize>();
+            let d = time(60, || {
+                let sel: Vec<&[Owned; 3]> =
+                    (0..8).map(|j| &experts[(e + j * 5) % n_experts]).collect();
+                e += 8;
+                let ph = k.prepare(&sel[0][0].view(), &x_h, 1);
+                let mut jobs: Vec<MatJob> = outs_gu
+                    .iter_mut()
+                    .enumerate()
+                    .map(|(j, y)| MatJob {
+                        m: sel[j / 2][j % 2].view(),
+                        x: &ph,
+                        y,
+                    })
+                    .collect();
+                pool.gemm_batch(k, &mut jobs);
+                let pi = k.prepare(&sel[0][2].view(), &x_i, 1);
+                let mut jobs: Vec<MatJob> = outs_d
+                    .iter_mut()
+                    .enumerate()
+                    .map(|(j, y)| MatJob {
+                        m: sel[j][2].view(),
+                        x: &pi,
+                        y,
+                    })
+                    .collect();
+                pool.gemm_batch(k, &mut jobs);
+            });
+            println!(
+                "{:7} threads {}: moe decode layer (8 experts, 2 regions) {:6.1} GB/s, {:6.1} us/layer",
+                k.name(),
+                pool.threads(),
+                gbs(bytes, d),
+                d.as_secs_f64() * 1e6
+            );
+        }
+    }
 
     // Prefill GEMM on one expert's gate projection.
     for &n in [8usize, 32, 128].iter().filter(|_| want("gemm")) {
