@@ -236,7 +236,11 @@ fn resolve_slots(s: &str, dir: &Path) -> Result<CacheSlots> {
     })
 }
 
-pub(crate) fn load_options(m: &ModelArgs, prefill_chunk: usize, max_context: usize) -> Result<LoadOptions> {
+pub(crate) fn load_options(
+    m: &ModelArgs,
+    prefill_chunk: usize,
+    max_context: usize,
+) -> Result<LoadOptions> {
     let verify = match m.verify.as_str() {
         "full-sha256" => VerifyPolicy::FullSha256,
         "trusted-receipt" => VerifyPolicy::TrustedReceipt,
@@ -372,8 +376,41 @@ fn reply(
             dec,
             tps
         );
+        if std::env::var_os("MFERENCE_PHASES").is_some_and(|v| v == "1") {
+            print_expert_stats(model);
+        }
     }
     Ok(full)
+}
+
+/// Expert-cache counters per MoE layer and in total (`MFERENCE_PHASES=1`).
+fn print_expert_stats(model: &dyn Model) {
+    let per_layer = model.expert_stats();
+    let mut total = mference_runtime::StreamerStats::default();
+    for (l, s) in per_layer.iter().enumerate() {
+        total.add(s);
+        let n = s.hits + s.misses;
+        if n > 0 {
+            eprintln!(
+                "[experts layer {l:02}: hits={} misses={} hit-rate={:.1}% read={:.1}MiB wait={:.3}s]",
+                s.hits,
+                s.misses,
+                100.0 * s.hits as f64 / n as f64,
+                s.bytes_read as f64 / (1 << 20) as f64,
+                s.read_wait.as_secs_f64()
+            );
+        }
+    }
+    let n = (total.hits + total.misses).max(1);
+    eprintln!(
+        "[experts total: hits={} misses={} hit-rate={:.1}% read={:.1}MiB wait={:.3}s kv={:.1}MiB]",
+        total.hits,
+        total.misses,
+        100.0 * total.hits as f64 / n as f64,
+        total.bytes_read as f64 / (1 << 20) as f64,
+        total.read_wait.as_secs_f64(),
+        model.kv_bytes() as f64 / (1 << 20) as f64
+    );
 }
 
 /// `mference run`.
