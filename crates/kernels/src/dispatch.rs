@@ -25,6 +25,10 @@ pub struct Kernels {
     pub(crate) name: &'static str,
     /// Layout of prepared activations for 4-bit matrices (8-bit always uses natural order).
     pub(crate) layout4: XLayout,
+    /// 4-bit GEMV with group size 64/128 uses int8-quantized activations (`XLayout::Q8EvenOdd64`).
+    pub(crate) q8: bool,
+    /// Pure f32 arithmetic (errors are f32 rounding only). `detect()` only picks exact tables by default.
+    pub(crate) exact: bool,
     pub(crate) gemv: GemvFn,
     pub(crate) gemm: GemvFn,
     pub(crate) dot_f32: DotFn,
@@ -38,6 +42,8 @@ pub struct Kernels {
 static SCALAR: Kernels = Kernels {
     name: "scalar",
     layout4: XLayout::Natural,
+    q8: false,
+    exact: true,
     gemv: scalar::gemv,
     gemm: scalar::gemm,
     dot_f32: scalar::dot_f32,
@@ -63,8 +69,9 @@ pub(crate) fn with_scratch<R>(f: impl FnOnce(&mut PreparedX) -> R) -> R {
 impl Kernels {
     /// The best table for this CPU, detected once (`is_x86_feature_detected!`) and cached.
     ///
-    /// The environment variable `MFERENCE_KERNELS` (`scalar`, `avx2`, `avx512`) forces a table if the CPU
-    /// supports it (for debugging and A/B benchmarks); an unknown or unsupported value falls back to detection.
+    /// Only exact (pure f32) tables are picked automatically. The environment variable `MFERENCE_KERNELS`
+    /// (`scalar`, `avx2`, `avx512`, `avx512vnni`) forces a table if the CPU supports it (for debugging and A/B
+    /// benchmarks); an unknown or unsupported value falls back to detection.
     pub fn detect() -> &'static Kernels {
         static PICK: OnceLock<&'static Kernels> = OnceLock::new();
         PICK.get_or_init(|| {
@@ -73,7 +80,10 @@ impl Kernels {
                     return k;
                 }
             }
-            Self::available().into_iter().last().unwrap_or(&SCALAR)
+            Self::available()
+                .into_iter()
+                .rfind(|k| k.exact)
+                .unwrap_or(&SCALAR)
         })
     }
 
@@ -91,28 +101,34 @@ impl Kernels {
         v
     }
 
-    /// The table called `name` (`"scalar"`, `"avx2"`, `"avx512"`), if this CPU supports it.
+    /// The table called `name` (`"scalar"`, `"avx2"`, `"avx512"`, `"avx512vnni"`), if this CPU supports it.
     pub fn by_name(name: &str) -> Option<&'static Kernels> {
         Self::available().into_iter().find(|k| k.name == name)
     }
 
-    /// Short name of this table: `"scalar"`, `"avx2"` or `"avx512"`.
+    /// Short name of this table: `"scalar"`, `"avx2"`, `"avx512"` or `"avx512vnni"`.
     pub fn name(&self) -> &'static str {
         self.name
     }
 
-    pub(crate) fn layout_for(&self, bits: u32) -> XLayout {
-        if bits == 4 {
-            self.layout4
-        } else {
-            XLayout::Natural
+    pub(crate) fn layout_for(&self, bits: u32, group_size: usize) -> XLayout {
+        match bits {
+            4 if self.q8 && group_size % 64 == 0 => XLayout::Q8EvenOdd64,
+            4 => self.layout4,
+            _ => XLayout::Natural,
         }
+    }
+
+    /// Whether this table computes in f32 throughout (scalar, avx2, avx512). The `avx512vnni` table quantizes
+    /// GEMV activations to int8 per group (ggml's q8 idea) and is only used when asked for by name.
+    pub fn is_exact(&self) -> bool {
+        self.exact
     }
 
     /// Prepares activations `x[n, cols]` (row-major f32) for products with matrices of `m`'s
     /// cols/bits/group size, into a reusable buffer. Panics if `x.len() != n · m.cols`.
     pub fn prepare_into(&self, m: &QMatrix, x: &[f32], n: usize, out: &mut PreparedX) {
-        out.fill(self.layout_for(m.bits), m, x, n);
+        out.fill(self.layout_for(m.bits, m.group_size), m, x, n);
     }
 
     /// Like [`Kernels::prepare_into`], allocating a new buffer.

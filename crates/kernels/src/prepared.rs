@@ -12,6 +12,11 @@ pub(crate) enum XLayout {
     /// columns (2i, 2i+1) in its (low, high) nibble, so SIMD kernels can mask/shift nibbles and multiply by
     /// contiguous x without shuffles.
     EvenOdd32,
+    /// `EvenOdd32` f32 activations (for the GEMM and fallbacks) plus, for one activation row, an int8 copy:
+    /// per group a scale `d = max|x| / 127` and codes `round(x / d)`, ordered per 64 columns as the 32 even
+    /// columns then the 32 odd ones (the order of 32 packed bytes' low then high nibbles). Only for 4-bit
+    /// matrices with group size 64 or 128 (the VNNI GEMV).
+    Q8EvenOdd64,
 }
 
 /// Activations `x[n, cols]` prepared for one kernel table and one (bits, group size): reordered as the
@@ -31,6 +36,9 @@ pub struct PreparedX {
     pub(crate) x: Vec<f32>,
     /// `[n, cols / group_size]`: Σ x over each group.
     pub(crate) sums: Vec<f32>,
+    /// `XLayout::Q8EvenOdd64` with `n == 1` only: int8 codes `[cols]` and per-group scales `[cols / group_size]`.
+    pub(crate) q: Vec<i8>,
+    pub(crate) qd: Vec<f32>,
 }
 
 /// Sum of one group (a multiple of 8 elements) with 8 independent partial sums, so it vectorizes instead of
@@ -62,6 +70,8 @@ impl PreparedX {
             layout: XLayout::Natural,
             x: Vec::new(),
             sums: Vec::new(),
+            q: Vec::new(),
+            qd: Vec::new(),
         }
     }
 
@@ -98,7 +108,7 @@ impl PreparedX {
             let dst = &mut self.x[t * cols..(t + 1) * cols];
             match layout {
                 XLayout::Natural => dst.copy_from_slice(src),
-                XLayout::EvenOdd32 => {
+                XLayout::EvenOdd32 | XLayout::Q8EvenOdd64 => {
                     for (d, s) in dst.chunks_exact_mut(32).zip(src.chunks_exact(32)) {
                         let d: &mut [f32; 32] = d.try_into().expect("chunk of 32");
                         let s: &[f32; 32] = s.try_into().expect("chunk of 32");
@@ -111,6 +121,27 @@ impl PreparedX {
             }
             for (g, sum) in self.sums[t * gpr..(t + 1) * gpr].iter_mut().enumerate() {
                 *sum = group_sum(&src[g * gs..(g + 1) * gs]);
+            }
+        }
+        self.q.clear();
+        self.qd.clear();
+        if layout == XLayout::Q8EvenOdd64 && n == 1 {
+            debug_assert!(gs % 64 == 0);
+            self.q.resize(cols, 0);
+            self.qd.resize(gpr, 0.0);
+            for g in 0..gpr {
+                let src = &x[g * gs..(g + 1) * gs];
+                let amax = src.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+                let d = amax / 127.0;
+                let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+                self.qd[g] = d;
+                let dst = &mut self.q[g * gs..(g + 1) * gs];
+                for (d64, s64) in dst.chunks_exact_mut(64).zip(src.chunks_exact(64)) {
+                    for i in 0..32 {
+                        d64[i] = (s64[2 * i] * inv).round() as i8;
+                        d64[32 + i] = (s64[2 * i + 1] * inv).round() as i8;
+                    }
+                }
             }
         }
     }

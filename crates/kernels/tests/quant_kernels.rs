@@ -15,6 +15,17 @@ use proptest::prelude::*;
 const SCALAR_VS_F64_REL: f64 = 4e-6;
 /// Any f32 SIMD table vs the scalar reference, same relative measure (different summation orders only).
 const SIMD_VS_SCALAR_REL: f64 = 4e-6;
+/// The `avx512vnni` table (int8 activations per group in its 4-bit GEMV) vs the scalar reference, same
+/// measure. Rounding x to 127 levels of its group's max|x| moves each term by at most max|x|/254.
+const Q8_VS_SCALAR_REL: f64 = 3e-2;
+
+fn budget(k: &Kernels) -> f64 {
+    if k.is_exact() {
+        SIMD_VS_SCALAR_REL
+    } else {
+        Q8_VS_SCALAR_REL
+    }
+}
 
 /// Activations: uniform ±1 with a few ×16 outliers (like real residual streams).
 fn activations(rng: &mut Rng, len: usize) -> Vec<f32> {
@@ -74,7 +85,7 @@ fn check(c: &Case, pools: &[ThreadPool]) {
         let ysf: Vec<f64> = ys.iter().map(|&v| v as f64).collect();
         let e = max_rel_err(&yv, &ysf, &scale);
         assert!(
-            e <= SIMD_VS_SCALAR_REL,
+            e <= budget(k),
             "{name} gemv vs scalar: rel err {e:e} > budget ({tag})"
         );
 
@@ -83,7 +94,7 @@ fn check(c: &Case, pools: &[ThreadPool]) {
         k.gemm(&m, &x, c.n, &mut yg);
         let e = max_rel_err(&yg, &ysf, &scale);
         assert!(
-            e <= SIMD_VS_SCALAR_REL,
+            e <= budget(k),
             "{name} gemm vs scalar: rel err {e:e} > budget ({tag})"
         );
 

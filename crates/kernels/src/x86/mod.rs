@@ -1,4 +1,4 @@
-//! x86-64 SIMD kernel tables: AVX2 (+FMA, F16C) and AVX-512 (F/BW/VL). Each table is reachable only through
+//! x86-64 SIMD kernel tables: AVX2 (+FMA, F16C), AVX-512 (F/BW/VL) and AVX-512 with a VNNI int8 GEMV. Each table is reachable only through
 //! [`available`], which checks the CPU features first: that check is what makes the `unsafe` calls from the
 //! table's safe wrappers into `#[target_feature]` functions sound.
 
@@ -20,6 +20,9 @@ pub(crate) fn available() -> Vec<&'static Kernels> {
     }
     if avx512::supported() {
         v.push(&avx512::TABLE);
+    }
+    if avx512::supported_vnni() {
+        v.push(&avx512::VNNI_TABLE);
     }
     v
 }
