@@ -497,39 +497,55 @@ impl Gemma4 {
                 eps,
             );
             let mut moe_out = vec![0.0f32; t * h];
+            // Each expert's rows land in `expert_out` and are summed in expert order afterwards, so the
+            // result never depends on which experts happened to be cached.
+            let mut expert_out: Vec<Option<Vec<f32>>> = vec![None; n_exp];
+            let run_expert = |e: usize, blob: &[u8]| {
+                let rows = &routes[&e];
+                let mut xe = Vec::with_capacity(rows.len() * h);
+                for &(row, _) in rows {
+                    xe.extend_from_slice(&u[row * h..(row + 1) * h]);
+                }
+                let ex = &layer.experts;
+                mlp(
+                    pool,
+                    k,
+                    blob,
+                    &ex.gate_proj,
+                    &ex.up_proj,
+                    &ex.down_proj,
+                    &xe,
+                    rows.len(),
+                )
+            };
             for (ti, tl) in tiles.iter().enumerate() {
-                streamer.wait()?;
                 let slots = next_slots.take().expect("tile acquired one step ahead");
+                // Hits are in memory already: compute them while this tile's misses are read.
+                for (&e, &(slot, hit)) in tl.iter().zip(&slots) {
+                    if hit {
+                        expert_out[e] = Some(run_expert(e, streamer.blob(slot)));
+                    }
+                }
+                streamer.wait()?;
                 if let Some(next) = tiles.get(ti + 1) {
                     next_slots = Some(streamer.acquire(next)?);
                 }
-                for (&e, &(slot, _hit)) in tl.iter().zip(&slots) {
-                    let rows = &routes[&e];
-                    let blob = streamer.blob(slot);
-                    let mut xe = Vec::with_capacity(rows.len() * h);
-                    for &(row, _) in rows {
-                        xe.extend_from_slice(&u[row * h..(row + 1) * h]);
-                    }
-                    let ex = &layer.experts;
-                    let ye = mlp(
-                        pool,
-                        k,
-                        blob,
-                        &ex.gate_proj,
-                        &ex.up_proj,
-                        &ex.down_proj,
-                        &xe,
-                        rows.len(),
-                    );
-                    for (j, &(row, w)) in rows.iter().enumerate() {
-                        k.axpy(
-                            w,
-                            &ye[j * h..(j + 1) * h],
-                            &mut moe_out[row * h..(row + 1) * h],
-                        );
+                for (&e, &(slot, hit)) in tl.iter().zip(&slots) {
+                    if !hit {
+                        expert_out[e] = Some(run_expert(e, streamer.blob(slot)));
                     }
                 }
                 streamer.release(tl);
+            }
+            for (e, rows) in &routes {
+                let ye = expert_out[*e].as_ref().expect("every routed expert ran");
+                for (j, &(row, w)) in rows.iter().enumerate() {
+                    k.axpy(
+                        w,
+                        &ye[j * h..(j + 1) * h],
+                        &mut moe_out[row * h..(row + 1) * h],
+                    );
+                }
             }
             rms_norm(
                 &mut moe_out,
