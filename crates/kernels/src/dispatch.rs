@@ -113,7 +113,7 @@ impl Kernels {
 
     pub(crate) fn layout_for(&self, bits: u32, group_size: usize) -> XLayout {
         match bits {
-            4 if self.q8 && group_size % 64 == 0 => XLayout::Q8EvenOdd64,
+            4 if self.q8 && group_size.is_multiple_of(64) => XLayout::Q8EvenOdd64,
             4 => self.layout4,
             _ => XLayout::Natural,
         }

@@ -126,7 +126,7 @@ impl PreparedX {
         self.q.clear();
         self.qd.clear();
         if layout == XLayout::Q8EvenOdd64 && n == 1 {
-            debug_assert!(gs % 64 == 0);
+            debug_assert!(gs.is_multiple_of(64));
             self.q.resize(cols, 0);
             self.qd.resize(gpr, 0.0);
             for g in 0..gpr {

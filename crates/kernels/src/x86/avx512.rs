@@ -93,7 +93,7 @@ unsafe fn rows_dot_q8<const R: usize>(m: &QMatrix, p: &PreparedX, r: usize, out:
     let gpr = m.groups_per_row();
     let rb = m.row_bytes();
     let sums = p.sums_row(0);
-    debug_assert!((r + R) * rb <= m.weight.len() && out.len() >= R && gs % 64 == 0);
+    debug_assert!((r + R) * rb <= m.weight.len() && out.len() >= R && gs.is_multiple_of(64));
     // SAFETY (all pointer arithmetic below): rows r..r+R exist (checked by the caller against `m.rows`, whose
     // tensor lengths `QMatrix::new` validated); columns stay below `cols`, groups below `gpr`; `p.q` has cols
     // codes and `p.qd` gpr scales.
