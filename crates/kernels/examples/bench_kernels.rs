@@ -111,6 +111,22 @@ fn main() {
     }
     drop(big);
 
+    // Cost of one parallel region with nothing to do (workers spinning between regions).
+    for pool in pools.iter().filter(|_| want("roof")) {
+        let d = time(5, || {
+            for _ in 0..10_000 {
+                pool.run(|i, _| {
+                    black_box(i);
+                });
+            }
+        });
+        println!(
+            "empty region    threads {}: {:6.2} us",
+            pool.threads(),
+            d.as_secs_f64() * 1e6 / 10_000.0
+        );
+    }
+
     let hidden = 2816;
     let inter = 704;
     let x_h: Vec<f32> = (0..hidden)
