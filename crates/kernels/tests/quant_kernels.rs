@@ -319,3 +319,33 @@ fn gemm_batch_equals_one_by_one() {
         }
     }
 }
+
+#[test]
+fn dequantize_row_matches_the_u32_bitstream_definition() {
+    let mut rng = Rng::new(31);
+    for &(bits, gs, offset) in &[
+        (4u32, 32usize, 2usize),
+        (4, 64, 0),
+        (4, 128, 6),
+        (8, 32, 1),
+        (8, 64, 2),
+        (8, 128, 0),
+    ] {
+        let q = OwnedQ::random(&mut rng, 9, 384, bits, gs, offset);
+        let m = q.view();
+        let mut row = vec![0.0f32; m.cols];
+        for r in 0..m.rows {
+            m.dequantize_row(r, &mut row);
+            for (c, &v) in row.iter().enumerate() {
+                let (s, code, b) = common::naive_parts(&m, r, c);
+                let want = s * code + b;
+                // One f32 multiply and one add: at most ~2 ulps of the larger term.
+                let tol = 2.5e-7 * (s.abs() * code + b.abs());
+                assert!(
+                    (v as f64 - want).abs() <= tol,
+                    "bits {bits} group {gs} ({r},{c}): {v} vs {want}"
+                );
+            }
+        }
+    }
+}
