@@ -151,12 +151,14 @@ pub(crate) fn normalize(messages: &[Value], family: Family) -> Result<Vec<Value>
                     json!({"role": "tool", "tool_call_id": id, "name": name, "content": content}),
                 );
             }
-            other => return Err(ApiError::param(
-                format!("{at}.role"),
-                format!(
+            other => {
+                return Err(ApiError::param(
+                    format!("{at}.role"),
+                    format!(
                     "unknown role `{other}` (allowed: system, developer, user, assistant, tool)"
                 ),
-            )),
+                ))
+            }
         }
     }
     Ok(out)

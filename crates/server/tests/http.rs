@@ -1,0 +1,563 @@
+//! The server over loopback HTTP on the demo model: endpoints, error statuses, streaming, the
+//! queue, KV prefix reuse, tool calls, and agreement with mlx-lm (greedy text, logprobs).
+
+mod common;
+
+use std::process::Command;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::*;
+use mference_server::PromptCacheMode;
+use serde_json::{json, Value};
+
+fn assert_error(status: u16, body: &Value, want: u16, what: &str) {
+    assert_eq!(status, want, "{what}: {body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .is_some_and(|m| !m.is_empty()),
+        "{what}: not an OpenAI error object: {body}"
+    );
+    assert!(body["error"]["type"].is_string(), "{what}: {body}");
+}
+
+#[test]
+fn endpoints_and_error_statuses() {
+    let srv = start(Opts::default());
+    let a = srv.local_addr();
+    assert_eq!(get(a, "/health"), (200, json!({"status": "ok"})));
+    let (s, m) = get(a, "/v1/models");
+    assert_eq!(s, 200);
+    assert_eq!(m["data"][0]["id"], MODEL_ID);
+    let (s, b) = get(a, "/v1/nothing");
+    assert_error(s, &b, 404, "unknown route");
+
+    let user = json!([{"role": "user", "content": "Hello"}]);
+    // 415: not JSON.
+    let (s, text) = raw_request(
+        a,
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: text/plain\r\nContent-Length: 2\r\nConnection: close\r\n\r\n",
+        b"{}",
+    );
+    assert_eq!(s, 415, "{text}");
+    assert!(text.contains("\"error\""), "{text}");
+    // 413: a declared length over 1 MiB is refused before the body is read.
+    let (s, text) = raw_request(
+        a,
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 2000000\r\nExpect: 100-continue\r\nConnection: close\r\n\r\n",
+        b"",
+    );
+    assert_eq!(s, 413, "{text}");
+    // 413: a chunked body (no declared length) that grows past 1 MiB.
+    let big =
+        json!({"model": MODEL_ID, "messages": [{"role": "user", "content": "a ".repeat(600_000)}]})
+            .to_string();
+    let mut chunked = Vec::new();
+    for part in big.as_bytes().chunks(64 * 1024) {
+        chunked.extend_from_slice(format!("{:x}\r\n", part.len()).as_bytes());
+        chunked.extend_from_slice(part);
+        chunked.extend_from_slice(b"\r\n");
+    }
+    chunked.extend_from_slice(b"0\r\n\r\n");
+    let (s, text) = raw_request(
+        a,
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n",
+        &chunked,
+    );
+    assert_eq!(s, 413, "{}", &text[..text.len().min(300)]);
+    // 400: not JSON.
+    let (s, text) = raw_request(
+        a,
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 5\r\nConnection: close\r\n\r\n",
+        b"{nope",
+    );
+    assert_eq!(s, 400, "{text}");
+
+    let with = |extra: Value| {
+        let mut b = chat_body(user.clone());
+        for (k, v) in extra.as_object().unwrap() {
+            b[k] = v.clone();
+        }
+        b
+    };
+    for (extra, param) in [
+        (json!({"n": 2}), "n"),
+        (json!({"presence_penalty": 0.5}), "presence_penalty"),
+        (json!({"frequency_penalty": -1}), "frequency_penalty"),
+        (json!({"top_logprobs": 2}), "top_logprobs"),
+        (
+            json!({"logprobs": true, "top_logprobs": 21}),
+            "top_logprobs",
+        ),
+        (json!({"tool_choice": "required"}), "tool_choice"),
+        (
+            json!({"tool_choice": {"type": "function", "function": {"name": "f"}}}),
+            "tool_choice",
+        ),
+        (json!({"parallel_tool_calls": false}), "parallel_tool_calls"),
+        (json!({"temperature": 3}), "temperature"),
+        (json!({"top_k": 0}), "top_k"),
+        (json!({"top_p": 0}), "top_p"),
+        (json!({"max_tokens": 0}), "max_tokens"),
+        (
+            json!({"stream_options": {"include_usage": true}}),
+            "stream_options",
+        ),
+        (
+            json!({"response_format": {"type": "json_object"}}),
+            "response_format",
+        ),
+        (json!({"tools": [{"type": "code_interpreter"}]}), "tools[0]"),
+        (json!({"messages": []}), "messages"),
+        (
+            json!({"messages": [{"role": "user", "content": "a"}, {"role": "system", "content": "late"}]}),
+            "messages[1].role",
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]}),
+            "messages[0].content[0]",
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": "q"}, {"role": "tool", "tool_call_id": "call_9", "content": "1"}]}),
+            "messages[1].tool_call_id",
+        ),
+    ] {
+        let (s, b) = post(a, "/v1/chat/completions", &with(extra.clone()));
+        assert_error(s, &b, 400, &extra.to_string());
+        assert_eq!(b["error"]["param"], param, "{extra}: {b}");
+    }
+    let (s, b) = post(a, "/v1/chat/completions", &with(json!({"model": "gpt-4o"})));
+    assert_error(s, &b, 404, "unknown model");
+    assert_eq!(b["error"]["code"], "model_not_found");
+    // 400: the prompt does not fit the context (4096 here).
+    let long = "the quick brown fox jumps over the lazy dog ".repeat(600);
+    let (s, b) = post(
+        a,
+        "/v1/chat/completions",
+        &chat_body(json!([{"role": "user", "content": long}])),
+    );
+    assert_error(s, &b, 400, "prompt longer than the context");
+    assert_eq!(b["error"]["code"], "context_length_exceeded");
+    for (extra, param) in [
+        (json!({"echo": true}), "echo"),
+        (json!({"prompt": ["a", "b"]}), "prompt"),
+        (json!({"logprobs": 6}), "logprobs"),
+        (json!({"best_of": 2}), "best_of"),
+    ] {
+        let mut body = json!({"model": MODEL_ID, "prompt": "Once", "max_tokens": 4});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let (s, b) = post(a, "/v1/completions", &body);
+        assert_error(s, &b, 400, &extra.to_string());
+        assert_eq!(b["error"]["param"], param, "{extra}: {b}");
+    }
+    // The server still answers after all of that.
+    let (s, b) = post(a, "/v1/chat/completions", &chat_body(user));
+    assert_eq!(s, 200, "{b}");
+    srv.shutdown();
+}
+
+/// `.venv/bin/python tools/ref/…` → JSON.
+fn py(args: &[&str]) -> Value {
+    let out = Command::new(python())
+        .args(args)
+        .current_dir(repo())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// mlx-lm's greedy ids for `prompt` (float32 compute), cut at the first Gemma stop token.
+fn mlx_greedy(prompt: &Value, n: usize, work: &std::path::Path) -> Vec<u32> {
+    let f = work.join("prompt.json");
+    std::fs::write(&f, prompt.to_string()).unwrap();
+    let src = repo().join("assets/models/gemma4-tiny");
+    let g = py(&[
+        "tools/ref/ref_logits.py",
+        "--model",
+        src.to_str().unwrap(),
+        "--tokens-file",
+        f.to_str().unwrap(),
+        "--greedy",
+        &n.to_string(),
+    ]);
+    g["generated"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap() as u32)
+        .take_while(|id| ![1, 106, 50].contains(id))
+        .collect()
+}
+
+#[test]
+fn greedy_chat_and_completions_match_mlx_lm() {
+    let work = tempfile::tempdir_in(repo().join("target")).unwrap();
+    let srv = start(Opts::default());
+    let a = srv.local_addr();
+    let src = repo().join("assets/models/gemma4-tiny");
+    let tok = mference_text::Tokenizer::from_dir(&install().join("tokenizer")).unwrap();
+    let n = 24;
+
+    // Chat: the reference renders the template in Python (transformers) with thinking off.
+    let user = "Tell me about the weather in London.";
+    let p = py(&[
+        "tools/ref/encode.py",
+        "--model",
+        src.to_str().unwrap(),
+        "--chat-user",
+        user,
+        "--thinking",
+        "false",
+    ])["prompt"]
+        .clone();
+    let want = tok.decode(&mlx_greedy(&p, n, work.path()), true).unwrap();
+    let body = json!({"model": MODEL_ID, "messages": [{"role": "user", "content": user}], "temperature": 0, "max_tokens": n});
+    let (s, r) = post(a, "/v1/chat/completions", &body);
+    assert_eq!(s, 200, "{r}");
+    assert_eq!(
+        r["choices"][0]["message"]["content"], want,
+        "chat text differs from mlx-lm"
+    );
+    assert_eq!(r["usage"]["prompt_tokens"], p.as_array().unwrap().len());
+    assert_eq!(r["object"], "chat.completion");
+
+    // The same request streamed: same text, role first, usage last, then [DONE].
+    let mut sb = body.clone();
+    sb["stream"] = json!(true);
+    sb["stream_options"] = json!({"include_usage": true});
+    let st = post_stream(a, "/v1/chat/completions", &sb);
+    assert_eq!(st.status, 200);
+    assert!(
+        st.content_type.starts_with("text/event-stream"),
+        "{}",
+        st.content_type
+    );
+    assert_eq!(st.text(), want, "streamed text differs");
+    let chunks = st.chunks();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let last = chunks.last().unwrap();
+    assert_eq!(last["choices"], json!([]));
+    assert_eq!(
+        last["usage"]["completion_tokens"],
+        r["usage"]["completion_tokens"]
+    );
+    assert_eq!(st.data().last().unwrap(), "[DONE]");
+    let finishes: Vec<&Value> = chunks
+        .iter()
+        .filter_map(|c| c["choices"].get(0))
+        .map(|c| &c["finish_reason"])
+        .filter(|f| !f.is_null())
+        .collect();
+    assert_eq!(finishes, [&r["choices"][0]["finish_reason"]]);
+
+    // Completions from token ids, with logprobs checked against mlx-lm's last-row log-softmax.
+    let text = "It is a truth universally acknowledged, that";
+    let p = py(&[
+        "tools/ref/encode.py",
+        "--model",
+        src.to_str().unwrap(),
+        "--text",
+        text,
+        "--bos",
+    ])["prompt"]
+        .clone();
+    let ids = mlx_greedy(&p, n, work.path());
+    let body =
+        json!({"model": MODEL_ID, "prompt": p, "temperature": 0, "max_tokens": n, "logprobs": 5});
+    let (s, r) = post(a, "/v1/completions", &body);
+    assert_eq!(s, 200, "{r}");
+    assert_eq!(
+        r["choices"][0]["text"],
+        tok.decode(&ids, true).unwrap(),
+        "completion differs from mlx-lm"
+    );
+    let lp = &r["choices"][0]["logprobs"];
+    assert_eq!(
+        lp["tokens"].as_array().unwrap().len(),
+        r["usage"]["completion_tokens"].as_u64().unwrap() as usize
+    );
+    // mlx-lm's logits for the prompt: the last row is the first generated token's distribution.
+    let f = work.path().join("p.json");
+    std::fs::write(&f, p.to_string()).unwrap();
+    let out = work.path().join("logits.bin");
+    let st = Command::new(python())
+        .args([
+            "tools/ref/ref_logits.py",
+            "--model",
+            src.to_str().unwrap(),
+            "--tokens-file",
+            f.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ])
+        .current_dir(repo())
+        .output()
+        .unwrap();
+    assert!(
+        st.status.success(),
+        "{}",
+        String::from_utf8_lossy(&st.stderr)
+    );
+    let bytes = std::fs::read(&out).unwrap();
+    let vocab = 262_144;
+    let all: Vec<f32> = bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect();
+    let row = &all[all.len() - vocab..];
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let lse = max
+        + row
+            .iter()
+            .map(|&z| (z as f64 - max).exp())
+            .sum::<f64>()
+            .ln();
+    let mut order: Vec<usize> = (0..vocab).collect();
+    order.sort_by(|&x, &y| row[y].total_cmp(&row[x]));
+    let ours_top: Vec<f64> = lp["top_logprobs"][0]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|v| v.as_f64().unwrap())
+        .collect();
+    assert_eq!(ours_top.len(), 5);
+    let mut ours_sorted = ours_top.clone();
+    ours_sorted.sort_by(|x, y| y.total_cmp(x));
+    for (k, &i) in order.iter().take(5).enumerate() {
+        let want = row[i] as f64 - lse;
+        assert!(
+            (ours_sorted[k] - want).abs() < 0.02,
+            "top-{k} logprob {} vs mlx-lm {want}",
+            ours_sorted[k]
+        );
+    }
+    let first = lp["token_logprobs"][0].as_f64().unwrap();
+    assert!((first - (row[ids[0] as usize] as f64 - lse)).abs() < 0.02);
+    assert_eq!(lp["tokens"][0], tok.decode(&ids[..1], false).unwrap());
+    srv.shutdown();
+}
+
+/// Turn 1, then turn 2 extending it: the warm server reuses the KV prefix and must produce the
+/// same tokens (and the same logprobs up to f16 rounding) as a cold server.
+#[test]
+fn prefix_reuse_matches_a_cold_run() {
+    let warm = start(Opts::default());
+    let cold = start(Opts {
+        cache: PromptCacheMode::Off,
+        ..Opts::default()
+    });
+    let mut messages = vec![
+        json!({"role": "system", "content": "You are a storyteller."}),
+        json!({"role": "user", "content": "Tell me about the sea."}),
+    ];
+    // Long user turns push the conversation past the 256-row sliding-window ring, where the
+    // prefix can no longer be cut and the server must fall back to a full prefill.
+    let turns = [
+        "And then?",
+        "What did the captain say?",
+        &"Describe the harbour in the morning light, the boats and the gulls. ".repeat(20),
+        "And after that?",
+    ];
+    let mut reused = Vec::new();
+    for (t, next_user) in std::iter::once("").chain(turns.iter().copied()).enumerate() {
+        if t > 0 {
+            messages.push(json!({"role": "user", "content": next_user}));
+        }
+        let body = json!({"model": MODEL_ID, "messages": messages, "temperature": 0.7, "seed": 1234 + t, "max_tokens": 20, "logprobs": true, "top_logprobs": 3});
+        let (s, w) = post(warm.local_addr(), "/v1/chat/completions", &body);
+        assert_eq!(s, 200, "{w}");
+        let (s, c) = post(cold.local_addr(), "/v1/chat/completions", &body);
+        assert_eq!(s, 200, "{c}");
+        assert_eq!(c["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+        let wt: Vec<&Value> = w["choices"][0]["logprobs"]["content"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| &x["token"])
+            .collect();
+        let ct: Vec<&Value> = c["choices"][0]["logprobs"]["content"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| &x["token"])
+            .collect();
+        assert_eq!(wt, ct, "turn {t}: warm and cold tokens differ");
+        assert_eq!(
+            w["choices"][0]["message"]["content"],
+            c["choices"][0]["message"]["content"]
+        );
+        for (x, y) in w["choices"][0]["logprobs"]["content"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .zip(c["choices"][0]["logprobs"]["content"].as_array().unwrap())
+        {
+            let (x, y) = (
+                x["logprob"].as_f64().unwrap(),
+                y["logprob"].as_f64().unwrap(),
+            );
+            assert!((x - y).abs() < 1e-2, "turn {t}: logprob {x} vs {y}");
+        }
+        let cached = w["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap();
+        let prompt = w["usage"]["prompt_tokens"].as_u64().unwrap();
+        assert!(cached < prompt);
+        reused.push((prompt, cached));
+        messages
+            .push(json!({"role": "assistant", "content": w["choices"][0]["message"]["content"]}));
+    }
+    eprintln!("(prompt, cached) per turn: {reused:?}");
+    assert_eq!(reused[0].1, 0, "nothing to reuse on the first request");
+    // Turns 1 to 3 extend a conversation whose KV still fits the 256-row ring: everything of the
+    // previous prompt is reused except its generation-prompt tail (`<|channel>thought\n<channel|>`,
+    // which the template drops from the history's assistant turn).
+    let tok = mference_text::Tokenizer::from_dir(&install().join("tokenizer")).unwrap();
+    let tail = tok
+        .encode("<|channel>thought\n<channel|>", false)
+        .unwrap()
+        .len() as u64;
+    for t in 1..4 {
+        assert!(
+            reused[t].1 >= reused[t - 1].0 - tail,
+            "turn {t}: too little reused: {reused:?}"
+        );
+    }
+    warm.shutdown();
+    cold.shutdown();
+}
+
+fn weather_tools() -> Value {
+    json!([{"type": "function", "function": {"name": "get_weather", "description": "Current weather for a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]}}}])
+}
+
+#[test]
+fn tool_calls_round_trip_and_fail_closed() {
+    let script = Arc::new(Mutex::new(String::from(
+        "<|tool_call>call:get_weather{city:<|\"|>London<|\"|>,days:3}<tool_call|>",
+    )));
+    let srv = start(Opts {
+        tool_script: Some(script.clone()),
+        ..Opts::default()
+    });
+    let a = srv.local_addr();
+    let mut messages = vec![json!({"role": "user", "content": "What is the weather in London?"})];
+    let body = json!({"model": MODEL_ID, "messages": messages, "tools": weather_tools(), "max_tokens": 64});
+    let (s, r) = post(a, "/v1/chat/completions", &body);
+    assert_eq!(s, 200, "{r}");
+    let ch = &r["choices"][0];
+    assert_eq!(ch["finish_reason"], "tool_calls", "{r}");
+    assert!(ch["message"]["content"].is_null(), "{r}");
+    let call = &ch["message"]["tool_calls"][0];
+    assert_eq!(call["type"], "function");
+    assert_eq!(call["function"]["name"], "get_weather");
+    let args: Value =
+        serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
+    assert_eq!(args, json!({"city": "London", "days": 3}));
+    let id = call["id"].as_str().unwrap().to_string();
+
+    // Streamed: no markup leaks into content, one tool_calls delta, finish_reason tool_calls.
+    let mut sb = body.clone();
+    sb["stream"] = json!(true);
+    let st = post_stream(a, "/v1/chat/completions", &sb);
+    assert_eq!(st.status, 200);
+    assert!(!st.text().contains("<|tool_call>"), "{}", st.raw);
+    let chunks = st.chunks();
+    let calls: Vec<&Value> = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"].get("tool_calls"))
+        .collect();
+    assert_eq!(calls.len(), 1, "{}", st.raw);
+    assert_eq!(calls[0][0]["function"]["name"], "get_weather");
+    assert_eq!(calls[0][0]["index"], 0);
+    assert!(chunks
+        .iter()
+        .any(|c| c["choices"][0]["finish_reason"] == "tool_calls"));
+
+    // Round trip: the assistant call and the tool result go back; the model answers in text.
+    messages.push(json!({"role": "assistant", "content": null, "tool_calls": [call.clone()]}));
+    messages.push(json!({"role": "tool", "tool_call_id": id, "content": "{\"temperature_c\": 14, \"sky\": \"rain\"}"}));
+    let (s, r) = post(
+        a,
+        "/v1/chat/completions",
+        &json!({"model": MODEL_ID, "messages": messages, "tools": weather_tools(), "max_tokens": 16, "temperature": 0}),
+    );
+    assert_eq!(s, 200, "{r}");
+    assert_ne!(r["choices"][0]["finish_reason"], "tool_calls");
+    assert!(r["choices"][0]["message"]["content"].is_string());
+    // The tool result reused the KV of the call turn.
+    assert!(
+        r["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+            > 0,
+        "{r}"
+    );
+    // A tool message answering a call that was never made.
+    let mut bad = messages.clone();
+    bad[2]["tool_call_id"] = json!("call_other");
+    let (s, b) = post(
+        a,
+        "/v1/chat/completions",
+        &json!({"model": MODEL_ID, "messages": bad, "tools": weather_tools()}),
+    );
+    assert_error(s, &b, 400, "unmatched tool_call_id");
+
+    // tool_choice none: tools are not offered, the model writes text.
+    let (s, r) = post(
+        a,
+        "/v1/chat/completions",
+        &json!({"model": MODEL_ID, "messages": [{"role": "user", "content": "Hi"}], "tools": weather_tools(), "tool_choice": "none", "max_tokens": 8}),
+    );
+    assert_eq!(s, 200, "{r}");
+    assert_ne!(r["choices"][0]["finish_reason"], "tool_calls");
+
+    // Malformed call output fails closed: 500 without a body of half-parsed calls, or in-band.
+    *script.lock().unwrap() = "<|tool_call>call:get_weather{city:<|\"|>London}".into();
+    let (s, b) = post(a, "/v1/chat/completions", &body);
+    assert_error(s, &b, 500, "malformed tool call");
+    assert_eq!(b["error"]["code"], "malformed_tool_call");
+    let st = post_stream(a, "/v1/chat/completions", &sb);
+    assert_eq!(st.status, 200);
+    let data = st.data();
+    assert_eq!(data.last().unwrap(), "[DONE]");
+    let err: Value = serde_json::from_str(&data[data.len() - 2]).unwrap();
+    assert_eq!(err["error"]["code"], "malformed_tool_call", "{}", st.raw);
+    assert!(!st.raw.contains("tool_calls\":[{"), "{}", st.raw);
+    srv.shutdown();
+}
+
+#[test]
+fn queue_limit_gives_429_and_streams_get_heartbeats() {
+    let srv = start(Opts {
+        queue_limit: 1,
+        delay: Duration::from_millis(40),
+        heartbeat: Duration::from_millis(100),
+        ..Opts::default()
+    });
+    let a = srv.local_addr();
+    let long = |stream: bool| json!({"model": MODEL_ID, "prompt": "Once upon a time", "max_tokens": 40, "temperature": 0, "stream": stream});
+    // A: running (its head and first chunk arrive), B: waiting in the one queue slot, C: 429.
+    let running = std::thread::spawn(move || post_stream(a, "/v1/completions", &long(true)));
+    std::thread::sleep(Duration::from_millis(400));
+    let queued = std::thread::spawn(move || post_stream(a, "/v1/completions", &long(true)));
+    std::thread::sleep(Duration::from_millis(300));
+    let (s, b) = post(a, "/v1/completions", &long(false));
+    assert_error(s, &b, 429, "third request with queue limit 1");
+    assert_eq!(b["error"]["type"], "rate_limit_error");
+    let (ra, rb) = (running.join().unwrap(), queued.join().unwrap());
+    assert_eq!((ra.status, rb.status), (200, 200));
+    assert_eq!(ra.data().last().unwrap(), "[DONE]");
+    // B waited ~1.6 s behind A with its head already sent: the idle stream got `: ping`s.
+    assert!(rb.raw.contains(": ping\n\n"), "no heartbeat in {}", rb.raw);
+    srv.shutdown();
+}
