@@ -88,7 +88,7 @@ fn gemm_vnni(m: &QMatrix, p: &PreparedX, y: &mut [f32], r0: usize, r1: usize) {
 /// Rows `r..r+R` of `W x` for 4-bit codes and int8 activations (group size a multiple of 64).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
 #[inline]
-unsafe fn rows_dot_q8<const R: usize>(m: &QMatrix, p: &PreparedX, r: usize, out: &mut [f32]) {
+unsafe fn rows_dot_vnni<const R: usize>(m: &QMatrix, p: &PreparedX, r: usize, out: &mut [f32]) {
     let gs = m.group_size;
     let gpr = m.groups_per_row();
     let rb = m.row_bytes();
@@ -140,11 +140,11 @@ unsafe fn gemv_q8_impl(m: &QMatrix, p: &PreparedX, y: &mut [f32], r0: usize, r1:
     let mut r = r0;
     // SAFETY (calls below): r..r+R <= r1 <= rows; y has r1 - r0 entries.
     while r + 4 <= r1 {
-        unsafe { rows_dot_q8::<4>(m, p, r, &mut y[r - r0..]) };
+        unsafe { rows_dot_vnni::<4>(m, p, r, &mut y[r - r0..]) };
         r += 4;
     }
     while r < r1 {
-        unsafe { rows_dot_q8::<1>(m, p, r, &mut y[r - r0..]) };
+        unsafe { rows_dot_vnni::<1>(m, p, r, &mut y[r - r0..]) };
         r += 1;
     }
 }
@@ -209,6 +209,19 @@ unsafe fn load_bf16x16(p: *const u8, mask: __mmask16) -> __m512 {
     _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
 }
 
+/// The bf16 at `p` as f32 in every lane: a 16-bit broadcast from memory, then keep the high half of each
+/// 32-bit lane (2 uops instead of a scalar load, shift, move and broadcast).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+#[inline]
+unsafe fn broadcast_bf16(p: *const u8) -> __m512 {
+    // SAFETY: the caller guarantees 2 readable bytes; the 16-bit load has no alignment requirement.
+    let v = _mm512_set1_epi16(unsafe { (p as *const i16).read_unaligned() });
+    _mm512_castsi512_ps(_mm512_and_si512(
+        v,
+        _mm512_set1_epi32(0xffff_0000u32 as i32),
+    ))
+}
+
 /// `Σ_g bias[g] · sums[g]` over `gpr` groups (`bias` is bf16 at `b`).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
 #[inline]
@@ -230,13 +243,16 @@ unsafe fn bias_dot(b: *const u8, sums: &[f32], gpr: usize) -> f32 {
     _mm512_reduce_add_ps(acc)
 }
 
-/// How far ahead (in rows) the GEMV prefetches packed weights.
+/// How far ahead (in rows) the GEMV prefetches packed weights (software prefetch: the hardware prefetcher
+/// stops at 4 KiB pages, and a row block spans several of them; prefetch never faults, so running past the
+/// end of the matrix is harmless).
 const PF_ROWS: usize = 8;
 
-/// Rows `r..r+R` of `W x` for 4- or 8-bit codes.
+/// Rows `r..r+R` of `W x` for 8-bit codes (routers): widen, convert, FMA per group, then one FMA by the
+/// group's scale.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
 #[inline]
-unsafe fn rows_dot<const R: usize, const BITS: u32>(
+unsafe fn rows_dot_u8<const R: usize>(
     m: &QMatrix,
     x: &[f32],
     sums: &[f32],
@@ -253,64 +269,98 @@ unsafe fn rows_dot<const R: usize, const BITS: u32>(
     let sc = unsafe { m.scales.as_ptr().add(r * gpr * 2) };
     let bi = unsafe { m.biases.as_ptr().add(r * gpr * 2) };
     let xp = x.as_ptr();
-    let nib = _mm512_set1_epi32(0x0f);
     let mut acc = [_mm512_setzero_ps(); R];
-    // Software prefetch of the same bytes PF_ROWS rows ahead: the hardware prefetcher stops at 4 KiB pages,
-    // and a row block spans several of them. Prefetch never faults, so running past the end is harmless.
     let pf = PF_ROWS * rb;
     for g in 0..gpr {
         let mut accg = [_mm512_setzero_ps(); R];
         for i in 0..R {
-            _mm_prefetch::<_MM_HINT_T0>(
-                w.wrapping_add(pf + i * rb + g * gs * BITS as usize / 8) as *const i8
-            );
+            _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(pf + i * rb + g * gs) as *const i8);
         }
-        if BITS == 4 {
-            for c in 0..gs / 32 {
-                let col = g * gs + c * 32;
-                // SAFETY: col + 32 <= cols.
-                let (x0, x1) = unsafe {
-                    (
-                        _mm512_loadu_ps(xp.add(col)),
-                        _mm512_loadu_ps(xp.add(col + 16)),
-                    )
+        for c in 0..gs / 16 {
+            let col = g * gs + c * 16;
+            // SAFETY: col + 16 <= cols.
+            let x0 = unsafe { _mm512_loadu_ps(xp.add(col)) };
+            for i in 0..R {
+                // SAFETY: 16 bytes at byte col of row r+i are inside the row.
+                let v = unsafe {
+                    _mm512_cvtepu8_epi32(_mm_loadu_si128(w.add(i * rb + col) as *const __m128i))
                 };
-                for i in 0..R {
-                    // SAFETY: 16 bytes at byte col/2 of row r+i are inside the row.
-                    let v = unsafe {
-                        _mm512_cvtepu8_epi32(_mm_loadu_si128(
-                            w.add(i * rb + col / 2) as *const __m128i
-                        ))
-                    };
-                    let lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, nib));
-                    let hi = _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(v));
-                    accg[i] = _mm512_fmadd_ps(lo, x0, accg[i]);
-                    accg[i] = _mm512_fmadd_ps(hi, x1, accg[i]);
-                }
-            }
-        } else {
-            for c in 0..gs / 16 {
-                let col = g * gs + c * 16;
-                // SAFETY: col + 16 <= cols.
-                let x0 = unsafe { _mm512_loadu_ps(xp.add(col)) };
-                for i in 0..R {
-                    // SAFETY: 16 bytes at byte col of row r+i are inside the row.
-                    let v = unsafe {
-                        _mm512_cvtepu8_epi32(_mm_loadu_si128(w.add(i * rb + col) as *const __m128i))
-                    };
-                    accg[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), x0, accg[i]);
-                }
+                accg[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), x0, accg[i]);
             }
         }
         for i in 0..R {
             // SAFETY: group g of row r+i.
-            let s = unsafe { read_bf16(sc.add((i * gpr + g) * 2)) };
-            acc[i] = _mm512_fmadd_ps(accg[i], _mm512_set1_ps(s), acc[i]);
+            let s = unsafe { broadcast_bf16(sc.add((i * gpr + g) * 2)) };
+            acc[i] = _mm512_fmadd_ps(accg[i], s, acc[i]);
         }
     }
     for i in 0..R {
         // SAFETY: the bias row of r+i has gpr entries.
         out[i] = _mm512_reduce_add_ps(acc[i]) + unsafe { bias_dot(bi.add(i * gpr * 2), sums, gpr) };
+    }
+}
+
+/// Rows `r..r+R` of `W x` for 4-bit codes, by table lookup: per (row, group) a 16-entry table `scale · q`
+/// (exact in f32: an 8-bit bf16 mantissa times a 4-bit integer) and `vpermps`, which reads only the low 4
+/// bits of each index lane, turns widened packed bytes into `scale · q` directly (no mask, no int→float
+/// conversion, no per-group rescale of a partial sum).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+#[inline]
+unsafe fn rows_dot_q4<const R: usize>(
+    m: &QMatrix,
+    x: &[f32],
+    sums: &[f32],
+    r: usize,
+    out: &mut [f32],
+) {
+    let gs = m.group_size;
+    let gpr = m.groups_per_row();
+    let rb = m.row_bytes();
+    debug_assert!((r + R) * rb <= m.weight.len() && out.len() >= R && x.len() == m.cols);
+    // SAFETY (all pointer arithmetic below): rows r..r+R exist (checked by the caller against `m.rows`, whose
+    // tensor lengths `QMatrix::new` validated); columns stay below `cols`, groups below `gpr`.
+    let w = unsafe { m.weight.as_ptr().add(r * rb) };
+    let sc = unsafe { m.scales.as_ptr().add(r * gpr * 2) };
+    let bi = unsafe { m.biases.as_ptr().add(r * gpr * 2) };
+    let xp = x.as_ptr();
+    let iota = _mm512_setr_ps(
+        0., 1., 2., 3., 4., 5., 6., 7., 8., 9., 10., 11., 12., 13., 14., 15.,
+    );
+    let mut acc_lo = [_mm512_setzero_ps(); R];
+    let mut acc_hi = [_mm512_setzero_ps(); R];
+    let pf = PF_ROWS * rb;
+    for g in 0..gpr {
+        let mut tbl = [_mm512_setzero_ps(); R];
+        for i in 0..R {
+            _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(pf + i * rb + g * gs / 2) as *const i8);
+            // SAFETY: group g of row r+i.
+            tbl[i] = _mm512_mul_ps(iota, unsafe { broadcast_bf16(sc.add((i * gpr + g) * 2)) });
+        }
+        for c in 0..gs / 32 {
+            let col = g * gs + c * 32;
+            // SAFETY: col + 32 <= cols.
+            let (x0, x1) = unsafe {
+                (
+                    _mm512_loadu_ps(xp.add(col)),
+                    _mm512_loadu_ps(xp.add(col + 16)),
+                )
+            };
+            for i in 0..R {
+                // SAFETY: 16 bytes at byte col/2 of row r+i are inside the row.
+                let v = unsafe {
+                    _mm512_cvtepu8_epi32(_mm_loadu_si128(w.add(i * rb + col / 2) as *const __m128i))
+                };
+                let lo = _mm512_permutexvar_ps(v, tbl[i]);
+                let hi = _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(v), tbl[i]);
+                acc_lo[i] = _mm512_fmadd_ps(lo, x0, acc_lo[i]);
+                acc_hi[i] = _mm512_fmadd_ps(hi, x1, acc_hi[i]);
+            }
+        }
+    }
+    for i in 0..R {
+        let dot = _mm512_reduce_add_ps(_mm512_add_ps(acc_lo[i], acc_hi[i]));
+        // SAFETY: the bias row of r+i has gpr entries.
+        out[i] = dot + unsafe { bias_dot(bi.add(i * gpr * 2), sums, gpr) };
     }
 }
 
@@ -321,20 +371,20 @@ unsafe fn gemv_impl(m: &QMatrix, p: &PreparedX, y: &mut [f32], r0: usize, r1: us
     // SAFETY (calls below): r..r+R <= r1 <= rows; y has r1 - r0 entries.
     if m.bits == 4 {
         while r + 4 <= r1 {
-            unsafe { rows_dot::<4, 4>(m, x, sums, r, &mut y[r - r0..]) };
+            unsafe { rows_dot_q4::<4>(m, x, sums, r, &mut y[r - r0..]) };
             r += 4;
         }
         while r < r1 {
-            unsafe { rows_dot::<1, 4>(m, x, sums, r, &mut y[r - r0..]) };
+            unsafe { rows_dot_q4::<1>(m, x, sums, r, &mut y[r - r0..]) };
             r += 1;
         }
     } else {
         while r + 4 <= r1 {
-            unsafe { rows_dot::<4, 8>(m, x, sums, r, &mut y[r - r0..]) };
+            unsafe { rows_dot_u8::<4>(m, x, sums, r, &mut y[r - r0..]) };
             r += 4;
         }
         while r < r1 {
-            unsafe { rows_dot::<1, 8>(m, x, sums, r, &mut y[r - r0..]) };
+            unsafe { rows_dot_u8::<1>(m, x, sums, r, &mut y[r - r0..]) };
             r += 1;
         }
     }
