@@ -408,7 +408,9 @@ unsafe fn dequant_cols(m: &QMatrix, r: usize, c0: usize, c1: usize, out: &mut [f
     // SAFETY (pointer arithmetic below): row r exists; columns stay below c1 <= cols, groups below gpr.
     let w = unsafe { m.weight.as_ptr().add(r * rb) };
     let o = out.as_mut_ptr();
-    let nib = _mm512_set1_epi32(0x0f);
+    let iota = _mm512_setr_ps(
+        0., 1., 2., 3., 4., 5., 6., 7., 8., 9., 10., 11., 12., 13., 14., 15.,
+    );
     for g in c0 / gs..c1 / gs {
         // SAFETY: group g of row r.
         let (s, b) = unsafe {
@@ -420,15 +422,19 @@ unsafe fn dequant_cols(m: &QMatrix, r: usize, c0: usize, c1: usize, out: &mut [f
         };
         let (s, b) = (_mm512_set1_ps(s), _mm512_set1_ps(b));
         if m.bits == 4 {
+            // 16-entry table of fma(q, scale, bias) (the same rounding as converting and fusing per element);
+            // vpermps reads only the low 4 bits of each index lane.
+            let tbl = _mm512_fmadd_ps(iota, s, b);
             for c in 0..gs / 32 {
                 let col = g * gs + c * 32;
                 // SAFETY: 16 bytes of the row at col/2; 32 floats of `out` at col - c0.
                 unsafe {
                     let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(w.add(col / 2) as *const __m128i));
-                    let lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, nib));
-                    let hi = _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(v));
-                    _mm512_storeu_ps(o.add(col - c0), _mm512_fmadd_ps(lo, s, b));
-                    _mm512_storeu_ps(o.add(col - c0 + 16), _mm512_fmadd_ps(hi, s, b));
+                    _mm512_storeu_ps(o.add(col - c0), _mm512_permutexvar_ps(v, tbl));
+                    _mm512_storeu_ps(
+                        o.add(col - c0 + 16),
+                        _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(v), tbl),
+                    );
                 }
             }
         } else {
@@ -454,9 +460,9 @@ const GEMM_TB: usize = 3;
 /// Tokens per GEMM L2 block (a multiple of GEMM_TB): the block's activations stay in L2 while every row
 /// block of the call passes over them.
 const GEMM_NB: usize = 48;
-/// Columns per GEMM L1 block: a row block's slice (GEMM_RB · GEMM_KC floats = 8 KiB) stays in L1 while the
+/// Columns per GEMM L1 block: a row block's slice (GEMM_RB · GEMM_KC floats = 16 KiB) stays in L1 while the
 /// tokens of the block stream past it. A multiple of every group size.
-const GEMM_KC: usize = 256;
+const GEMM_KC: usize = 512;
 
 /// Adds `Σ_{c < kc} w[i][c] · x[t][c]` to `part[t·GEMM_RB + i]` for R rows (stride `ldw`) and T tokens (stride
 /// `ldx`). The per-(row, token) operation sequence is the same for every R and T.
