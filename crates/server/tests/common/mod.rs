@@ -133,7 +133,8 @@ pub struct ToolCaller {
     stop: u32,
     seq: Vec<u32>,
     forcing: Option<(Vec<u32>, usize)>,
-    encode: Box<dyn Fn(&str) -> Vec<u32> + Send>,
+    /// A second tokenizer (the server owns the first) to encode `script`.
+    tok: mference_text::Tokenizer,
 }
 
 impl ToolCaller {
@@ -146,9 +147,6 @@ impl ToolCaller {
         let stop = tok
             .token_id("<|tool_response>")
             .expect("<|tool_response> token");
-        // The tokenizer is not Clone; load a second one for the encoder closure.
-        let dir = install().join("tokenizer");
-        let t2 = mference_text::Tokenizer::from_dir(&dir).unwrap();
         ToolCaller {
             inner,
             script,
@@ -157,7 +155,7 @@ impl ToolCaller {
             stop,
             seq: Vec::new(),
             forcing: None,
-            encode: Box::new(move |s| t2.encode(s, false).unwrap()),
+            tok: mference_text::Tokenizer::from_dir(&install().join("tokenizer")).unwrap(),
         }
     }
 
@@ -180,7 +178,10 @@ impl Model for ToolCaller {
         if self.forcing.is_none() || tokens.len() > 1 {
             self.forcing = None;
             if self.seq.contains(&self.tool_decl) && self.seq.ends_with(&self.gen_prompt) {
-                let mut ids = (self.encode)(&self.script.lock().unwrap());
+                let mut ids = self
+                    .tok
+                    .encode(&self.script.lock().unwrap(), false)
+                    .unwrap();
                 ids.push(self.stop);
                 self.forcing = Some((ids, 0));
             }
