@@ -208,7 +208,7 @@ fn gemm_of_a_long_batch_matches_scalar() {
             bits: 4,
             gs: 64,
             offset: 2,
-            n: 37,
+            n: 101,
         },
         &pools(),
     );
