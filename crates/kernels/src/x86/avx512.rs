@@ -530,18 +530,10 @@ unsafe fn gemm_impl(m: &QMatrix, p: &PreparedX, y: &mut [f32], r0: usize, r1: us
                             let wc = wt.as_ptr().add(c0);
                             if rb == GEMM_RB && tb == GEMM_TB {
                                 tile_dots::<GEMM_RB, GEMM_TB>(wc, cols, xt, cols, kc, pt);
+                            } else if rb == GEMM_RB && tb == 2 {
+                                tile_dots::<GEMM_RB, 2>(wc, cols, xt, cols, kc, pt);
                             } else if rb == GEMM_RB {
-                                for k in 0..tb {
-                                    let pk = &mut pt[k * GEMM_RB..];
-                                    tile_dots::<GEMM_RB, 1>(
-                                        wc,
-                                        cols,
-                                        xt.add(k * cols),
-                                        cols,
-                                        kc,
-                                        pk,
-                                    );
-                                }
+                                tile_dots::<GEMM_RB, 1>(wc, cols, xt, cols, kc, pt);
                             } else {
                                 for i in 0..rb {
                                     for k in 0..tb {
