@@ -2,6 +2,7 @@
 
 use clap::{Parser, Subcommand};
 
+mod bench_cmd;
 mod install_cmd;
 mod run_cmd;
 mod serve_cmd;
@@ -33,6 +34,8 @@ enum Command {
     Perplexity(run_cmd::PerplexityArgs),
     /// Serve the model over an OpenAI-compatible HTTP API.
     Serve(serve_cmd::ServeArgs),
+    /// Benchmark fixed prompts (short, medium, long), each in a fresh process: table and JSON.
+    Bench(bench_cmd::BenchArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -45,6 +48,7 @@ fn main() -> std::process::ExitCode {
         Command::Run(a) => run_cmd::run(a),
         Command::Perplexity(a) => run_cmd::perplexity(a),
         Command::Serve(a) => serve_cmd::serve(a),
+        Command::Bench(a) => bench_cmd::bench(a),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -1,0 +1,452 @@
+//! `bench`: fixed prompts (short, medium, long) each in a fresh process, one table and one JSON
+//! document. The parent re-executes this binary with the hidden `--child` flag; the child loads the
+//! model, runs one prompt, and prints one JSON line (peak RSS is the child's VmHWM).
+//!
+//! Prompts are deterministic pseudo-random token ids inside the vocabulary (no tokenizer involved),
+//! as llama-bench uses random ids: both engines then see the same kind of input. Decode feeds the
+//! greedy token back (`--decode greedy`) or, like llama-bench's tg test, a pseudo-random id each
+//! step (`--decode forced`); every step computes the full head either way.
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use serde_json::{json, Value};
+
+use mference_models::{Logits, Want};
+use mference_runtime::StreamerStats;
+
+use crate::run_cmd::{load_options, ModelArgs};
+
+/// Named prompt lengths (tokens): about the original's community prompts (61 / 430 / 3,015),
+/// rounded to sizes that fit `--ctx 4096` with room to decode.
+const NAMED: [(&str, usize); 3] = [("short", 64), ("medium", 512), ("long", 2048)];
+const CHUNKS: [usize; 8] = [32, 64, 128, 256, 512, 1024, 2048, 4096];
+
+/// `mference bench`.
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    /// The installed model directory (`<name>.gturbo`).
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Expert cache slots per layer: 8, 16, 24, 32, 64, 96, 128, resident, or auto.
+    #[arg(long, default_value = "16")]
+    pub slots: String,
+    /// Kernel worker threads (default: all cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Read experts with O_DIRECT.
+    #[arg(long)]
+    pub direct_io: bool,
+    /// Prefill chunk rows: 32 … 4096, or auto (the prompt length rounded up to a power of two).
+    #[arg(long, default_value = "auto")]
+    pub prefill_chunk: String,
+    /// Positions the KV cache holds.
+    #[arg(long, default_value_t = 4096)]
+    pub ctx: usize,
+    /// Tokens to decode after each prompt.
+    #[arg(long, default_value_t = 64)]
+    pub gen: usize,
+    /// Comma-separated prompts: short (64), medium (512), long (2048), or token counts.
+    #[arg(long, default_value = "short,medium,long")]
+    pub prompts: String,
+    /// Measured runs per prompt (each a fresh process); the table shows medians.
+    #[arg(long, default_value_t = 1)]
+    pub repeats: usize,
+    /// Discarded runs per prompt before the measured ones.
+    #[arg(long, default_value_t = 0)]
+    pub warmup: usize,
+    /// Decode input: greedy (the argmax fed back) or forced (pseudo-random ids, as llama-bench tg).
+    #[arg(long, default_value = "greedy")]
+    pub decode: String,
+    /// Integrity check at load: trusted-receipt (default here, so no layer hashing lands in the
+    /// timed prefill) or full-sha256.
+    #[arg(long, default_value = "trusted-receipt")]
+    pub verify: String,
+    /// Also write the JSON document to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Internal: run one prompt of this many tokens in this process and print one JSON line.
+    #[arg(long, hide = true)]
+    pub child: Option<usize>,
+}
+
+/// `mference bench`.
+pub fn bench(a: BenchArgs) -> Result<()> {
+    validate(&a)?;
+    if let Some(n) = a.child {
+        let r = child(&a, n)?;
+        println!("{r}");
+        return Ok(());
+    }
+    let prompts = parse_prompts(&a.prompts)?;
+    let exe = std::env::current_exe().context("locating the mference binary")?;
+    let mut runs: Vec<Value> = Vec::new();
+    for (name, n) in &prompts {
+        for i in 0..a.warmup + a.repeats {
+            let warm = i < a.warmup;
+            eprintln!(
+                "[bench] {name} ({n} tokens) {} {}/{}",
+                if warm { "warmup" } else { "run" },
+                if warm { i + 1 } else { i - a.warmup + 1 },
+                if warm { a.warmup } else { a.repeats }
+            );
+            let mut r = spawn_child(&exe, &a, *n)?;
+            if !warm {
+                r["prompt"] = json!(name);
+                runs.push(r);
+            }
+        }
+    }
+    let summary: Vec<Value> = prompts
+        .iter()
+        .map(|(name, _)| median_row(name, &runs))
+        .collect();
+    let first = &runs[0];
+    let doc = json!({
+        "model": a.model.display().to_string(),
+        "settings": {
+            "slots": first["slots"], "threads": first["threads"], "direct_io": a.direct_io,
+            "prefill_chunk": a.prefill_chunk, "ctx": a.ctx, "gen": a.gen, "decode": a.decode,
+            "repeats": a.repeats, "warmup": a.warmup, "kernels": first["kernels"],
+        },
+        "summary": summary,
+        "runs": runs,
+    });
+    print_table(&doc);
+    let text = serde_json::to_string(&doc)?;
+    if let Some(p) = &a.json {
+        std::fs::write(p, format!("{text}\n"))
+            .with_context(|| format!("writing {}", p.display()))?;
+    }
+    println!("{text}");
+    Ok(())
+}
+
+fn validate(a: &BenchArgs) -> Result<()> {
+    if !matches!(a.decode.as_str(), "greedy" | "forced") {
+        bail!(
+            "invalid --decode '{}': allowed values are greedy, forced",
+            a.decode
+        );
+    }
+    if a.repeats == 0 {
+        bail!("--repeats must be at least 1");
+    }
+    if a.gen == 0 || a.ctx == 0 {
+        bail!("--gen and --ctx must be positive");
+    }
+    if a.prefill_chunk != "auto" {
+        match a.prefill_chunk.parse::<usize>() {
+            Ok(n) if CHUNKS.contains(&n) => {}
+            _ => bail!("invalid --prefill-chunk '{}': allowed values are 32, 64, 128, 256, 512, 1024, 2048, 4096, auto", a.prefill_chunk),
+        }
+    }
+    if a.threads == Some(0) {
+        bail!("--threads must be at least 1");
+    }
+    for (_, n) in parse_prompts(&a.prompts)? {
+        if n + a.gen > a.ctx {
+            bail!(
+                "a {n}-token prompt plus --gen {} does not fit --ctx {}",
+                a.gen,
+                a.ctx
+            );
+        }
+    }
+    Ok(())
+}
+
+fn parse_prompts(s: &str) -> Result<Vec<(String, usize)>> {
+    let mut out = Vec::new();
+    for p in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let n = match NAMED.iter().find(|(k, _)| *k == p) {
+            Some((_, n)) => *n,
+            None => match p.parse::<usize>() {
+                Ok(n) if n > 0 => n,
+                _ => {
+                    bail!("invalid --prompts entry '{p}': use short, medium, long or a token count")
+                }
+            },
+        };
+        out.push((p.to_string(), n));
+    }
+    if out.is_empty() {
+        bail!("--prompts is empty");
+    }
+    Ok(out)
+}
+
+/// The child's arguments: the parent's, plus `--child N`.
+fn spawn_child(exe: &std::path::Path, a: &BenchArgs, n: usize) -> Result<Value> {
+    let mut cmd = Command::new(exe);
+    cmd.arg("bench")
+        .arg("--model")
+        .arg(&a.model)
+        .args(["--slots", &a.slots])
+        .args(["--prefill-chunk", &a.prefill_chunk])
+        .args(["--ctx", &a.ctx.to_string()])
+        .args(["--gen", &a.gen.to_string()])
+        .args(["--prompts", &n.to_string()])
+        .args(["--decode", &a.decode])
+        .args(["--verify", &a.verify])
+        .args(["--child", &n.to_string()]);
+    if let Some(t) = a.threads {
+        cmd.args(["--threads", &t.to_string()]);
+    }
+    if a.direct_io {
+        cmd.arg("--direct-io");
+    }
+    let out = cmd
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .context("starting the bench child process")?;
+    if !out.status.success() {
+        bail!("bench child for a {n}-token prompt failed ({})", out.status);
+    }
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let line = stdout
+        .lines()
+        .last()
+        .context("the bench child printed nothing")?;
+    serde_json::from_str(line).with_context(|| format!("bench child output is not JSON: {line}"))
+}
+
+/// Deterministic pseudo-random ids in `[lo, vocab)` (splitmix64): the same prompt for every run
+/// and engine (`tools/bench` feeds llama.cpp the same ids).
+pub fn prompt_ids(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
+    let lo = 1000.min(vocab / 2) as u64;
+    let mut s = seed;
+    (0..n)
+        .map(|_| {
+            s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = s;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^= z >> 31;
+            (lo + z % (vocab as u64 - lo)) as u32
+        })
+        .collect()
+}
+
+fn sum(stats: &[StreamerStats]) -> StreamerStats {
+    let mut t = StreamerStats::default();
+    for s in stats {
+        t.add(s);
+    }
+    t
+}
+
+/// `VmHWM` (peak resident set) of this process, in bytes.
+fn peak_rss() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        })
+        .map(|kib| kib * 1024)
+        .unwrap_or(0)
+}
+
+fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in row.iter().enumerate() {
+        if v > row[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// One prompt in this process: load, prefill, decode; returns the JSON line.
+fn child(a: &BenchArgs, n: usize) -> Result<Value> {
+    let chunk = match a.prefill_chunk.as_str() {
+        "auto" => CHUNKS.iter().copied().find(|&c| c >= n).unwrap_or(4096),
+        s => s.parse()?,
+    };
+    let margs = ModelArgs {
+        model: a.model.clone(),
+        expert_cache_slots: a.slots.clone(),
+        verify: a.verify.clone(),
+        direct_io: a.direct_io,
+        threads: a.threads,
+        kv_cache: "f16".into(),
+    };
+    let opts = load_options(&margs, chunk, a.ctx)?;
+    let slots = match opts.slots {
+        mference_runtime::CacheSlots::Fixed(k) => json!(k),
+        mference_runtime::CacheSlots::Resident => json!("resident"),
+    };
+    let t_load = Instant::now();
+    let mut model = mference_models::load(&a.model, &opts)?;
+    let load_s = t_load.elapsed().as_secs_f64();
+    let vocab = model.vocab_size();
+    let prompt = prompt_ids(n, vocab, 0x6D66_6572_656E_6365 ^ n as u64);
+
+    let t0 = Instant::now();
+    let Logits::Rows(last) = model.forward(&prompt, Want::Last)? else {
+        bail!("the model returned no logits for the prompt")
+    };
+    let prefill_s = t0.elapsed().as_secs_f64();
+    let mut finite = last.iter().all(|v| v.is_finite());
+    let after_prefill = sum(&model.expert_stats());
+
+    let mut next = argmax(&last);
+    let mut generated = vec![next];
+    let forced = prompt_ids(a.gen, vocab, 0x6465_636F_6465 ^ n as u64);
+    let t1 = Instant::now();
+    // gen tokens are produced: the first by the prefill, gen - 1 by decode steps; the last step
+    // returns full logits so finiteness is checked at the end too.
+    for i in 1..a.gen {
+        let input = if a.decode == "forced" {
+            forced[i - 1]
+        } else {
+            next
+        };
+        next = if i + 1 == a.gen {
+            let Logits::Rows(l) = model.forward(&[input], Want::Last)? else {
+                bail!("the model returned no logits")
+            };
+            finite &= l.iter().all(|v| v.is_finite());
+            argmax(&l)
+        } else {
+            match model.forward(&[input], Want::Argmax)? {
+                Logits::Argmax(id) => id,
+                Logits::Rows(l) => argmax(&l),
+                Logits::None => bail!("the model returned no logits"),
+            }
+        };
+        generated.push(next);
+    }
+    let decode_s = t1.elapsed().as_secs_f64();
+    let total = sum(&model.expert_stats());
+    let steps = (a.gen - 1) as f64;
+    let dec_hits = total.hits - after_prefill.hits;
+    let dec_misses = total.misses - after_prefill.misses;
+    let dec_bytes = total.bytes_read - after_prefill.bytes_read;
+    let dec_wait = (total.read_wait - after_prefill.read_wait).as_secs_f64();
+    let rate = |h: u64, m: u64| {
+        if h + m == 0 {
+            0.0
+        } else {
+            h as f64 / (h + m) as f64
+        }
+    };
+    let per = |x: f64| if steps > 0.0 { x / steps } else { 0.0 };
+    Ok(json!({
+        "pid": std::process::id(),
+        "prompt_tokens": n,
+        "gen_tokens": generated.len(),
+        "load_s": load_s,
+        "prefill_s": prefill_s,
+        "prefill_tok_s": n as f64 / prefill_s,
+        "ttft_s": prefill_s,
+        "decode_s": decode_s,
+        "decode_tok_s": if decode_s > 0.0 { steps / decode_s } else { 0.0 },
+        "peak_rss_bytes": peak_rss(),
+        "kv_bytes": model.kv_bytes(),
+        "prefill_hit_rate": rate(after_prefill.hits, after_prefill.misses),
+        "prefill_bytes_read": after_prefill.bytes_read,
+        "prefill_read_wait_s": after_prefill.read_wait.as_secs_f64(),
+        "hit_rate": rate(dec_hits, dec_misses),
+        "bytes_per_token": per(dec_bytes as f64),
+        "read_wait_per_token_s": per(dec_wait),
+        "compute_per_token_s": per(decode_s - dec_wait),
+        "finite": finite,
+        "generated": generated,
+        "slots": slots,
+        "threads": model.engine().pool.threads(),
+        "direct_io": a.direct_io,
+        "prefill_chunk": chunk,
+        "ctx": a.ctx,
+        "decode": a.decode,
+        "kernels": model.engine().kernels.name(),
+    }))
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    match v.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
+fn median_row(name: &str, runs: &[Value]) -> Value {
+    let mine: Vec<&Value> = runs.iter().filter(|r| r["prompt"] == name).collect();
+    let m = |k: &str| median(mine.iter().filter_map(|r| r[k].as_f64()).collect());
+    json!({
+        "prompt": name,
+        "runs": mine.len(),
+        "prompt_tokens": mine[0]["prompt_tokens"],
+        "gen_tokens": mine[0]["gen_tokens"],
+        "prefill_s": m("prefill_s"),
+        "prefill_tok_s": m("prefill_tok_s"),
+        "ttft_s": m("ttft_s"),
+        "decode_tok_s": m("decode_tok_s"),
+        "peak_rss_bytes": m("peak_rss_bytes"),
+        "hit_rate": m("hit_rate"),
+        "bytes_per_token": m("bytes_per_token"),
+        "read_wait_per_token_s": m("read_wait_per_token_s"),
+        "compute_per_token_s": m("compute_per_token_s"),
+        "finite": mine.iter().all(|r| r["finite"] == true),
+    })
+}
+
+fn print_table(doc: &Value) {
+    let s = &doc["settings"];
+    println!(
+        "model {}  slots {}  threads {}  direct-io {}  prefill-chunk {}  ctx {}  gen {}  decode {}  kernels {}  (medians of {} run(s))",
+        doc["model"].as_str().unwrap_or(""),
+        s["slots"],
+        s["threads"],
+        s["direct_io"],
+        s["prefill_chunk"].as_str().unwrap_or(""),
+        s["ctx"],
+        s["gen"],
+        s["decode"].as_str().unwrap_or(""),
+        s["kernels"].as_str().unwrap_or(""),
+        s["repeats"]
+    );
+    println!(
+        "{:<8} {:>7} {:>9} {:>10} {:>8} {:>10} {:>9} {:>6} {:>9} {:>10} {:>10}",
+        "prompt",
+        "tokens",
+        "prefill_s",
+        "prefill/s",
+        "TTFT_s",
+        "decode/s",
+        "RSS_MiB",
+        "hit%",
+        "MiB/tok",
+        "wait_ms/t",
+        "comp_ms/t"
+    );
+    for r in doc["summary"].as_array().into_iter().flatten() {
+        let f = |k: &str| r[k].as_f64().unwrap_or(0.0);
+        println!(
+            "{:<8} {:>7} {:>9.3} {:>10.2} {:>8.3} {:>10.3} {:>9.0} {:>6.1} {:>9.1} {:>10.2} {:>10.2}{}",
+            r["prompt"].as_str().unwrap_or(""),
+            r["prompt_tokens"],
+            f("prefill_s"),
+            f("prefill_tok_s"),
+            f("ttft_s"),
+            f("decode_tok_s"),
+            f("peak_rss_bytes") / 1048576.0,
+            f("hit_rate") * 100.0,
+            f("bytes_per_token") / 1048576.0,
+            f("read_wait_per_token_s") * 1e3,
+            f("compute_per_token_s") * 1e3,
+            if r["finite"] == true {
+                ""
+            } else {
+                "  NON-FINITE LOGITS"
+            }
+        );
+    }
+}

@@ -1,0 +1,142 @@
+//! `mference bench` on the bundled tiny Gemma 4 (installed with the real installer): every prompt
+//! runs in its own process and the JSON has sane values. Timings are not checked (they belong in
+//! benchmarks), only that they were measured.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
+        .canonicalize()
+        .unwrap()
+}
+
+fn mference(args: &[&str]) -> std::process::Output {
+    let out = Command::new(env!("CARGO_BIN_EXE_mference"))
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "mference {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+#[test]
+fn bench_runs_each_prompt_in_a_fresh_process_and_reports_sane_json() {
+    let work = tempfile::tempdir_in(repo().join("target")).unwrap();
+    let src = repo().join("assets/models/gemma4-tiny");
+    let inst = work.path().join("tiny.gturbo");
+    mference(&[
+        "install",
+        src.to_str().unwrap(),
+        "--output",
+        inst.to_str().unwrap(),
+        "--quiet",
+    ]);
+    let json_path = work.path().join("bench.json");
+    // 8 slots of 16 experts with top-4 routing: misses must happen, so bytes are read.
+    let out = mference(&[
+        "bench",
+        "--model",
+        inst.to_str().unwrap(),
+        "--prompts",
+        "short,24",
+        "--gen",
+        "6",
+        "--repeats",
+        "2",
+        "--slots",
+        "8",
+        "--threads",
+        "1",
+        "--ctx",
+        "256",
+        "--json",
+        json_path.to_str().unwrap(),
+    ]);
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    assert!(stdout.contains("decode/s"), "no table in:\n{stdout}");
+    let doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json_path).unwrap()).unwrap();
+    let last_line: serde_json::Value =
+        serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    assert_eq!(doc, last_line, "--json file and stdout JSON differ");
+
+    let runs = doc["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 4, "2 prompts x 2 repeats");
+    let want_tokens = [64, 64, 24, 24];
+    let mut pids = std::collections::HashSet::new();
+    for (r, want) in runs.iter().zip(want_tokens) {
+        assert_eq!(r["prompt_tokens"], want, "{r}");
+        assert_eq!(r["gen_tokens"], 6, "{r}");
+        assert_eq!(r["generated"].as_array().unwrap().len(), 6, "{r}");
+        for k in [
+            "prefill_s",
+            "prefill_tok_s",
+            "ttft_s",
+            "decode_s",
+            "decode_tok_s",
+        ] {
+            let v = r[k].as_f64().unwrap();
+            assert!(v > 0.0 && v.is_finite(), "{k} = {v} in {r}");
+        }
+        let rss = r["peak_rss_bytes"].as_u64().unwrap();
+        assert!(
+            rss > 1 << 20 && rss < 8 << 30,
+            "peak RSS {rss} bytes is not plausible"
+        );
+        let hit = r["hit_rate"].as_f64().unwrap();
+        assert!((0.0..=1.0).contains(&hit), "hit rate {hit}");
+        assert!(
+            hit < 1.0,
+            "8 slots for 16 experts cannot hit every time: {r}"
+        );
+        assert!(r["bytes_per_token"].as_f64().unwrap() > 0.0, "{r}");
+        assert!(r["prefill_bytes_read"].as_u64().unwrap() > 0, "{r}");
+        assert!(r["read_wait_per_token_s"].as_f64().unwrap() >= 0.0, "{r}");
+        assert_eq!(r["finite"], true, "{r}");
+        assert_eq!(r["slots"], 8);
+        assert_eq!(r["threads"], 1);
+        assert_eq!(r["direct_io"], false);
+        assert!(r["ctx"] == 256 && r["prefill_chunk"] == 64 || r["prompt_tokens"] == 24);
+        assert!(
+            pids.insert(r["pid"].as_u64().unwrap()),
+            "two runs shared a process"
+        );
+    }
+    assert!(!pids.contains(&std::process::id().into()));
+    // The same prompt is the same ids every run: greedy output repeats exactly.
+    assert_eq!(runs[0]["generated"], runs[1]["generated"]);
+    assert_eq!(runs[2]["generated"], runs[3]["generated"]);
+
+    let summary = doc["summary"].as_array().unwrap();
+    assert_eq!(summary.len(), 2);
+    assert_eq!(summary[0]["prompt"], "short");
+    assert_eq!(summary[0]["runs"], 2);
+    assert_eq!(summary[1]["prompt_tokens"], 24);
+    assert!(summary[1]["decode_tok_s"].as_f64().unwrap() > 0.0);
+}
+
+#[test]
+fn bench_rejects_bad_flags_before_loading() {
+    for (args, msg) in [
+        (vec!["--decode", "sampled"], "--decode"),
+        (vec!["--prompts", "huge"], "--prompts"),
+        (vec!["--prompts", "4000", "--gen", "200"], "does not fit"),
+        (vec!["--prefill-chunk", "100"], "--prefill-chunk"),
+        (vec!["--repeats", "0"], "--repeats"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_mference"))
+            .args(["bench", "--model", "/nonexistent.gturbo"])
+            .args(&args)
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{args:?} was accepted");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(msg), "{args:?}: {err}");
+    }
+}

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Builds llama.cpp (CPU only, -march=native) from the llama-cpp-python 0.3.36 PyPI source package,
+# whose vendored llama.cpp knows gemma4 and qwen35moe. Output: work/llama/build/bin/{llama-bench,
+# llama-simple,llama-completion}. Needs tools/bench/setup.sh first (cmake, ninja from PyPI).
+#
+#   tools/bench/build_llama.sh            # idempotent: skips the download / build if already there
+set -euo pipefail
+REPO="$(cd "$(dirname "$0")/../.." && pwd)"
+VENV="$REPO/.venv-bench"
+W="$REPO/work/llama"
+VER=0.3.36
+SRC="$W/llama_cpp_python-$VER/vendor/llama.cpp"
+mkdir -p "$W"
+export PATH="$VENV/bin:$PATH"
+if [ ! -d "$SRC" ]; then
+  # The sdist only (no wheel, no dependencies): its metadata step needs just scikit-build-core.
+  pip download --no-deps --no-binary llama-cpp-python "llama-cpp-python==$VER" -d "$W"
+  tar -xzf "$W/llama_cpp_python-$VER.tar.gz" -C "$W"
+fi
+cmake -S "$SRC" -B "$W/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+  -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF \
+  -DBUILD_SHARED_LIBS=OFF >"$W/cmake.log"
+cmake --build "$W/build" -j "${JOBS:-2}" --target llama-bench llama-simple llama-completion
+ls -la "$W/build/bin"
