@@ -84,14 +84,22 @@ def greedy_entry(model_dir: str, enc_args: list, n: int, tmp: Path, tag: str) ->
             "commands": [enc_cmd, gen_cmd], "seconds": secs}
 
 
-def do_model(name: str, spec: dict, tmp: Path, shared: bool) -> dict:
+def do_model(name: str, spec: dict, tmp: Path, shared: bool, reuse_ppl: str | None) -> dict:
     d = spec["dir"]
     res = {"model_dir": d}
 
     out = tmp / f"{name}.ppl.json"
-    cmd, secs = run([PY, "tools/ref/perplexity.py", "--model", d, "--file", TEXT, "--ctx", "512",
-                     "--max-tokens", "8192", "--json-out", str(out)], tmp)
-    r = json.loads(out.read_text())
+    cmd_list = [PY, "tools/ref/perplexity.py", "--model", d, "--file", TEXT, "--ctx", "512",
+                "--max-tokens", "8192", "--json-out", str(out)]
+    if reuse_ppl:  # the JSON that exactly this command wrote earlier (checked below)
+        r = json.loads(Path(reuse_ppl).read_text())
+        want = {"model": d, "file": TEXT, "ctx": 512, "max_tokens": 8192, "protocol": "llama"}
+        assert all(r[k] == v for k, v in want.items()), (reuse_ppl, {k: r[k] for k in want})
+        cmd = " ".join(shlex.quote(c) for c in cmd_list).replace(str(tmp), "$TMP")
+        secs = r["seconds"]
+    else:
+        cmd, secs = run(cmd_list, tmp)
+        r = json.loads(out.read_text())
     res["perplexity_llama_ctx512_8192"] = {
         "perplexity": r["perplexity"], "mean_nll": r["mean_nll"], "predictions": r["predictions"],
         "chunks": r["chunks"], "chunk_bos": r["chunk_bos"],
@@ -130,6 +138,8 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--shared-protocol", action="store_true")
     ap.add_argument("--out", default="tools/ref/reference-values.json")
+    ap.add_argument("--reuse-ppl", help="(one model) reuse this perplexity.py --json-out result of the "
+                    "default 8192/512 llama-protocol command instead of re-running it")
     a = ap.parse_args()
     out = REPO / a.out
     doc = json.loads(out.read_text()) if out.exists() else {}
@@ -137,10 +147,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="mference-refvals-") as t:
         tmp = Path(t)
         for name in a.models.split(","):
-            doc["models"][name] = do_model(name, MODELS[name], tmp, a.shared_protocol)
+            doc["models"][name] = do_model(name, MODELS[name], tmp, a.shared_protocol, a.reuse_ppl)
             doc["models"][name]["date"] = C.now_utc()
             doc["models"][name]["versions"] = C.versions()
-    doc["generated_by"] = " ".join([PY, "tools/ref/compute_reference_values.py"] + sys.argv[1:])
+            doc["models"][name]["generated_by"] = " ".join(
+                [PY, "tools/ref/compute_reference_values.py"] + sys.argv[1:])
+    doc.pop("generated_by", None)
     doc["notes"] = [
         "All numbers: mlx-lm's own model classes, bf16 parameters cast to float32 after load (the stored "
         "4-bit/8-bit weights are used exactly), CPU.",
