@@ -279,7 +279,7 @@ async fn submit(
 ) -> Result<Response, ApiError> {
     if prompt.len() >= st.max_context {
         return Err(ApiError::param(
-            "messages",
+            if reply.kind == Kind::Chat { "messages" } else { "prompt" },
             format!(
                 "the prompt is {} tokens, which does not fit this server's context of {} tokens (at least one token must be generated); shorten it or restart with a larger --max-context",
                 prompt.len(),
