@@ -258,7 +258,8 @@ pub fn gated_delta_rule(
     let per = nv.div_ceil(threads);
     // Each work piece owns a run of value heads: their states and a head-major output.
     let mut head_out = vec![0.0f32; nv * t * dv];
-    let pieces: Vec<Mutex<Option<(&mut [f32], &mut [f32])>>> = state
+    type Piece<'a> = Mutex<Option<(&'a mut [f32], &'a mut [f32])>>;
+    let pieces: Vec<Piece> = state
         .chunks_mut(per * dv * dk)
         .zip(head_out.chunks_mut(per * t * dv))
         .map(|p| Mutex::new(Some(p)))

@@ -116,7 +116,9 @@ impl Config {
         }
         if c.full_attention_interval == 0
             || c.linear_num_key_heads == 0
-            || c.linear_num_value_heads % c.linear_num_key_heads != 0
+            || !c
+                .linear_num_value_heads
+                .is_multiple_of(c.linear_num_key_heads)
             || c.linear_conv_kernel_dim < 2
         {
             return Err(ModelError::Config(
@@ -151,7 +153,7 @@ impl Config {
 
     /// Whether layer `i` is a Gated DeltaNet layer.
     pub fn is_linear(&self, i: usize) -> bool {
-        (i + 1) % self.full_attention_interval != 0
+        !(i + 1).is_multiple_of(self.full_attention_interval)
     }
 
     fn head_dim(&self) -> usize {
@@ -202,7 +204,7 @@ struct Attention {
 enum Mixer {
     Linear(Box<DeltaNet>),
     /// With its index into the KV cache's layers.
-    Full(Attention, usize),
+    Full(Box<Attention>, usize),
 }
 
 struct Mlp {
@@ -360,14 +362,14 @@ impl Qwen35Moe {
                 let a = format!("{b}.self_attn");
                 n_full += 1;
                 Mixer::Full(
-                    Attention {
+                    Box::new(Attention {
                         q_proj: q(format!("{a}.q_proj"), 2 * nh * hd, h)?,
                         k_proj: q(format!("{a}.k_proj"), nkv * hd, h)?,
                         v_proj: q(format!("{a}.v_proj"), nkv * hd, h)?,
                         o_proj: q(format!("{a}.o_proj"), h, nh * hd)?,
                         q_norm: v(format!("{a}.q_norm.weight"), hd)?,
                         k_norm: v(format!("{a}.k_norm.weight"), hd)?,
-                    },
+                    }),
                     n_full - 1,
                 )
             };
@@ -412,7 +414,7 @@ impl Qwen35Moe {
         let norm = v(format!("{P}.norm.weight"), h)?;
         let (theta, factor) = cfg.rope();
         let rotated = (hd as f64 * factor) as usize;
-        if rotated == 0 || rotated % 2 != 0 || rotated > hd {
+        if rotated == 0 || !rotated.is_multiple_of(2) || rotated > hd {
             return Err(ModelError::Config(format!(
                 "partial_rotary_factor {factor} gives {rotated} rotated dims of {hd}"
             )));
