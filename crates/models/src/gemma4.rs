@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 use serde::Deserialize;
 
 use mference_format::Install;
-use mference_kernels::{Kernels, ThreadPool};
+use mference_kernels::{Kernels, MatJob, QMatrix, ThreadPool};
 use mference_runtime::{KvCache, KvLayer};
 
 use crate::ops::{attention, gelu_tanh, rms_norm, rms_norm_into, softmax, top_k, AttnShape, Rope};
@@ -382,17 +382,31 @@ impl Gemma4 {
                 eps,
             );
             let mut q = vec![0.0f32; t * nh * d];
-            pool.gemm(k, &layer.q_proj.mat(map), &attn_norm, t, &mut q);
             let mut kraw = vec![0.0f32; t * nkv * d];
-            pool.gemm(k, &layer.k_proj.mat(map), &attn_norm, t, &mut kraw);
-            let mut v = match &layer.v_proj {
-                Some(vp) => {
-                    let mut v = vec![0.0f32; t * nkv * d];
-                    pool.gemm(k, &vp.mat(map), &attn_norm, t, &mut v);
-                    v
+            let mut vraw = vec![
+                0.0f32;
+                if layer.v_proj.is_some() {
+                    t * nkv * d
+                } else {
+                    0
                 }
-                // attention_k_eq_v: V is the raw K projection (before k_norm and RoPE).
-                None => kraw.clone(),
+            ];
+            projections(
+                pool,
+                k,
+                &attn_norm,
+                t,
+                &mut [
+                    (layer.q_proj.mat(map), &mut q[..]),
+                    (layer.k_proj.mat(map), &mut kraw[..]),
+                ],
+                layer.v_proj.as_ref().map(|vp| (vp.mat(map), &mut vraw[..])),
+            );
+            // attention_k_eq_v: V is the raw K projection (before k_norm and RoPE).
+            let mut v = if layer.v_proj.is_some() {
+                vraw
+            } else {
+                kraw.clone()
             };
             rms_norm(&mut q, d, Some((&layer.q_norm, map)), eps);
             rms_norm(&mut kraw, d, Some((&layer.k_norm, map)), eps);
@@ -591,6 +605,46 @@ impl Gemma4 {
     }
 }
 
+/// Several projections of the same `t` rows of `x` in one parallel region (x prepared once per
+/// quantization layout).
+fn projections<'a>(
+    pool: &ThreadPool,
+    k: &Kernels,
+    x: &[f32],
+    t: usize,
+    mats: &mut [(QMatrix<'a>, &mut [f32]); 2],
+    extra: Option<(QMatrix<'a>, &mut [f32])>,
+) {
+    let [(m0, y0), (m1, y1)] = mats;
+    let p0 = k.prepare(m0, x, t);
+    let same = |m: &QMatrix| m.group_size == m0.group_size && m.bits == m0.bits;
+    let p1 = (!same(m1)).then(|| k.prepare(m1, x, t));
+    let mut jobs = vec![
+        MatJob {
+            m: *m0,
+            x: &p0,
+            y: y0,
+        },
+        MatJob {
+            m: *m1,
+            x: p1.as_ref().unwrap_or(&p0),
+            y: y1,
+        },
+    ];
+    let p2 = extra
+        .as_ref()
+        .filter(|(m, _)| !same(m))
+        .map(|(m, _)| k.prepare(m, x, t));
+    if let Some((m2, y2)) = extra {
+        jobs.push(MatJob {
+            m: m2,
+            x: p2.as_ref().unwrap_or(&p0),
+            y: y2,
+        });
+    }
+    pool.gemm_batch(k, &mut jobs);
+}
+
 /// `down(gelu_tanh(gate(x)) * up(x))` for `t` rows of `x` (GeGLU, `gelu_pytorch_tanh`).
 fn mlp(
     pool: &ThreadPool,
@@ -605,8 +659,29 @@ fn mlp(
     let i = gate.rows;
     let mut g = vec![0.0f32; t * i];
     let mut u = vec![0.0f32; t * i];
-    pool.gemm(k, &gate.mat(buf), x, t, &mut g);
-    pool.gemm(k, &up.mat(buf), x, t, &mut u);
+    let (gm, um) = (gate.mat(buf), up.mat(buf));
+    if gm.group_size == um.group_size && gm.bits == um.bits {
+        // One preparation of x and one parallel region for both projections.
+        let px = k.prepare(&gm, x, t);
+        pool.gemm_batch(
+            k,
+            &mut [
+                MatJob {
+                    m: gm,
+                    x: &px,
+                    y: &mut g,
+                },
+                MatJob {
+                    m: um,
+                    x: &px,
+                    y: &mut u,
+                },
+            ],
+        );
+    } else {
+        pool.gemm(k, &gm, x, t, &mut g);
+        pool.gemm(k, &um, x, t, &mut u);
+    }
     g.iter_mut()
         .zip(&u)
         .for_each(|(a, b)| *a = gelu_tanh(*a) * b);
