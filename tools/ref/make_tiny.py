@@ -122,12 +122,12 @@ def gemma4_config(a) -> dict:
 def gemma4_init(name: str, shape, rng, H: int) -> np.ndarray:
     n = int(np.prod(shape))
     if name.endswith("embed_tokens.weight"):
-        # h0 = E[id] * sqrt(H) has RMS ~1, so the layers' post-normed outputs outweigh the token's
-        # own embedding and the tied head does not just echo the input token.
-        return rng.standard_normal(shape, dtype=np.float32) * np.float32(1.0 / np.sqrt(H))
+        # h0 = E[id] * sqrt(H) has RMS ~0.5, so the layers' post-normed outputs (RMS ~1 each) dominate
+        # the residual stream and the tied head does not echo the input token (greedy would repeat).
+        return rng.standard_normal(shape, dtype=np.float32) * np.float32(0.5 / np.sqrt(H))
     if name == "language_model.model.norm.weight":
-        # final norm around 2.5 (the trained gemma4-tiny has ~1.7): tied-head logits of std ~2.5
-        return (2.5 + 0.2 * rng.standard_normal(shape)).astype(np.float32)
+        # final norm around 5 compensates the small embedding: tied-head logits of std ~2.5
+        return (5.0 + 0.3 * rng.standard_normal(shape)).astype(np.float32)
     if name.endswith("layer_scalar"):
         return rng.uniform(0.7, 1.3, size=shape).astype(np.float32)
     if name.endswith("router.scale"):
