@@ -20,7 +20,8 @@ struct Shape {
 /// `full_attention_interval` = 4th layer), GQA 2:1 and 4:1 in the DeltaNet value heads, top-k 2/4/8,
 /// a model ending in three DeltaNet layers after its only attention layer with 1:1 DeltaNet heads
 /// (mlx-lm cannot run a model without any attention layer), and a wider one with 128-dim DeltaNet
-/// heads as in the 35B model.
+/// heads, and one whose attention, DeltaNet and expert shapes are the 35B-A3B's (16/2 × 256
+/// attention heads, 16/32 × 128 DeltaNet heads, top-8 of width 512) at hidden 1024.
 /// Only DeltaNet layers (no attention to mask a state bug): for the chunked-prefill test, which
 /// needs no reference.
 const DELTANET_ONLY: Shape = Shape {
@@ -55,7 +56,7 @@ const DELTANET_ONLY: Shape = Shape {
     ],
 };
 
-const SHAPES: [Shape; 4] = [
+const SHAPES: [Shape; 5] = [
     Shape {
         name: "lllf-topk2",
         args: &[
@@ -180,6 +181,37 @@ const SHAPES: [Shape; 4] = [
             "4",
         ],
     },
+    Shape {
+        name: "35b-layer-dims",
+        args: &[
+            "--hidden",
+            "1024",
+            "--layers",
+            "4",
+            "--layer-types",
+            "LLLF",
+            "--experts",
+            "16",
+            "--top-k",
+            "8",
+            "--moe-intermediate",
+            "512",
+            "--intermediate",
+            "512",
+            "--heads",
+            "16",
+            "--kv-heads",
+            "2",
+            "--head-dim",
+            "256",
+            "--linear-head-dim",
+            "128",
+            "--linear-k-heads",
+            "16",
+            "--linear-v-heads",
+            "32",
+        ],
+    },
 ];
 
 /// The criterion: max|Δlogit| / max|ref logit| ≤ 1e-2 over every position, same top-1 at
@@ -267,6 +299,11 @@ fn qwen36_deltanet_heavy() {
 #[test]
 fn qwen36_wide_heads_top_k_8() {
     run_shape(&SHAPES[3], 3);
+}
+
+#[test]
+fn qwen36_35b_layer_dims() {
+    run_shape(&SHAPES[4], 5);
 }
 
 /// Chunked prefill carries the DeltaNet conv and recurrent states across chunks exactly as
