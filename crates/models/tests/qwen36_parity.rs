@@ -16,12 +16,6 @@ struct Shape {
     args: &'static [&'static str],
 }
 
-/// Several shapes: one and two DeltaNet+attention blocks (mlx-lm places full attention at every
-/// `full_attention_interval` = 4th layer), GQA 2:1 and 4:1 in the DeltaNet value heads, top-k 2/4/8,
-/// a model ending in three DeltaNet layers after its only attention layer with 1:1 DeltaNet heads
-/// (mlx-lm cannot run a model without any attention layer), and a wider one with 128-dim DeltaNet
-/// heads, and one whose attention, DeltaNet and expert shapes are the 35B-A3B's (16/2 × 256
-/// attention heads, 16/32 × 128 DeltaNet heads, top-8 of width 512) at hidden 1024.
 /// Only DeltaNet layers (no attention to mask a state bug): for the chunked-prefill test, which
 /// needs no reference.
 const DELTANET_ONLY: Shape = Shape {
@@ -56,6 +50,12 @@ const DELTANET_ONLY: Shape = Shape {
     ],
 };
 
+/// Several shapes: one and two DeltaNet+attention blocks (mlx-lm places full attention at every
+/// `full_attention_interval` = 4th layer), GQA 2:1 and 4:1 in the DeltaNet value heads, top-k 2/4/8,
+/// a model ending in three DeltaNet layers after its only attention layer with 1:1 DeltaNet heads
+/// (mlx-lm cannot run a model without any attention layer), a wider one with 128-dim DeltaNet
+/// heads, and one whose attention, DeltaNet and expert shapes are the 35B-A3B's (16/2 × 256
+/// attention heads, 16/32 × 128 DeltaNet heads, top-8 of width 512) at hidden 1024.
 const SHAPES: [Shape; 5] = [
     Shape {
         name: "lllf-topk2",
