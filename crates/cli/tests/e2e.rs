@@ -352,3 +352,57 @@ fn chat_drops_the_oldest_turns_to_fit_but_keeps_system_and_newest_user() {
         "oldest turn kept: {history}"
     );
 }
+
+/// `mference perplexity` on the demo model: llama-perplexity's protocol on the first 8,192 tokens of
+/// the eval text at context 512, within 0.3% of mlx-lm's value (committed with its command in
+/// tools/ref/reference-values.json).
+#[test]
+fn demo_perplexity_is_within_0_3_percent_of_mlx_lm() {
+    let refs: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(repo().join("tools/ref/reference-values.json")).unwrap(),
+    )
+    .unwrap();
+    let want = refs["models"]["gemma4-tiny"]["perplexity_llama_ctx512_8192"]["perplexity"]
+        .as_f64()
+        .unwrap();
+    let work = tempfile::tempdir_in(repo().join("target")).unwrap();
+    let inst = work.path().join("ppl.gturbo");
+    let src = repo().join("assets/models/gemma4-tiny");
+    mference(&[
+        "install",
+        src.to_str().unwrap(),
+        "--output",
+        inst.to_str().unwrap(),
+        "--quiet",
+    ]);
+    let text = repo().join("assets/austen_pride_and_prejudice.txt");
+    let out = mference(&[
+        "perplexity",
+        "--model",
+        inst.to_str().unwrap(),
+        "--file",
+        text.to_str().unwrap(),
+        "--ctx",
+        "512",
+        "--max-tokens",
+        "8192",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let got: f64 = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("perplexity: "))
+        .expect("perplexity line")
+        .trim()
+        .parse()
+        .unwrap();
+    let rel = (got - want).abs() / want;
+    eprintln!(
+        "perplexity ours {got:.4}, mlx-lm {want:.4}, relative difference {:.3}%",
+        rel * 100.0
+    );
+    assert!(
+        rel <= 0.003,
+        "perplexity {got} vs mlx-lm {want}: {:.3}% apart",
+        rel * 100.0
+    );
+}
