@@ -123,6 +123,9 @@ pub struct LoadOptions {
     pub verify: VerifyPolicy,
     /// KV cache element type (FP16 by default).
     pub kv_dtype: KvDtype,
+    /// Record each position's smallest router top-k margin (parity tests: a row that disagrees with
+    /// the reference must sit on a routing near-tie to be excused).
+    pub trace_router: bool,
     /// Force a kernel variant by name (`scalar`, `avx2`, `avx512`); `None` = best available.
     pub kernels: Option<String>,
 }
@@ -140,6 +143,7 @@ impl Default for LoadOptions {
             verify: VerifyPolicy::FullSha256,
             kernels: None,
             kv_dtype: KvDtype::F16,
+            trace_router: false,
         }
     }
 }
@@ -172,9 +176,38 @@ pub struct Engine {
     pub direct_io: bool,
     pub prefill_chunk: usize,
     pub max_context: usize,
+    /// Per position, the smallest top-k margin seen by any layer's router (traced runs only).
+    router_margins: Option<std::sync::Mutex<Vec<f32>>>,
 }
 
 impl Engine {
+    /// Records the router's top-k margin at `pos`: the k-th largest logit minus the (k+1)-th, in
+    /// logit units. A no-op unless the model was loaded with `trace_router`.
+    pub fn note_router_margin(&self, pos: usize, logits: &[f32], k: usize) {
+        let Some(m) = &self.router_margins else {
+            return;
+        };
+        if k == 0 || k >= logits.len() {
+            return;
+        }
+        let mut v = logits.to_vec();
+        v.sort_by(|a, b| b.total_cmp(a));
+        let margin = v[k - 1] - v[k];
+        let mut m = m.lock().unwrap_or_else(|e| e.into_inner());
+        if m.len() <= pos {
+            m.resize(pos + 1, f32::INFINITY);
+        }
+        m[pos] = m[pos].min(margin);
+    }
+
+    /// Per absolute position, the smallest router top-k margin recorded (empty when untraced).
+    pub fn router_margins(&self) -> Vec<f32> {
+        self.router_margins
+            .as_ref()
+            .map(|m| m.lock().unwrap_or_else(|e| e.into_inner()).clone())
+            .unwrap_or_default()
+    }
+
     fn new(install: Install, opts: &LoadOptions) -> Result<Self, ModelError> {
         let path = install.weights_path();
         let file = std::fs::File::open(&path).map_err(|source| ModelError::Map {
@@ -212,6 +245,7 @@ impl Engine {
             direct_io: opts.direct_io,
             prefill_chunk: opts.prefill_chunk,
             max_context: opts.max_context,
+            router_margins: opts.trace_router.then(|| std::sync::Mutex::new(Vec::new())),
         })
     }
 }

@@ -518,7 +518,19 @@ impl Qwen35Moe {
                 eps,
             );
             let streamer = self.streamers.get(li, &self.engine)?;
-            let moe_out = sparse_moe(cfg, pool, k, map, layer, streamer, self.engine.slots, &u, t)?;
+            let moe_out = sparse_moe(
+                cfg,
+                pool,
+                k,
+                map,
+                layer,
+                streamer,
+                self.engine.slots,
+                &u,
+                t,
+                &self.engine,
+                pos0,
+            )?;
             x.iter_mut().zip(&moe_out).for_each(|(a, b)| *a += b);
         }
         self.kv.len = pos0 + t;
@@ -713,6 +725,8 @@ fn sparse_moe(
     slots: mference_runtime::CacheSlots,
     u: &[f32],
     t: usize,
+    engine: &crate::Engine,
+    pos0: usize,
 ) -> Result<Vec<f32>, ModelError> {
     let h = cfg.hidden_size;
     let n_exp = cfg.num_experts;
@@ -720,6 +734,7 @@ fn sparse_moe(
     pool.gemm(k, &layer.gate.mat(map), u, t, &mut router_logits);
     let mut routes: BTreeMap<usize, Vec<(usize, f32)>> = BTreeMap::new();
     for (row, p) in router_logits.chunks_exact_mut(n_exp).enumerate() {
+        engine.note_router_margin(pos0 + row, p, cfg.num_experts_per_tok);
         softmax(p);
         let idx = top_k(p, cfg.num_experts_per_tok);
         let z: f32 = if cfg.norm_topk_prob {
