@@ -453,6 +453,7 @@ impl Gemma4 {
             pool.gemm(k, &layer.router_proj.mat(map), &r, t, &mut router_logits);
             let mut routes: BTreeMap<usize, Vec<(usize, f32)>> = BTreeMap::new();
             for (row, lg) in router_logits.chunks_exact(n_exp).enumerate() {
+                self.engine.note_router_margin(pos0 + row, lg, top);
                 let idx = top_k(lg, top);
                 let mut w: Vec<f32> = idx.iter().map(|&e| lg[e]).collect();
                 softmax(&mut w);
