@@ -21,7 +21,8 @@ use crate::RuntimeError;
 pub enum CacheSlots {
     /// N slots per layer (8, 16, 24, 32, 64, 96 or 128).
     Fixed(usize),
-    /// One slot per expert: after warm-up every expert stays in memory.
+    /// One slot per expert: after warm-up every expert stays in memory. Without O_DIRECT the layer file
+    /// is mapped instead of copied into a slab, so the page cache holds the only copy.
     Resident,
 }
 
@@ -140,6 +141,9 @@ pub struct ExpertStreamer {
     experts: usize,
     stride: usize,
     slab: Slab,
+    /// Resident mode without O_DIRECT: the whole layer file mapped read-only, slot = expert. The page
+    /// cache is then the only copy (no slab, no pread copies), as with a plain mmap runtime.
+    mapped: Option<memmap2::Mmap>,
     io: Arc<IoPool>,
     /// expert → slot, -1 when absent.
     slot_of: Vec<i16>,
@@ -200,13 +204,26 @@ impl ExpertStreamer {
             )));
         }
         let stride = stride as usize;
-        let slab = Slab::new(n * stride)?;
+        let mapped = if slots == CacheSlots::Resident && !direct_io {
+            // SAFETY: installs are read-only by contract; nothing in this process writes or truncates
+            // the layer file while it is mapped.
+            let map =
+                unsafe { memmap2::Mmap::map(&file) }.map_err(|source| RuntimeError::OpenLayer {
+                    path: shown.clone(),
+                    source,
+                })?;
+            Some(map)
+        } else {
+            None
+        };
+        let slab = Slab::new(if mapped.is_some() { 0 } else { n * stride })?;
         Ok(Self {
             path: path.to_path_buf(),
             file: Arc::new(file),
             experts,
             stride,
             slab,
+            mapped,
             io,
             slot_of: vec![-1; experts],
             expert_in: vec![-1; n],
@@ -245,6 +262,29 @@ impl ExpertStreamer {
                 "request for {} experts exceeds the {} unpinned slots",
                 needed, free_or_unpinned
             )));
+        }
+        if self.mapped.is_some() {
+            // Every expert has its own "slot" in the mapping; a first use counts as the miss that
+            // brings it in (through page faults rather than a pread).
+            let mut out = Vec::with_capacity(experts.len());
+            for &e in experts {
+                if e >= self.experts {
+                    return Err(RuntimeError::Invalid(format!(
+                        "expert {e} out of range ({} experts)",
+                        self.experts
+                    )));
+                }
+                let hit = self.slot_of[e] >= 0;
+                if hit {
+                    self.stats.hits += 1;
+                } else {
+                    self.slot_of[e] = 0;
+                    self.stats.misses += 1;
+                    self.stats.bytes_read += self.stride as u64;
+                }
+                out.push((e, hit));
+            }
+            return Ok(out);
         }
         self.clock += 1;
         let mut out = Vec::with_capacity(experts.len());
@@ -348,7 +388,10 @@ impl ExpertStreamer {
 
     /// The bytes of the expert blob in `slot` (valid after [`wait`](Self::wait)).
     pub fn blob(&self, slot: usize) -> &[u8] {
-        &self.slab.bytes()[slot * self.stride..(slot + 1) * self.stride]
+        match &self.mapped {
+            Some(map) => &map[slot * self.stride..(slot + 1) * self.stride],
+            None => &self.slab.bytes()[slot * self.stride..(slot + 1) * self.stride],
+        }
     }
 
     /// Free slot first, otherwise the unpinned slot whose expert has the lowest use count, the least
@@ -497,6 +540,32 @@ mod tests {
         let hits = s.stats().hits;
         s.acquire(&[0]).unwrap();
         assert_eq!(s.stats().hits, hits + 1, "the most used expert was evicted");
+    }
+
+    #[test]
+    fn resident_mode_maps_the_file_and_counts_first_use_as_miss() {
+        let (experts, stride) = (6, 16384);
+        let f = layer_file(experts, stride);
+        let mut s = ExpertStreamer::open(
+            f.path(),
+            experts,
+            stride as u64,
+            CacheSlots::Resident,
+            false,
+            IoPool::new(1),
+        )
+        .unwrap();
+        for round in 0..2 {
+            let req = [5, 0, 3];
+            let got = s.acquire(&req).unwrap();
+            s.wait().unwrap();
+            for (&e, &(slot, hit)) in req.iter().zip(&got) {
+                assert_eq!(hit, round == 1);
+                assert_eq!(s.blob(slot), &expected(e, stride)[..]);
+            }
+            s.release(&req);
+        }
+        assert_eq!((s.stats().hits, s.stats().misses), (3, 3));
     }
 
     #[test]
