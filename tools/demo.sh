@@ -21,9 +21,11 @@ while read -r file sum; do
 done < <(grep -E '^\| `[^`]+` \| [0-9,]+ \| `[0-9a-f]{64}` \|' "$src/README.md" | sed -E 's/^\| `([^`]+)` \| [0-9,]+ \| `([0-9a-f]{64})` \|.*/\1 \2/')
 
 cargo build --release --quiet -p mference-cli
-bin="target/release/mference"
+bin="${CARGO_TARGET_DIR:-target}/release/mference"
 if [ ! -d "$out" ]; then
     mkdir -p work
     "$bin" install "$src" --output "$out"
 fi
-"$bin" run --model "$out" --prompt "$prompt" --max-new 64 "$@"
+# 64 new tokens unless the caller chose another --max-new.
+case " $* " in *" --max-new"*) ;; *) set -- --max-new 64 "$@" ;; esac
+"$bin" run --model "$out" --prompt "$prompt" "$@"

@@ -53,8 +53,31 @@ fn main() -> std::process::ExitCode {
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            // A closed stdout (`| head`) is the reader's choice, not a failure to report.
+            if e.chain().any(|c| {
+                c.downcast_ref::<std::io::Error>()
+                    .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+            }) {
+                return std::process::ExitCode::SUCCESS;
+            }
+            eprintln!("error: {}", error_text(&e));
             std::process::ExitCode::FAILURE
         }
     }
+}
+
+/// The error and its causes joined by ": ", skipping a cause whose text the previous message
+/// already includes (typed errors often embed their source in their own message).
+fn error_text(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if !out.contains(&text) {
+            if !out.is_empty() {
+                out.push_str(": ");
+            }
+            out.push_str(&text);
+        }
+    }
+    out
 }

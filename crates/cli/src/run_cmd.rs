@@ -109,9 +109,21 @@ struct Text {
     tok: Tokenizer,
     template: Option<ChatTemplate>,
     family: Family,
+    /// `max_position_embeddings` of the model's config, when it states one.
+    max_positions: Option<usize>,
 }
 
 fn load_text(dir: &Path) -> Result<Text> {
+    if !dir.join("manifest.json").is_file() {
+        if dir.join("config.json").is_file() {
+            bail!("{} is a checkpoint, not an install: run `mference install {} --output NAME.gturbo` first", dir.display(), dir.display());
+        }
+        let partial = dir.as_os_str().to_string_lossy().ends_with(".partial");
+        if partial || dir.with_extension("gturbo.partial").exists() {
+            bail!("{} is an unfinished install: finish it with `mference install ... --resume` or remove it with `mference discard`", dir.display());
+        }
+        bail!("{} is not an mference install (no manifest.json): create one with `mference install <checkpoint> --output NAME.gturbo`", dir.display());
+    }
     let tdir = dir.join("tokenizer");
     let tok = Tokenizer::from_dir(&tdir)
         .with_context(|| format!("loading the tokenizer of {}", dir.display()))?;
@@ -129,10 +141,16 @@ fn load_text(dir: &Path) -> Result<Text> {
         .unwrap_or("");
     let family =
         Family::from_model_type(mt).with_context(|| format!("unknown model_type '{mt}'"))?;
+    let text_cfg = config.get("text_config").unwrap_or(&config);
+    let max_positions = text_cfg
+        .get("max_position_embeddings")
+        .and_then(|v| v.as_u64())
+        .map(|v| v as usize);
     Ok(Text {
         tok,
         template,
         family,
+        max_positions,
     })
 }
 
@@ -415,6 +433,7 @@ fn print_expert_stats(model: &dyn Model) {
 
 /// `mference run`.
 pub fn run(a: RunArgs) -> Result<()> {
+    let t0 = Instant::now();
     validate_sampling(&a)?;
     let text = load_text(&a.model.model)?;
     let prompt: Option<Vec<u32>> = if let Some(p) = &a.prompt {
@@ -435,6 +454,14 @@ pub fn run(a: RunArgs) -> Result<()> {
             );
         }
     }
+    if let Some(m) = text.max_positions {
+        if a.max_context > m {
+            bail!(
+                "--max-context {} exceeds the model's max_position_embeddings {m}",
+                a.max_context
+            );
+        }
+    }
     let chunk = parse_prefill_chunk(
         &a.prefill_chunk,
         if a.chat {
@@ -443,14 +470,13 @@ pub fn run(a: RunArgs) -> Result<()> {
             prompt.as_ref().map(Vec::len)
         },
     )?;
-    let t0 = Instant::now();
     let mut model = mference_models::load(
         &a.model.model,
         &load_options(&a.model, chunk, a.max_context)?,
     )?;
     if !a.quiet {
         eprintln!(
-            "[loaded {} in {:.2}s, kernels {}, {} threads]",
+            "[loaded {} (tokenizer, checks, weights) in {:.2}s, kernels {}, {} threads]",
             a.model.model.display(),
             t0.elapsed().as_secs_f64(),
             model.engine().kernels.name(),
@@ -488,6 +514,10 @@ fn chat(model: &mut dyn Model, text: &Text, a: &RunArgs) -> Result<()> {
             "/clear" => {
                 turns.clear();
                 eprintln!("[conversation cleared]");
+                continue;
+            }
+            cmd if cmd.starts_with('/') && !cmd.contains(' ') && !matches!(cmd, "/history") => {
+                eprintln!("[unknown command {cmd}: use /clear, /history or /quit]");
                 continue;
             }
             "/history" => {

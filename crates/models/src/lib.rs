@@ -229,6 +229,13 @@ impl Engine {
             })?,
             None => Kernels::detect(),
         };
+        const MAX_CONTEXT: usize = 1 << 24;
+        if opts.max_context > MAX_CONTEXT {
+            return Err(ModelError::Config(format!(
+                "max context {} is beyond the supported {MAX_CONTEXT} positions",
+                opts.max_context
+            )));
+        }
         if opts.prefill_chunk == 0 || opts.max_context == 0 {
             return Err(ModelError::Config(
                 "prefill chunk and max context must be positive".into(),
