@@ -225,8 +225,8 @@ fn parse_prefill_chunk(s: &str, prompt_len: Option<usize>) -> Result<usize> {
     }
 }
 
-/// Resolves `auto` slots: everything resident when all layer files fit in a quarter of the available
-/// memory, otherwise 16 (the design default).
+/// Resolves `auto` slots: `resident` (layer files mapped, the page cache their only copy) when all
+/// layer files fit in 80% of the memory this process may use, otherwise 16 (the design default).
 fn resolve_slots(s: &str, dir: &Path) -> Result<CacheSlots> {
     if s != "auto" {
         return CacheSlots::parse(s).map_err(anyhow::Error::msg);
@@ -238,20 +238,57 @@ fn resolve_slots(s: &str, dir: &Path) -> Result<CacheSlots> {
                 .sum()
         })
         .unwrap_or(u64::MAX);
-    let avail = std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|m| {
-            m.lines()
-                .find(|l| l.starts_with("MemAvailable:"))
-                .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
-        })
-        .map(|kib| kib * 1024)
-        .unwrap_or(0);
-    Ok(if experts.saturating_mul(4) <= avail {
-        CacheSlots::Resident
-    } else {
-        CacheSlots::Fixed(16)
-    })
+    Ok(
+        if experts.saturating_mul(5) <= usable_memory().saturating_mul(4) {
+            CacheSlots::Resident
+        } else {
+            CacheSlots::Fixed(16)
+        },
+    )
+}
+
+/// Bytes this process can use: MemAvailable, lowered to the memory cgroup's limit minus its usage
+/// when one is set (cgroup v1 `memory.limit_in_bytes` or v2 `memory.max`).
+fn usable_memory() -> u64 {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let avail = meminfo
+        .lines()
+        .find(|l| l.starts_with("MemAvailable:"))
+        .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        .map_or(0, |kib| kib * 1024);
+    let read = |p: String| {
+        std::fs::read_to_string(p)
+            .ok()
+            .and_then(|v| v.trim().parse::<u64>().ok())
+    };
+    let cgroups = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
+    let mut limit = u64::MAX;
+    for line in cgroups.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (_, controllers, path) = (
+            parts.next(),
+            parts.next().unwrap_or(""),
+            parts.next().unwrap_or(""),
+        );
+        if controllers.split(',').any(|c| c == "memory") {
+            let base = format!("/sys/fs/cgroup/memory{path}");
+            if let (Some(l), Some(u)) = (
+                read(format!("{base}/memory.limit_in_bytes")),
+                read(format!("{base}/memory.usage_in_bytes")),
+            ) {
+                limit = limit.min(l.saturating_sub(u));
+            }
+        } else if controllers.is_empty() {
+            let base = format!("/sys/fs/cgroup{path}");
+            if let (Some(l), Some(u)) = (
+                read(format!("{base}/memory.max")),
+                read(format!("{base}/memory.current")),
+            ) {
+                limit = limit.min(l.saturating_sub(u));
+            }
+        }
+    }
+    avail.min(limit)
 }
 
 pub(crate) fn load_options(
