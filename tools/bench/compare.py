@@ -119,8 +119,9 @@ def ours(a, prompts: list, capped: bool) -> dict:
 
 
 def llama(a, prompts: list, capped: bool) -> dict:
+    extra = a.llama_args.split() if a.llama_args else []
     cmd = [str(a.llama_bench), "-m", str(a.gguf), "-t", str(a.threads),
-           "-p", ",".join(map(str, prompts)), "-n", "0", "-r", str(a.repeats), "-o", "json"]
+           "-p", ",".join(map(str, prompts)), "-n", "0", "-r", str(a.repeats), "-o", "json"] + extra
     out, dt_p, rss_p = run(cmd, capped, a.timeout)
     pp = json.loads(out)
     res = {"pp_cmd": " ".join(cmd), "pp": pp, "max_rss_kib_time_pp": rss_p}
@@ -128,6 +129,7 @@ def llama(a, prompts: list, capped: bool) -> dict:
         res["cgroup_pp"] = cgroup_stats()
     cmd = [str(a.llama_bench), "-m", str(a.gguf), "-t", str(a.threads), "-p", "0",
            "-n", str(a.gen), "-d", ",".join(map(str, prompts)), "-r", str(a.repeats), "-o", "json"]
+    cmd += extra
     out, dt_g, rss_g = run(cmd, capped, a.timeout)
     res.update(tg_cmd=" ".join(cmd), tg=json.loads(out), max_rss_kib_time_tg=rss_g,
                wall_s=dt_p + dt_g)
@@ -203,6 +205,9 @@ def main() -> None:
     ap.add_argument("--modes", default="warm,capped")
     ap.add_argument("--engines", default="ours,llama")
     ap.add_argument("--cap-gib", type=float, default=8.0)
+    ap.add_argument("--llama-args", default="",
+                    help="extra llama-bench flags, e.g. '--repack 0' (its default repacks Q4_0 into "
+                         "an anonymous copy of every weight, which cannot fit under an 8 GiB cap)")
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
