@@ -231,7 +231,9 @@ def main() -> None:
                 else:
                     res[f"{eng}_warm_read_s"] = warm(files)
                 print(f"[compare] {mode}: {eng} ...", file=sys.stderr, flush=True)
+                load0 = os.getloadavg()
                 res[eng] = ours(a, prompts, capped) if eng == "ours" else llama(a, prompts, capped)
+                res[eng]["loadavg_before"], res[eng]["loadavg_after"] = load0, os.getloadavg()
                 if not capped:
                     evict(files)  # leave room in RAM for the other engine's warm run
         finally:
