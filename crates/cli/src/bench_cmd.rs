@@ -40,7 +40,7 @@ pub struct BenchArgs {
     /// Read experts with O_DIRECT.
     #[arg(long)]
     pub direct_io: bool,
-    /// Prefill chunk rows: 32 … 4096, or auto (the prompt length rounded up to a power of two).
+    /// Prefill chunk rows: 32 … 4096, or auto (the prompt length rounded up to an allowed chunk, at most 512).
     #[arg(long, default_value = "auto")]
     pub prefill_chunk: String,
     /// Positions the KV cache holds.
@@ -264,10 +264,7 @@ fn argmax(row: &[f32]) -> u32 {
 
 /// One prompt in this process: load, prefill, decode; returns the JSON line.
 fn child(a: &BenchArgs, n: usize) -> Result<Value> {
-    let chunk = match a.prefill_chunk.as_str() {
-        "auto" => CHUNKS.iter().copied().find(|&c| c >= n).unwrap_or(4096),
-        s => s.parse()?,
-    };
+    let chunk = crate::run_cmd::parse_prefill_chunk(&a.prefill_chunk, Some(n))?;
     let margs = ModelArgs {
         model: a.model.clone(),
         expert_cache_slots: a.slots.clone(),
