@@ -761,18 +761,10 @@ fn check_shapes(c: &Config, l: &Layer, li: usize) -> Result<(), ModelError> {
 
 impl crate::Model for Gemma4 {
     fn forward(&mut self, tokens: &[u32], want: Want) -> Result<Logits, ModelError> {
-        if tokens.is_empty() {
-            return Err(ModelError::Input("no tokens to run".into()));
-        }
-        let need = self.kv.len + tokens.len();
-        if need > self.engine.max_context {
-            return Err(ModelError::ContextFull {
-                need,
-                max: self.engine.max_context,
-            });
-        }
-        let chunk = self.engine.prefill_chunk;
-        crate::run_chunked(tokens, chunk, want, |c, w| self.forward_chunk(c, w))
+        let (chunk, max) = (self.engine.prefill_chunk, self.engine.max_context);
+        crate::run_chunked(tokens, self.kv.len, chunk, max, want, |c, w| {
+            self.forward_chunk(c, w)
+        })
     }
 
     fn position(&self) -> usize {

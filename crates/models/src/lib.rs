@@ -63,14 +63,29 @@ pub enum ChunkWant {
     Argmax,
 }
 
-/// Splits `tokens` into chunks of `chunk` rows and runs `run(chunk_tokens, chunk_want)` on each in
-/// order, asking each chunk only for the logits `want` needs; concatenates rows across chunks.
+/// Splits `tokens` (to be placed after `position` cached positions) into chunks of `chunk` rows and
+/// runs `run(chunk_tokens, chunk_want)` on each in order, asking each chunk only for the logits `want`
+/// needs; concatenates rows across chunks.
+///
+/// Errors: no tokens; [`ModelError::ContextFull`] when they would not fit in `max_context`.
 pub fn run_chunked(
     tokens: &[u32],
+    position: usize,
     chunk: usize,
+    max_context: usize,
     want: Want,
     mut run: impl FnMut(&[u32], ChunkWant) -> Result<Logits, ModelError>,
 ) -> Result<Logits, ModelError> {
+    if tokens.is_empty() {
+        return Err(ModelError::Input("no tokens to run".into()));
+    }
+    let need = position + tokens.len();
+    if need > max_context {
+        return Err(ModelError::ContextFull {
+            need,
+            max: max_context,
+        });
+    }
     let total = tokens.len();
     let first = match want {
         Want::None => total,
