@@ -4,7 +4,6 @@
 mod common;
 
 use common::*;
-use mference_runtime::CacheSlots;
 
 const VOCAB: usize = 4096;
 const PROMPT: usize = 320;
@@ -183,38 +182,5 @@ fn gemma4_outputs_identical_across_slots_and_direct_io() {
     args.extend_from_slice(&["--vocab-size", &vocab, "--no-tokenizer"]);
     make_tiny("gemma4", seed, &src, &args);
     let inst = install(&src, work.path());
-    let prompt = random_prompt(seed, 200, VOCAB);
-    let base = {
-        let mut o = opts(64, 512);
-        o.slots = CacheSlots::Resident;
-        prefill_all(&inst, &prompt, &o)
-    };
-    for (slots, direct) in [
-        (CacheSlots::Fixed(8), false),
-        (CacheSlots::Fixed(16), false),
-        (CacheSlots::Fixed(8), true),
-        (CacheSlots::Resident, true),
-    ] {
-        let mut o = opts(64, 512);
-        o.slots = slots;
-        o.direct_io = direct;
-        let got = prefill_all(&inst, &prompt, &o);
-        assert!(
-            got == base,
-            "logits differ with slots {slots:?}, direct_io {direct}"
-        );
-        let mut m = mference_models::load(&inst, &o).unwrap();
-        let g = greedy(m.as_mut(), &prompt[..50], 32);
-        let mut o2 = opts(64, 512);
-        o2.slots = CacheSlots::Resident;
-        let mut m2 = mference_models::load(&inst, &o2).unwrap();
-        assert_eq!(
-            g,
-            greedy(m2.as_mut(), &prompt[..50], 32),
-            "greedy differs with slots {slots:?}, direct_io {direct}"
-        );
-        let stats = m.expert_stats();
-        let misses: u64 = stats.iter().map(|s| s.misses).sum();
-        assert!(misses > 0, "no expert was ever read");
-    }
+    assert_slot_invariance(&inst, &random_prompt(seed, 200, VOCAB));
 }

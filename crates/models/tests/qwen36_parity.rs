@@ -6,7 +6,7 @@ mod common;
 
 use common::*;
 use mference_models::{load, LoadOptions, Logits, Want};
-use mference_runtime::{CacheSlots, KvDtype};
+use mference_runtime::KvDtype;
 
 const VOCAB: usize = 4096;
 const PROMPT: usize = 320;
@@ -356,40 +356,7 @@ fn qwen36_chunked_prefill_equals_decode() {
 #[test]
 fn qwen36_outputs_identical_across_slots_and_direct_io() {
     let (_work, _src, inst, seed) = build(&SHAPES[1], 4);
-    let prompt = random_prompt(seed, 200, VOCAB);
-    let resident = || {
-        let mut o = opts(64, 512);
-        o.slots = CacheSlots::Resident;
-        o
-    };
-    let base = prefill_all(&inst, &prompt, &resident());
-    let base_greedy = {
-        let mut m = load(&inst, &resident()).unwrap();
-        greedy(m.as_mut(), &prompt[..50], 32)
-    };
-    for (slots, direct) in [
-        (CacheSlots::Fixed(8), false),
-        (CacheSlots::Fixed(16), false),
-        (CacheSlots::Fixed(8), true),
-        (CacheSlots::Resident, true),
-    ] {
-        let mut o = opts(64, 512);
-        o.slots = slots;
-        o.direct_io = direct;
-        let got = prefill_all(&inst, &prompt, &o);
-        assert!(
-            got == base,
-            "logits differ with slots {slots:?}, direct_io {direct}"
-        );
-        let mut m = load(&inst, &o).unwrap();
-        assert_eq!(
-            greedy(m.as_mut(), &prompt[..50], 32),
-            base_greedy,
-            "greedy differs with slots {slots:?}, direct_io {direct}"
-        );
-        let misses: u64 = m.expert_stats().iter().map(|s| s.misses).sum();
-        assert!(misses > 0, "no expert was ever read");
-    }
+    assert_slot_invariance(&inst, &random_prompt(seed, 200, VOCAB));
 }
 
 /// The bundled trained checkpoint (`assets/models/qwen3_6-tiny`, vocab 248320) with the default

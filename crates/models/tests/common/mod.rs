@@ -363,3 +363,46 @@ pub fn check_greedy(label: &str, install: &Path, o: &LoadOptions, prompt: &[u32]
         assert!(margin < NEAR_TIE, "{label}: greedy 64-token continuation differs from mlx-lm at token {i}:\n ours {got:?}\n mlx  {want:?}");
     }
 }
+
+/// Slot count, resident mode and O_DIRECT change where expert bytes come from, never the math:
+/// all-position logits and a greedy continuation must be bit-identical to the resident run, and
+/// every configuration must really have read experts.
+pub fn assert_slot_invariance(install: &Path, prompt: &[u32]) {
+    use mference_runtime::CacheSlots;
+    let with = |slots: CacheSlots, direct_io: bool| LoadOptions {
+        slots,
+        direct_io,
+        ..opts(64, 512)
+    };
+    let base = prefill_all(install, prompt, &with(CacheSlots::Resident, false));
+    let base_greedy = greedy(
+        load(install, &with(CacheSlots::Resident, false))
+            .unwrap()
+            .as_mut(),
+        &prompt[..50],
+        32,
+    );
+    for (slots, direct) in [
+        (CacheSlots::Fixed(8), false),
+        (CacheSlots::Fixed(16), false),
+        (CacheSlots::Fixed(8), true),
+        (CacheSlots::Resident, true),
+    ] {
+        let o = with(slots, direct);
+        assert!(
+            prefill_all(install, prompt, &o) == base,
+            "logits differ with slots {slots:?}, direct_io {direct}"
+        );
+        let mut m = load(install, &o).unwrap();
+        assert_eq!(
+            greedy(m.as_mut(), &prompt[..50], 32),
+            base_greedy,
+            "greedy differs with slots {slots:?}, direct_io {direct}"
+        );
+        let misses: u64 = m.expert_stats().iter().map(|s| s.misses).sum();
+        assert!(
+            misses > 0,
+            "no expert was ever read with slots {slots:?}, direct_io {direct}"
+        );
+    }
+}
