@@ -27,7 +27,7 @@ fn mference(args: &[&str]) -> std::process::Output {
 
 #[test]
 fn bench_runs_each_prompt_in_a_fresh_process_and_reports_sane_json() {
-    let work = tempfile::tempdir_in(repo().join("target")).unwrap();
+    let work = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let src = repo().join("assets/models/gemma4-tiny");
     let inst = work.path().join("tiny.gturbo");
     mference(&[

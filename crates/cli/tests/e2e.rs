@@ -110,7 +110,7 @@ fn decode(ids: &[u64]) -> String {
 
 #[test]
 fn demo_prompt_and_messages_match_mlx_lm_token_for_token() {
-    let work = tempfile::tempdir_in(repo().join("target")).unwrap();
+    let work = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let src = repo().join("assets/models/gemma4-tiny");
     let inst = work.path().join("demo.gturbo");
     mference(&[
@@ -239,7 +239,7 @@ fn bad_flags_are_rejected_with_the_allowed_values() {
 #[test]
 fn interactive_chat_answers_and_handles_slash_commands() {
     use std::io::Write;
-    let work = tempfile::tempdir_in(repo().join("target")).unwrap();
+    let work = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let inst = work.path().join("chat.gturbo");
     let src = repo().join("assets/models/gemma4-tiny");
     mference(&[
@@ -298,7 +298,7 @@ fn interactive_chat_answers_and_handles_slash_commands() {
 #[test]
 fn chat_drops_the_oldest_turns_to_fit_but_keeps_system_and_newest_user() {
     use std::io::Write;
-    let work = tempfile::tempdir_in(repo().join("target")).unwrap();
+    let work = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let inst = work.path().join("chat.gturbo");
     let src = repo().join("assets/models/gemma4-tiny");
     mference(&[
@@ -365,7 +365,7 @@ fn demo_perplexity_is_within_0_3_percent_of_mlx_lm() {
     let want = refs["models"]["gemma4-tiny"]["perplexity_llama_ctx512_8192"]["perplexity"]
         .as_f64()
         .unwrap();
-    let work = tempfile::tempdir_in(repo().join("target")).unwrap();
+    let work = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let inst = work.path().join("ppl.gturbo");
     let src = repo().join("assets/models/gemma4-tiny");
     mference(&[

@@ -11,7 +11,7 @@ use mference_models::{load, ModelError, Want};
 fn fresh_install(tag: &str) -> (tempfile::TempDir, PathBuf) {
     let work = tempfile::Builder::new()
         .prefix(tag)
-        .tempdir_in(repo().join("target"))
+        .tempdir_in(env!("CARGO_TARGET_TMPDIR"))
         .unwrap();
     let inst = install(&repo().join("assets/models/gemma4-tiny"), work.path());
     (work, inst)

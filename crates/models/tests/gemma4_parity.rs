@@ -120,7 +120,7 @@ fn opts32(chunk: usize) -> mference_models::LoadOptions {
 
 fn run_shape(shape: &Shape, salt: u64) {
     let seed = fresh_seed(salt);
-    let work = tempfile::tempdir_in(repo().join("target")).unwrap();
+    let work = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let src = work.path().join("src");
     let vocab = VOCAB.to_string();
     let mut args = shape.args.to_vec();
@@ -175,7 +175,7 @@ fn gemma4_separate_v_projection() {
 #[test]
 fn gemma4_outputs_identical_across_slots_and_direct_io() {
     let seed = fresh_seed(3);
-    let work = tempfile::tempdir_in(repo().join("target")).unwrap();
+    let work = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let src = work.path().join("src");
     let vocab = VOCAB.to_string();
     let mut args = SHAPES[1].args.to_vec();

@@ -24,7 +24,7 @@ fn ids(v: &serde_json::Value) -> Vec<u32> {
 
 #[test]
 fn gemma4_tiny_greedy_64_matches_mlx_lm() {
-    let work = tempfile::tempdir_in(repo().join("target")).unwrap();
+    let work = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let inst = install(&repo().join("assets/models/gemma4-tiny"), work.path());
     let r = &reference()["models"]["gemma4-tiny"];
     for case in ["greedy64_raw_prompt", "greedy64_chat"] {
@@ -49,7 +49,7 @@ fn gemma4_tiny_greedy_64_matches_mlx_lm() {
 
 #[test]
 fn gemma4_tiny_logits_match_mlx_lm_at_every_position() {
-    let work = tempfile::tempdir_in(repo().join("target")).unwrap();
+    let work = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let src = repo().join("assets/models/gemma4-tiny");
     let inst = install(&src, work.path());
     // 320 tokens of the eval text (a passage past the first chunk), BOS first.

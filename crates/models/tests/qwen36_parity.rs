@@ -231,7 +231,7 @@ fn build(
     u64,
 ) {
     let seed = fresh_seed(salt);
-    let work = tempfile::tempdir_in(repo().join("target")).unwrap();
+    let work = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let src = work.path().join("src");
     let vocab = VOCAB.to_string();
     let mut args = shape.args.to_vec();
@@ -371,7 +371,7 @@ fn qwen36_outputs_identical_across_slots_and_direct_io() {
 #[test]
 fn qwen36_trained_tiny_checkpoint() {
     let src = repo().join("assets/models/qwen3_6-tiny");
-    let work = tempfile::tempdir_in(repo().join("target")).unwrap();
+    let work = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let inst = install(&src, work.path());
     let text = repo().join("assets/austen_pride_and_prejudice.txt");
 

@@ -199,7 +199,7 @@ fn mlx_greedy(prompt: &Value, n: usize, work: &std::path::Path) -> Vec<u32> {
 
 #[test]
 fn greedy_chat_and_completions_match_mlx_lm() {
-    let work = tempfile::tempdir_in(repo().join("target")).unwrap();
+    let work = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let srv = start(Opts::default());
     let a = srv.local_addr();
     let src = repo().join("assets/models/gemma4-tiny");
