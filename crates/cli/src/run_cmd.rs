@@ -634,11 +634,7 @@ pub fn perplexity(a: PerplexityArgs) -> Result<()> {
     let bos = text.tok.bos_id();
     let mut model = mference_models::load(
         &a.model.model,
-        &load_options(
-            &a.model,
-            a.ctx.min(512).max(32).next_power_of_two().min(4096),
-            a.ctx,
-        )?,
+        &load_options(&a.model, a.ctx.clamp(32, 512).next_power_of_two(), a.ctx)?,
     )?;
     let vocab = model.vocab_size();
     let first = a.ctx / 2;

@@ -340,7 +340,7 @@ impl Gemma4 {
         })
     }
 
-    /// Hidden size, vocabulary size.
+    /// The `text_config` this model was built from.
     pub fn config(&self) -> &Config {
         &self.cfg
     }
@@ -647,6 +647,7 @@ fn projections<'a>(
 }
 
 /// `down(gelu_tanh(gate(x)) * up(x))` for `t` rows of `x` (GeGLU, `gelu_pytorch_tanh`).
+#[allow(clippy::too_many_arguments)]
 fn mlp(
     pool: &ThreadPool,
     k: &Kernels,

@@ -53,7 +53,11 @@ impl QRef {
         }
         let bits = (w.1 * 8) / (rows * cols);
         let groups = s.1 / 2 / rows;
-        if bits * rows * cols != w.1 * 8 || groups == 0 || cols % groups != 0 || s.1 != b.1 {
+        if bits * rows * cols != w.1 * 8
+            || groups == 0
+            || !cols.is_multiple_of(groups)
+            || s.1 != b.1
+        {
             return Err(bad(format!(
                 "sizes (weights {} B, scales {} B) do not fit shape [{rows}, {cols}]",
                 w.1, s.1
