@@ -94,6 +94,13 @@ pub struct OutPaths {
 }
 
 impl OutPaths {
+    /// `<out>.old`: the previous install while `--overwrite` promotes a new one.
+    pub fn old(&self) -> PathBuf {
+        let mut n = self.out.clone().into_os_string();
+        n.push(".old");
+        PathBuf::from(n)
+    }
+
     /// Absolute paths for `out` (its parent is created if missing).
     pub fn new(out: &Path) -> Result<OutPaths, InstallError> {
         let name = out.file_name().ok_or_else(|| InstallError::BadOption {
@@ -540,20 +547,25 @@ pub fn write_receipt(
 }
 
 fn promote(paths: &OutPaths, overwrite: bool) -> Result<(), InstallError> {
-    let mut old = None;
+    // `<out>.old` is where --overwrite moves the previous install aside. One left by an interrupted
+    // promotion is either stale (the new install is in place) or the previous install (the new one
+    // is about to take its place): both go once the new install is promoted.
+    let old = paths.old();
+    let mut aside = old.exists();
     if overwrite && paths.out.exists() {
-        let mut n = paths.out.clone().into_os_string();
-        n.push(format!(".old-{}", std::process::id()));
-        let o = PathBuf::from(n);
-        std::fs::rename(&paths.out, &o)
+        if aside {
+            std::fs::remove_dir_all(&old)
+                .map_err(|e| InstallError::io("cannot remove", &old, e))?;
+        }
+        std::fs::rename(&paths.out, &old)
             .map_err(|e| InstallError::io("cannot move aside", &paths.out, e))?;
-        old = Some(o);
+        aside = true;
     }
     std::fs::rename(&paths.partial, &paths.out)
         .map_err(|e| InstallError::io("cannot promote", &paths.partial, e))?;
     fsync_parent(&paths.out)?;
-    if let Some(o) = old {
-        std::fs::remove_dir_all(&o).map_err(|e| InstallError::io("cannot remove", &o, e))?;
+    if aside {
+        std::fs::remove_dir_all(&old).map_err(|e| InstallError::io("cannot remove", &old, e))?;
         fsync_parent(&paths.out)?;
     }
     Ok(())

@@ -144,6 +144,19 @@ pub fn discard(out: &Path) -> Result<bool, InstallError> {
             removed = true;
         }
     }
+    // An --overwrite interrupted mid-promotion leaves the previous install at `<out>.old`: restore it
+    // when nothing took its place, drop it when the new install is in place.
+    let old = paths.old();
+    if old.exists() {
+        if paths.out.exists() {
+            std::fs::remove_dir_all(&old)
+                .map_err(|e| InstallError::io("cannot remove", &old, e))?;
+        } else {
+            std::fs::rename(&old, &paths.out)
+                .map_err(|e| InstallError::io("cannot restore", &old, e))?;
+        }
+        removed = true;
+    }
     fsync_parent(&paths.partial)?;
     Ok(removed)
 }
