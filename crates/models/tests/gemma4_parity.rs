@@ -118,8 +118,7 @@ fn opts32(chunk: usize) -> mference_models::LoadOptions {
     o
 }
 
-fn run_shape(shape: &Shape, salt: u64) {
-    let seed = fresh_seed(salt);
+fn run_shape(shape: &Shape, seed: u64) {
     let work = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let src = work.path().join("src");
     let vocab = VOCAB.to_string();
@@ -158,17 +157,17 @@ fn run_shape(shape: &Shape, salt: u64) {
 
 #[test]
 fn gemma4_one_full_layer_top_k_2() {
-    run_shape(&SHAPES[0], 0);
+    with_near_tie_retry(0, |seed| run_shape(&SHAPES[0], seed));
 }
 
 #[test]
 fn gemma4_two_full_layers_top_k_4() {
-    run_shape(&SHAPES[1], 1);
+    with_near_tie_retry(1, |seed| run_shape(&SHAPES[1], seed));
 }
 
 #[test]
 fn gemma4_separate_v_projection() {
-    run_shape(&SHAPES[2], 2);
+    with_near_tie_retry(2, |seed| run_shape(&SHAPES[2], seed));
 }
 
 /// Slot count, resident mode and O_DIRECT change where expert bytes come from, never the math.

@@ -223,14 +223,13 @@ fn opts32(chunk: usize) -> LoadOptions {
 /// A fresh random checkpoint of `shape`, installed: (work dir, source dir, install dir, seed).
 fn build(
     shape: &Shape,
-    salt: u64,
+    seed: u64,
 ) -> (
     tempfile::TempDir,
     std::path::PathBuf,
     std::path::PathBuf,
     u64,
 ) {
-    let seed = fresh_seed(salt);
     let work = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let src = work.path().join("src");
     let vocab = VOCAB.to_string();
@@ -241,8 +240,8 @@ fn build(
     (work, src, inst, seed)
 }
 
-fn run_shape(shape: &Shape, salt: u64) {
-    let (work, src, inst, seed) = build(shape, salt);
+fn run_shape(shape: &Shape, seed: u64) {
+    let (work, src, inst, seed) = build(shape, seed);
     let prompt = random_prompt(seed, PROMPT, VOCAB);
     let (reference, v) = ref_logits(&src, &prompt, work.path());
     assert_eq!(v, VOCAB);
@@ -274,27 +273,27 @@ fn run_shape(shape: &Shape, salt: u64) {
 
 #[test]
 fn qwen36_one_block_top_k_2() {
-    run_shape(&SHAPES[0], 0);
+    with_near_tie_retry(0, |seed| run_shape(&SHAPES[0], seed));
 }
 
 #[test]
 fn qwen36_two_blocks_top_k_4() {
-    run_shape(&SHAPES[1], 1);
+    with_near_tie_retry(1, |seed| run_shape(&SHAPES[1], seed));
 }
 
 #[test]
 fn qwen36_deltanet_heavy() {
-    run_shape(&SHAPES[2], 2);
+    with_near_tie_retry(2, |seed| run_shape(&SHAPES[2], seed));
 }
 
 #[test]
 fn qwen36_wide_heads_top_k_8() {
-    run_shape(&SHAPES[3], 3);
+    with_near_tie_retry(3, |seed| run_shape(&SHAPES[3], seed));
 }
 
 #[test]
 fn qwen36_35b_layer_dims() {
-    run_shape(&SHAPES[4], 5);
+    with_near_tie_retry(5, |seed| run_shape(&SHAPES[4], seed));
 }
 
 /// Chunked prefill carries the DeltaNet conv and recurrent states across chunks exactly as
@@ -305,7 +304,7 @@ fn qwen36_35b_layer_dims() {
 #[test]
 fn qwen36_chunked_prefill_equals_decode() {
     for (i, shape) in [&DELTANET_ONLY, &SHAPES[1]].into_iter().enumerate() {
-        let (_work, _src, inst, seed) = build(shape, 10 + i as u64);
+        let (_work, _src, inst, seed) = build(shape, fresh_seed(10 + i as u64));
         let prompt = random_prompt(seed, 300, VOCAB);
         let scalar = |chunk| {
             let mut o = opts32(chunk);
@@ -355,7 +354,7 @@ fn qwen36_chunked_prefill_equals_decode() {
 /// Slot count, resident mode and O_DIRECT change where expert bytes come from, never the math.
 #[test]
 fn qwen36_outputs_identical_across_slots_and_direct_io() {
-    let (_work, _src, inst, seed) = build(&SHAPES[1], 4);
+    let (_work, _src, inst, seed) = build(&SHAPES[1], fresh_seed(4));
     assert_slot_invariance(&inst, &random_prompt(seed, 200, VOCAB));
 }
 
