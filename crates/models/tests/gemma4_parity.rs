@@ -112,13 +112,8 @@ const SHAPES: [Shape; 3] = [
     },
 ];
 
-fn opts32(chunk: usize) -> mference_models::LoadOptions {
-    let mut o = opts(chunk, 512);
-    o.kv_dtype = mference_runtime::KvDtype::F32;
-    o
-}
-
-fn run_shape(shape: &Shape, seed: u64) {
+/// A fresh random checkpoint of `shape` built with mlx-lm and installed: (work dir, source, install).
+fn build(shape: &Shape, seed: u64) -> (tempfile::TempDir, std::path::PathBuf, std::path::PathBuf) {
     let work = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let src = work.path().join("src");
     let vocab = VOCAB.to_string();
@@ -126,33 +121,12 @@ fn run_shape(shape: &Shape, seed: u64) {
     args.extend_from_slice(&["--vocab-size", &vocab, "--no-tokenizer"]);
     make_tiny("gemma4", seed, &src, &args);
     let inst = install(&src, work.path());
-    let prompt = random_prompt(seed, PROMPT, VOCAB);
-    let (reference, v) = ref_logits(&src, &prompt, work.path());
-    assert_eq!(v, VOCAB);
+    (work, src, inst)
+}
 
-    for chunk in [7, 64, 128] {
-        let (ours, margins) = prefill_traced(&inst, &prompt, &opts32(chunk));
-        check_strict(
-            &format!("{} prefill chunk {chunk}", shape.name),
-            &ours,
-            &reference,
-            v,
-            &margins,
-            0,
-        );
-    }
-    let (ours, margins) = decode_traced(&inst, &prompt, &opts32(128));
-    check_strict(
-        &format!("{} decode", shape.name),
-        &ours,
-        &reference,
-        v,
-        &margins,
-        0,
-    );
-
-    let want = ref_greedy(&src, &prompt[..PROMPT / 4], 64, work.path());
-    check_greedy(shape.name, &inst, &opts32(64), &prompt[..PROMPT / 4], &want);
+fn run_shape(shape: &Shape, seed: u64) {
+    let (work, src, inst) = build(shape, seed);
+    check_against_reference(shape.name, &src, &inst, work.path(), seed, PROMPT, VOCAB);
 }
 
 #[test]
@@ -174,12 +148,6 @@ fn gemma4_separate_v_projection() {
 #[test]
 fn gemma4_outputs_identical_across_slots_and_direct_io() {
     let seed = fresh_seed(3);
-    let work = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let src = work.path().join("src");
-    let vocab = VOCAB.to_string();
-    let mut args = SHAPES[1].args.to_vec();
-    args.extend_from_slice(&["--vocab-size", &vocab, "--no-tokenizer"]);
-    make_tiny("gemma4", seed, &src, &args);
-    let inst = install(&src, work.path());
+    let (_work, _src, inst) = build(&SHAPES[1], seed);
     assert_slot_invariance(&inst, &random_prompt(seed, 200, VOCAB));
 }

@@ -5,8 +5,7 @@
 mod common;
 
 use common::*;
-use mference_models::{load, LoadOptions, Logits, Want};
-use mference_runtime::KvDtype;
+use mference_models::{load, Logits, Want};
 
 const VOCAB: usize = 4096;
 const PROMPT: usize = 320;
@@ -214,12 +213,6 @@ const SHAPES: [Shape; 5] = [
     },
 ];
 
-fn opts32(chunk: usize) -> LoadOptions {
-    let mut o = opts(chunk, 512);
-    o.kv_dtype = KvDtype::F32;
-    o
-}
-
 /// A fresh random checkpoint of `shape`, installed: (work dir, source dir, install dir, seed).
 fn build(
     shape: &Shape,
@@ -242,33 +235,7 @@ fn build(
 
 fn run_shape(shape: &Shape, seed: u64) {
     let (work, src, inst, seed) = build(shape, seed);
-    let prompt = random_prompt(seed, PROMPT, VOCAB);
-    let (reference, v) = ref_logits(&src, &prompt, work.path());
-    assert_eq!(v, VOCAB);
-
-    for chunk in [7, 64, 128] {
-        let (ours, margins) = prefill_traced(&inst, &prompt, &opts32(chunk));
-        check_strict(
-            &format!("{} prefill chunk {chunk}", shape.name),
-            &ours,
-            &reference,
-            v,
-            &margins,
-            0,
-        );
-    }
-    let (ours, margins) = decode_traced(&inst, &prompt, &opts32(128));
-    check_strict(
-        &format!("{} decode", shape.name),
-        &ours,
-        &reference,
-        v,
-        &margins,
-        0,
-    );
-
-    let want = ref_greedy(&src, &prompt[..PROMPT / 4], 64, work.path());
-    check_greedy(shape.name, &inst, &opts32(64), &prompt[..PROMPT / 4], &want);
+    check_against_reference(shape.name, &src, &inst, work.path(), seed, PROMPT, VOCAB);
 }
 
 #[test]

@@ -435,3 +435,45 @@ pub fn with_near_tie_retry(salt: u64, run: impl Fn(u64)) {
         run(again);
     }
 }
+
+/// Load options with the FP32 KV cache, which holds K and V as the f32 reference does.
+pub fn opts32(chunk: usize) -> LoadOptions {
+    LoadOptions {
+        kv_dtype: mference_runtime::KvDtype::F32,
+        ..opts(chunk, 512)
+    }
+}
+
+/// The shared parity run for a random checkpoint `src` installed at `inst`: a `prompt_len`-token
+/// random prompt; every position's logits via chunked prefill (chunks 7, 64, 128) and via
+/// token-by-token decode against mlx-lm's, and mlx-lm's greedy 64-token continuation of the
+/// prompt's first quarter.
+pub fn check_against_reference(
+    name: &str,
+    src: &Path,
+    inst: &Path,
+    work: &Path,
+    seed: u64,
+    prompt_len: usize,
+    vocab: usize,
+) {
+    let prompt = random_prompt(seed, prompt_len, vocab);
+    let (reference, v) = ref_logits(src, &prompt, work);
+    assert_eq!(v, vocab);
+    for chunk in [7, 64, 128] {
+        let (ours, margins) = prefill_traced(inst, &prompt, &opts32(chunk));
+        check_strict(
+            &format!("{name} prefill chunk {chunk}"),
+            &ours,
+            &reference,
+            v,
+            &margins,
+            0,
+        );
+    }
+    let (ours, margins) = decode_traced(inst, &prompt, &opts32(128));
+    check_strict(&format!("{name} decode"), &ours, &reference, v, &margins, 0);
+    let head = &prompt[..prompt_len / 4];
+    let want = ref_greedy(src, head, 64, work);
+    check_greedy(name, inst, &opts32(64), head, &want);
+}
