@@ -173,11 +173,12 @@ fn common(o: &Map<String, Value>, logprobs: Option<usize>) -> Result<Common, Api
             format!("`top_p` must be in (0, 1], got {top_p}"),
         ));
     }
+    // 0 turns top-k off, as `mference run --top-k 0` does.
     let top_k = integer(o, "top_k")?.unwrap_or(64);
-    if !(1..=256).contains(&top_k) {
+    if !(0..=256).contains(&top_k) {
         return Err(ApiError::param(
             "top_k",
-            format!("`top_k` must be between 1 and 256, got {top_k}"),
+            format!("`top_k` must be between 0 and 256 (0 = off), got {top_k}"),
         ));
     }
     let repetition_penalty = number(o, "repetition_penalty")?.unwrap_or(1.0);
@@ -410,4 +411,36 @@ pub(crate) fn parse_completion(
         _ => return Err(bad()),
     };
     Ok(CompletionRequest { common, prompt })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn chat(extra: Value) -> Result<ChatRequest, ApiError> {
+        let mut body = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        parse_chat(&body, "m", Family::Gemma4)
+    }
+
+    #[test]
+    fn top_k_zero_is_off_and_out_of_range_values_are_refused() {
+        let top_k = |v: Value| chat(json!({"top_k": v})).map(|r| r.common.sampling.top_k);
+        assert_eq!(
+            top_k(json!(0)).unwrap(),
+            0,
+            "0 must reach the sampler as off"
+        );
+        assert_eq!(top_k(json!(1)).unwrap(), 1);
+        assert_eq!(top_k(json!(256)).unwrap(), 256);
+        assert_eq!(top_k(Value::Null).unwrap(), 64, "null takes the default");
+        for bad in [json!(-1), json!(257), json!(1.5), json!("8")] {
+            let e = top_k(bad.clone()).unwrap_err();
+            assert_eq!(e.status.as_u16(), 400, "{bad}");
+            assert_eq!(e.param.as_deref(), Some("top_k"), "{bad}");
+        }
+    }
 }

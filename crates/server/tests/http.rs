@@ -97,7 +97,8 @@ fn endpoints_and_error_statuses() {
         ),
         (json!({"parallel_tool_calls": false}), "parallel_tool_calls"),
         (json!({"temperature": 3}), "temperature"),
-        (json!({"top_k": 0}), "top_k"),
+        (json!({"top_k": -1}), "top_k"),
+        (json!({"top_k": 257}), "top_k"),
         (json!({"top_p": 0}), "top_p"),
         (json!({"max_tokens": 0}), "max_tokens"),
         (
@@ -154,8 +155,16 @@ fn endpoints_and_error_statuses() {
         assert_eq!(b["error"]["param"], param, "{extra}: {b}");
     }
     // The server still answers after all of that.
-    let (s, b) = post(a, "/v1/chat/completions", &chat_body(user));
+    let (s, b) = post(a, "/v1/chat/completions", &chat_body(user.clone()));
     assert_eq!(s, 200, "{b}");
+    // `top_k: 0` is top-k off (as `mference run --top-k 0`), not an error.
+    let (s, b) = post(
+        a,
+        "/v1/chat/completions",
+        &with(json!({"top_k": 0, "top_p": 1, "temperature": 1, "seed": 7})),
+    );
+    assert_eq!(s, 200, "top_k 0: {b}");
+    assert!(b["choices"][0]["message"]["content"].is_string(), "{b}");
     srv.shutdown();
 }
 
