@@ -5,7 +5,7 @@
 
 use serde_json::{Map, Value};
 
-use super::{excerpt, malformed, split_think, ParsedOutput, ToolCall};
+use super::{excerpt, malformed, scan_blocks, split_think, BlockSyntax, ParsedOutput, ToolCall};
 use crate::{Family, TextError};
 
 const OPEN: &str = "<｜DSML｜tool_calls>";
@@ -15,49 +15,21 @@ const INVOKE_CLOSE: &str = "</｜DSML｜invoke>";
 const PARAM_OPEN: &str = "<｜DSML｜parameter name=\"";
 const PARAM_CLOSE: &str = "</｜DSML｜parameter>";
 
+const SYNTAX: BlockSyntax = BlockSyntax {
+    family: Family::DeepSeekV4,
+    open: OPEN,
+    close: CLOSE,
+    inner: &[INVOKE_OPEN, INVOKE_CLOSE, PARAM_OPEN, PARAM_CLOSE],
+    trailer: None,
+};
+
 pub(super) fn parse(text: &str) -> Result<ParsedOutput, TextError> {
     let (reasoning, text) = split_think(text);
-    let mut content = String::new();
-    let mut tool_calls = Vec::new();
-    let mut rest = text;
-    while let Some(start) = rest.find(OPEN) {
-        check_no_stray_close(&rest[..start])?;
-        content.push_str(&rest[..start]);
-        let body = &rest[start + OPEN.len()..];
-        let end = body
-            .find(CLOSE)
-            .ok_or_else(|| err(format!("unclosed {OPEN}: {}", excerpt(body))))?;
-        parse_invokes(&body[..end], &mut tool_calls)?;
-        rest = &body[end + CLOSE.len()..];
-    }
-    check_no_stray_close(rest)?;
-    content.push_str(rest);
-    let changed = reasoning.is_some() || !tool_calls.is_empty();
-    Ok(ParsedOutput {
-        content: if changed {
-            content.trim().to_string()
-        } else {
-            content
-        },
-        tool_calls,
-        reasoning,
-    })
+    scan_blocks(&SYNTAX, text, reasoning, parse_invokes)
 }
 
 fn err(message: String) -> TextError {
     malformed(Family::DeepSeekV4, message)
-}
-
-fn check_no_stray_close(text: &str) -> Result<(), TextError> {
-    for marker in [CLOSE, INVOKE_OPEN, INVOKE_CLOSE, PARAM_OPEN, PARAM_CLOSE] {
-        if let Some(at) = text.find(marker) {
-            return Err(err(format!(
-                "{marker} outside {OPEN}: {}",
-                excerpt(&text[at..])
-            )));
-        }
-    }
-    Ok(())
 }
 
 fn parse_invokes(block: &str, calls: &mut Vec<ToolCall>) -> Result<(), TextError> {

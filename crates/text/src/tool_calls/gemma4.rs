@@ -4,7 +4,7 @@
 
 use serde_json::{Map, Value};
 
-use super::{excerpt, malformed, ParsedOutput, ToolCall};
+use super::{excerpt, malformed, scan_blocks, BlockSyntax, ParsedOutput, ToolCall};
 use crate::{Family, TextError};
 
 const OPEN: &str = "<|tool_call>";
@@ -15,51 +15,20 @@ const CHANNEL_CLOSE: &str = "<channel|>";
 /// Generation stops on `<|tool_response>` after the calls; drop it if the caller kept it.
 const TOOL_RESPONSE: &str = "<|tool_response>";
 
+const SYNTAX: BlockSyntax = BlockSyntax {
+    family: Family::Gemma4,
+    open: OPEN,
+    close: CLOSE,
+    inner: &[],
+    trailer: Some(TOOL_RESPONSE),
+};
+
 pub(super) fn parse(text: &str) -> Result<ParsedOutput, TextError> {
     let (reasoning, text) = split_channel(text)?;
-    let mut content = String::new();
-    let mut tool_calls = Vec::new();
-    let mut rest = text;
-    while let Some(start) = rest.find(OPEN) {
-        check_no_stray_close(&rest[..start])?;
-        content.push_str(&rest[..start]);
-        let body = &rest[start + OPEN.len()..];
-        let end = body.find(CLOSE).ok_or_else(|| {
-            malformed(
-                Family::Gemma4,
-                format!("unclosed {OPEN}: {}", excerpt(body)),
-            )
-        })?;
-        tool_calls.push(parse_call(&body[..end])?);
-        rest = &body[end + CLOSE.len()..];
-        if let Some(after) = rest.trim_start().strip_prefix(TOOL_RESPONSE) {
-            if after.trim().is_empty() {
-                rest = "";
-            }
-        }
-    }
-    check_no_stray_close(rest)?;
-    content.push_str(rest);
-    let changed = reasoning.is_some() || !tool_calls.is_empty();
-    Ok(ParsedOutput {
-        content: if changed {
-            content.trim().to_string()
-        } else {
-            content
-        },
-        tool_calls,
-        reasoning,
+    scan_blocks(&SYNTAX, text, reasoning, |block, calls| {
+        calls.push(parse_call(block)?);
+        Ok(())
     })
-}
-
-fn check_no_stray_close(text: &str) -> Result<(), TextError> {
-    match text.find(CLOSE) {
-        Some(at) => Err(malformed(
-            Family::Gemma4,
-            format!("{CLOSE} without {OPEN}: {}", excerpt(&text[at..])),
-        )),
-        None => Ok(()),
-    }
 }
 
 /// Takes a leading `<|channel>thought\n…<channel|>` block out as reasoning.

@@ -83,6 +83,89 @@ fn declared_type<'a>(
         .as_str()
 }
 
+/// How a family marks its call blocks in the output, for [`scan_blocks`].
+struct BlockSyntax {
+    family: Family,
+    /// Opens a call block (`<|tool_call>`, `<tool_call>`, `<｜DSML｜tool_calls>`).
+    open: &'static str,
+    /// Closes it.
+    close: &'static str,
+    /// Markers that belong inside a block only (besides `close`): one outside is malformed.
+    inner: &'static [&'static str],
+    /// A marker dropped when it is all that follows a block (Gemma's `<|tool_response>`, where
+    /// generation stops after its calls).
+    trailer: Option<&'static str>,
+}
+
+/// Splits `text` (already without its reasoning block) into content and tool calls: the body of
+/// every `open … close` block goes to `block`, which appends the calls it holds; the text between
+/// blocks is content, trimmed when anything was taken out (`reasoning` set or a call found).
+///
+/// Errors: [`TextError::MalformedToolCall`] for an unclosed block, a closing or inner marker
+/// outside a block, or whatever `block` rejects.
+fn scan_blocks<'t>(
+    syntax: &BlockSyntax,
+    text: &'t str,
+    reasoning: Option<String>,
+    mut block: impl FnMut(&'t str, &mut Vec<ToolCall>) -> Result<(), TextError>,
+) -> Result<ParsedOutput, TextError> {
+    let BlockSyntax {
+        family,
+        open,
+        close,
+        ..
+    } = *syntax;
+    let no_stray = |text: &str| {
+        for marker in std::iter::once(close).chain(syntax.inner.iter().copied()) {
+            if let Some(at) = text.find(marker) {
+                let relation = if marker == close {
+                    "without"
+                } else {
+                    "outside"
+                };
+                return Err(malformed(
+                    family,
+                    format!("{marker} {relation} {open}: {}", excerpt(&text[at..])),
+                ));
+            }
+        }
+        Ok(())
+    };
+    let mut content = String::new();
+    let mut tool_calls = Vec::new();
+    let mut rest = text;
+    while let Some(start) = rest.find(open) {
+        no_stray(&rest[..start])?;
+        content.push_str(&rest[..start]);
+        let body = &rest[start + open.len()..];
+        let end = body
+            .find(close)
+            .ok_or_else(|| malformed(family, format!("unclosed {open}: {}", excerpt(body))))?;
+        block(&body[..end], &mut tool_calls)?;
+        rest = &body[end + close.len()..];
+        if let Some(after) = syntax
+            .trailer
+            .and_then(|t| rest.trim_start().strip_prefix(t))
+        {
+            if after.trim().is_empty() {
+                rest = "";
+            }
+        }
+    }
+    no_stray(rest)?;
+    content.push_str(rest);
+    let changed = reasoning.is_some() || !tool_calls.is_empty();
+    Ok(ParsedOutput {
+        content: if changed {
+            content.trim().to_string()
+        } else {
+            content
+        },
+        tool_calls,
+        reasoning,
+    })
+}
+
 /// Splits `reasoning</think>content` (the `<think>` may be in the prompt, not the output).
 fn split_think(text: &str) -> (Option<String>, &str) {
     match text.find("</think>") {

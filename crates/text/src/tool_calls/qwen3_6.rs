@@ -4,52 +4,29 @@
 
 use serde_json::{Map, Value};
 
-use super::{declared_type, excerpt, malformed, split_think, ParsedOutput, ToolCall};
+use super::{
+    declared_type, excerpt, malformed, scan_blocks, split_think, BlockSyntax, ParsedOutput,
+    ToolCall,
+};
 use crate::{Family, TextError};
 
 const OPEN: &str = "<tool_call>";
 const CLOSE: &str = "</tool_call>";
 
+const SYNTAX: BlockSyntax = BlockSyntax {
+    family: Family::Qwen36,
+    open: OPEN,
+    close: CLOSE,
+    inner: &[],
+    trailer: None,
+};
+
 pub(super) fn parse(text: &str, tools: Option<&[Value]>) -> Result<ParsedOutput, TextError> {
     let (reasoning, text) = split_think(text);
-    let mut content = String::new();
-    let mut tool_calls = Vec::new();
-    let mut rest = text;
-    while let Some(start) = rest.find(OPEN) {
-        check_no_stray_close(&rest[..start])?;
-        content.push_str(&rest[..start]);
-        let body = &rest[start + OPEN.len()..];
-        let end = body.find(CLOSE).ok_or_else(|| {
-            malformed(
-                Family::Qwen36,
-                format!("unclosed {OPEN}: {}", excerpt(body)),
-            )
-        })?;
-        tool_calls.push(parse_call(&body[..end], tools)?);
-        rest = &body[end + CLOSE.len()..];
-    }
-    check_no_stray_close(rest)?;
-    content.push_str(rest);
-    let changed = reasoning.is_some() || !tool_calls.is_empty();
-    Ok(ParsedOutput {
-        content: if changed {
-            content.trim().to_string()
-        } else {
-            content
-        },
-        tool_calls,
-        reasoning,
+    scan_blocks(&SYNTAX, text, reasoning, |block, calls| {
+        calls.push(parse_call(block, tools)?);
+        Ok(())
     })
-}
-
-fn check_no_stray_close(text: &str) -> Result<(), TextError> {
-    match text.find(CLOSE) {
-        Some(at) => Err(malformed(
-            Family::Qwen36,
-            format!("{CLOSE} without {OPEN}: {}", excerpt(&text[at..])),
-        )),
-        None => Ok(()),
-    }
 }
 
 fn parse_call(block: &str, tools: Option<&[Value]>) -> Result<ToolCall, TextError> {
