@@ -91,32 +91,48 @@ impl Sampler {
         if self.cfg.temperature == 0.0 {
             return argmax(logits);
         }
-        // Candidates sorted by logit, descending.
+        // Candidates in descending logit order (ties by token id, so the order is total). Only the
+        // prefix that top-p and top-k can keep is ever sorted: it grows until the nucleus closes
+        // inside it or it reaches top-k, which gives the same candidates as sorting everything.
         let s = &mut self.scratch;
         s.clear();
         s.extend(logits.iter().enumerate().map(|(i, &l)| (l, i as u32)));
         let max = s.iter().map(|x| x.0).fold(f32::NEG_INFINITY, f32::max);
+        let cap = if self.cfg.top_k > 0 {
+            self.cfg.top_k.min(s.len())
+        } else {
+            s.len()
+        };
         // Top-p on the untempered distribution, as mlx-lm's apply_top_p does.
-        let mut keep = s.len();
-        if self.cfg.top_p < 1.0 {
-            s.sort_unstable_by(|a, b| b.0.total_cmp(&a.0));
+        let nucleus = (self.cfg.top_p < 1.0).then(|| {
             let z: f64 = s.iter().map(|x| ((x.0 - max) as f64).exp()).sum();
-            let mut cum = 0.0f64;
-            keep = 0;
-            for x in s.iter() {
-                // mlx-lm keeps tokens whose cumulative mass *before* them is below top_p.
-                if cum >= self.cfg.top_p as f64 * z && keep > 0 {
-                    break;
+            self.cfg.top_p as f64 * z
+        });
+        let mut keep = cap;
+        if self.cfg.top_k > 0 || nucleus.is_some() {
+            let mut m = if nucleus.is_some() { cap.min(256) } else { cap };
+            loop {
+                if m < s.len() {
+                    s.select_nth_unstable_by(m - 1, by_logit_desc);
                 }
-                cum += ((x.0 - max) as f64).exp();
-                keep += 1;
+                s[..m].sort_unstable_by(by_logit_desc);
+                let Some(mass) = nucleus else { break };
+                // mlx-lm keeps tokens whose cumulative mass *before* them is below top_p.
+                let mut cum = 0.0f64;
+                let closed = s[..m].iter().position(|x| {
+                    let done = cum >= mass;
+                    cum += ((x.0 - max) as f64).exp();
+                    done
+                });
+                match closed {
+                    Some(k) => {
+                        keep = k.max(1);
+                        break;
+                    }
+                    None if m == cap => break,
+                    None => m = (2 * m).min(cap),
+                }
             }
-        }
-        if self.cfg.top_k > 0 && self.cfg.top_k < keep {
-            if self.cfg.top_p >= 1.0 {
-                s.select_nth_unstable_by(self.cfg.top_k - 1, |a, b| b.0.total_cmp(&a.0));
-            }
-            keep = self.cfg.top_k;
         }
         let cand = &s[..keep];
         let t = self.cfg.temperature as f64;
@@ -136,6 +152,12 @@ impl Sampler {
         }
         cand[keep - 1].1
     }
+}
+
+/// Descending logit, then ascending token id: a total order, so candidate order never depends on
+/// how a sort happened to break ties.
+fn by_logit_desc(a: &(f32, u32), b: &(f32, u32)) -> std::cmp::Ordering {
+    b.0.total_cmp(&a.0).then(a.1.cmp(&b.1))
 }
 
 /// Index of the largest value (the first one on ties).
@@ -222,5 +244,77 @@ mod tests {
             .map(|p| s.sample(&mut base.to_vec(), &[], p))
             .collect();
         assert!(picks.contains(&1) && !picks.contains(&2), "{picks:?}");
+    }
+
+    /// The definition, written plainly: sort everything, top-p prefix, then top-k, then the draw.
+    fn full_sort_sample(cfg: &SamplerConfig, seed: u64, logits: &[f32], position: usize) -> u32 {
+        let mut s: Vec<(f32, u32)> = logits
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| (l, i as u32))
+            .collect();
+        s.sort_by(by_logit_desc);
+        let max = s[0].0;
+        let mut keep = s.len();
+        if cfg.top_p < 1.0 {
+            let z: f64 = s.iter().map(|x| ((x.0 - max) as f64).exp()).sum();
+            let (mut cum, mut k) = (0.0f64, 0);
+            for x in &s {
+                if cum >= cfg.top_p as f64 * z && k > 0 {
+                    break;
+                }
+                cum += ((x.0 - max) as f64).exp();
+                k += 1;
+            }
+            keep = k;
+        }
+        if cfg.top_k > 0 {
+            keep = keep.min(cfg.top_k);
+        }
+        let w: Vec<f64> = s[..keep]
+            .iter()
+            .map(|x| (((x.0 - max) as f64) / cfg.temperature as f64).exp())
+            .collect();
+        let mut rng = ChaCha8Rng::seed_from_u64(splitmix64(seed.wrapping_add(position as u64)));
+        let mut u = rng.random::<f64>() * w.iter().sum::<f64>();
+        for (wi, x) in w.iter().zip(&s) {
+            if u < *wi {
+                return x.1;
+            }
+            u -= wi;
+        }
+        s[keep - 1].1
+    }
+
+    #[test]
+    fn partial_sort_draws_what_a_full_sort_draws() {
+        let mut rng = ChaCha8Rng::seed_from_u64(42);
+        for case in 0..300 {
+            let vocab = [5usize, 300, 4096, 20_000][case % 4];
+            // Flat, peaked and tied distributions: logits on a coarse grid make ties common.
+            let spread = [0.5f32, 4.0, 12.0][case % 3];
+            let logits: Vec<f32> = (0..vocab)
+                .map(|_| ((rng.random::<f32>() * spread * 8.0).round() / 8.0))
+                .collect();
+            let cfg = SamplerConfig {
+                temperature: [0.2f32, 1.0, 1.7][case % 3],
+                top_k: [0usize, 1, 64, 1000][(case / 3) % 4],
+                top_p: [1.0f32, 0.95, 0.5, 0.999][(case / 12) % 4],
+                repetition_penalty: 1.0,
+                seed: Some(case as u64),
+            };
+            if cfg.top_k == 0 && cfg.top_p >= 1.0 {
+                continue; // no candidate order at all: draws walk token ids
+            }
+            let mut s = Sampler::new(cfg.clone());
+            for pos in 0..4 {
+                let want = full_sort_sample(&cfg, case as u64, &logits, pos);
+                assert_eq!(
+                    s.sample(&mut logits.clone(), &[], pos),
+                    want,
+                    "case {case} {cfg:?} pos {pos}"
+                );
+            }
+        }
     }
 }
