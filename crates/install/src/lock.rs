@@ -1,35 +1,77 @@
 //! The advisory install lock `<out>.install.lock` (`flock(LOCK_EX|LOCK_NB)`). The lock file
-//! itself survives a successful install.
+//! is kept only next to a complete install (as after a successful install); released
+//! anywhere else it is removed, so a failed install or a discard leaves no lock file behind.
+//! One left by a killed process is harmless: `flock` locks die with their process.
 
+use crate::run::OutPaths;
 use crate::InstallError;
 use rustix::fs::{flock, FlockOperation};
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
 /// A held lock; released on drop (when the file is closed).
 pub struct InstallLock {
-    _file: std::fs::File,
+    file: std::fs::File,
     pub path: PathBuf,
+    out: PathBuf,
 }
 
 impl InstallLock {
-    /// Take the lock without waiting. Errors: [`InstallError::Busy`] if another process
-    /// holds it.
-    pub fn acquire(path: &Path) -> Result<InstallLock, InstallError> {
-        let file = std::fs::OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(path)
-            .map_err(|e| InstallError::io("cannot open lock", path, e))?;
-        match flock(&file, FlockOperation::NonBlockingLockExclusive) {
-            Ok(()) => Ok(InstallLock {
-                _file: file,
-                path: path.to_path_buf(),
-            }),
-            Err(e) if e == rustix::io::Errno::WOULDBLOCK => Err(InstallError::Busy {
-                lock: path.to_path_buf(),
-            }),
-            Err(e) => Err(InstallError::io("cannot lock", path, e.into())),
+    /// Take the lock of `paths.out` without waiting. Errors: [`InstallError::Busy`] if
+    /// another process holds it.
+    pub fn acquire(paths: &OutPaths) -> Result<InstallLock, InstallError> {
+        let path = &paths.lock;
+        // A holder removes the file before closing it, so a file opened just before that is
+        // no longer the lock: lock again through the path until the two agree.
+        for _ in 0..100 {
+            let file = open(path)?;
+            match flock(&file, FlockOperation::NonBlockingLockExclusive) {
+                Ok(()) => {}
+                Err(e) if e == rustix::io::Errno::WOULDBLOCK => {
+                    return Err(InstallError::Busy { lock: path.clone() })
+                }
+                Err(e) => return Err(InstallError::io("cannot lock", path, e.into())),
+            }
+            let held = file
+                .metadata()
+                .map_err(|e| InstallError::io("cannot stat", path, e))?;
+            if std::fs::metadata(path).is_ok_and(|m| m.dev() == held.dev() && m.ino() == held.ino())
+            {
+                return Ok(InstallLock {
+                    file,
+                    path: path.clone(),
+                    out: paths.out.clone(),
+                });
+            }
         }
+        Err(InstallError::Busy { lock: path.clone() })
+    }
+}
+
+/// Open (creating) the lock file; a lock file this user cannot write (left by another user)
+/// still locks when opened read-only.
+fn open(path: &Path) -> Result<std::fs::File, InstallError> {
+    let rw = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(path);
+    match rw {
+        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied && path.exists() => {
+            std::fs::File::open(path)
+        }
+        other => other,
+    }
+    .map_err(|e| InstallError::io("cannot create", path, e))
+}
+
+impl Drop for InstallLock {
+    fn drop(&mut self) {
+        // Removed while still held: whoever opened it meanwhile sees the path change and
+        // retries. A failure to remove leaves a harmless file.
+        if !self.out.exists() {
+            let _ = std::fs::remove_file(&self.path);
+        }
+        let _ = flock(&self.file, FlockOperation::Unlock);
     }
 }

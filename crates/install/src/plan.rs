@@ -371,12 +371,13 @@ pub fn build(ck: &Checkpoint, max_range_bytes: u64) -> Result<Plan, InstallError
 
     // Expert layers.
     let experts = arch.num_experts;
-    let mut blobs: BTreeMap<usize, (ExpertBlobLayout, Vec<(usize, u64, u64, u64)>)> =
-        BTreeMap::new();
+    // Per layer: the blob layout and its slices (shard, source start, per-expert size, blob offset).
+    type Slice = (usize, u64, u64, u64);
+    let mut blobs: BTreeMap<usize, (ExpertBlobLayout, Vec<Slice>)> = BTreeMap::new();
     for (&l, roles) in &routed {
         let mut cursor = 0u64;
         let mut tensors: Vec<ExpertTensor> = Vec::with_capacity(9);
-        let mut slices = Vec::with_capacity(9); // (shard, source start, per-expert size, blob offset)
+        let mut slices: Vec<Slice> = Vec::with_capacity(9);
         for (r, name) in roles.iter().enumerate() {
             let name = name
                 .ok_or_else(|| invalid(format!("layer {l} routed-expert bundle is incomplete")))?;

@@ -101,7 +101,8 @@ impl OutPaths {
         PathBuf::from(n)
     }
 
-    /// Absolute paths for `out` (its parent is created if missing).
+    /// Absolute paths for `out`, with symlinks in its existing ancestors resolved. Nothing is
+    /// created: [`install`] creates a missing parent when it starts.
     pub fn new(out: &Path) -> Result<OutPaths, InstallError> {
         let name = out.file_name().ok_or_else(|| InstallError::BadOption {
             detail: format!("{} has no file name", out.display()),
@@ -110,10 +111,7 @@ impl OutPaths {
             .parent()
             .filter(|p| !p.as_os_str().is_empty())
             .unwrap_or(Path::new("."));
-        std::fs::create_dir_all(parent)
-            .map_err(|e| InstallError::io("cannot create", parent, e))?;
-        let parent = std::fs::canonicalize(parent)
-            .map_err(|e| InstallError::io("cannot resolve", parent, e))?;
+        let parent = resolve(parent)?;
         let with = |suffix: &str| {
             let mut n = name.to_os_string();
             n.push(suffix);
@@ -128,24 +126,78 @@ impl OutPaths {
     }
 }
 
-/// Install from any [`Source`] into `output`. See the crate docs for the sequence.
+/// `dir` made absolute: its deepest existing ancestor canonicalized, then the missing
+/// components (which cannot be symlinks yet) with `.` and `..` applied.
+fn resolve(dir: &Path) -> Result<PathBuf, InstallError> {
+    let abs = std::path::absolute(dir).map_err(|e| InstallError::io("cannot resolve", dir, e))?;
+    let base = abs
+        .ancestors()
+        .find(|a| a.exists())
+        .unwrap_or(Path::new("/"));
+    let mut out =
+        std::fs::canonicalize(base).map_err(|e| InstallError::io("cannot resolve", base, e))?;
+    for c in abs.strip_prefix(base).unwrap_or(Path::new("")).components() {
+        match c {
+            std::path::Component::ParentDir => {
+                out.pop();
+            }
+            std::path::Component::Normal(n) => out.push(n),
+            _ => {}
+        }
+    }
+    Ok(out)
+}
+
+/// Create the missing ancestors of `paths.out`; returns them, deepest first.
+fn create_parent(paths: &OutPaths) -> Result<Vec<PathBuf>, InstallError> {
+    let parent = paths.out.parent().unwrap_or(Path::new("/"));
+    let missing: Vec<PathBuf> = parent
+        .ancestors()
+        .take_while(|a| !a.exists())
+        .map(Path::to_path_buf)
+        .collect();
+    std::fs::create_dir_all(parent).map_err(|e| InstallError::io("cannot create", parent, e))?;
+    Ok(missing)
+}
+
+/// Install from any [`Source`] into `output`. See the crate docs for the sequence. A
+/// failure that leaves no install state (a preflight error: source, plan, free disk, a
+/// refused output) leaves nothing on disk: no lock file, no directory created for `output`.
 pub fn install(
     source: &dyn Source,
     output: &Path,
     opts: &InstallOptions,
 ) -> Result<InstallReport, InstallError> {
     let paths = OutPaths::new(output)?;
+    if opts.dry_run {
+        return install_locked(source, &paths, opts);
+    }
+    let created = create_parent(&paths)?;
+    // The lock comes first so a second installer touches nothing, not even the source.
+    let result =
+        InstallLock::acquire(&paths).and_then(|_lock| install_locked(source, &paths, opts));
+    if result.is_err() {
+        for dir in &created {
+            // Only directories left empty go: anything in them is install state or not ours.
+            if std::fs::remove_dir(dir).is_err() {
+                break;
+            }
+        }
+    }
+    result
+}
+
+/// [`install`] once the output's parent exists and the lock is held (none for a dry run).
+fn install_locked(
+    source: &dyn Source,
+    paths: &OutPaths,
+    opts: &InstallOptions,
+) -> Result<InstallReport, InstallError> {
     let mut progress = Progress::new(if opts.dry_run {
         ProgressMode::Quiet
     } else {
         opts.progress
     });
-    // The lock comes first so a second installer touches nothing, not even the source.
-    let _lock = if opts.dry_run {
-        None
-    } else {
-        Some(InstallLock::acquire(&paths.lock)?)
-    };
     progress.stage("reading source metadata");
     let ck = checkpoint::load(source, opts.pin.as_ref())?;
     progress.stage("planning");
@@ -215,7 +267,7 @@ pub fn install(
         // A partial directory without journaled ranges is rebuilt from nothing.
         journal.completed_ranges.clear();
     }
-    check_disk(&paths, &plan, &journal, opts.disk_reserve_bytes)?;
+    check_disk(paths, &plan, &journal, opts.disk_reserve_bytes)?;
 
     // Journal before directory: a crash in between leaves a journal with no ranges, which
     // --resume accepts.
@@ -304,9 +356,9 @@ pub fn install(
     drop(dests);
 
     progress.stage("hashing output files and writing manifest and receipt");
-    finalize(&ck, &plan, &sid, opts, &paths)?;
+    finalize(&ck, &plan, &sid, opts, paths)?;
     progress.stage(&format!("promoting {}", paths.out.display()));
-    promote(&paths, opts.overwrite)?;
+    promote(paths, opts.overwrite)?;
     std::fs::remove_file(&paths.journal)
         .map_err(|e| InstallError::io("cannot remove", &paths.journal, e))?;
     fsync_parent(&paths.journal)?;

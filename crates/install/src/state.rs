@@ -124,21 +124,32 @@ pub fn inspect(out: &Path) -> Result<InspectReport, InstallError> {
     })
 }
 
-/// Remove a saved partial install and its journal, under the install lock. Returns whether
-/// anything was removed. A complete install is never touched.
+/// Remove a saved partial install and its journal, under the install lock, and the lock file
+/// itself unless a complete install is there. Returns whether anything was removed. A complete
+/// install is never touched; with nothing to discard, nothing is created either.
 pub fn discard(out: &Path) -> Result<bool, InstallError> {
     let paths = OutPaths::new(&strip_partial(out))?;
-    let _lock = InstallLock::acquire(&paths.lock)?;
-    let mut removed = false;
+    let leftovers = [
+        &paths.partial,
+        &paths.journal,
+        &journal_tmp(&paths),
+        &paths.old(),
+    ]
+    .iter()
+    .any(|p| p.exists());
+    // One left by a killed installer: nothing holds it, but it should not outlive the install.
+    let stale_lock = paths.lock.exists() && !paths.out.exists();
+    if !leftovers && !stale_lock {
+        return Ok(false);
+    }
+    let _lock = InstallLock::acquire(&paths)?;
+    let mut removed = stale_lock;
     if paths.partial.exists() {
         std::fs::remove_dir_all(&paths.partial)
             .map_err(|e| InstallError::io("cannot remove", &paths.partial, e))?;
         removed = true;
     }
-    for p in [
-        paths.journal.clone(),
-        paths.journal.with_extension("json.tmp"),
-    ] {
+    for p in [paths.journal.clone(), journal_tmp(&paths)] {
         if p.exists() {
             std::fs::remove_file(&p).map_err(|e| InstallError::io("cannot remove", &p, e))?;
             removed = true;
@@ -159,6 +170,10 @@ pub fn discard(out: &Path) -> Result<bool, InstallError> {
     }
     fsync_parent(&paths.partial)?;
     Ok(removed)
+}
+
+fn journal_tmp(paths: &OutPaths) -> PathBuf {
+    paths.journal.with_extension("json.tmp")
 }
 
 fn strip_partial(p: &Path) -> PathBuf {

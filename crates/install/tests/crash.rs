@@ -218,7 +218,7 @@ fn a_second_installer_is_refused_as_busy_and_touches_nothing() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("b.gturbo");
     let paths = OutPaths::new(&out).unwrap();
-    let _held = mference_install::lock::InstallLock::acquire(&paths.lock).unwrap();
+    let held = mference_install::lock::InstallLock::acquire(&paths).unwrap();
     let o = Command::new(env!("CARGO_BIN_EXE_gturbo-install"))
         .arg("--dir")
         .arg(common::asset("gemma4-tiny"))
@@ -236,6 +236,64 @@ fn a_second_installer_is_refused_as_busy_and_touches_nothing() {
     let err =
         mference_install::install_local(&common::asset("gemma4-tiny"), &out, &opts()).unwrap_err();
     assert!(matches!(err, InstallError::Busy { .. }));
+    assert!(
+        paths.lock.exists(),
+        "a refused installer removed the held lock"
+    );
+    // Released with no install next to it, the lock file goes, and the next one takes a new one.
+    drop(held);
+    assert!(
+        !paths.lock.exists(),
+        "the released lock file was left behind"
+    );
+    let again = mference_install::lock::InstallLock::acquire(&paths).unwrap();
+    assert!(paths.lock.exists());
+    drop(again);
+}
+
+#[test]
+fn a_lock_file_left_by_a_killed_installer_is_never_busy_and_never_outlives_the_install() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("s.gturbo");
+    let paths = OutPaths::new(&out).unwrap();
+    let kill_leftover = || std::fs::write(&paths.lock, b"").unwrap();
+    let leftovers = || -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(tmp.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    };
+
+    kill_leftover();
+    assert!(mference_install::state::discard(&out).unwrap());
+    assert_eq!(leftovers(), Vec::<String>::new(), "discard left files");
+
+    // A preflight failure (free disk) reports itself, not the lock, and leaves nothing.
+    kill_leftover();
+    let o = InstallOptions {
+        disk_reserve_bytes: u64::MAX / 4,
+        ..opts()
+    };
+    let err = mference_install::install_local(&common::asset("gemma4-tiny"), &out, &o).unwrap_err();
+    assert!(matches!(err, InstallError::DiskFull { .. }), "{err}");
+    assert!(!err.to_string().contains("lock"), "{err}");
+    assert_eq!(
+        leftovers(),
+        Vec::<String>::new(),
+        "a failed install left files"
+    );
+
+    kill_leftover();
+    let resume = InstallOptions {
+        resume: true,
+        ..opts()
+    };
+    mference_install::install_local(&common::asset("gemma4-tiny"), &out, &resume).unwrap();
+    assert_eq!(leftovers(), ["s.gturbo", "s.gturbo.install.lock"]);
+    assert!(!mference_install::state::discard(&out).unwrap());
+    assert_eq!(leftovers(), ["s.gturbo", "s.gturbo.install.lock"]);
 }
 
 #[test]
@@ -255,6 +313,10 @@ fn a_fresh_install_over_a_saved_partial_refuses_and_discard_clears_it() {
     let out = tmp.path().join("q.gturbo");
     let paths = OutPaths::new(&out).unwrap();
     assert!(mference_install::install(&src, &out, &opts()).is_err());
+    assert!(
+        !paths.lock.exists(),
+        "the failed install left its lock file next to the saved partial"
+    );
     let before = common::tree_digest(&paths.partial);
     let err = mference_install::install(&src, &out, &opts()).unwrap_err();
     assert!(err.to_string().contains("resume or discard"), "{err}");
@@ -266,6 +328,11 @@ fn a_fresh_install_over_a_saved_partial_refuses_and_discard_clears_it() {
     let insp = mference_install::state::inspect(&out).unwrap();
     assert!(insp.partial && insp.journal.as_ref().unwrap().completed_ranges.len() == 1);
     assert!(mference_install::state::discard(&out).unwrap());
-    assert!(!paths.partial.exists() && !paths.journal.exists());
+    assert_eq!(
+        std::fs::read_dir(tmp.path()).unwrap().count(),
+        0,
+        "discard left files next to {}",
+        out.display()
+    );
     mference_install::install(&src, &out, &opts()).unwrap();
 }

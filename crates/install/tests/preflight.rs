@@ -21,16 +21,30 @@ fn variant(tmp: &Path, model: &str, edit: impl FnOnce(&mut serde_json::Value)) -
     dir
 }
 
+/// Install `dir` into a directory that does not exist yet; the error, after checking that
+/// nothing at all was left on disk (no output, partial, journal, lock file or parent).
 fn refused(dir: &Path, tmp: &Path) -> InstallError {
-    let out = tmp.join("o.gturbo");
-    let err = mference_install::install_local(dir, &out, &common::quiet()).unwrap_err();
-    assert!(
-        !out.exists()
-            && !tmp.join("o.gturbo.partial").exists()
-            && !tmp.join("o.gturbo.resume.json").exists(),
-        "bytes were written"
+    refused_with(dir, tmp, &common::quiet())
+}
+
+fn refused_with(dir: &Path, tmp: &Path, opts: &mference_install::InstallOptions) -> InstallError {
+    let before = listing(tmp);
+    let err = mference_install::install_local(dir, &tmp.join("new/o.gturbo"), opts).unwrap_err();
+    assert_eq!(
+        listing(tmp),
+        before,
+        "the refused install left files: {err}"
     );
     err
+}
+
+fn listing(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    v.sort();
+    v
 }
 
 #[test]
@@ -87,14 +101,21 @@ fn a_shape_contradicting_config_is_refused() {
 #[test]
 fn not_enough_free_disk_is_refused() {
     let tmp = tempfile::tempdir().unwrap();
-    let out = tmp.path().join("o.gturbo");
     let o = mference_install::InstallOptions {
         disk_reserve_bytes: u64::MAX / 4,
         ..common::quiet()
     };
-    let err = mference_install::install_local(&common::asset("gemma4-tiny"), &out, &o).unwrap_err();
+    let err = refused_with(&common::asset("gemma4-tiny"), tmp.path(), &o);
     assert!(matches!(err, InstallError::DiskFull { .. }), "{err}");
-    assert!(!out.exists() && !tmp.path().join("o.gturbo.partial").exists());
+}
+
+#[test]
+fn an_unreadable_source_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = variant(tmp.path(), "gemma4-tiny", |_| {});
+    std::fs::remove_file(d.join("model.safetensors")).unwrap();
+    let err = refused(&d, tmp.path());
+    assert!(err.to_string().contains("model.safetensors"), "{err}");
 }
 
 #[test]

@@ -83,6 +83,9 @@ fn resolve_location(current: &str, loc: &str) -> String {
     }
 }
 
+/// A 206 answer with its `Content-Range`: (response, first, last inclusive, total size).
+type Ranged = (ureq::http::Response<ureq::Body>, u64, u64, Option<u64>);
+
 /// Parse `bytes a-b/total` → (a, b inclusive, total).
 fn parse_content_range(v: &str) -> Option<(u64, u64, Option<u64>)> {
     let v = v.trim().strip_prefix("bytes ")?;
@@ -133,7 +136,7 @@ impl HttpSource {
         url: &str,
         first: u64,
         last: Option<u64>,
-    ) -> Result<Option<(ureq::http::Response<ureq::Body>, u64, u64, Option<u64>)>, Failure> {
+    ) -> Result<Option<Ranged>, Failure> {
         let range = match last {
             Some(l) => format!("bytes={first}-{l}"),
             None => format!("bytes={first}-"),
