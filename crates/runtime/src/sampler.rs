@@ -294,7 +294,7 @@ mod tests {
             // Flat, peaked and tied distributions: logits on a coarse grid make ties common.
             let spread = [0.5f32, 4.0, 12.0][case % 3];
             let logits: Vec<f32> = (0..vocab)
-                .map(|_| ((rng.random::<f32>() * spread * 8.0).round() / 8.0))
+                .map(|_| (rng.random::<f32>() * spread * 8.0).round() / 8.0)
                 .collect();
             let cfg = SamplerConfig {
                 temperature: [0.2f32, 1.0, 1.7][case % 3],
