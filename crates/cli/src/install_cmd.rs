@@ -196,16 +196,17 @@ pub fn inspect(a: InspectArgs) -> anyhow::Result<()> {
         }
         None => println!("no complete install at this path"),
     }
+    let hint = r.partial_hint.as_deref().unwrap_or_default();
     match (&r.journal, r.partial) {
         (Some(j), _) => {
             let done: u64 = j.completed_ranges.iter().map(|c| c.source_bytes).sum();
             println!(
-                "partial: saved install from {}@{}: {} ranges done, {} of {} source bytes; resume with --resume or run `mference discard`",
+                "partial: an interrupted install from {}@{}: {} ranges done, {} of {} source bytes; {hint}",
                 j.repo_id, j.requested_revision, j.completed_ranges.len(), done, j.total_source_bytes
             );
         }
         (None, true) => {
-            println!("partial: a partial directory without a journal; run `mference discard`")
+            println!("partial: an interrupted install without a journal (it starts over); {hint}")
         }
         (None, false) => println!("partial: none"),
     }

@@ -21,6 +21,13 @@ pub enum InstallError {
     PartialExists { partial: PathBuf, out: PathBuf },
     #[error("the install state next to {out} is inconsistent ({detail}); run `mference discard {out}` and install again")]
     StateCorrupt { out: PathBuf, detail: String },
+    #[error("{path} is not a complete install: the install into {out} was interrupted and saved as a partial install; {hint}")]
+    PartialInstall {
+        path: PathBuf,
+        out: PathBuf,
+        /// What to run: [`crate::state::resume_hint`].
+        hint: String,
+    },
     #[error("{out} already exists; pass --overwrite to replace it")]
     OutputExists { out: PathBuf },
     #[error("the saved partial install does not match this source or plan ({detail}); run `mference discard {out}` to start over")]

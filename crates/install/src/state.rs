@@ -21,8 +21,20 @@ pub struct VerifySummary {
 }
 
 /// Rehash every file listed in the manifest (and the manifest), check the structure
-/// ([`Install::open`]), and rewrite `verified-install.json` bound to `dir`.
+/// ([`Install::open`]), and rewrite `verified-install.json` bound to `dir`. Errors:
+/// [`InstallError::PartialInstall`] for `<out>.partial`, or for `<out>` while only a saved
+/// partial install (or its journal) is there.
 pub fn verify(dir: &Path) -> Result<VerifySummary, InstallError> {
+    let paths = OutPaths::new(&strip_partial(dir))?;
+    if (strip_partial(dir) != dir || !paths.out.exists())
+        && (paths.partial.exists() || paths.journal.exists())
+    {
+        return Err(InstallError::PartialInstall {
+            path: dir.to_path_buf(),
+            hint: resume_hint(&paths),
+            out: paths.out,
+        });
+    }
     let dir = std::fs::canonicalize(dir).map_err(|e| InstallError::io("cannot open", dir, e))?;
     let mbytes = read_capped(&dir.join(MANIFEST_FILE), MANIFEST_FILE, MANIFEST_MAX_BYTES)?;
     let manifest = Manifest::parse(&mbytes)?;
@@ -85,6 +97,8 @@ pub struct InspectReport {
     pub partial: bool,
     /// The journal of a saved partial install.
     pub journal: Option<Journal>,
+    /// With a saved partial install: how to continue or remove it ([`resume_hint`]).
+    pub partial_hint: Option<String>,
 }
 
 /// Describe `<out>`: the complete install (family, arch, sizes) and any saved partial
@@ -115,13 +129,37 @@ pub fn inspect(out: &Path) -> Result<InspectReport, InstallError> {
         .as_ref()
         .map(|m| m.files.values().map(|f| f.size).sum())
         .unwrap_or(0);
+    let partial_hint = (partial || journal.is_some()).then(|| resume_hint(&paths));
     Ok(InspectReport {
         out: paths.out,
         manifest,
         installed_bytes,
         partial,
         journal,
+        partial_hint,
     })
+}
+
+/// What to do with the saved partial install of `paths.out`: the `mference install ...
+/// --resume` that continues it (its source from the journal when there is one) or the
+/// `mference discard` that removes it.
+pub fn resume_hint(paths: &OutPaths) -> String {
+    let journal = Journal::load(&paths.journal).ok();
+    let source = match &journal {
+        None => "<SOURCE>".to_string(),
+        Some(j) => match j.repo_id.strip_prefix("local:") {
+            Some(dir) => dir.to_string(),
+            None => match crate::presets::PRESETS
+                .iter()
+                .find(|p| p.repo == j.repo_id && p.revision == j.requested_revision)
+            {
+                Some(p) => format!("--model {}", p.name),
+                None => format!("--repo {} --revision {}", j.repo_id, j.requested_revision),
+            },
+        },
+    };
+    let out = paths.out.display();
+    format!("continue it with `mference install {source} --output {out} --resume` or remove it with `mference discard {out}`")
 }
 
 /// Remove a saved partial install and its journal, under the install lock, and the lock file

@@ -327,6 +327,30 @@ fn a_fresh_install_over_a_saved_partial_refuses_and_discard_clears_it() {
     );
     let insp = mference_install::state::inspect(&out).unwrap();
     assert!(insp.partial && insp.journal.as_ref().unwrap().completed_ranges.len() == 1);
+    // verify names the interrupted install and what to run, for `<out>` and `<out>.partial`.
+    let resume = format!(
+        "mference install --repo {} --revision {} --output {} --resume",
+        common::REPO,
+        common::REV,
+        paths.out.display()
+    );
+    let discard = format!("mference discard {}", paths.out.display());
+    assert!(
+        insp.partial_hint
+            .as_ref()
+            .is_some_and(|h| h.contains(&resume) && h.contains(&discard)),
+        "{:?}",
+        insp.partial_hint
+    );
+    for p in [&out, &paths.partial] {
+        let err = mference_install::state::verify(p).unwrap_err();
+        let msg = err.to_string();
+        assert!(matches!(err, InstallError::PartialInstall { .. }), "{msg}");
+        assert!(
+            msg.contains("interrupted") && msg.contains(&resume) && msg.contains(&discard),
+            "{msg}"
+        );
+    }
     assert!(mference_install::state::discard(&out).unwrap());
     assert_eq!(
         std::fs::read_dir(tmp.path()).unwrap().count(),
