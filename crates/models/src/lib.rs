@@ -171,6 +171,14 @@ pub trait Model: Send {
     fn position(&self) -> usize;
     /// Keeps the first `n` cached positions; false when the cache cannot be cut there.
     fn truncate(&mut self, n: usize) -> bool;
+    /// Saves what a later [`Model::truncate`] to the current position needs (a family with a
+    /// recurrent state keeps one snapshot of it, replacing the previous one). A model whose whole
+    /// state is its KV cache can be cut anywhere and does nothing.
+    fn checkpoint(&mut self) {}
+    /// The largest position `≤ n` that [`Model::truncate`] can cut to right now (0 always works).
+    fn rewind_point(&self, n: usize) -> usize {
+        n.min(self.position())
+    }
     fn vocab_size(&self) -> usize;
     fn engine(&self) -> &Engine;
     /// Expert-cache counters per MoE layer (layers not opened yet report zeros).

@@ -227,6 +227,7 @@ struct Layer {
 }
 
 /// The recurrent state of one DeltaNet layer (FP32).
+#[derive(Clone)]
 struct DeltaState {
     /// `[kernel - 1, conv_dim]` last pre-conv rows.
     conv: Vec<f32>,
@@ -247,6 +248,8 @@ pub struct Qwen35Moe {
     kv: KvCache,
     /// One per layer; `None` for full-attention layers.
     states: Vec<Option<DeltaState>>,
+    /// The DeltaNet states as they were at one earlier position ([`crate::Model::checkpoint`]).
+    snapshot: Option<(usize, Vec<Option<DeltaState>>)>,
     streamers: Streamers,
 }
 
@@ -452,6 +455,7 @@ impl Qwen35Moe {
             layers,
             kv,
             states,
+            snapshot: None,
             streamers,
         })
     }
@@ -843,21 +847,50 @@ impl crate::Model for Qwen35Moe {
         self.kv.len
     }
 
-    /// The DeltaNet state summarises the whole prefix and cannot be rewound: only `n == 0` (start
-    /// over) and `n == position()` (keep everything) succeed.
+    /// The DeltaNet state summarises the whole prefix and cannot be cut open: `n == 0` (start
+    /// over), `n == position()` (keep everything) and `n` at the checkpoint (restore its states and
+    /// cut the attention KV there) succeed; anything else is refused and changes nothing.
     fn truncate(&mut self, n: usize) -> bool {
         if n == self.kv.len {
             return true;
         }
-        if n != 0 {
-            return false;
+        if n == 0 {
+            // The snapshot described a prefix that is now gone.
+            self.snapshot = None;
+            self.kv.clear();
+            for s in self.states.iter_mut().flatten() {
+                s.conv.fill(0.0);
+                s.ssm.fill(0.0);
+            }
+            return true;
         }
-        self.kv.clear();
-        for s in self.states.iter_mut().flatten() {
-            s.conv.fill(0.0);
-            s.ssm.fill(0.0);
+        match &self.snapshot {
+            Some((pos, states)) if *pos == n && n <= self.kv.len && self.kv.truncate(n) => {
+                self.states.clone_from(states);
+                true
+            }
+            _ => false,
         }
-        true
+    }
+
+    /// Copies the FP32 DeltaNet states (conv and recurrent; ~60 MiB on the 35B-A3B).
+    fn checkpoint(&mut self) {
+        let pos = self.kv.len;
+        match &mut self.snapshot {
+            Some((p, states)) => {
+                *p = pos;
+                states.clone_from(&self.states);
+            }
+            None => self.snapshot = Some((pos, self.states.clone())),
+        }
+    }
+
+    fn rewind_point(&self, n: usize) -> usize {
+        match self.snapshot {
+            _ if n >= self.kv.len => self.kv.len,
+            Some((pos, _)) if pos <= n && pos <= self.kv.len => pos,
+            _ => 0,
+        }
     }
 
     fn vocab_size(&self) -> usize {

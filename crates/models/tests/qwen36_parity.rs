@@ -447,3 +447,42 @@ fn qwen36_trained_tiny_checkpoint() {
         "greedy 64 differs from mlx-lm"
     );
 }
+
+/// A checkpoint lets a server reuse a conversation prefix on a DeltaNet model: cutting back to it
+/// restores the recurrent states and the attention KV, and what runs next is bit-identical to a
+/// model that only ever saw the prefix. Cuts anywhere else are refused without changing anything,
+/// and a restart forgets the checkpoint.
+#[test]
+fn qwen36_checkpoint_rewinds_exactly() {
+    let (_work, _src, inst, seed) = build(&SHAPES[1], fresh_seed(12));
+    let prompt = random_prompt(seed, 300, VOCAB);
+    let other = random_prompt(seed ^ 0x5555, 60, VOCAB);
+    let o = opts32(64);
+    let rows = |m: &mut Box<dyn mference_models::Model>, t: &[u32]| match m.forward(t, Want::All) {
+        Ok(Logits::Rows(r)) => r,
+        _ => panic!("expected rows"),
+    };
+    let mut fresh = load(&inst, &o).unwrap();
+    fresh.forward(&prompt[..180], Want::None).unwrap();
+    let want = rows(&mut fresh, &other);
+
+    let mut m = load(&inst, &o).unwrap();
+    m.forward(&prompt[..180], Want::None).unwrap();
+    m.checkpoint();
+    let past = rows(&mut m, &prompt[180..]);
+    assert_eq!(m.rewind_point(250), 180);
+    assert_eq!(m.rewind_point(179), 0);
+    assert_eq!(m.rewind_point(400), 300);
+    assert!(!m.truncate(250), "a cut between the checkpoint and the end was accepted");
+    assert_eq!(m.position(), 300, "a refused cut changed the position");
+    assert!(m.truncate(180));
+    assert!(rows(&mut m, &other) == want, "logits after the rewind differ from a fresh run");
+    // Rewinding to the same checkpoint again, then replaying the original continuation.
+    assert!(m.truncate(180));
+    assert!(rows(&mut m, &prompt[180..]) == past, "replay after a second rewind differs");
+    // A restart forgets the checkpoint: its states described a prefix that is gone.
+    assert!(m.truncate(0));
+    m.forward(&prompt[..200], Want::None).unwrap();
+    assert_eq!(m.rewind_point(190), 0);
+    assert!(!m.truncate(180));
+}
