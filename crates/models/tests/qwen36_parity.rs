@@ -473,13 +473,22 @@ fn qwen36_checkpoint_rewinds_exactly() {
     assert_eq!(m.rewind_point(250), 180);
     assert_eq!(m.rewind_point(179), 0);
     assert_eq!(m.rewind_point(400), 300);
-    assert!(!m.truncate(250), "a cut between the checkpoint and the end was accepted");
+    assert!(
+        !m.truncate(250),
+        "a cut between the checkpoint and the end was accepted"
+    );
     assert_eq!(m.position(), 300, "a refused cut changed the position");
     assert!(m.truncate(180));
-    assert!(rows(&mut m, &other) == want, "logits after the rewind differ from a fresh run");
+    assert!(
+        rows(&mut m, &other) == want,
+        "logits after the rewind differ from a fresh run"
+    );
     // Rewinding to the same checkpoint again, then replaying the original continuation.
     assert!(m.truncate(180));
-    assert!(rows(&mut m, &prompt[180..]) == past, "replay after a second rewind differs");
+    assert!(
+        rows(&mut m, &prompt[180..]) == past,
+        "replay after a second rewind differs"
+    );
     // A restart forgets the checkpoint: its states described a prefix that is gone.
     assert!(m.truncate(0));
     m.forward(&prompt[..200], Want::None).unwrap();
