@@ -130,7 +130,7 @@ pub fn logical_shape(
         )));
     }
     let packed = weight[r];
-    if (packed * 32) % spec.bits as u64 != 0 {
+    if !(packed * 32).is_multiple_of(spec.bits as u64) {
         return Err(err(format!(
             "packed width {packed} is not a whole number of {}-bit codes",
             spec.bits

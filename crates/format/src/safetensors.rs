@@ -38,7 +38,7 @@ pub struct SafetensorsHeader {
 /// [`MAX_HEADER_BYTES`].
 pub fn header_len(first8: &[u8; 8], file: &str) -> Result<u64, FormatError> {
     let n = u64::from_le_bytes(*first8);
-    if n > MAX_HEADER_BYTES || n < 2 {
+    if !(2..=MAX_HEADER_BYTES).contains(&n) {
         return Err(FormatError::SafetensorsInvalid {
             file: file.into(),
             detail: format!("header length {n} is not plausible"),
