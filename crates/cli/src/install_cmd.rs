@@ -140,6 +140,9 @@ fn print_report(r: &InstallReport) {
         for n in &r.excluded {
             println!("  {n}");
         }
+        for n in &r.notes {
+            println!("note: {n}");
+        }
     } else {
         println!(
             "installed {} ({} bytes): {} ranges fetched ({} bytes), {} reused from the journal",

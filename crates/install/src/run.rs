@@ -81,6 +81,9 @@ pub struct InstallReport {
     pub expert_stride: u64,
     /// Multimodal tensors left out.
     pub excluded: Vec<String>,
+    /// Dry run only: what is at the output that the install would replace, continue or stop
+    /// at (one sentence each, with the option that changes it).
+    pub notes: Vec<String>,
 }
 
 /// The paths next to an output `<out>`: `<out>.partial/`, `<out>.resume.json`,
@@ -198,6 +201,11 @@ fn install_locked(
     } else {
         opts.progress
     });
+    // What is already at the output is refused before the source is read.
+    let finishing = opts.resume && promoted_with_journal(paths);
+    if !opts.dry_run && !finishing {
+        refuse_existing(paths, opts)?;
+    }
     progress.stage("reading source metadata");
     let ck = checkpoint::load(source, opts.pin.as_ref())?;
     progress.stage("planning");
@@ -218,8 +226,10 @@ fn install_locked(
         expert_layers: plan.expert_layers(),
         expert_stride: plan.layout.expert_stride,
         excluded: plan.excluded.clone(),
+        notes: Vec::new(),
     };
     if opts.dry_run {
+        report.notes = dry_run_notes(paths, opts);
         return Ok(report);
     }
     let fresh_journal = Journal {
@@ -232,29 +242,13 @@ fn install_locked(
         total_source_bytes: plan.source_bytes(),
         completed_ranges: Vec::new(),
     };
-    let (has_partial, has_journal, has_out) = (
-        paths.partial.exists(),
-        paths.journal.exists(),
-        paths.out.exists(),
-    );
-    if opts.resume && has_out && has_journal && !has_partial {
-        // Killed after promotion, before the journal was removed.
+    let (has_partial, has_journal) = (paths.partial.exists(), paths.journal.exists());
+    if opts.resume && promoted_with_journal(paths) {
         std::fs::remove_file(&paths.journal)
             .map_err(|e| InstallError::io("cannot remove", &paths.journal, e))?;
         fsync_parent(&paths.journal)?;
         report.ranges_reused = plan.ranges.len();
         return Ok(report);
-    }
-    if has_out && !opts.overwrite {
-        return Err(InstallError::OutputExists {
-            out: paths.out.clone(),
-        });
-    }
-    if !opts.resume && (has_partial || has_journal) {
-        return Err(InstallError::PartialExists {
-            partial: paths.partial.clone(),
-            out: paths.out.clone(),
-        });
     }
     let mut journal = if opts.resume && has_journal {
         let j = Journal::load(&paths.journal)?;
@@ -363,6 +357,55 @@ fn install_locked(
         .map_err(|e| InstallError::io("cannot remove", &paths.journal, e))?;
     fsync_parent(&paths.journal)?;
     Ok(report)
+}
+
+/// Refuse to meet what is already at the output: a complete install without `--overwrite`, a
+/// saved partial install without `--resume`.
+fn refuse_existing(paths: &OutPaths, opts: &InstallOptions) -> Result<(), InstallError> {
+    if paths.out.exists() && !opts.overwrite {
+        return Err(InstallError::OutputExists {
+            out: paths.out.clone(),
+        });
+    }
+    if !opts.resume && (paths.partial.exists() || paths.journal.exists()) {
+        return Err(InstallError::PartialExists {
+            partial: paths.partial.clone(),
+            out: paths.out.clone(),
+        });
+    }
+    Ok(())
+}
+
+/// Killed after promotion, before the journal was removed: `--resume` only removes the journal.
+fn promoted_with_journal(paths: &OutPaths) -> bool {
+    paths.out.exists() && paths.journal.exists() && !paths.partial.exists()
+}
+
+/// What a real install with `opts` would do with what is at the output ([`InstallReport::notes`]).
+fn dry_run_notes(paths: &OutPaths, opts: &InstallOptions) -> Vec<String> {
+    if opts.resume && promoted_with_journal(paths) {
+        return vec![format!(
+            "{} is installed; --resume would only remove its leftover journal",
+            paths.out.display()
+        )];
+    }
+    if let Err(e) = refuse_existing(paths, opts) {
+        return vec![format!("without --dry-run this install would fail: {e}")];
+    }
+    let mut notes = Vec::new();
+    if paths.out.exists() {
+        notes.push(format!(
+            "{} already exists; --overwrite would replace it",
+            paths.out.display()
+        ));
+    }
+    if opts.resume && (paths.partial.exists() || paths.journal.exists()) {
+        notes.push(format!(
+            "--resume would continue the saved partial install at {}",
+            paths.partial.display()
+        ));
+    }
+    notes
 }
 
 fn check_resume_identity(saved: &Journal, now: &Journal, out: &Path) -> Result<(), InstallError> {

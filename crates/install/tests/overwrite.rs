@@ -12,33 +12,85 @@ fn opts(overwrite: bool) -> InstallOptions {
     }
 }
 
-#[test]
-fn a_leftover_old_install_is_removed_by_the_next_overwrite() {
-    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let out = dir.path().join("m.gturbo");
-    let src = common::asset("gemma4-tiny");
-    install_local(&src, &out, &opts(false)).unwrap();
-    let paths = OutPaths::new(&out).unwrap();
-    // What an install killed right after moving the previous copy aside leaves behind.
-    std::fs::create_dir_all(paths.old().join("packed_experts")).unwrap();
-    std::fs::write(paths.old().join("model_weights.bin"), b"previous install").unwrap();
-    install_local(&src, &out, &opts(true)).unwrap();
-    assert!(!paths.old().exists(), "{} leaked", paths.old().display());
-    Install::open(&out, VerifyPolicy::FullSha256).expect("the new install loads");
-}
-
-#[test]
-fn discard_restores_a_previous_install_left_aside() {
+/// A fresh install of the tiny Gemma 4 at `<tmp>/m.gturbo`: (tmp, paths).
+fn installed() -> (tempfile::TempDir, OutPaths) {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let out = dir.path().join("m.gturbo");
     install_local(&common::asset("gemma4-tiny"), &out, &opts(false)).unwrap();
     let paths = OutPaths::new(&out).unwrap();
+    (dir, paths)
+}
+
+#[test]
+fn a_leftover_old_install_is_removed_by_the_next_overwrite() {
+    let (_dir, paths) = installed();
+    let (out, src) = (&paths.out, common::asset("gemma4-tiny"));
+    // What an install killed right after moving the previous copy aside leaves behind.
+    std::fs::create_dir_all(paths.old().join("packed_experts")).unwrap();
+    std::fs::write(paths.old().join("model_weights.bin"), b"previous install").unwrap();
+    install_local(&src, out, &opts(true)).unwrap();
+    assert!(!paths.old().exists(), "{} leaked", paths.old().display());
+    Install::open(out, VerifyPolicy::FullSha256).expect("the new install loads");
+}
+
+#[test]
+fn discard_restores_a_previous_install_left_aside() {
+    let (_dir, paths) = installed();
+    let out = &paths.out;
     // Interrupted between moving the previous install aside and promoting the new one.
-    std::fs::rename(&out, paths.old()).unwrap();
+    std::fs::rename(out, paths.old()).unwrap();
     assert!(
-        state::discard(&out).unwrap(),
+        state::discard(out).unwrap(),
         "discard reported nothing to do"
     );
     assert!(!paths.old().exists());
-    Install::open(&out, VerifyPolicy::FullSha256).expect("the previous install is back and loads");
+    Install::open(out, VerifyPolicy::FullSha256).expect("the previous install is back and loads");
+}
+
+#[test]
+fn a_dry_run_onto_an_install_says_it_exists_and_what_overwrite_would_do() {
+    let (dir, paths) = installed();
+    let (out, src) = (&paths.out, common::asset("gemma4-tiny"));
+    let before = common::tree_digest(dir.path());
+    let dry = |overwrite: bool| {
+        let o = InstallOptions {
+            dry_run: true,
+            ..opts(overwrite)
+        };
+        install_local(&src, out, &o).unwrap().notes.join("\n")
+    };
+    let refused = dry(false);
+    assert!(
+        refused.contains(&format!("{} already exists", out.display()))
+            && refused.contains("would fail")
+            && refused.contains("--overwrite to replace it"),
+        "{refused}"
+    );
+    let replacing = dry(true);
+    assert!(
+        replacing.contains("already exists") && replacing.contains("--overwrite would replace it"),
+        "{replacing}"
+    );
+    assert_eq!(common::tree_digest(dir.path()), before, "a dry run wrote");
+
+    // Without --dry-run the refusal names --overwrite, and comes before the source is read (a
+    // checkpoint without weights would fail otherwise).
+    let empty = tempfile::tempdir().unwrap();
+    std::fs::write(empty.path().join("config.json"), b"{}").unwrap();
+    let err = install_local(empty.path(), out, &opts(false)).unwrap_err();
+    assert!(
+        matches!(err, mference_install::InstallError::OutputExists { .. })
+            && err.to_string().contains("--overwrite"),
+        "{err}"
+    );
+    assert_eq!(common::tree_digest(dir.path()), before);
+
+    // A saved partial install next to it: the dry run names --resume and discard instead.
+    std::fs::remove_dir_all(out).unwrap();
+    std::fs::create_dir(&paths.partial).unwrap();
+    let partial = dry(false);
+    assert!(
+        partial.contains("--resume") && partial.contains("mference discard"),
+        "{partial}"
+    );
 }
