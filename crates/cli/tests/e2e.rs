@@ -1,79 +1,22 @@
-//! End to end through the binary: install the bundled demo model with the real installer, then
-//! `run --prompt` and `run --messages-file` greedy for 32 tokens must produce exactly mlx-lm's
-//! token ids (float32 reference) for the same prompt and chat render, and its text.
+//! End to end through the binary: `mference install` the bundled demo model, then `run --prompt`
+//! and `run --messages-file` greedy for 32 tokens must produce exactly mlx-lm's token ids (float32
+//! reference) for the same prompt and chat render, and its text. The other scenarios (chat,
+//! perplexity) share one demo install made by the same installer (`mference_testkit`).
 
-use std::path::{Path, PathBuf};
 use std::process::Command;
 
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../..")
-        .canonicalize()
-        .unwrap()
-}
+use mference_testkit::{
+    demo_install, demo_source, mlx_greedy, output_ok, py, python, repo, run_ok,
+};
 
-fn python() -> PathBuf {
-    let p = repo().join(".venv/bin/python");
-    assert!(
-        p.exists(),
-        "{} is missing: run `bash tools/ref/setup-venv.sh` (the README's test command does)",
-        p.display()
-    );
-    p
-}
+const BIN: &str = env!("CARGO_BIN_EXE_mference");
 
-fn py(args: &[&str]) -> serde_json::Value {
-    let out = Command::new(python())
-        .args(args)
-        .current_dir(repo())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
-}
-
+/// `mference ARGS`, which must succeed.
 fn mference(args: &[&str]) -> std::process::Output {
-    let out = Command::new(env!("CARGO_BIN_EXE_mference"))
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "mference {args:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out
+    run_ok(BIN, args)
 }
 
-/// mlx-lm's greedy ids for `prompt`, cut at the first Gemma stop token (the CLI never prints those).
-fn reference(model: &Path, prompt: &serde_json::Value, work: &Path, n: usize) -> Vec<u64> {
-    let tf = work.join("prompt.json");
-    std::fs::write(&tf, prompt.to_string()).unwrap();
-    let g = py(&[
-        "tools/ref/ref_logits.py",
-        "--model",
-        model.to_str().unwrap(),
-        "--tokens-file",
-        tf.to_str().unwrap(),
-        "--greedy",
-        &n.to_string(),
-    ]);
-    let ids: Vec<u64> = g["generated"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_u64().unwrap())
-        .collect();
-    ids.into_iter()
-        .take_while(|id| ![1, 106, 50].contains(id))
-        .collect()
-}
-
-fn ours(out: &std::process::Output) -> (serde_json::Value, Vec<u64>, String) {
+fn ours(out: &std::process::Output) -> (serde_json::Value, Vec<u32>, String) {
     let err = String::from_utf8_lossy(&out.stderr);
     let line = err
         .lines()
@@ -84,7 +27,7 @@ fn ours(out: &std::process::Output) -> (serde_json::Value, Vec<u64>, String) {
         .as_array()
         .unwrap()
         .iter()
-        .map(|x| x.as_u64().unwrap())
+        .map(|x| x.as_u64().unwrap() as u32)
         .collect();
     (
         v["prompt"].clone(),
@@ -93,25 +36,18 @@ fn ours(out: &std::process::Output) -> (serde_json::Value, Vec<u64>, String) {
     )
 }
 
-fn decode(ids: &[u64]) -> String {
+fn decode(ids: &[u32]) -> String {
     let tok = repo().join("assets/tokenizers/gemma4/tokenizer.json");
     let code = format!("import json,sys; from tokenizers import Tokenizer; t=Tokenizer.from_file({:?}); print(json.dumps(t.decode(json.loads(sys.argv[1]), skip_special_tokens=True)))", tok.to_str().unwrap());
-    let out = Command::new(python())
-        .args(["-c", &code, &serde_json::to_string(ids).unwrap()])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let out =
+        output_ok(Command::new(python()).args(["-c", &code, &serde_json::to_string(ids).unwrap()]));
     serde_json::from_slice::<String>(&out.stdout).unwrap()
 }
 
 #[test]
 fn demo_prompt_and_messages_match_mlx_lm_token_for_token() {
     let work = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let src = repo().join("assets/models/gemma4-tiny");
+    let src = demo_source();
     let inst = work.path().join("demo.gturbo");
     mference(&[
         "install",
@@ -147,7 +83,7 @@ fn demo_prompt_and_messages_match_mlx_lm_token_for_token() {
     ]);
     let (prompt, ids, stdout) = ours(&out);
     assert_eq!(prompt, want_prompt, "raw prompt tokenization differs");
-    let want = reference(&src, &want_prompt, work.path(), 32);
+    let want = mlx_greedy(&want_prompt, 32, work.path());
     assert_eq!(ids, want, "raw prompt: greedy ids differ from mlx-lm");
     assert_eq!(
         stdout.trim_end_matches('\n'),
@@ -194,7 +130,7 @@ fn demo_prompt_and_messages_match_mlx_lm_token_for_token() {
         prompt, want_prompt,
         "chat render/tokenization differs from the transformers template render"
     );
-    let want = reference(&src, &want_prompt, work.path(), 32);
+    let want = mlx_greedy(&want_prompt, 32, work.path());
     assert_eq!(ids, want, "messages: greedy ids differ from mlx-lm");
     assert_eq!(
         stdout.trim_end_matches('\n'),
@@ -205,7 +141,6 @@ fn demo_prompt_and_messages_match_mlx_lm_token_for_token() {
 
 #[test]
 fn bad_flags_are_rejected_with_the_allowed_values() {
-    let bin = env!("CARGO_BIN_EXE_mference");
     let cases: [(&[&str], &str); 4] = [
         (
             &["--temperature", "0.5", "--top-k", "0", "--top-p", "0.9"],
@@ -224,12 +159,12 @@ fn bad_flags_are_rejected_with_the_allowed_values() {
     for (flags, msg) in cases {
         let mut args = vec!["run", "--model", "/nonexistent.gturbo", "--prompt", "x"];
         args.extend_from_slice(flags);
-        let out = Command::new(bin).args(&args).output().unwrap();
+        let out = Command::new(BIN).args(&args).output().unwrap();
         assert!(!out.status.success(), "{flags:?} accepted");
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.contains(msg), "{flags:?}: {err}");
     }
-    let out = Command::new(bin)
+    let out = Command::new(BIN)
         .args(["run", "--model", "/x", "--prompt", "a", "--chat"])
         .output()
         .unwrap();
@@ -239,17 +174,8 @@ fn bad_flags_are_rejected_with_the_allowed_values() {
 #[test]
 fn interactive_chat_answers_and_handles_slash_commands() {
     use std::io::Write;
-    let work = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let inst = work.path().join("chat.gturbo");
-    let src = repo().join("assets/models/gemma4-tiny");
-    mference(&[
-        "install",
-        src.to_str().unwrap(),
-        "--output",
-        inst.to_str().unwrap(),
-        "--quiet",
-    ]);
-    let mut child = Command::new(env!("CARGO_BIN_EXE_mference"))
+    let inst = demo_install();
+    let mut child = Command::new(BIN)
         .args([
             "run",
             "--model",
@@ -298,17 +224,8 @@ fn interactive_chat_answers_and_handles_slash_commands() {
 #[test]
 fn chat_drops_the_oldest_turns_to_fit_but_keeps_system_and_newest_user() {
     use std::io::Write;
-    let work = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let inst = work.path().join("chat.gturbo");
-    let src = repo().join("assets/models/gemma4-tiny");
-    mference(&[
-        "install",
-        src.to_str().unwrap(),
-        "--output",
-        inst.to_str().unwrap(),
-        "--quiet",
-    ]);
-    let mut child = Command::new(env!("CARGO_BIN_EXE_mference"))
+    let inst = demo_install();
+    let mut child = Command::new(BIN)
         .args([
             "run",
             "--model",
@@ -365,16 +282,7 @@ fn demo_perplexity_is_within_0_3_percent_of_mlx_lm() {
     let want = refs["models"]["gemma4-tiny"]["perplexity_llama_ctx512_8192"]["perplexity"]
         .as_f64()
         .unwrap();
-    let work = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let inst = work.path().join("ppl.gturbo");
-    let src = repo().join("assets/models/gemma4-tiny");
-    mference(&[
-        "install",
-        src.to_str().unwrap(),
-        "--output",
-        inst.to_str().unwrap(),
-        "--quiet",
-    ]);
+    let inst = demo_install();
     let text = repo().join("assets/austen_pride_and_prejudice.txt");
     let out = mference(&[
         "perplexity",

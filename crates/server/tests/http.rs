@@ -9,6 +9,8 @@ use std::time::Duration;
 
 use common::*;
 use mference_server::PromptCacheMode;
+use mference_testkit::http::{get, post, post_stream, raw_request};
+use mference_testkit::{demo_install, demo_source, mlx_greedy, output_ok, py, python, repo};
 use serde_json::{json, Value};
 
 fn assert_error(status: u16, body: &Value, want: u16, what: &str) {
@@ -168,51 +170,13 @@ fn endpoints_and_error_statuses() {
     srv.shutdown();
 }
 
-/// `.venv/bin/python tools/ref/…` → JSON.
-fn py(args: &[&str]) -> Value {
-    let out = Command::new(python())
-        .args(args)
-        .current_dir(repo())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
-}
-
-/// mlx-lm's greedy ids for `prompt` (float32 compute), cut at the first Gemma stop token.
-fn mlx_greedy(prompt: &Value, n: usize, work: &std::path::Path) -> Vec<u32> {
-    let f = work.join("prompt.json");
-    std::fs::write(&f, prompt.to_string()).unwrap();
-    let src = repo().join("assets/models/gemma4-tiny");
-    let g = py(&[
-        "tools/ref/ref_logits.py",
-        "--model",
-        src.to_str().unwrap(),
-        "--tokens-file",
-        f.to_str().unwrap(),
-        "--greedy",
-        &n.to_string(),
-    ]);
-    g["generated"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_u64().unwrap() as u32)
-        .take_while(|id| ![1, 106, 50].contains(id))
-        .collect()
-}
-
 #[test]
 fn greedy_chat_and_completions_match_mlx_lm() {
     let work = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let srv = start(Opts::default());
     let a = srv.local_addr();
-    let src = repo().join("assets/models/gemma4-tiny");
-    let tok = mference_text::Tokenizer::from_dir(&install().join("tokenizer")).unwrap();
+    let src = demo_source();
+    let tok = mference_text::Tokenizer::from_dir(&demo_install().join("tokenizer")).unwrap();
     let n = 24;
 
     // Chat: the reference renders the template in Python (transformers) with thinking off.
@@ -297,23 +261,18 @@ fn greedy_chat_and_completions_match_mlx_lm() {
     let f = work.path().join("p.json");
     std::fs::write(&f, p.to_string()).unwrap();
     let out = work.path().join("logits.bin");
-    let st = Command::new(python())
-        .args([
-            "tools/ref/ref_logits.py",
-            "--model",
-            src.to_str().unwrap(),
-            "--tokens-file",
-            f.to_str().unwrap(),
-            "--out",
-            out.to_str().unwrap(),
-        ])
-        .current_dir(repo())
-        .output()
-        .unwrap();
-    assert!(
-        st.status.success(),
-        "{}",
-        String::from_utf8_lossy(&st.stderr)
+    output_ok(
+        Command::new(python())
+            .args([
+                "tools/ref/ref_logits.py",
+                "--model",
+                src.to_str().unwrap(),
+                "--tokens-file",
+                f.to_str().unwrap(),
+                "--out",
+                out.to_str().unwrap(),
+            ])
+            .current_dir(repo()),
     );
     let bytes = std::fs::read(&out).unwrap();
     let vocab = 262_144;
@@ -429,7 +388,7 @@ fn prefix_reuse_matches_a_cold_run() {
     // Turns 1 to 3 extend a conversation whose KV still fits the 256-row ring: everything of the
     // previous prompt is reused except its generation-prompt tail (`<|channel>thought\n<channel|>`,
     // which the template drops from the history's assistant turn).
-    let tok = mference_text::Tokenizer::from_dir(&install().join("tokenizer")).unwrap();
+    let tok = mference_text::Tokenizer::from_dir(&demo_install().join("tokenizer")).unwrap();
     let tail = tok
         .encode("<|channel>thought\n<channel|>", false)
         .unwrap()

@@ -3,6 +3,7 @@
 mod common;
 
 use common::*;
+use mference_testkit::http::{get, post, post_stream};
 use serde_json::json;
 
 /// 50 concurrent clients, four rounds: every request gets 200 or 429, the server survives, and

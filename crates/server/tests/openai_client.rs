@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::*;
+use mference_testkit::{python, repo};
 
 #[test]
 fn openai_python_client() {

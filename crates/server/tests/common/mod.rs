@@ -1,11 +1,10 @@
-//! Shared test harness: install the bundled demo model with the real installer (once per test
-//! binary), start servers in-process on loopback port 0, and a small HTTP client.
+//! Shared harness of the server tests: servers started in-process on loopback port 0 over the demo
+//! install (`mference_testkit::demo_install`), and the model wrappers that make the tool-call and
+//! queue scenarios possible. The repository, the venv and the HTTP client come from
+//! `mference-testkit`.
 #![allow(dead_code)]
 
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
-use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use mference_models::{Engine, LoadOptions, Logits, Model, ModelError, Want};
@@ -13,54 +12,13 @@ use mference_runtime::{CacheSlots, StreamerStats};
 use mference_server::{PromptCacheMode, Server, ServerConfig, TextSide};
 use serde_json::Value;
 
+use mference_testkit::demo_install;
+
 pub const MODEL_ID: &str = "demo";
-
-pub fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../..")
-        .canonicalize()
-        .unwrap()
-}
-
-/// `<repo>/.venv/bin/python`; a missing venv fails the test with the command that makes it.
-pub fn python() -> PathBuf {
-    let p = repo().join(".venv/bin/python");
-    assert!(
-        p.exists(),
-        "{} is missing: run `bash tools/ref/setup-venv.sh` (tools/test.sh does)",
-        p.display()
-    );
-    p
-}
-
-/// The demo install (`assets/models/gemma4-tiny` through the real installer), made once per test
-/// process under `target/`.
-pub fn install() -> &'static Path {
-    static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let exe = std::env::current_exe().unwrap();
-        let name = exe.file_stem().unwrap().to_string_lossy().to_string();
-        let root = repo().join("target/server-tests").join(name);
-        let _ = std::fs::remove_dir_all(&root);
-        std::fs::create_dir_all(&root).unwrap();
-        let out = root.join("demo.gturbo");
-        mference_install::install_local(
-            &repo().join("assets/models/gemma4-tiny"),
-            &out,
-            &mference_install::InstallOptions {
-                progress: mference_install::ProgressMode::Quiet,
-                disk_reserve_bytes: 0,
-                ..Default::default()
-            },
-        )
-        .expect("installing the demo model");
-        out
-    })
-}
 
 pub fn load_model(max_context: usize) -> Box<dyn Model> {
     mference_models::load(
-        install(),
+        demo_install(),
         &LoadOptions {
             slots: CacheSlots::Resident,
             threads: 1,
@@ -98,7 +56,7 @@ impl Default for Opts {
 }
 
 pub fn start(o: Opts) -> Server {
-    let text = TextSide::load(install()).unwrap();
+    let text = TextSide::load(demo_install()).unwrap();
     let mut model = load_model(o.max_context);
     if let Some(script) = o.tool_script {
         model = Box::new(ToolCaller::new(model, &text, script));
@@ -155,7 +113,7 @@ impl ToolCaller {
             stop,
             seq: Vec::new(),
             forcing: None,
-            tok: mference_text::Tokenizer::from_dir(&install().join("tokenizer")).unwrap(),
+            tok: mference_text::Tokenizer::from_dir(&demo_install().join("tokenizer")).unwrap(),
         }
     }
 
@@ -249,124 +207,6 @@ impl Model for Slow {
     fn kv_bytes(&self) -> usize {
         self.inner.kv_bytes()
     }
-}
-
-/// A blocking HTTP client that reports every status (no error on 4xx/5xx).
-pub fn agent() -> ureq::Agent {
-    ureq::Agent::config_builder()
-        .http_status_as_error(false)
-        .timeout_global(Some(Duration::from_secs(300)))
-        .build()
-        .into()
-}
-
-/// POSTs JSON; returns the status and the body as JSON (or a JSON string when it is not JSON).
-pub fn post(addr: SocketAddr, path: &str, body: &Value) -> (u16, Value) {
-    let mut r = agent()
-        .post(format!("http://{addr}{path}"))
-        .header("content-type", "application/json")
-        .send(body.to_string())
-        .unwrap();
-    let status = r.status().as_u16();
-    let text = r.body_mut().read_to_string().unwrap();
-    (
-        status,
-        serde_json::from_str(&text).unwrap_or(Value::String(text)),
-    )
-}
-
-pub fn get(addr: SocketAddr, path: &str) -> (u16, Value) {
-    let mut r = agent().get(format!("http://{addr}{path}")).call().unwrap();
-    let status = r.status().as_u16();
-    let text = r.body_mut().read_to_string().unwrap();
-    (
-        status,
-        serde_json::from_str(&text).unwrap_or(Value::String(text)),
-    )
-}
-
-/// A streamed response: status, content type, and the raw SSE text.
-pub struct Sse {
-    pub status: u16,
-    pub content_type: String,
-    pub raw: String,
-}
-
-impl Sse {
-    /// The `data:` payloads in order (`[DONE]` included as a string).
-    pub fn data(&self) -> Vec<String> {
-        self.raw
-            .split("\n\n")
-            .filter_map(|ev| ev.strip_prefix("data: "))
-            .map(str::to_string)
-            .collect()
-    }
-
-    /// The JSON chunks (every `data:` but `[DONE]`).
-    pub fn chunks(&self) -> Vec<Value> {
-        self.data()
-            .iter()
-            .filter(|d| d.as_str() != "[DONE]")
-            .map(|d| serde_json::from_str(d).unwrap())
-            .collect()
-    }
-
-    /// The concatenated `delta.content` (chat) or `text` (completions).
-    pub fn text(&self) -> String {
-        self.chunks()
-            .iter()
-            .filter_map(|c| {
-                let ch = c["choices"].get(0)?;
-                ch["delta"]["content"]
-                    .as_str()
-                    .or(ch["text"].as_str())
-                    .map(str::to_string)
-            })
-            .collect()
-    }
-}
-
-pub fn post_stream(addr: SocketAddr, path: &str, body: &Value) -> Sse {
-    let r = agent()
-        .post(format!("http://{addr}{path}"))
-        .header("content-type", "application/json")
-        .send(body.to_string())
-        .unwrap();
-    let status = r.status().as_u16();
-    let content_type = r
-        .headers()
-        .get("content-type")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("")
-        .to_string();
-    let mut raw = String::new();
-    r.into_body()
-        .into_reader()
-        .read_to_string(&mut raw)
-        .unwrap();
-    Sse {
-        status,
-        content_type,
-        raw,
-    }
-}
-
-/// Sends raw bytes and returns the status line's code and the rest of the response (the
-/// connection is closed by the request's `Connection: close`).
-pub fn raw_request(addr: SocketAddr, head: &str, body: &[u8]) -> (u16, String) {
-    let mut s = TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-    s.write_all(head.as_bytes()).unwrap();
-    let _ = s.write_all(body);
-    let mut out = Vec::new();
-    let _ = s.read_to_end(&mut out);
-    let text = String::from_utf8_lossy(&out).to_string();
-    let code = text
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    (code, text)
 }
 
 /// A chat request body for the demo model.

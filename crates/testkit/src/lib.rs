@@ -1,0 +1,106 @@
+//! Support code shared by the integration tests of `mference-cli` and `mference-server` (a
+//! dev-dependency only; never published):
+//!
+//! - the repository, its reference venv (`.venv`, made by `tools/test.sh`) and the mlx-lm
+//!   reference scripts under `tools/ref/`;
+//! - the bundled demo model (`assets/models/gemma4-tiny`) installed through the real installer
+//!   once per test process ([`demo_install`]);
+//! - the `mference` binary as a child process ([`run_ok`], [`ServeProcess`]);
+//! - a blocking HTTP client that reads SSE streams ([`http`]).
+//!
+//! Each test file keeps only its scenarios.
+
+pub mod http;
+mod process;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+use serde_json::Value;
+
+pub use process::{output_ok, run_ok, ServeProcess};
+
+/// Gemma 4's stop tokens (`<eos>`, `<turn|>`, `<|tool_response>`): generation ends before them and
+/// our outputs never contain them.
+pub const GEMMA_STOP_IDS: [u32; 3] = [1, 106, 50];
+
+/// The repository root.
+pub fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
+        .canonicalize()
+        .expect("the repository root")
+}
+
+/// `<repo>/.venv/bin/python`; a missing venv fails the test with the command that makes it.
+pub fn python() -> PathBuf {
+    let p = repo().join(".venv/bin/python");
+    assert!(
+        p.exists(),
+        "{} is missing: run `bash tools/ref/setup-venv.sh` (tools/test.sh does)",
+        p.display()
+    );
+    p
+}
+
+/// Runs `.venv/bin/python ARGS` in the repository (e.g. `tools/ref/encode.py …`) and parses its
+/// stdout as JSON; a failing script fails the test with its stderr.
+pub fn py(args: &[&str]) -> Value {
+    let out = output_ok(Command::new(python()).args(args).current_dir(repo()));
+    serde_json::from_slice(&out.stdout).expect("the script's stdout is JSON")
+}
+
+/// The bundled demo checkpoint, `assets/models/gemma4-tiny` (an mlx-community layout).
+pub fn demo_source() -> PathBuf {
+    repo().join("assets/models/gemma4-tiny")
+}
+
+/// The demo checkpoint installed with the real installer (`mference_install::install_local`, what
+/// `mference install` runs), made once per test process under `target/testkit/<test binary>/`.
+pub fn demo_install() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let exe = std::env::current_exe().expect("the test binary's path");
+        let name = exe.file_stem().unwrap().to_string_lossy().to_string();
+        let root = repo().join("target/testkit").join(name);
+        let _ = std::fs::remove_dir_all(&root);
+        std::fs::create_dir_all(&root).unwrap();
+        let out = root.join("demo.gturbo");
+        mference_install::install_local(
+            &demo_source(),
+            &out,
+            &mference_install::InstallOptions {
+                progress: mference_install::ProgressMode::Quiet,
+                disk_reserve_bytes: 0,
+                ..Default::default()
+            },
+        )
+        .expect("installing the demo model");
+        out
+    })
+}
+
+/// mlx-lm's greedy continuation of `prompt` (a JSON list of token ids) on the demo checkpoint,
+/// `n` tokens at most (float32 compute, `tools/ref/ref_logits.py --greedy`), cut at the first
+/// Gemma stop token. `work` holds the prompt file.
+pub fn mlx_greedy(prompt: &Value, n: usize, work: &Path) -> Vec<u32> {
+    let f = work.join("prompt.json");
+    std::fs::write(&f, prompt.to_string()).unwrap();
+    let g = py(&[
+        "tools/ref/ref_logits.py",
+        "--model",
+        demo_source().to_str().unwrap(),
+        "--tokens-file",
+        f.to_str().unwrap(),
+        "--greedy",
+        &n.to_string(),
+    ]);
+    g["generated"]
+        .as_array()
+        .expect("`generated` ids")
+        .iter()
+        .map(|v| v.as_u64().unwrap() as u32)
+        .take_while(|id| !GEMMA_STOP_IDS.contains(id))
+        .collect()
+}

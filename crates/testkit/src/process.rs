@@ -1,0 +1,129 @@
+//! The `mference` binary as a child process. Test crates pass the binary's path
+//! (`env!("CARGO_BIN_EXE_mference")`, which only the binary's own crate sees).
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Runs `cmd` to completion; a failure to start or a non-zero exit fails the test with the
+/// command line and its stderr.
+pub fn output_ok(cmd: &mut Command) -> Output {
+    let out = cmd
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
+    assert!(
+        out.status.success(),
+        "{cmd:?} failed ({}): {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+/// Runs `bin ARGS` (the `mference` binary) to completion, which must succeed.
+pub fn run_ok(bin: &str, args: &[&str]) -> Output {
+    output_ok(Command::new(bin).args(args))
+}
+
+/// What `mference serve` prints on stderr once the port is open.
+const READY: &str = "MferenceServer ready on http://";
+
+/// A running `mference serve --port 0 ARGS`: its address (from the ready line) and its stderr so
+/// far. Dropping it kills the process if it is still running.
+pub struct ServeProcess {
+    child: Child,
+    addr: SocketAddr,
+    log: Arc<Mutex<String>>,
+}
+
+impl ServeProcess {
+    /// Starts `bin serve --port 0 ARGS` and waits (up to `timeout`) for the ready line. The
+    /// process exiting first, or no ready line in time, fails the test with its stderr.
+    pub fn start(bin: &str, args: &[&str], timeout: Duration) -> Self {
+        let mut child = Command::new(bin)
+            .args(["serve", "--port", "0"])
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawning mference serve");
+        let log = Arc::new(Mutex::new(String::new()));
+        let (ready_tx, ready_rx) = mpsc::channel::<SocketAddr>();
+        let stderr = child.stderr.take().unwrap();
+        let sink = Arc::clone(&log);
+        // Keeps draining stderr for the process's whole life, so a full pipe never blocks it.
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines() {
+                let Ok(line) = line else { break };
+                if let Some(rest) = line.strip_prefix(READY) {
+                    if let Some(addr) = rest.split_whitespace().next().and_then(|a| a.parse().ok())
+                    {
+                        let _ = ready_tx.send(addr);
+                    }
+                }
+                let mut l = sink.lock().unwrap();
+                l.push_str(&line);
+                l.push('\n');
+            }
+        });
+        let addr = match ready_rx.recv_timeout(timeout) {
+            Ok(addr) => addr,
+            Err(_) => {
+                let _ = child.kill();
+                let status = child.wait().ok();
+                // Let the reader thread catch the last lines.
+                std::thread::sleep(Duration::from_millis(100));
+                panic!(
+                    "mference serve {args:?}: no ready line within {timeout:?} (exit {status:?}):\n{}",
+                    log.lock().unwrap()
+                );
+            }
+        };
+        ServeProcess { child, addr, log }
+    }
+
+    /// The bound address.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Sends `signal` (a `kill -s` name: `TERM`, `INT`, …) to the process.
+    pub fn signal(&self, signal: &str) {
+        let st = Command::new("kill")
+            .args(["-s", signal, &self.child.id().to_string()])
+            .status()
+            .expect("running kill");
+        assert!(st.success(), "kill -s {signal} failed");
+    }
+
+    /// Waits up to `timeout` for the process to exit; `None` if it is still running.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<ExitStatus> {
+        let t0 = Instant::now();
+        loop {
+            if let Some(st) = self.child.try_wait().expect("waiting for mference serve") {
+                return Some(st);
+            }
+            if t0.elapsed() >= timeout {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Everything the process wrote to stderr so far.
+    pub fn log(&self) -> String {
+        self.log.lock().unwrap().clone()
+    }
+}
+
+impl Drop for ServeProcess {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
