@@ -175,6 +175,12 @@ pub trait Model: Send {
     /// recurrent state keeps one snapshot of it, replacing the previous one). A model whose whole
     /// state is its KV cache can be cut anywhere and does nothing.
     fn checkpoint(&mut self) {}
+    /// Whether part of the state is recurrent, so the cache can only be cut at 0, at the end or at
+    /// a checkpoint: a caller that wants to rewind later runs its input in two pieces and calls
+    /// [`Model::checkpoint`] between them.
+    fn is_recurrent(&self) -> bool {
+        false
+    }
     /// The largest position `≤ n` that [`Model::truncate`] can cut to right now (0 always works).
     fn rewind_point(&self, n: usize) -> usize {
         n.min(self.position())

@@ -885,6 +885,10 @@ impl crate::Model for Qwen35Moe {
         }
     }
 
+    fn is_recurrent(&self) -> bool {
+        true
+    }
+
     fn rewind_point(&self, n: usize) -> usize {
         match self.snapshot {
             _ if n >= self.kv.len => self.kv.len,

@@ -23,6 +23,20 @@ impl Family {
 }
 
 impl Family {
+    /// The special token that opens the assistant's turn in a rendered chat prompt (`<|turn>` of
+    /// `<|turn>model`, `<|im_start|>` of `<|im_start|>assistant`, `<｜Assistant｜>`). A conversation
+    /// re-rendered with the reply in its history first departs from the generated tokens after
+    /// the last one of these, so a server keeps recurrent model state from just before it.
+    pub fn turn_open_token(self) -> &'static str {
+        match self {
+            Family::Gemma4 => "<|turn>",
+            Family::Qwen36 => "<|im_start|>",
+            Family::DeepSeekV4 => "<｜Assistant｜>",
+        }
+    }
+}
+
+impl Family {
     /// The extra template variables mference renders chats with, as the original does
     /// (`reference/original-system.md` §2.6): thinking off. Gemma 4 then ends the prompt with an
     /// empty thought channel, Qwen 3.6 with an empty think block
@@ -47,5 +61,20 @@ mod tests {
             Some(Family::DeepSeekV4)
         );
         assert_eq!(Family::from_model_type("llama"), None);
+    }
+
+    #[test]
+    fn turn_open_tokens_are_single_special_tokens() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets/tokenizers");
+        for (family, name) in [
+            (Family::Gemma4, "gemma4"),
+            (Family::Qwen36, "qwen3_6"),
+            (Family::DeepSeekV4, "deepseek_v4"),
+        ] {
+            let tok = crate::Tokenizer::from_dir(&dir.join(name)).expect("tokenizer");
+            let t = family.turn_open_token();
+            let ids = tok.encode(t, false).expect("encode");
+            assert_eq!(ids.len(), 1, "{family:?}: {t} encodes to {ids:?}");
+        }
     }
 }
