@@ -1,11 +1,10 @@
 //! Crash safety: kill -9 at random points and resume; corrupt a journaled range; a second
-//! installer is refused; a fresh install over a saved partial is refused.
+//! installer is refused; a killed installer's lock file is never "busy" and never outlives the
+//! install; a fresh install over a saved partial is refused, verify names it, discard clears it.
 
 mod common;
-use common::server::{checkpoint_files, Fault, Server};
 use mference_install::journal::Journal;
-use mference_install::source::local::LocalSource;
-use mference_install::{checkpoint, plan, InstallError, InstallOptions, OutPaths};
+use mference_install::{InstallError, InstallOptions, OutPaths};
 use rand::{RngExt, SeedableRng};
 use std::collections::{BTreeMap, HashSet};
 use std::process::{Command, Stdio};
@@ -14,17 +13,12 @@ use std::time::{Duration, Instant};
 const RANGE: u64 = 1 << 20;
 
 fn opts() -> InstallOptions {
-    InstallOptions {
-        max_range_bytes: RANGE,
-        model_id: Some("tiny".into()),
-        ..common::quiet()
-    }
+    common::tiny_opts(RANGE)
 }
 
 /// Range start offset → range id, from the same plan the installer builds.
 fn range_ids(model: &str) -> BTreeMap<u64, String> {
-    let ck = checkpoint::load(&LocalSource::new(&common::asset(model)).unwrap(), None).unwrap();
-    let p = plan::build(&ck, RANGE).unwrap();
+    let p = common::plan_of(model, RANGE);
     assert_eq!(p.shard_files.len(), 1);
     p.ranges.iter().map(|r| (r.start, r.id.clone())).collect()
 }
@@ -60,18 +54,10 @@ fn journaled(paths: &OutPaths) -> HashSet<String> {
 #[test]
 fn kill_dash_nine_at_random_points_then_resume_gives_an_identical_install() {
     let tmp = tempfile::tempdir().unwrap();
-    let reference = tmp.path().join("ref.gturbo");
-    mference_install::install_local(&common::asset("gemma4-tiny"), &reference, &opts()).unwrap();
+    let reference = common::local_digest("gemma4-tiny", tmp.path(), &opts());
     let ids = range_ids("gemma4-tiny");
 
-    let srv = Server::start(
-        "127.0.0.1:0",
-        common::REPO,
-        common::REV,
-        checkpoint_files(&common::asset("gemma4-tiny")),
-        None,
-        None,
-    );
+    let srv = common::serve("gemma4-tiny");
     srv.throttle_ms
         .store(3, std::sync::atomic::Ordering::Relaxed);
     let out = tmp.path().join("crash.gturbo");
@@ -137,7 +123,7 @@ fn kill_dash_nine_at_random_points_then_resume_gives_an_identical_install() {
         }
     }
     assert!(kills >= 20, "only {kills} kills");
-    assert_eq!(common::tree_digest(&out), common::tree_digest(&reference));
+    assert_eq!(common::tree_digest(&out), reference);
     assert!(!paths.journal.exists() && !paths.partial.exists());
     // Each kill can waste at most the one range in flight (fsynced but not yet journaled).
     assert!(
@@ -158,32 +144,15 @@ fn kill_dash_nine_at_random_points_then_resume_gives_an_identical_install() {
 #[test]
 fn a_corrupted_journaled_range_is_detected_and_fetched_again() {
     let tmp = tempfile::tempdir().unwrap();
-    let srv = Server::start(
-        "127.0.0.1:0",
-        common::REPO,
-        common::REV,
-        checkpoint_files(&common::asset("gemma4-tiny")),
-        None,
-        None,
-    );
-    for _ in 0..5 {
-        srv.push_fault(Fault::Pass);
-    }
-    srv.push_fault(Fault::IgnoreRange); // a fatal error after five ranges
-    let src = common::http_source(&srv.base, None);
+    let srv = common::serve("gemma4-tiny");
     let out = tmp.path().join("c.gturbo");
     let paths = OutPaths::new(&out).unwrap();
-    assert!(mference_install::install(&src, &out, &opts()).is_err());
+    common::interrupted_install(&srv, &out, &opts(), 5);
     let j = Journal::load(&paths.journal).unwrap();
     assert_eq!(j.completed_ranges.len(), 5);
 
     // Flip one byte inside the destination of the third journaled range.
-    let ck = checkpoint::load(
-        &LocalSource::new(&common::asset("gemma4-tiny")).unwrap(),
-        None,
-    )
-    .unwrap();
-    let p = plan::build(&ck, RANGE).unwrap();
+    let p = common::plan_of("gemma4-tiny", RANGE);
     let victim = &j.completed_ranges[2].id;
     let r = p.ranges.iter().find(|r| &r.id == victim).unwrap();
     let c = p.copies[r.copies.clone()][0];
@@ -193,8 +162,8 @@ fn a_corrupted_journaled_range_is_detected_and_fetched_again() {
     std::fs::write(&file, bytes).unwrap();
 
     let log_start = srv.log.lock().unwrap().len();
-    let rep = mference_install::install(
-        &src,
+    let rep = common::install_from(
+        &srv,
         &out,
         &InstallOptions {
             resume: true,
@@ -208,9 +177,7 @@ fn a_corrupted_journaled_range_is_detected_and_fetched_again() {
         .iter()
         .any(|l| l.status == 206 && l.range.map(|x| x.0) == Some(r.start));
     assert!(refetched, "the corrupted range was not fetched again");
-    let reference = tmp.path().join("ref.gturbo");
-    mference_install::install_local(&common::asset("gemma4-tiny"), &reference, &opts()).unwrap();
-    assert_eq!(common::tree_digest(&out), common::tree_digest(&reference));
+    common::assert_same_as_local(&out, "gemma4-tiny", &opts());
 }
 
 #[test]
@@ -257,14 +224,7 @@ fn a_lock_file_left_by_a_killed_installer_is_never_busy_and_never_outlives_the_i
     let out = tmp.path().join("s.gturbo");
     let paths = OutPaths::new(&out).unwrap();
     let kill_leftover = || std::fs::write(&paths.lock, b"").unwrap();
-    let leftovers = || -> Vec<String> {
-        let mut v: Vec<String> = std::fs::read_dir(tmp.path())
-            .unwrap()
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .collect();
-        v.sort();
-        v
-    };
+    let leftovers = || common::listing(tmp.path());
 
     kill_leftover();
     assert!(mference_install::state::discard(&out).unwrap());
@@ -299,26 +259,16 @@ fn a_lock_file_left_by_a_killed_installer_is_never_busy_and_never_outlives_the_i
 #[test]
 fn a_fresh_install_over_a_saved_partial_refuses_and_discard_clears_it() {
     let tmp = tempfile::tempdir().unwrap();
-    let srv = Server::start(
-        "127.0.0.1:0",
-        common::REPO,
-        common::REV,
-        checkpoint_files(&common::asset("qwen3_6-tiny")),
-        None,
-        None,
-    );
-    srv.push_fault(Fault::Pass);
-    srv.push_fault(Fault::IgnoreRange);
-    let src = common::http_source(&srv.base, None);
+    let srv = common::serve("qwen3_6-tiny");
     let out = tmp.path().join("q.gturbo");
     let paths = OutPaths::new(&out).unwrap();
-    assert!(mference_install::install(&src, &out, &opts()).is_err());
+    common::interrupted_install(&srv, &out, &opts(), 1);
     assert!(
         !paths.lock.exists(),
         "the failed install left its lock file next to the saved partial"
     );
     let before = common::tree_digest(&paths.partial);
-    let err = mference_install::install(&src, &out, &opts()).unwrap_err();
+    let err = common::install_from(&srv, &out, &opts()).unwrap_err();
     assert!(err.to_string().contains("resume or discard"), "{err}");
     assert_eq!(
         common::tree_digest(&paths.partial),
@@ -358,5 +308,5 @@ fn a_fresh_install_over_a_saved_partial_refuses_and_discard_clears_it() {
         "discard left files next to {}",
         out.display()
     );
-    mference_install::install(&src, &out, &opts()).unwrap();
+    common::install_from(&srv, &out, &opts()).unwrap();
 }

@@ -6,34 +6,16 @@ use common::server::{checkpoint_files, Fault, Server};
 use mference_install::InstallOptions;
 
 fn opts() -> InstallOptions {
-    InstallOptions {
-        max_range_bytes: 4 << 20,
-        model_id: Some("tiny".into()),
-        ..common::quiet()
-    }
-}
-
-fn local_reference(tmp: &std::path::Path) -> std::collections::BTreeMap<String, String> {
-    let out = tmp.join("local.gturbo");
-    mference_install::install_local(&common::asset("gemma4-tiny"), &out, &opts()).unwrap();
-    common::tree_digest(&out)
+    common::tiny_opts(4 << 20)
 }
 
 #[test]
 fn remote_install_equals_local_install_and_uses_only_ranges() {
     let tmp = tempfile::tempdir().unwrap();
-    let srv = Server::start(
-        "127.0.0.1:0",
-        common::REPO,
-        common::REV,
-        checkpoint_files(&common::asset("gemma4-tiny")),
-        None,
-        None,
-    );
-    let src = common::http_source(&srv.base, None);
+    let srv = common::serve("gemma4-tiny");
     let out = tmp.path().join("remote.gturbo");
-    let r = mference_install::install(&src, &out, &opts()).unwrap();
-    assert_eq!(common::tree_digest(&out), local_reference(tmp.path()));
+    let r = common::install_from(&srv, &out, &opts()).unwrap();
+    common::assert_same_as_local(&out, "gemma4-tiny", &opts());
     let log = srv.log.lock().unwrap().clone();
     assert!(
         log.iter().all(|l| l.range.is_some() || l.status == 404),
@@ -47,14 +29,7 @@ fn remote_install_equals_local_install_and_uses_only_ranges() {
 #[test]
 fn transient_faults_are_retried_and_the_result_is_unchanged() {
     let tmp = tempfile::tempdir().unwrap();
-    let srv = Server::start(
-        "127.0.0.1:0",
-        common::REPO,
-        common::REV,
-        checkpoint_files(&common::asset("gemma4-tiny")),
-        None,
-        None,
-    );
+    let srv = common::serve("gemma4-tiny");
     for f in [
         Fault::DropMidBody,
         Fault::WrongRange,
@@ -64,30 +39,21 @@ fn transient_faults_are_retried_and_the_result_is_unchanged() {
     ] {
         srv.push_fault(f);
     }
-    let src = common::http_source(&srv.base, None);
     let out = tmp.path().join("remote.gturbo");
-    mference_install::install(&src, &out, &opts()).unwrap();
+    common::install_from(&srv, &out, &opts()).unwrap();
     assert!(
         srv.faults.lock().unwrap().is_empty(),
         "all faults were exercised"
     );
-    assert_eq!(common::tree_digest(&out), local_reference(tmp.path()));
+    common::assert_same_as_local(&out, "gemma4-tiny", &opts());
 }
 
 #[test]
 fn a_200_answer_to_a_ranged_request_is_an_error() {
     let tmp = tempfile::tempdir().unwrap();
-    let srv = Server::start(
-        "127.0.0.1:0",
-        common::REPO,
-        common::REV,
-        checkpoint_files(&common::asset("gemma4-tiny")),
-        None,
-        None,
-    );
+    let srv = common::serve("gemma4-tiny");
     srv.push_fault(Fault::IgnoreRange);
-    let src = common::http_source(&srv.base, None);
-    let err = mference_install::install(&src, &tmp.path().join("r.gturbo"), &opts()).unwrap_err();
+    let err = common::install_from(&srv, &tmp.path().join("r.gturbo"), &opts()).unwrap_err();
     assert!(err.to_string().contains("200"), "{err}");
 }
 
@@ -150,15 +116,7 @@ fn the_token_is_sent_after_the_server_asks_for_it() {
 #[test]
 fn a_wrong_index_pin_is_refused_before_writing() {
     let tmp = tempfile::tempdir().unwrap();
-    let srv = Server::start(
-        "127.0.0.1:0",
-        common::REPO,
-        common::REV,
-        checkpoint_files(&common::asset("gemma4-tiny")),
-        None,
-        None,
-    );
-    let src = common::http_source(&srv.base, None);
+    let srv = common::serve("gemma4-tiny");
     let o = InstallOptions {
         pin: Some(mference_install::checkpoint::Pin {
             index_sha256: "00".repeat(32),
@@ -166,7 +124,7 @@ fn a_wrong_index_pin_is_refused_before_writing() {
         ..opts()
     };
     let out = tmp.path().join("g.gturbo");
-    let err = mference_install::install(&src, &out, &o).unwrap_err();
+    let err = common::install_from(&srv, &out, &o).unwrap_err();
     assert!(
         matches!(err, mference_install::InstallError::PinMismatch { .. }),
         "{err}"

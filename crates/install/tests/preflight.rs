@@ -28,23 +28,14 @@ fn refused(dir: &Path, tmp: &Path) -> InstallError {
 }
 
 fn refused_with(dir: &Path, tmp: &Path, opts: &mference_install::InstallOptions) -> InstallError {
-    let before = listing(tmp);
+    let before = common::listing(tmp);
     let err = mference_install::install_local(dir, &tmp.join("new/o.gturbo"), opts).unwrap_err();
     assert_eq!(
-        listing(tmp),
+        common::listing(tmp),
         before,
         "the refused install left files: {err}"
     );
     err
-}
-
-fn listing(dir: &Path) -> Vec<String> {
-    let mut v: Vec<String> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .collect();
-    v.sort();
-    v
 }
 
 #[test]

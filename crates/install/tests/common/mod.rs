@@ -1,13 +1,30 @@
+//! Fixtures shared by the installer's integration tests: the bundled tiny checkpoints, the
+//! loopback HTTP server serving them, installs (complete, interrupted, reference) and ways to
+//! compare what they leave on disk. Each test file keeps only its scenarios.
 #![allow(dead_code)]
-use mference_install::{InstallOptions, ProgressMode};
-use std::path::PathBuf;
 
+pub mod server;
+
+use mference_install::source::http::{HttpConfig, HttpSource};
+use mference_install::source::local::LocalSource;
+use mference_install::{
+    checkpoint, plan, InstallError, InstallOptions, InstallReport, ProgressMode,
+};
+use server::{checkpoint_files, Fault, Server};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+pub const REPO: &str = "test-org/tiny";
+pub const REV: &str = "0123456789abcdef0123456789abcdef01234567";
+
+/// A bundled tiny checkpoint, `assets/models/<name>`.
 pub fn asset(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../../assets/models")
         .join(name)
 }
 
+/// No progress output, no free-disk reserve.
 pub fn quiet() -> InstallOptions {
     InstallOptions {
         progress: ProgressMode::Quiet,
@@ -16,13 +33,36 @@ pub fn quiet() -> InstallOptions {
     }
 }
 
-pub mod server;
+/// [`quiet`] with ranges of at most `range_bytes` and modelID "tiny": a local and a remote
+/// install with these options write the same bytes.
+pub fn tiny_opts(range_bytes: u64) -> InstallOptions {
+    InstallOptions {
+        max_range_bytes: range_bytes,
+        model_id: Some("tiny".into()),
+        ..quiet()
+    }
+}
 
-use mference_install::source::http::{HttpConfig, HttpSource};
+/// The plan the installer builds for the bundled checkpoint `model`.
+pub fn plan_of(model: &str, range_bytes: u64) -> plan::Plan {
+    let ck = checkpoint::load(&LocalSource::new(&asset(model)).unwrap(), None).unwrap();
+    plan::build(&ck, range_bytes).unwrap()
+}
 
-pub const REPO: &str = "test-org/tiny";
-pub const REV: &str = "0123456789abcdef0123456789abcdef01234567";
+/// A loopback server (127.0.0.1) serving the bundled checkpoint `model` as [`REPO`]@[`REV`],
+/// without authentication or redirects.
+pub fn serve(model: &str) -> Server {
+    Server::start(
+        "127.0.0.1:0",
+        REPO,
+        REV,
+        checkpoint_files(&asset(model)),
+        None,
+        None,
+    )
+}
 
+/// A source for [`REPO`]@[`REV`] at `base`, retrying after 5 ms.
 pub fn http_source(base: &str, token: Option<&str>) -> HttpSource {
     HttpSource::new(HttpConfig {
         base_url: base.to_string(),
@@ -35,10 +75,53 @@ pub fn http_source(base: &str, token: Option<&str>) -> HttpSource {
     .unwrap()
 }
 
+/// Install from `srv` (no token) into `out`.
+pub fn install_from(
+    srv: &Server,
+    out: &Path,
+    opts: &InstallOptions,
+) -> Result<InstallReport, InstallError> {
+    mference_install::install(&http_source(&srv.base, None), out, opts)
+}
+
+/// Install from `srv` into `out` and let a fatal fault (a 200 answer to a ranged request)
+/// stop it after `ranges` data ranges: a saved partial install with `ranges` journaled.
+pub fn interrupted_install(
+    srv: &Server,
+    out: &Path,
+    opts: &InstallOptions,
+    ranges: usize,
+) -> InstallError {
+    for _ in 0..ranges {
+        srv.push_fault(Fault::Pass);
+    }
+    srv.push_fault(Fault::IgnoreRange);
+    install_from(srv, out, opts).expect_err("the install survived a fatal fault")
+}
+
+/// [`tree_digest`] of a local install of the bundled checkpoint `model` made in `dir`.
+pub fn local_digest(model: &str, dir: &Path, opts: &InstallOptions) -> BTreeMap<String, String> {
+    let out = dir.join(format!("{model}-reference.gturbo"));
+    mference_install::install_local(&asset(model), &out, opts).unwrap();
+    tree_digest(&out)
+}
+
+/// Assert that the install at `out` holds exactly the bytes of a local install of the bundled
+/// checkpoint `model` with `opts` (made next to `out`).
+pub fn assert_same_as_local(out: &Path, model: &str, opts: &InstallOptions) {
+    let reference = local_digest(model, out.parent().unwrap(), opts);
+    assert_eq!(
+        tree_digest(out),
+        reference,
+        "{} differs from a local install of {model}",
+        out.display()
+    );
+}
+
 /// Every file of an install, relative path → bytes' SHA-256 (receipt excluded: it has a
 /// timestamp and the directory path).
-pub fn tree_digest(dir: &std::path::Path) -> std::collections::BTreeMap<String, String> {
-    let mut out = std::collections::BTreeMap::new();
+pub fn tree_digest(dir: &Path) -> BTreeMap<String, String> {
+    let mut out = BTreeMap::new();
     let mut stack = vec![dir.to_path_buf()];
     while let Some(d) = stack.pop() {
         for e in std::fs::read_dir(&d).unwrap() {
@@ -54,4 +137,14 @@ pub fn tree_digest(dir: &std::path::Path) -> std::collections::BTreeMap<String, 
         }
     }
     out
+}
+
+/// The names in `dir`, sorted.
+pub fn listing(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    v.sort();
+    v
 }
