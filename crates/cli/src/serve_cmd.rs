@@ -42,7 +42,8 @@ pub struct ServeArgs {
     pub prefill_chunk: usize,
 }
 
-/// `mference serve`: validate, load the model, then open the port and print the ready line.
+/// `mference serve`: validate, load the model, then open the port and print the ready line; on
+/// SIGTERM or SIGINT shut down gracefully and exit 0.
 pub fn serve(a: ServeArgs) -> Result<()> {
     if !CONTEXTS.contains(&a.max_context) {
         bail!(
@@ -76,6 +77,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         queue_limit: a.queue_limit,
         prompt_cache: cache,
         heartbeat: Duration::from_secs(5),
+        stop_on_signals: true,
     };
     let server = mference_server::start(model, text, cfg, SocketAddr::new(ip, a.port))?;
     eprintln!(
@@ -85,6 +87,8 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         a.queue_limit,
         a.prompt_cache_mode
     );
+    // Returns after SIGTERM/SIGINT and the graceful shutdown (open streams end in-band).
     server.wait();
+    eprintln!("MferenceServer stopped");
     Ok(())
 }

@@ -1,13 +1,17 @@
 //! End to end through the binary: `mference install` the bundled demo model, then `run --prompt`
 //! and `run --messages-file` greedy for 32 tokens must produce exactly mlx-lm's token ids (float32
 //! reference) for the same prompt and chat render, and its text. The other scenarios (chat,
-//! perplexity) share one demo install made by the same installer (`mference_testkit`).
+//! perplexity, `serve` shutdown) share one demo install made by the same installer
+//! (`mference_testkit`).
 
 use std::process::Command;
+use std::time::Duration;
 
+use mference_testkit::http::{open_stream, post};
 use mference_testkit::{
-    demo_install, demo_source, mlx_greedy, output_ok, py, python, repo, run_ok,
+    demo_install, demo_source, mlx_greedy, output_ok, py, python, repo, run_ok, ServeProcess,
 };
+use serde_json::json;
 
 const BIN: &str = env!("CARGO_BIN_EXE_mference");
 
@@ -313,4 +317,79 @@ fn demo_perplexity_is_within_0_3_percent_of_mlx_lm() {
         "perplexity {got} vs mlx-lm {want}: {:.3}% apart",
         rel * 100.0
     );
+}
+
+/// `mference serve` on the demo model gets SIGTERM (then, in a second run, SIGINT) while a stream
+/// is generating and a JSON request waits behind it: the stream ends with the in-band
+/// `server_shutting_down` error and `data: [DONE]` (not a cut connection), the JSON request gets a
+/// 503 OpenAI error object, and the process exits 0 with its port closed.
+#[test]
+fn serve_shuts_down_gracefully_on_sigterm_and_sigint() {
+    let model = demo_install().to_str().unwrap();
+    for signal in ["TERM", "INT"] {
+        let mut srv = ServeProcess::start(
+            BIN,
+            &[
+                "--model",
+                model,
+                "--model-id",
+                "demo",
+                "--max-context",
+                "4096",
+            ],
+            Duration::from_secs(120),
+        );
+        let a = srv.addr();
+        // Greedy on this prompt runs past 3,000 tokens without a stop token (thousands of tokens
+        // after the first chunk, when the signal goes out).
+        let long = |stream: bool| json!({"model": "demo", "prompt": "It is a truth universally acknowledged, that", "max_tokens": 4000, "temperature": 0, "stream": stream});
+        let mut stream = open_stream(a, "/v1/completions", &long(true));
+        assert_eq!(stream.status, 200, "{}", srv.log());
+        stream.next_data().expect("a first chunk");
+        let waiting = std::thread::spawn(move || post(a, "/v1/completions", &long(false)));
+        // The JSON request has no head to wait for; give it time to reach the queue.
+        std::thread::sleep(Duration::from_secs(1));
+
+        srv.signal(signal);
+
+        let st = stream.finish();
+        let err = st.final_error();
+        assert_eq!(
+            err["code"], "server_shutting_down",
+            "SIG{signal}: {}",
+            st.raw
+        );
+        assert!(
+            err["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("shutting down")),
+            "{err}"
+        );
+        assert_eq!(
+            st.finish_reasons(),
+            [] as [serde_json::Value; 0],
+            "SIG{signal}: the stream finished before the signal: {}",
+            st.raw
+        );
+        let (status, body) = waiting.join().unwrap();
+        assert_eq!(status, 503, "SIG{signal}: {body}");
+        assert_eq!(body["error"]["code"], "server_shutting_down", "{body}");
+        assert_eq!(body["error"]["type"], "server_error", "{body}");
+
+        let exit = srv.wait_exit(Duration::from_secs(60));
+        let log = srv.log();
+        assert!(
+            exit.is_some_and(|e| e.success()),
+            "SIG{signal}: exit {exit:?}:\n{log}"
+        );
+        assert!(
+            log.contains(&format!("received SIG{signal}"))
+                && log.contains("MferenceServer stopped"),
+            "{log}"
+        );
+        assert!(
+            std::net::TcpStream::connect(a).is_err(),
+            "SIG{signal}: port still open"
+        );
+    }
 }

@@ -12,7 +12,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::{json, Value};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 
 use crate::api::{self, Common, CompletionPrompt};
@@ -32,6 +32,23 @@ pub(crate) struct AppState {
     pub heartbeat: Duration,
     /// Unix seconds at startup (`created` of the model object).
     pub started: u64,
+    /// Becomes `true` when the server starts shutting down (see [`stopping`]).
+    pub stop: watch::Receiver<bool>,
+}
+
+/// Resolves once the server has begun shutting down, or its [`crate::Server`] is gone.
+pub(crate) async fn stopping(mut stop: watch::Receiver<bool>) {
+    let _ = stop.wait_for(|s| *s).await;
+}
+
+/// What a request still open when the server shuts down gets: a 503 before the head, in-band on
+/// a stream.
+fn shutting_down() -> ApiError {
+    ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "the server is shutting down; retry when it is back",
+    )
+    .with_code("server_shutting_down")
 }
 
 type Shared = Arc<AppState>;
@@ -288,6 +305,9 @@ async fn submit(
         )
         .with_code("context_length_exceeded"));
     }
+    if *st.stop.borrow() {
+        return Err(shutting_down());
+    }
     let (tx, rx) = mpsc::unbounded_channel();
     let job = Job {
         id: reply.id.clone(),
@@ -310,9 +330,9 @@ async fn submit(
         ),
     })?;
     if reply.common.stream {
-        Ok(stream_response(reply, rx, st.heartbeat))
+        Ok(stream_response(reply, rx, st.heartbeat, st.stop.clone()))
     } else {
-        collect_response(reply, rx).await
+        collect_response(reply, rx, st.stop.clone()).await
     }
 }
 
@@ -374,13 +394,24 @@ fn tool_calls_json(d: &Done) -> Vec<Value> {
         .collect()
 }
 
+/// The JSON response once the worker is done; a 503 if the server starts shutting down first
+/// (dropping `rx` then tells the worker to stop).
 async fn collect_response(
     reply: Reply,
     mut rx: mpsc::UnboundedReceiver<Event>,
+    stop: watch::Receiver<bool>,
 ) -> Result<Response, ApiError> {
     let mut text = String::new();
     let mut lps: Vec<TokenLogprob> = Vec::new();
-    while let Some(ev) = rx.recv().await {
+    let stop = stopping(stop);
+    tokio::pin!(stop);
+    loop {
+        let ev = tokio::select! {
+            biased;
+            _ = &mut stop => return Err(shutting_down()),
+            ev = rx.recv() => ev,
+        };
+        let Some(ev) = ev else { break };
         match ev {
             Event::Delta { text: t, logprobs } => {
                 text.push_str(&t);
@@ -497,11 +528,13 @@ impl Reply {
 }
 
 /// SSE: the 200 head goes out now; the worker's events become chunks; `: ping` while idle; a
-/// failure goes in-band as `data: {"error": …}`; always ends with `data: [DONE]`.
+/// failure, or the server shutting down, goes in-band as `data: {"error": …}`; always ends with
+/// `data: [DONE]`.
 fn stream_response(
     reply: Reply,
     mut rx: mpsc::UnboundedReceiver<Event>,
     heartbeat: Duration,
+    stop: watch::Receiver<bool>,
 ) -> Response {
     let (tx, out) = mpsc::channel::<Result<SseEvent, Infallible>>(64);
     tokio::spawn(async move {
@@ -520,8 +553,22 @@ fn stream_response(
             }
         }
         let mut offset = 0usize;
+        let stop = stopping(stop);
+        tokio::pin!(stop);
         loop {
-            match rx.recv().await {
+            // Shutdown first: a fast generation always has an event ready.
+            let ev = tokio::select! {
+                biased;
+                _ = &mut stop => {
+                    // Dropping `rx` (on return) tells the worker to stop.
+                    if !send(shutting_down().body()).await {
+                        return;
+                    }
+                    break;
+                }
+                ev = rx.recv() => ev,
+            };
+            match ev {
                 Some(Event::Delta { text, logprobs }) => {
                     if !send(reply.delta_chunk(&text, &logprobs, &mut offset)).await {
                         return; // the client went away; dropping `rx` stops the worker

@@ -11,6 +11,10 @@
 //!   reuses them (`usage.prompt_tokens_details.cached_tokens`).
 //! - Tool calls in the family's native syntax become OpenAI `tool_calls`; malformed call output is
 //!   an error, never a half-parsed call.
+//! - Shutdown ([`Server::shutdown`], or SIGTERM/SIGINT with [`ServerConfig::stop_on_signals`]) is
+//!   graceful: the port closes at once, every open stream ends with an in-band
+//!   `server_shutting_down` error and `data: [DONE]`, and a request still waiting for its JSON
+//!   answer gets a 503 with the same code.
 //!
 //! [`start`] binds, spawns the generation thread and the HTTP runtime, and returns a [`Server`].
 
@@ -20,6 +24,7 @@ mod http;
 mod messages;
 mod worker;
 
+use std::future::IntoFuture;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -223,6 +228,9 @@ pub struct ServerConfig {
     pub prompt_cache: PromptCacheMode,
     /// Idle time after which a stream gets a `: ping` comment (5 s in the original).
     pub heartbeat: Duration,
+    /// SIGTERM and SIGINT start the same graceful shutdown as [`Server::shutdown`] (for the
+    /// `mference serve` process; off for servers embedded in another program).
+    pub stop_on_signals: bool,
 }
 
 impl ServerConfig {
@@ -233,14 +241,20 @@ impl ServerConfig {
             queue_limit: 4,
             prompt_cache: PromptCacheMode::SinglePrefix,
             heartbeat: Duration::from_secs(5),
+            stop_on_signals: false,
         }
     }
 }
 
-/// A running server: the HTTP runtime thread and the generation thread.
+/// How long a shutdown waits for open connections to finish after the in-band errors were sent
+/// (a client that stopped reading holds its connection); then they are closed.
+const DRAIN: Duration = Duration::from_secs(10);
+
+/// A running server: the HTTP runtime thread and the generation thread. Dropping it starts a
+/// shutdown without waiting for it.
 pub struct Server {
     addr: SocketAddr,
-    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    stop: Arc<tokio::sync::watch::Sender<bool>>,
     http: Option<std::thread::JoinHandle<()>>,
 }
 
@@ -250,21 +264,28 @@ impl Server {
         self.addr
     }
 
-    /// Blocks until the server stops (it runs until [`Server::shutdown`] or process exit).
+    /// Blocks until the server stops: after a signal's graceful shutdown
+    /// ([`ServerConfig::stop_on_signals`]), or when the HTTP server fails.
     pub fn wait(mut self) {
         if let Some(h) = self.http.take() {
             let _ = h.join();
         }
     }
 
-    /// Stops accepting connections, lets open ones finish, and waits for the HTTP thread.
+    /// Graceful shutdown: stops accepting connections, ends every open stream with an in-band
+    /// `server_shutting_down` error and `data: [DONE]`, answers requests still waiting for JSON
+    /// with a 503, and waits (at most about 10 s) for the connections to close.
     pub fn shutdown(mut self) {
-        if let Some(tx) = self.shutdown.take() {
-            let _ = tx.send(());
-        }
+        self.stop.send_replace(true);
         if let Some(h) = self.http.take() {
             let _ = h.join();
         }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.stop.send_replace(true);
     }
 }
 
@@ -272,7 +293,7 @@ impl Server {
 /// generation thread and the HTTP runtime, and returns at once.
 ///
 /// Errors: [`ServerError::Bind`] when the address cannot be bound, [`ServerError::Runtime`] when a
-/// thread or the runtime cannot start.
+/// thread, the runtime or the signal handlers cannot start.
 pub fn start(
     model: Box<dyn Model>,
     text: TextSide,
@@ -287,11 +308,28 @@ pub fn start(
     listener
         .set_nonblocking(true)
         .map_err(ServerError::Runtime)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .thread_name("mference-http")
+        .build()
+        .map_err(ServerError::Runtime)?;
+    let signals = if cfg.stop_on_signals {
+        use tokio::signal::unix::{signal, SignalKind};
+        let _rt = rt.enter();
+        let term = signal(SignalKind::terminate()).map_err(ServerError::Runtime)?;
+        let int = signal(SignalKind::interrupt()).map_err(ServerError::Runtime)?;
+        Some((term, int))
+    } else {
+        None
+    };
     let max_context = model.engine().max_context;
     let text = Arc::new(text);
     let (jobs, _worker) =
         worker::spawn(model, Arc::clone(&text), cfg.prompt_cache, cfg.queue_limit)
             .map_err(ServerError::Runtime)?;
+    let (stop, stop_rx) = tokio::sync::watch::channel(false);
+    let stop = Arc::new(stop);
     let state = Arc::new(http::AppState {
         model_id: cfg.model_id.clone(),
         max_context,
@@ -302,14 +340,9 @@ pub fn start(
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())
             .unwrap_or(0),
+        stop: stop_rx.clone(),
     });
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .thread_name("mference-http")
-        .build()
-        .map_err(ServerError::Runtime)?;
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let signal_stop = Arc::clone(&stop);
     let http = std::thread::Builder::new()
         .name("mference-serve".into())
         .spawn(move || {
@@ -321,23 +354,46 @@ pub fn start(
                         return;
                     }
                 };
-                let app = http::router(state);
-                let res = axum::serve(listener, app)
-                    .with_graceful_shutdown(async {
-                        let _ = rx.await;
-                    })
-                    .await;
-                if let Err(e) = res {
-                    eprintln!("error: the HTTP server stopped: {e}");
+                if let Some((mut term, mut int)) = signals {
+                    tokio::spawn(async move {
+                        let name = tokio::select! {
+                            _ = term.recv() => "SIGTERM",
+                            _ = int.recv() => "SIGINT",
+                        };
+                        eprintln!(
+                            "{} received {name}: shutting down (no new connections; open requests end with server_shutting_down)",
+                            worker::timestamp()
+                        );
+                        signal_stop.send_replace(true);
+                    });
+                }
+                let serve = axum::serve(listener, http::router(state))
+                    .with_graceful_shutdown(http::stopping(stop_rx.clone()))
+                    .into_future();
+                let deadline = async {
+                    http::stopping(stop_rx).await;
+                    tokio::time::sleep(DRAIN).await;
+                };
+                tokio::select! {
+                    res = serve => {
+                        if let Err(e) = res {
+                            eprintln!("error: the HTTP server stopped: {e}");
+                        }
+                    }
+                    _ = deadline => eprintln!(
+                        "{} connections still open {}s after the shutdown began; closing them",
+                        worker::timestamp(),
+                        DRAIN.as_secs()
+                    ),
                 }
             });
-            // Streams still open hold tasks; do not wait for them on shutdown.
+            // Tasks still running (a stream whose client stopped reading) are dropped.
             rt.shutdown_timeout(Duration::from_secs(1));
         })
         .map_err(ServerError::Runtime)?;
     Ok(Server {
         addr: local,
-        shutdown: Some(tx),
+        stop,
         http: Some(http),
     })
 }

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use common::*;
 use mference_server::PromptCacheMode;
-use mference_testkit::http::{get, post, post_stream, raw_request};
+use mference_testkit::http::{get, open_stream, post, post_stream, raw_request, Sse};
 use mference_testkit::{demo_install, demo_source, mlx_greedy, output_ok, py, python, repo};
 use serde_json::{json, Value};
 
@@ -223,13 +223,10 @@ fn greedy_chat_and_completions_match_mlx_lm() {
         r["usage"]["completion_tokens"]
     );
     assert_eq!(st.data().last().unwrap(), "[DONE]");
-    let finishes: Vec<&Value> = chunks
-        .iter()
-        .filter_map(|c| c["choices"].get(0))
-        .map(|c| &c["finish_reason"])
-        .filter(|f| !f.is_null())
-        .collect();
-    assert_eq!(finishes, [&r["choices"][0]["finish_reason"]]);
+    assert_eq!(
+        st.finish_reasons(),
+        [r["choices"][0]["finish_reason"].clone()]
+    );
 
     // Completions from token ids, with logprobs checked against mlx-lm's last-row log-softmax.
     let text = "It is a truth universally acknowledged, that";
@@ -496,10 +493,12 @@ fn tool_calls_round_trip_and_fail_closed() {
     assert_eq!(b["error"]["code"], "malformed_tool_call");
     let st = post_stream(a, "/v1/chat/completions", &sb);
     assert_eq!(st.status, 200);
-    let data = st.data();
-    assert_eq!(data.last().unwrap(), "[DONE]");
-    let err: Value = serde_json::from_str(&data[data.len() - 2]).unwrap();
-    assert_eq!(err["error"]["code"], "malformed_tool_call", "{}", st.raw);
+    assert_eq!(
+        st.final_error()["code"],
+        "malformed_tool_call",
+        "{}",
+        st.raw
+    );
     assert!(!st.raw.contains("tool_calls\":[{"), "{}", st.raw);
     srv.shutdown();
 }
@@ -528,4 +527,54 @@ fn queue_limit_gives_429_and_streams_get_heartbeats() {
     // B waited ~1.6 s behind A with its head already sent: the idle stream got `: ping`s.
     assert!(rb.raw.contains(": ping\n\n"), "no heartbeat in {}", rb.raw);
     srv.shutdown();
+}
+
+/// `Server::shutdown` while a stream is generating, a stream is queued and a JSON request is
+/// queued: both streams end in-band (`server_shutting_down`, then `[DONE]`) instead of being cut,
+/// the JSON request gets a 503 OpenAI error object, and the port is closed afterwards.
+#[test]
+fn shutdown_ends_open_streams_in_band_and_answers_waiting_requests_503() {
+    let srv = start(Opts {
+        delay: Duration::from_millis(20),
+        ..Opts::default()
+    });
+    let a = srv.local_addr();
+    let long = |stream: bool| json!({"model": MODEL_ID, "prompt": "It is a truth universally acknowledged, that", "max_tokens": 3000, "temperature": 0, "stream": stream});
+    let mut running = open_stream(a, "/v1/completions", &long(true));
+    assert_eq!(running.status, 200);
+    let first = running.next_data().expect("a first chunk");
+    assert!(first.contains("\"text\""), "{first}");
+    let waiting_json = std::thread::spawn(move || post(a, "/v1/completions", &long(false)));
+    // The JSON request has no head to wait for; give it time to reach the queue.
+    std::thread::sleep(Duration::from_secs(1));
+    // A stream's head is sent once its job is queued, so this one is waiting when this returns.
+    let waiting_stream = open_stream(a, "/v1/completions", &long(true));
+    assert_eq!(waiting_stream.status, 200);
+
+    srv.shutdown();
+
+    let shut_down_in_band = |st: &Sse, what: &str| {
+        let err = st.final_error();
+        assert_eq!(err["code"], "server_shutting_down", "{what}: {}", st.raw);
+        assert_eq!(err["type"], "server_error", "{what}: {}", st.raw);
+        assert_eq!(
+            st.finish_reasons(),
+            [] as [Value; 0],
+            "{what}: the stream finished instead of being ended by the shutdown: {}",
+            st.raw
+        );
+    };
+    let running = running.finish();
+    assert!(!running.text().is_empty());
+    shut_down_in_band(&running, "running stream");
+    let waiting_stream = waiting_stream.finish();
+    assert_eq!(waiting_stream.text(), "", "{}", waiting_stream.raw);
+    shut_down_in_band(&waiting_stream, "queued stream");
+    let (s, b) = waiting_json.join().unwrap();
+    assert_error(s, &b, 503, "queued JSON request at shutdown");
+    assert_eq!(b["error"]["code"], "server_shutting_down");
+    assert!(
+        std::net::TcpStream::connect(a).is_err(),
+        "the port still accepts connections after the shutdown"
+    );
 }

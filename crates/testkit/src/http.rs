@@ -68,6 +68,34 @@ impl Sse {
             .collect()
     }
 
+    /// The `finish_reason`s that are set, in order (one for a stream that finished, none for one
+    /// that was ended by an error).
+    pub fn finish_reasons(&self) -> Vec<Value> {
+        self.chunks()
+            .iter()
+            .filter_map(|c| c["choices"].get(0).map(|ch| ch["finish_reason"].clone()))
+            .filter(|f| !f.is_null())
+            .collect()
+    }
+
+    /// The object of an in-band error that ended the stream (`data: {"error": {…}}` then
+    /// `data: [DONE]`); fails the test when the stream does not end that way.
+    pub fn final_error(&self) -> Value {
+        let data = self.data();
+        assert!(
+            data.len() >= 2 && data[data.len() - 1] == "[DONE]",
+            "the stream does not end with data: [DONE]: {}",
+            self.raw
+        );
+        let last: Value = serde_json::from_str(&data[data.len() - 2]).unwrap();
+        assert!(
+            last["error"].is_object(),
+            "no in-band error before [DONE]: {}",
+            self.raw
+        );
+        last["error"].clone()
+    }
+
     /// The concatenated `delta.content` (chat) or `text` (completions).
     pub fn text(&self) -> String {
         self.chunks()

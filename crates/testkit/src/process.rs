@@ -5,6 +5,7 @@ use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::sync::{mpsc, Arc, Mutex};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 /// Runs `cmd` to completion; a failure to start or a non-zero exit fails the test with the
@@ -36,6 +37,8 @@ pub struct ServeProcess {
     child: Child,
     addr: SocketAddr,
     log: Arc<Mutex<String>>,
+    /// The thread copying stderr into `log`; it ends at EOF, once the process has exited.
+    reader: Option<JoinHandle<()>>,
 }
 
 impl ServeProcess {
@@ -55,7 +58,7 @@ impl ServeProcess {
         let stderr = child.stderr.take().unwrap();
         let sink = Arc::clone(&log);
         // Keeps draining stderr for the process's whole life, so a full pipe never blocks it.
-        std::thread::spawn(move || {
+        let reader = std::thread::spawn(move || {
             for line in BufReader::new(stderr).lines() {
                 let Ok(line) = line else { break };
                 if let Some(rest) = line.strip_prefix(READY) {
@@ -74,15 +77,20 @@ impl ServeProcess {
             Err(_) => {
                 let _ = child.kill();
                 let status = child.wait().ok();
-                // Let the reader thread catch the last lines.
-                std::thread::sleep(Duration::from_millis(100));
+                // The process is gone, so the reader reaches EOF with every line in the log.
+                let _ = reader.join();
                 panic!(
                     "mference serve {args:?}: no ready line within {timeout:?} (exit {status:?}):\n{}",
                     log.lock().unwrap()
                 );
             }
         };
-        ServeProcess { child, addr, log }
+        ServeProcess {
+            child,
+            addr,
+            log,
+            reader: Some(reader),
+        }
     }
 
     /// The bound address.
@@ -99,11 +107,15 @@ impl ServeProcess {
         assert!(st.success(), "kill -s {signal} failed");
     }
 
-    /// Waits up to `timeout` for the process to exit; `None` if it is still running.
+    /// Waits up to `timeout` for the process to exit; `None` if it is still running. After an
+    /// exit, [`ServeProcess::log`] holds all of its stderr.
     pub fn wait_exit(&mut self, timeout: Duration) -> Option<ExitStatus> {
         let t0 = Instant::now();
         loop {
             if let Some(st) = self.child.try_wait().expect("waiting for mference serve") {
+                if let Some(r) = self.reader.take() {
+                    let _ = r.join();
+                }
                 return Some(st);
             }
             if t0.elapsed() >= timeout {

@@ -72,6 +72,7 @@ pub fn start(o: Opts) -> Server {
         queue_limit: o.queue_limit,
         prompt_cache: o.cache,
         heartbeat: o.heartbeat,
+        stop_on_signals: false,
     };
     mference_server::start(model, text, cfg, "127.0.0.1:0".parse().unwrap()).unwrap()
 }
