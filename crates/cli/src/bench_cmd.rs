@@ -65,6 +65,9 @@ pub struct BenchArgs {
     /// timed prefill) or full-sha256.
     #[arg(long, default_value = "trusted-receipt")]
     pub verify: String,
+    /// Kernel table: auto, scalar, avx2, avx512, or avx512vnni (int8 prefill).
+    #[arg(long, default_value = "auto")]
+    pub kernels: String,
     /// Also write the JSON document to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -192,6 +195,7 @@ fn spawn_child(exe: &std::path::Path, a: &BenchArgs, n: usize) -> Result<Value> 
         .args(["--prompts", &n.to_string()])
         .args(["--decode", &a.decode])
         .args(["--verify", &a.verify])
+        .args(["--kernels", &a.kernels])
         .args(["--child", &n.to_string()]);
     if let Some(t) = a.threads {
         cmd.args(["--threads", &t.to_string()]);
@@ -272,6 +276,7 @@ fn child(a: &BenchArgs, n: usize) -> Result<Value> {
         direct_io: a.direct_io,
         threads: a.threads,
         kv_cache: "f16".into(),
+        kernels: a.kernels.clone(),
     };
     let opts = load_options(&margs, chunk, a.ctx)?;
     let slots = match opts.slots {

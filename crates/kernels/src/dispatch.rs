@@ -5,7 +5,7 @@ use std::sync::OnceLock;
 
 use half::f16;
 
-use crate::prepared::{PreparedX, XLayout};
+use crate::prepared::{PreparedX, XLayout, Q8_MIN_ROWS};
 use crate::{scalar, QMatrix};
 
 pub(crate) type GemvFn = fn(&QMatrix, &PreparedX, &mut [f32], usize, usize);
@@ -25,7 +25,8 @@ pub struct Kernels {
     pub(crate) name: &'static str,
     /// Layout of prepared activations for 4-bit matrices (8-bit always uses natural order).
     pub(crate) layout4: XLayout,
-    /// 4-bit GEMV with group size 64/128 uses int8-quantized activations (`XLayout::Q8EvenOdd64`).
+    /// 4-bit GEMM with group size 64/128 and at least `Q8_MIN_ROWS` rows uses int8-quantized
+    /// activations (`XLayout::Q8Lanes16`).
     pub(crate) q8: bool,
     /// Pure f32 arithmetic (errors are f32 rounding only). `detect()` only picks exact tables by default.
     pub(crate) exact: bool,
@@ -111,16 +112,17 @@ impl Kernels {
         self.name
     }
 
-    pub(crate) fn layout_for(&self, bits: u32, group_size: usize) -> XLayout {
+    pub(crate) fn layout_for(&self, bits: u32, group_size: usize, n: usize) -> XLayout {
         match bits {
-            4 if self.q8 && group_size.is_multiple_of(64) => XLayout::Q8EvenOdd64,
+            4 if self.q8 && group_size.is_multiple_of(64) && n >= Q8_MIN_ROWS => XLayout::Q8Lanes16,
             4 => self.layout4,
             _ => XLayout::Natural,
         }
     }
 
-    /// Whether this table computes in f32 throughout (scalar, avx2, avx512). The `avx512vnni` table quantizes
-    /// GEMV activations to int8 per group (ggml's q8 idea) and is only used when asked for by name.
+    /// Whether this table computes in f32 throughout (scalar, avx2, avx512). The `avx512vnni` table
+    /// quantizes prefill (GEMM) activations to int8 per group (ggml's q8 idea; its GEMV is the exact
+    /// AVX-512 one) and is only used when asked for by name.
     pub fn is_exact(&self) -> bool {
         self.exact
     }
@@ -128,7 +130,7 @@ impl Kernels {
     /// Prepares activations `x[n, cols]` (row-major f32) for products with matrices of `m`'s
     /// cols/bits/group size, into a reusable buffer. Panics if `x.len() != n · m.cols`.
     pub fn prepare_into(&self, m: &QMatrix, x: &[f32], n: usize, out: &mut PreparedX) {
-        out.fill(self.layout_for(m.bits, m.group_size), m, x, n);
+        out.fill(self.layout_for(m.bits, m.group_size, n), m, x, n);
     }
 
     /// Like [`Kernels::prepare_into`], allocating a new buffer.

@@ -12,12 +12,18 @@ pub(crate) enum XLayout {
     /// columns (2i, 2i+1) in its (low, high) nibble, so SIMD kernels can mask/shift nibbles and multiply by
     /// contiguous x without shuffles.
     EvenOdd32,
-    /// `EvenOdd32` f32 activations (for the GEMM and fallbacks) plus, for one activation row, an int8 copy:
-    /// per group a scale `d = max|x| / 127` and codes `round(x / d)`, ordered per 64 columns as the 32 even
-    /// columns then the 32 odd ones (the order of 32 packed bytes' low then high nibbles). Only for 4-bit
-    /// matrices with group size 64 or 128 (the VNNI GEMV).
-    Q8EvenOdd64,
+    /// int8 activations for the VNNI GEMM, 16 tokens per 512-bit lane group: per block of 16 tokens
+    /// and per 4 columns, 64 bytes `[token][4 columns]` (tokens past `n` are zero), so one
+    /// `vpdpbusd` multiplies 4 columns of one weight row (broadcast) with 16 tokens at once. Each
+    /// token's weight group is quantized on its own: `d = max|x| / 127`, codes `round(x / d)`; the
+    /// scales and the exact f32 group sums are stored `[block][group][16 tokens]` in `qd` / `sums`.
+    /// Only for 4-bit matrices with group size 64 or 128 and at least [`Q8_MIN_ROWS`] tokens.
+    Q8Lanes16,
 }
+
+/// Fewest activation rows for which a table with an int8 GEMM quantizes them ([`XLayout::Q8Lanes16`]);
+/// below this, half-empty 16-token lanes would cost more than the f32 kernel.
+pub(crate) const Q8_MIN_ROWS: usize = 8;
 
 /// Activations `x[n, cols]` prepared for one kernel table and one (bits, group size): reordered as the
 /// kernels want them, with per-group sums `Σ x_i` (for the bias term) precomputed.
@@ -36,7 +42,8 @@ pub struct PreparedX {
     pub(crate) x: Vec<f32>,
     /// `[n, cols / group_size]`: Σ x over each group.
     pub(crate) sums: Vec<f32>,
-    /// `XLayout::Q8EvenOdd64` with `n == 1` only: int8 codes `[cols]` and per-group scales `[cols / group_size]`.
+    /// `XLayout::Q8Lanes16` only: int8 codes `[n.div_ceil(16), cols / 4, 16, 4]` and per-token group
+    /// scales `[n.div_ceil(16), cols / group_size, 16]` (`sums` then has the same shape).
     pub(crate) q: Vec<i8>,
     pub(crate) qd: Vec<f32>,
 }
@@ -51,6 +58,21 @@ fn group_sum(v: &[f32]) -> f32 {
         }
     }
     ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
+}
+
+/// Adding and subtracting 1.5 · 2^23 rounds an f32 of magnitude below 2^22 to the nearest integer.
+const ROUND_MAGIC: f32 = 12_582_912.0;
+
+/// max |v| with 8 independent maxima (so it vectorizes); NaN-free input assumed.
+fn abs_max(v: &[f32]) -> f32 {
+    let mut m = [0.0f32; 8];
+    for c in v.chunks_exact(8) {
+        for i in 0..8 {
+            let a = c[i].abs();
+            m[i] = if a > m[i] { a } else { m[i] };
+        }
+    }
+    m.iter().fold(0.0f32, |a, &b| if b > a { b } else { a })
 }
 
 impl Default for PreparedX {
@@ -99,16 +121,22 @@ impl PreparedX {
         self.bits = m.bits;
         self.group_size = gs;
         self.layout = layout;
+        self.q.clear();
+        self.qd.clear();
         self.x.clear();
-        self.x.resize(n * cols, 0.0);
         self.sums.clear();
+        if layout == XLayout::Q8Lanes16 {
+            self.fill_q8_lanes(x);
+            return;
+        }
+        self.x.resize(n * cols, 0.0);
         self.sums.resize(n * gpr, 0.0);
         for t in 0..n {
             let src = &x[t * cols..(t + 1) * cols];
             let dst = &mut self.x[t * cols..(t + 1) * cols];
             match layout {
-                XLayout::Natural => dst.copy_from_slice(src),
-                XLayout::EvenOdd32 | XLayout::Q8EvenOdd64 => {
+                XLayout::Natural | XLayout::Q8Lanes16 => dst.copy_from_slice(src),
+                XLayout::EvenOdd32 => {
                     for (d, s) in dst.chunks_exact_mut(32).zip(src.chunks_exact(32)) {
                         let d: &mut [f32; 32] = d.try_into().expect("chunk of 32");
                         let s: &[f32; 32] = s.try_into().expect("chunk of 32");
@@ -123,24 +151,32 @@ impl PreparedX {
                 *sum = group_sum(&src[g * gs..(g + 1) * gs]);
             }
         }
-        self.q.clear();
-        self.qd.clear();
-        if layout == XLayout::Q8EvenOdd64 && n == 1 {
-            debug_assert!(gs.is_multiple_of(64));
-            self.q.resize(cols, 0);
-            self.qd.resize(gpr, 0.0);
+    }
+
+    /// [`XLayout::Q8Lanes16`]: quantizes each token's weight groups to int8 and interleaves 16
+    /// tokens per 4 columns (see there).
+    fn fill_q8_lanes(&mut self, x: &[f32]) {
+        let (n, cols, gs) = (self.n, self.cols, self.group_size);
+        let (gpr, blocks, quads) = (cols / gs, n.div_ceil(16), cols / 4);
+        self.q.resize(blocks * quads * 64, 0);
+        self.qd.resize(blocks * gpr * 16, 0.0);
+        self.sums.resize(blocks * gpr * 16, 0.0);
+        let mut codes = vec![0i8; gs];
+        for t in 0..n {
+            let (b, lane) = (t / 16, t % 16);
             for g in 0..gpr {
-                let src = &x[g * gs..(g + 1) * gs];
-                let amax = src.iter().fold(0.0f32, |a, v| a.max(v.abs()));
-                let d = amax / 127.0;
+                let src = &x[t * cols + g * gs..t * cols + (g + 1) * gs];
+                let d = abs_max(src) / 127.0;
                 let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
-                self.qd[g] = d;
-                let dst = &mut self.q[g * gs..(g + 1) * gs];
-                for (d64, s64) in dst.chunks_exact_mut(64).zip(src.chunks_exact(64)) {
-                    for i in 0..32 {
-                        d64[i] = (s64[2 * i] * inv).round() as i8;
-                        d64[32 + i] = (s64[2 * i + 1] * inv).round() as i8;
-                    }
+                self.qd[(b * gpr + g) * 16 + lane] = d;
+                self.sums[(b * gpr + g) * 16 + lane] = group_sum(src);
+                for (c, &v) in codes.iter_mut().zip(src) {
+                    // Round to nearest (ties to even) by the 1.5 · 2^23 trick: |v · inv| <= 127.
+                    *c = ((v * inv + ROUND_MAGIC) - ROUND_MAGIC) as i32 as i8;
+                }
+                for (c4, quad) in codes.chunks_exact(4).enumerate() {
+                    let at = ((b * quads + g * gs / 4 + c4) * 16 + lane) * 4;
+                    self.q[at..at + 4].copy_from_slice(quad);
                 }
             }
         }

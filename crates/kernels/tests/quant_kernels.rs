@@ -15,7 +15,7 @@ use proptest::prelude::*;
 const SCALAR_VS_F64_REL: f64 = 4e-6;
 /// Any f32 SIMD table vs the scalar reference, same relative measure (different summation orders only).
 const SIMD_VS_SCALAR_REL: f64 = 4e-6;
-/// The `avx512vnni` table (int8 activations per group in its 4-bit GEMV) vs the scalar reference, same
+/// The `avx512vnni` table (int8 activations per group in its 4-bit GEMM) vs the scalar reference, same
 /// measure. Rounding x to 127 levels of its group's max|x| moves each term by at most max|x|/254.
 const Q8_VS_SCALAR_REL: f64 = 3e-2;
 

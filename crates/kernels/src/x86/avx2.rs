@@ -36,13 +36,13 @@ pub(super) static TABLE: Kernels = Kernels {
 // `supported()` returned true.
 
 fn gemv(m: &QMatrix, p: &PreparedX, y: &mut [f32], r0: usize, r1: usize) {
-    p.check(m, TABLE.layout_for(m.bits, m.group_size));
+    p.check(m, TABLE.layout_for(m.bits, m.group_size, p.n));
     // SAFETY: AVX2, FMA and F16C are present (see above); shapes were checked by the caller.
     unsafe { gemv_impl(m, p, y, r0, r1) }
 }
 
 fn gemm(m: &QMatrix, p: &PreparedX, y: &mut [f32], r0: usize, r1: usize) {
-    p.check(m, TABLE.layout_for(m.bits, m.group_size));
+    p.check(m, TABLE.layout_for(m.bits, m.group_size, p.n));
     // SAFETY: as for `gemv`.
     unsafe { gemm_impl(m, p, y, r0, r1) }
 }

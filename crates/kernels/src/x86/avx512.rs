@@ -37,159 +37,47 @@ pub(super) static TABLE: Kernels = Kernels {
     axpy_f16,
 };
 
-pub(super) fn supported_vnni() -> bool {
-    supported() && is_x86_feature_detected!("avx512vnni")
-}
-
-/// AVX-512 plus a VNNI GEMV for 4-bit matrices with group size 64/128: activations quantized to int8 per
-/// group (`d = max|x|/127`), `vpdpbusd` of the unsigned 4-bit codes with the int8 activations, then
-/// `acc += (scale·d) · Σ q·x8` per group in f32; the bias term uses exact f32 group sums. Everything else
-/// (GEMM, other formats, attention helpers) is the exact AVX-512 code. Not exact: used only by name.
-pub(super) static VNNI_TABLE: Kernels = Kernels {
-    name: "avx512vnni",
-    layout4: XLayout::EvenOdd32,
-    q8: true,
-    exact: false,
-    gemv: gemv_vnni,
-    gemm: gemm_vnni,
-    dot_f32,
-    axpy,
-    f32_to_f16,
-    f16_to_f32,
-    dot_f16,
-    axpy_f16,
-};
-
-// `VNNI_TABLE` is handed out only after `supported_vnni()` returned true.
-
-fn gemv_vnni(m: &QMatrix, p: &PreparedX, y: &mut [f32], r0: usize, r1: usize) {
-    let layout = VNNI_TABLE.layout_for(m.bits, m.group_size);
-    p.check(m, layout);
-    if layout == XLayout::Q8EvenOdd64 {
-        assert_eq!(
-            p.q.len(),
-            m.cols,
-            "int8 activations are prepared for one row only"
-        );
-        // SAFETY: AVX-512F/BW/VL, VNNI and FMA are present; shapes were checked by the caller.
-        unsafe { gemv_q8_impl(m, p, y, r0, r1) }
-    } else {
-        // SAFETY: as above; for other layouts the prepared activations are the exact table's.
-        unsafe { gemv_impl(m, p, y, r0, r1) }
-    }
-}
-
-fn gemm_vnni(m: &QMatrix, p: &PreparedX, y: &mut [f32], r0: usize, r1: usize) {
-    p.check(m, VNNI_TABLE.layout_for(m.bits, m.group_size));
-    // SAFETY: as for `gemv_vnni`; `Q8EvenOdd64` keeps the f32 activations in `EvenOdd32` order.
-    unsafe { gemm_impl(m, p, y, r0, r1) }
-}
-
-/// Rows `r..r+R` of `W x` for 4-bit codes and int8 activations (group size a multiple of 64).
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
-#[inline]
-unsafe fn rows_dot_vnni<const R: usize>(m: &QMatrix, p: &PreparedX, r: usize, out: &mut [f32]) {
-    let gs = m.group_size;
-    let gpr = m.groups_per_row();
-    let rb = m.row_bytes();
-    let sums = p.sums_row(0);
-    debug_assert!((r + R) * rb <= m.weight.len() && out.len() >= R && gs.is_multiple_of(64));
-    // SAFETY (all pointer arithmetic below): rows r..r+R exist (checked by the caller against `m.rows`, whose
-    // tensor lengths `QMatrix::new` validated); columns stay below `cols`, groups below `gpr`; `p.q` has cols
-    // codes and `p.qd` gpr scales.
-    let w = unsafe { m.weight.as_ptr().add(r * rb) };
-    let sc = unsafe { m.scales.as_ptr().add(r * gpr * 2) };
-    let bi = unsafe { m.biases.as_ptr().add(r * gpr * 2) };
-    let xq = p.q.as_ptr();
-    let nib = _mm256_set1_epi8(0x0f);
-    let pf = PF_ROWS * rb;
-    let mut acc = [_mm512_setzero_ps(); R];
-    for g in 0..gpr {
-        for i in 0..R {
-            _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(pf + i * rb + g * gs / 2) as *const i8);
-        }
-        let mut isum = [_mm512_setzero_si512(); R];
-        for b in 0..gs / 64 {
-            let col = g * gs + b * 64;
-            // SAFETY: col + 64 <= cols.
-            let xv = unsafe { _mm512_loadu_si512(xq.add(col) as *const __m512i) };
-            for i in 0..R {
-                // SAFETY: 32 bytes at byte col/2 of row r+i are inside the row.
-                let v = unsafe { _mm256_loadu_si256(w.add(i * rb + col / 2) as *const __m256i) };
-                let lo = _mm256_and_si256(v, nib);
-                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), nib);
-                let codes = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
-                isum[i] = _mm512_dpbusd_epi32(isum[i], codes, xv);
-            }
-        }
-        let d = p.qd[g];
-        for i in 0..R {
-            // SAFETY: group g of row r+i.
-            let s = unsafe { read_bf16(sc.add((i * gpr + g) * 2)) } * d;
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i]), _mm512_set1_ps(s), acc[i]);
-        }
-    }
-    for i in 0..R {
-        // SAFETY: the bias row of r+i has gpr entries.
-        out[i] = _mm512_reduce_add_ps(acc[i]) + unsafe { bias_dot(bi.add(i * gpr * 2), sums, gpr) };
-    }
-}
-
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
-unsafe fn gemv_q8_impl(m: &QMatrix, p: &PreparedX, y: &mut [f32], r0: usize, r1: usize) {
-    let mut r = r0;
-    // SAFETY (calls below): r..r+R <= r1 <= rows; y has r1 - r0 entries.
-    while r + 4 <= r1 {
-        unsafe { rows_dot_vnni::<4>(m, p, r, &mut y[r - r0..]) };
-        r += 4;
-    }
-    while r < r1 {
-        unsafe { rows_dot_vnni::<1>(m, p, r, &mut y[r - r0..]) };
-        r += 1;
-    }
-}
-
 // The safe wrappers below are only reachable through `TABLE`, which `super::available` hands out only after
 // `supported()` returned true.
 
-fn gemv(m: &QMatrix, p: &PreparedX, y: &mut [f32], r0: usize, r1: usize) {
-    p.check(m, TABLE.layout_for(m.bits, m.group_size));
+pub(super) fn gemv(m: &QMatrix, p: &PreparedX, y: &mut [f32], r0: usize, r1: usize) {
+    p.check(m, TABLE.layout_for(m.bits, m.group_size, p.n));
     // SAFETY: AVX-512F/BW/VL, FMA and F16C are present (see above); shapes were checked by the caller.
     unsafe { gemv_impl(m, p, y, r0, r1) }
 }
 
-fn gemm(m: &QMatrix, p: &PreparedX, y: &mut [f32], r0: usize, r1: usize) {
-    p.check(m, TABLE.layout_for(m.bits, m.group_size));
+pub(super) fn gemm(m: &QMatrix, p: &PreparedX, y: &mut [f32], r0: usize, r1: usize) {
+    p.check(m, TABLE.layout_for(m.bits, m.group_size, p.n));
     // SAFETY: as for `gemv`.
     unsafe { gemm_impl(m, p, y, r0, r1) }
 }
 
-fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+pub(super) fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     // SAFETY: as for `gemv`; lengths are equal (checked by `Kernels::dot_f32`).
     unsafe { dot_f32_impl(a, b) }
 }
 
-fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
+pub(super) fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
     // SAFETY: as for `gemv`; lengths are equal.
     unsafe { axpy_impl(a, x, y) }
 }
 
-fn f32_to_f16(src: &[f32], dst: &mut [f16]) {
+pub(super) fn f32_to_f16(src: &[f32], dst: &mut [f16]) {
     // SAFETY: as for `gemv`; lengths are equal.
     unsafe { f32_to_f16_impl(src, dst) }
 }
 
-fn f16_to_f32(src: &[f16], dst: &mut [f32]) {
+pub(super) fn f16_to_f32(src: &[f16], dst: &mut [f32]) {
     // SAFETY: as for `gemv`; lengths are equal.
     unsafe { f16_to_f32_impl(src, dst) }
 }
 
-fn dot_f16(q: &[f32], k: &[f16]) -> f32 {
+pub(super) fn dot_f16(q: &[f32], k: &[f16]) -> f32 {
     // SAFETY: as for `gemv`; lengths are equal.
     unsafe { dot_f16_impl(q, k) }
 }
 
-fn axpy_f16(a: f32, v: &[f16], y: &mut [f32]) {
+pub(super) fn axpy_f16(a: f32, v: &[f16], y: &mut [f32]) {
     // SAFETY: as for `gemv`; lengths are equal.
     unsafe { axpy_f16_impl(a, v, y) }
 }

@@ -1,4 +1,4 @@
-//! x86-64 SIMD kernel tables: AVX2 (+FMA, F16C), AVX-512 (F/BW/VL) and AVX-512 with a VNNI int8 GEMV. Each table is reachable only through
+//! x86-64 SIMD kernel tables: AVX2 (+FMA, F16C), AVX-512 (F/BW/VL) and AVX-512 with a VNNI int8 GEMM for prefill. Each table is reachable only through
 //! [`available`], which checks the CPU features first: that check is what makes the `unsafe` calls from the
 //! table's safe wrappers into `#[target_feature]` functions sound.
 
@@ -11,6 +11,7 @@ use crate::dispatch::Kernels;
 
 mod avx2;
 mod avx512;
+mod avx512_vnni;
 
 /// SIMD tables this CPU supports, slowest first.
 pub(crate) fn available() -> Vec<&'static Kernels> {
@@ -21,8 +22,8 @@ pub(crate) fn available() -> Vec<&'static Kernels> {
     if avx512::supported() {
         v.push(&avx512::TABLE);
     }
-    if avx512::supported_vnni() {
-        v.push(&avx512::VNNI_TABLE);
+    if avx512_vnni::supported() {
+        v.push(&avx512_vnni::TABLE);
     }
     v
 }

@@ -1,0 +1,195 @@
+//! AVX-512 with an int8 (VNNI) GEMM for prefill: the exact AVX-512 table, except that 4-bit products
+//! over at least `Q8_MIN_ROWS` tokens quantize the activations to int8 per token and weight group
+//! (`d = max|x| / 127`, as ggml's Q8 blocks) and multiply them with the unsigned 4-bit codes by
+//! `vpdpbusd`: 64 multiply-adds per instruction against 16 for an f32 FMA.
+//!
+//! Layout: 16 tokens share a register (one i32 lane each, [`XLayout::Q8Lanes16`]); 4 consecutive codes
+//! of one weight row are broadcast to every lane. Per weight group and lane the integer dot product
+//! `Σ q·x8` is exact; the group then adds `scale · d · Σ q·x8 + bias · Σ x` in f32, with `Σ x` the exact
+//! f32 group sum. The only approximation is the rounding of x to 255 levels of its group's max|x|.
+//!
+//! Per (row, token) the operation sequence does not depend on the register block, so results are
+//! bit-identical however rows are split across calls or threads.
+
+use std::arch::x86_64::*;
+
+use super::{avx512, read_bf16, with_wtile};
+use crate::dispatch::Kernels;
+use crate::prepared::{PreparedX, XLayout};
+use crate::QMatrix;
+
+pub(super) fn supported() -> bool {
+    avx512::supported() && is_x86_feature_detected!("avx512vnni")
+}
+
+/// Only reachable after [`supported`] returned true (see `super::available`).
+pub(super) static TABLE: Kernels = Kernels {
+    name: "avx512vnni",
+    layout4: XLayout::EvenOdd32,
+    q8: true,
+    exact: false,
+    gemv: avx512::gemv,
+    gemm,
+    dot_f32: avx512::dot_f32,
+    axpy: avx512::axpy,
+    f32_to_f16: avx512::f32_to_f16,
+    f16_to_f32: avx512::f16_to_f32,
+    dot_f16: avx512::dot_f16,
+    axpy_f16: avx512::axpy_f16,
+};
+
+fn gemm(m: &QMatrix, p: &PreparedX, y: &mut [f32], r0: usize, r1: usize) {
+    if TABLE.layout_for(m.bits, m.group_size, p.n) != XLayout::Q8Lanes16 {
+        return avx512::gemm(m, p, y, r0, r1);
+    }
+    p.check(m, XLayout::Q8Lanes16);
+    // SAFETY: AVX-512F/BW/VL, VNNI and FMA are present (the table is handed out only after
+    // `supported()`); the caller checked r0 <= r1 <= rows and y.len() == n · (r1 - r0).
+    unsafe { gemm_q8(m, p, y, r0, r1) }
+}
+
+/// Weight rows per register block (each broadcast feeds `TOKEN_BLOCKS` accumulators).
+const ROWS: usize = 4;
+/// 16-token lane groups per register block: ROWS · TOKEN_BLOCKS integer sums plus as many f32
+/// accumulators stay in the 32 zmm registers.
+const TOKEN_BLOCKS: usize = 2;
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
+unsafe fn gemm_q8(m: &QMatrix, p: &PreparedX, y: &mut [f32], r0: usize, r1: usize) {
+    let (cols, blocks) = (m.cols, p.n.div_ceil(16));
+    // Codes of ROWS rows widened to one byte each, natural column order.
+    with_wtile(ROWS * cols / 4, |buf| {
+        let codes = buf.as_mut_ptr() as *mut u8;
+        let mut r = r0;
+        while r < r1 {
+            let rb = (r1 - r).min(ROWS);
+            for i in 0..rb {
+                // SAFETY: row r + i < rows; the buffer holds ROWS · cols bytes.
+                unsafe { widen_row(m, r + i, codes.add(i * cols)) };
+            }
+            let mut b = 0;
+            while b < blocks {
+                let bb = (blocks - b).min(TOKEN_BLOCKS);
+                // SAFETY: rows r..r+rb are widened; token blocks b..b+bb exist in `p`.
+                unsafe {
+                    match (rb, bb) {
+                        (ROWS, TOKEN_BLOCKS) => {
+                            tile::<ROWS, TOKEN_BLOCKS>(m, p, codes, r, b, y, r0, r1)
+                        }
+                        (ROWS, _) => tile::<ROWS, 1>(m, p, codes, r, b, y, r0, r1),
+                        (_, TOKEN_BLOCKS) => {
+                            for i in 0..rb {
+                                let c = codes.add(i * cols);
+                                tile::<1, TOKEN_BLOCKS>(m, p, c, r + i, b, y, r0, r1);
+                            }
+                        }
+                        _ => {
+                            for i in 0..rb {
+                                tile::<1, 1>(m, p, codes.add(i * cols), r + i, b, y, r0, r1);
+                            }
+                        }
+                    }
+                }
+                b += bb;
+            }
+            r += rb;
+        }
+    })
+}
+
+/// Row `r`'s 4-bit codes as `cols` bytes in column order (a packed byte holds columns 2j, 2j+1 in
+/// its low, high nibble). `cols` is a multiple of 64 (the group size).
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn widen_row(m: &QMatrix, r: usize, dst: *mut u8) {
+    let rb = m.row_bytes();
+    let lo = _mm512_set1_epi16(0x000f);
+    let hi = _mm512_set1_epi16(0x0f00);
+    for j in (0..rb).step_by(32) {
+        // SAFETY: 32 bytes of row r at j (rb is a multiple of 32); 64 bytes of `dst` at 2j.
+        unsafe {
+            let v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(
+                m.weight.as_ptr().add(r * rb + j) as *const __m256i
+            ));
+            let w = _mm512_or_si512(
+                _mm512_and_si512(v, lo),
+                _mm512_and_si512(_mm512_slli_epi16::<4>(v), hi),
+            );
+            _mm512_storeu_si512(dst.add(2 * j) as *mut __m512i, w);
+        }
+    }
+}
+
+/// Outputs of rows `r..r+R` (widened codes at `codes`, row stride `cols`) for the 16-token blocks
+/// `b..b+T`, written to `y[t, row - r0]` for tokens `t < n`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
+#[inline]
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile<const R: usize, const T: usize>(
+    m: &QMatrix,
+    p: &PreparedX,
+    codes: *const u8,
+    r: usize,
+    b: usize,
+    y: &mut [f32],
+    r0: usize,
+    r1: usize,
+) {
+    let (cols, gs) = (m.cols, m.group_size);
+    let (gpr, quads) = (cols / gs, cols / 4);
+    let q = p.q.as_ptr();
+    let mut acc = [[_mm512_setzero_ps(); T]; R];
+    for g in 0..gpr {
+        let mut isum = [[_mm512_setzero_si512(); T]; R];
+        for c4 in g * gs / 4..(g + 1) * gs / 4 {
+            // SAFETY: blocks b..b+T hold quads · 64 bytes each; columns 4·c4..4·c4+4 < cols.
+            let xv: [__m512i; T] = std::array::from_fn(|j| unsafe {
+                _mm512_loadu_si512(q.add(((b + j) * quads + c4) * 64) as *const __m512i)
+            });
+            for i in 0..R {
+                // SAFETY: row i of the widened codes has cols bytes.
+                let w = unsafe { (codes.add(i * cols + 4 * c4) as *const i32).read_unaligned() };
+                let wb = _mm512_set1_epi32(w);
+                for j in 0..T {
+                    isum[i][j] = _mm512_dpbusd_epi32(isum[i][j], wb, xv[j]);
+                }
+            }
+        }
+        for i in 0..R {
+            // SAFETY: group g of row r + i.
+            let (s, bias) = unsafe {
+                let at = ((r + i) * gpr + g) * 2;
+                (
+                    read_bf16(m.scales.as_ptr().add(at)),
+                    read_bf16(m.biases.as_ptr().add(at)),
+                )
+            };
+            for j in 0..T {
+                let at = ((b + j) * gpr + g) * 16;
+                // SAFETY: qd and sums hold [blocks, gpr, 16] floats.
+                let (d, sum) = unsafe {
+                    (
+                        _mm512_loadu_ps(p.qd.as_ptr().add(at)),
+                        _mm512_loadu_ps(p.sums.as_ptr().add(at)),
+                    )
+                };
+                let sd = _mm512_mul_ps(_mm512_set1_ps(s), d);
+                acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i][j]), sd, acc[i][j]);
+                acc[i][j] = _mm512_fmadd_ps(_mm512_set1_ps(bias), sum, acc[i][j]);
+            }
+        }
+    }
+    let ldy = r1 - r0;
+    for j in 0..T {
+        let t0 = (b + j) * 16;
+        let lanes = (p.n - t0).min(16);
+        for i in 0..R {
+            let mut out = [0.0f32; 16];
+            // SAFETY: 16 floats of `out`.
+            unsafe { _mm512_storeu_ps(out.as_mut_ptr(), acc[i][j]) };
+            for (l, &v) in out[..lanes].iter().enumerate() {
+                y[(t0 + l) * ldy + r + i - r0] = v;
+            }
+        }
+    }
+}
