@@ -9,7 +9,8 @@ use std::time::Duration;
 
 use mference_testkit::http::{open_stream, post};
 use mference_testkit::{
-    demo_install, demo_source, mlx_greedy, output_ok, py, python, repo, run_ok, ServeProcess,
+    demo_install, demo_source, mlx_greedy, output_ok, python, reference_chat_prompt,
+    reference_text_prompt, repo, run_ok, run_ok_with_stdin, ServeProcess,
 };
 use serde_json::json;
 
@@ -64,15 +65,7 @@ fn demo_prompt_and_messages_match_mlx_lm_token_for_token() {
 
     // Raw completion: BOS + text, no chat framing.
     let text = "It is a truth universally acknowledged, that";
-    let want_prompt = py(&[
-        "tools/ref/encode.py",
-        "--model",
-        src.to_str().unwrap(),
-        "--text",
-        text,
-        "--bos",
-    ])["prompt"]
-        .clone();
+    let want_prompt = reference_text_prompt(text);
     let out = mference(&[
         "run",
         "--model",
@@ -101,16 +94,7 @@ fn demo_prompt_and_messages_match_mlx_lm_token_for_token() {
 
     // Chat: one user message through the template (thinking off, as the CLI renders it).
     let user = "Tell me about the weather in London.";
-    let want_prompt = py(&[
-        "tools/ref/encode.py",
-        "--model",
-        src.to_str().unwrap(),
-        "--chat-user",
-        user,
-        "--thinking",
-        "false",
-    ])["prompt"]
-        .clone();
+    let want_prompt = reference_chat_prompt(user);
     let mf = work.path().join("messages.json");
     std::fs::write(
         &mf,
@@ -175,39 +159,42 @@ fn bad_flags_are_rejected_with_the_allowed_values() {
     assert!(!out.status.success(), "two modes accepted");
 }
 
-#[test]
-fn interactive_chat_answers_and_handles_slash_commands() {
-    use std::io::Write;
-    let inst = demo_install();
-    let mut child = Command::new(BIN)
-        .args([
+/// `run --chat` on the demo install, greedy, with `input` typed in; it must exit 0.
+fn chat_session(
+    system: &str,
+    max_new: usize,
+    max_context: usize,
+    input: &str,
+) -> std::process::Output {
+    run_ok_with_stdin(
+        BIN,
+        &[
             "run",
             "--model",
-            inst.to_str().unwrap(),
+            demo_install().to_str().unwrap(),
             "--chat",
             "--system",
-            "You are terse.",
+            system,
             "--temperature",
             "0",
             "--max-new",
-            "8",
+            &max_new.to_string(),
             "--max-context",
-            "256",
-        ])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(b"Hello there.\n/history\n/clear\n/history\nHow are you?\n/quit\n")
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
+            &max_context.to_string(),
+        ],
+        input,
+    )
+}
+
+#[test]
+fn interactive_chat_answers_and_handles_slash_commands() {
+    let out = chat_session(
+        "You are terse.",
+        8,
+        256,
+        "Hello there.\n/history\n/clear\n/history\nHow are you?\n/quit\n",
+    );
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{err}");
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         stdout.trim().lines().count() >= 1 && !stdout.trim().is_empty(),
@@ -227,38 +214,9 @@ fn interactive_chat_answers_and_handles_slash_commands() {
 
 #[test]
 fn chat_drops_the_oldest_turns_to_fit_but_keeps_system_and_newest_user() {
-    use std::io::Write;
-    let inst = demo_install();
-    let mut child = Command::new(BIN)
-        .args([
-            "run",
-            "--model",
-            inst.to_str().unwrap(),
-            "--chat",
-            "--system",
-            "Be brief.",
-            "--temperature",
-            "0",
-            "--max-new",
-            "6",
-            "--max-context",
-            "64",
-        ])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
     let turns = "Tell me about the sea and the ships upon it.\nTell me about the hills and the sheep.\nWhat of the town?\n/history\n/quit\n";
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(turns.as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
+    let out = chat_session("Be brief.", 6, 64, turns);
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{err}");
     assert!(
         err.contains("[dropped the oldest message"),
         "nothing was dropped: {err}"

@@ -10,7 +10,10 @@ use std::time::Duration;
 use common::*;
 use mference_server::PromptCacheMode;
 use mference_testkit::http::{get, open_stream, post, post_stream, raw_request, Sse};
-use mference_testkit::{demo_install, demo_source, mlx_greedy, output_ok, py, python, repo};
+use mference_testkit::{
+    demo_install, demo_source, mlx_greedy, output_ok, python, reference_chat_prompt,
+    reference_text_prompt, repo,
+};
 use serde_json::{json, Value};
 
 fn assert_error(status: u16, body: &Value, want: u16, what: &str) {
@@ -181,16 +184,7 @@ fn greedy_chat_and_completions_match_mlx_lm() {
 
     // Chat: the reference renders the template in Python (transformers) with thinking off.
     let user = "Tell me about the weather in London.";
-    let p = py(&[
-        "tools/ref/encode.py",
-        "--model",
-        src.to_str().unwrap(),
-        "--chat-user",
-        user,
-        "--thinking",
-        "false",
-    ])["prompt"]
-        .clone();
+    let p = reference_chat_prompt(user);
     let want = tok.decode(&mlx_greedy(&p, n, work.path()), true).unwrap();
     let body = json!({"model": MODEL_ID, "messages": [{"role": "user", "content": user}], "temperature": 0, "max_tokens": n});
     let (s, r) = post(a, "/v1/chat/completions", &body);
@@ -230,15 +224,7 @@ fn greedy_chat_and_completions_match_mlx_lm() {
 
     // Completions from token ids, with logprobs checked against mlx-lm's last-row log-softmax.
     let text = "It is a truth universally acknowledged, that";
-    let p = py(&[
-        "tools/ref/encode.py",
-        "--model",
-        src.to_str().unwrap(),
-        "--text",
-        text,
-        "--bos",
-    ])["prompt"]
-        .clone();
+    let p = reference_text_prompt(text);
     let ids = mlx_greedy(&p, n, work.path());
     let body =
         json!({"model": MODEL_ID, "prompt": p, "temperature": 0, "max_tokens": n, "logprobs": 5});

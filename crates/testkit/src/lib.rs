@@ -19,7 +19,7 @@ use std::sync::OnceLock;
 
 use serde_json::Value;
 
-pub use process::{output_ok, run_ok, ServeProcess};
+pub use process::{output_ok, run_ok, run_ok_with_stdin, ServeProcess};
 
 /// Gemma 4's stop tokens (`<eos>`, `<turn|>`, `<|tool_response>`): generation ends before them and
 /// our outputs never contain them.
@@ -79,6 +79,26 @@ pub fn demo_install() -> &'static Path {
         .expect("installing the demo model");
         out
     })
+}
+
+/// `tools/ref/encode.py --model <demo checkpoint> ARGS`: the reference prompt's token ids.
+fn reference_prompt(args: &[&str]) -> Value {
+    let src = demo_source();
+    let mut all = vec!["tools/ref/encode.py", "--model", src.to_str().unwrap()];
+    all.extend_from_slice(args);
+    py(&all)["prompt"].clone()
+}
+
+/// The reference tokenization (`tools/ref/encode.py`: HF `tokenizers` in the venv) of `text` on
+/// the demo checkpoint, with its BOS: a JSON list of token ids.
+pub fn reference_text_prompt(text: &str) -> Value {
+    reference_prompt(&["--text", text, "--bos"])
+}
+
+/// The reference prompt (`tools/ref/encode.py`: the transformers template render, thinking off,
+/// then HF `tokenizers`) of one user message on the demo checkpoint: a JSON list of token ids.
+pub fn reference_chat_prompt(user: &str) -> Value {
+    reference_prompt(&["--chat-user", user, "--thinking", "false"])
 }
 
 /// mlx-lm's greedy continuation of `prompt` (a JSON list of token ids) on the demo checkpoint,

@@ -1,7 +1,7 @@
 //! The `mference` binary as a child process. Test crates pass the binary's path
 //! (`env!("CARGO_BIN_EXE_mference")`, which only the binary's own crate sees).
 
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Write};
 use std::net::SocketAddr;
 use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::sync::{mpsc, Arc, Mutex};
@@ -14,9 +14,14 @@ pub fn output_ok(cmd: &mut Command) -> Output {
     let out = cmd
         .output()
         .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
+    succeeded(out, cmd)
+}
+
+/// `out` if its process exited 0; otherwise fails the test with `what` and the stderr.
+fn succeeded(out: Output, what: &dyn std::fmt::Debug) -> Output {
     assert!(
         out.status.success(),
-        "{cmd:?} failed ({}): {}",
+        "{what:?} failed ({}): {}",
         out.status,
         String::from_utf8_lossy(&out.stderr)
     );
@@ -26,6 +31,28 @@ pub fn output_ok(cmd: &mut Command) -> Output {
 /// Runs `bin ARGS` (the `mference` binary) to completion, which must succeed.
 pub fn run_ok(bin: &str, args: &[&str]) -> Output {
     output_ok(Command::new(bin).args(args))
+}
+
+/// Runs `bin ARGS` with `input` on its stdin (then closed), to completion, which must succeed
+/// (an interactive session such as `run --chat`).
+pub fn run_ok_with_stdin(bin: &str, args: &[&str], input: &str) -> Output {
+    let mut cmd = Command::new(bin);
+    cmd.args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut child = cmd
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
+    // Dropping stdin after the write is the end of the input.
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(input.as_bytes())
+        .expect("writing the session's input");
+    let out = child.wait_with_output().expect("waiting for the session");
+    succeeded(out, &cmd)
 }
 
 /// What `mference serve` prints on stderr once the port is open.
