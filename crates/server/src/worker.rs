@@ -107,6 +107,8 @@ struct Worker {
     /// Exactly the token ids whose K/V the model holds at positions `0..kv_ids.len()`.
     kv_ids: Vec<u32>,
     stop_ids: Vec<u32>,
+    /// The family's assistant-turn opener ([`mference_text::Family::turn_open_token`]) as one token id.
+    turn_open: Option<u32>,
 }
 
 /// Starts the generation thread. The queue holds up to `queue_limit` waiting jobs besides the
@@ -119,12 +121,17 @@ pub(crate) fn spawn(
 ) -> std::io::Result<(mpsc::Sender<Job>, std::thread::JoinHandle<()>)> {
     let (tx, mut rx) = mpsc::channel::<Job>(queue_limit.max(1));
     let stop_ids = stop_token_ids(text.family, &text.tokenizer);
+    let turn_open = match text.tokenizer.encode(text.family.turn_open_token(), false) {
+        Ok(ids) if ids.len() == 1 => Some(ids[0]),
+        _ => None,
+    };
     let mut w = Worker {
         model,
         text,
         cache_mode,
         kv_ids: Vec::new(),
         stop_ids,
+        turn_open,
     };
     let handle = std::thread::Builder::new()
         .name("mference-generate".into())
@@ -285,6 +292,7 @@ impl Worker {
     fn reuse_prefix(&mut self, prompt: &[u32]) -> usize {
         if self.cache_mode == PromptCacheMode::SinglePrefix {
             let keep = common_prefix(&self.kv_ids, prompt).min(prompt.len().saturating_sub(1));
+            let keep = self.model.rewind_point(keep);
             if keep > 0 && self.model.truncate(keep) {
                 self.kv_ids.truncate(keep);
                 return keep;
@@ -320,7 +328,20 @@ impl Worker {
             .with_code("context_length_exceeded"));
         }
         usage.cached = self.reuse_prefix(&job.prompt);
-        let mut out = self.forward(&job.prompt[usage.cached..], want)?;
+        let mut start = usage.cached;
+        if self.cache_mode == PromptCacheMode::SinglePrefix && self.model.is_recurrent() {
+            // A recurrent state can only be rewound to a checkpoint: keep one from just before the
+            // assistant's turn opens, where this conversation's next request departs from it.
+            let open = self.turn_open;
+            if let Some(cut) = job.prompt.iter().rposition(|&t| Some(t) == open) {
+                if cut > start {
+                    self.forward(&job.prompt[start..cut], Want::None)?;
+                    self.model.checkpoint();
+                    start = cut;
+                }
+            }
+        }
+        let mut out = self.forward(&job.prompt[start..], want)?;
 
         let mut history = job.prompt.clone();
         let mut detok = StreamingDetokenizer::new(tok);

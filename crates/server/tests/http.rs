@@ -327,40 +327,7 @@ fn prefix_reuse_matches_a_cold_run() {
         assert_eq!(s, 200, "{w}");
         let (s, c) = post(cold.local_addr(), "/v1/chat/completions", &body);
         assert_eq!(s, 200, "{c}");
-        assert_eq!(c["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
-        let wt: Vec<&Value> = w["choices"][0]["logprobs"]["content"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|x| &x["token"])
-            .collect();
-        let ct: Vec<&Value> = c["choices"][0]["logprobs"]["content"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|x| &x["token"])
-            .collect();
-        assert_eq!(wt, ct, "turn {t}: warm and cold tokens differ");
-        assert_eq!(
-            w["choices"][0]["message"]["content"],
-            c["choices"][0]["message"]["content"]
-        );
-        for (x, y) in w["choices"][0]["logprobs"]["content"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .zip(c["choices"][0]["logprobs"]["content"].as_array().unwrap())
-        {
-            let (x, y) = (
-                x["logprob"].as_f64().unwrap(),
-                y["logprob"].as_f64().unwrap(),
-            );
-            assert!((x - y).abs() < 1e-2, "turn {t}: logprob {x} vs {y}");
-        }
-        let cached = w["usage"]["prompt_tokens_details"]["cached_tokens"]
-            .as_u64()
-            .unwrap();
-        let prompt = w["usage"]["prompt_tokens"].as_u64().unwrap();
+        let (prompt, cached) = assert_warm_equals_cold(t, &w, &c, 1e-2);
         assert!(cached < prompt);
         reused.push((prompt, cached));
         messages

@@ -13,9 +13,10 @@
 pub mod http;
 mod process;
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
 
 use serde_json::Value;
 
@@ -59,26 +60,38 @@ pub fn demo_source() -> PathBuf {
 /// The demo checkpoint installed with the real installer (`mference_install::install_local`, what
 /// `mference install` runs), made once per test process under `target/testkit/<test binary>/`.
 pub fn demo_install() -> &'static Path {
-    static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let exe = std::env::current_exe().expect("the test binary's path");
-        let name = exe.file_stem().unwrap().to_string_lossy().to_string();
-        let root = repo().join("target/testkit").join(name);
-        let _ = std::fs::remove_dir_all(&root);
-        std::fs::create_dir_all(&root).unwrap();
-        let out = root.join("demo.gturbo");
-        mference_install::install_local(
-            &demo_source(),
-            &out,
-            &mference_install::InstallOptions {
-                progress: mference_install::ProgressMode::Quiet,
-                disk_reserve_bytes: 0,
-                ..Default::default()
-            },
-        )
-        .expect("installing the demo model");
-        out
-    })
+    installed_asset("gemma4-tiny")
+}
+
+/// `assets/models/<name>` installed like [`demo_install`], once per test process and model.
+pub fn installed_asset(name: &str) -> &'static Path {
+    static DIRS: OnceLock<Mutex<HashMap<String, &'static Path>>> = OnceLock::new();
+    let mut dirs = DIRS
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    if let Some(dir) = dirs.get(name) {
+        return dir;
+    }
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let bin = exe.file_stem().unwrap().to_string_lossy().to_string();
+    let root = repo().join("target/testkit").join(bin).join(name);
+    let _ = std::fs::remove_dir_all(&root);
+    std::fs::create_dir_all(&root).unwrap();
+    let out = root.join("model.gturbo");
+    mference_install::install_local(
+        &repo().join("assets/models").join(name),
+        &out,
+        &mference_install::InstallOptions {
+            progress: mference_install::ProgressMode::Quiet,
+            disk_reserve_bytes: 0,
+            ..Default::default()
+        },
+    )
+    .unwrap_or_else(|e| panic!("installing assets/models/{name}: {e}"));
+    let dir: &'static Path = Box::leak(out.into_boxed_path());
+    dirs.insert(name.to_string(), dir);
+    dir
 }
 
 /// `tools/ref/encode.py --model <demo checkpoint> ARGS`: the reference prompt's token ids.

@@ -227,3 +227,38 @@ pub fn rss() -> (u64, u64) {
     };
     (field("VmRSS:"), field("VmHWM:"))
 }
+
+/// One turn of a warm-vs-cold comparison: the warm (prefix-reusing) and cold servers' answers to
+/// the same request must have the same tokens and text and logprobs within `tol`; the cold one
+/// reuses nothing. Returns the warm answer's (prompt tokens, cached tokens).
+pub fn assert_warm_equals_cold(turn: usize, w: &Value, c: &Value, tol: f64) -> (u64, u64) {
+    let content = |r: &Value| {
+        r["choices"][0]["logprobs"]["content"]
+            .as_array()
+            .unwrap()
+            .clone()
+    };
+    let (wl, cl) = (content(w), content(c));
+    let tokens = |l: &[Value]| l.iter().map(|x| x["token"].clone()).collect::<Vec<_>>();
+    assert_eq!(
+        tokens(&wl),
+        tokens(&cl),
+        "turn {turn}: warm and cold tokens differ"
+    );
+    assert_eq!(
+        w["choices"][0]["message"]["content"],
+        c["choices"][0]["message"]["content"]
+    );
+    for (x, y) in wl.iter().zip(&cl) {
+        let (x, y) = (
+            x["logprob"].as_f64().unwrap(),
+            y["logprob"].as_f64().unwrap(),
+        );
+        assert!((x - y).abs() < tol, "turn {turn}: logprob {x} vs {y}");
+    }
+    assert_eq!(c["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    let cached = w["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    (w["usage"]["prompt_tokens"].as_u64().unwrap(), cached)
+}
