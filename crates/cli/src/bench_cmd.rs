@@ -243,13 +243,13 @@ fn sum(stats: &[StreamerStats]) -> StreamerStats {
     t
 }
 
-/// `VmHWM` (peak resident set) of this process, in bytes.
-fn peak_rss() -> u64 {
+/// A `/proc/self/status` field given in kB (`VmHWM`, `RssAnon`, …), in bytes; 0 if missing.
+fn status_bytes(key: &str) -> u64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
         .and_then(|s| {
             s.lines()
-                .find(|l| l.starts_with("VmHWM:"))
+                .find(|l| l.strip_prefix(key).is_some_and(|r| r.starts_with(':')))
                 .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
         })
         .map(|kib| kib * 1024)
@@ -349,7 +349,12 @@ fn child(a: &BenchArgs, n: usize) -> Result<Value> {
         "ttft_s": prefill_s,
         "decode_s": decode_s,
         "decode_tok_s": if decode_s > 0.0 { steps / decode_s } else { 0.0 },
-        "peak_rss_bytes": peak_rss(),
+        // Peak resident set (VmHWM), and what is resident at the end split into anonymous memory
+        // (slots, KV cache, buffers) and mapped file pages (the resident weights: page cache the
+        // kernel can drop and re-read, which macOS's footprint does not count).
+        "peak_rss_bytes": status_bytes("VmHWM"),
+        "rss_anon_bytes": status_bytes("RssAnon"),
+        "rss_file_bytes": status_bytes("RssFile"),
         "kv_bytes": model.kv_bytes(),
         "prefill_hit_rate": rate(after_prefill.hits, after_prefill.misses),
         "prefill_bytes_read": after_prefill.bytes_read,
@@ -392,6 +397,8 @@ fn median_row(name: &str, runs: &[Value]) -> Value {
         "ttft_s": m("ttft_s"),
         "decode_tok_s": m("decode_tok_s"),
         "peak_rss_bytes": m("peak_rss_bytes"),
+        "rss_anon_bytes": m("rss_anon_bytes"),
+        "rss_file_bytes": m("rss_file_bytes"),
         "hit_rate": m("hit_rate"),
         "bytes_per_token": m("bytes_per_token"),
         "read_wait_per_token_s": m("read_wait_per_token_s"),
@@ -416,7 +423,7 @@ fn print_table(doc: &Value) {
         s["repeats"]
     );
     println!(
-        "{:<8} {:>7} {:>9} {:>10} {:>8} {:>10} {:>9} {:>6} {:>9} {:>10} {:>10}",
+        "{:<8} {:>7} {:>9} {:>10} {:>8} {:>10} {:>9} {:>9} {:>6} {:>9} {:>10} {:>10}",
         "prompt",
         "tokens",
         "prefill_s",
@@ -424,6 +431,7 @@ fn print_table(doc: &Value) {
         "TTFT_s",
         "decode/s",
         "RSS_MiB",
+        "anon_MiB",
         "hit%",
         "MiB/tok",
         "wait_ms/t",
@@ -432,7 +440,7 @@ fn print_table(doc: &Value) {
     for r in doc["summary"].as_array().into_iter().flatten() {
         let f = |k: &str| r[k].as_f64().unwrap_or(0.0);
         println!(
-            "{:<8} {:>7} {:>9.3} {:>10.2} {:>8.3} {:>10.3} {:>9.0} {:>6.1} {:>9.1} {:>10.2} {:>10.2}{}",
+            "{:<8} {:>7} {:>9.3} {:>10.2} {:>8.3} {:>10.3} {:>9.0} {:>9.0} {:>6.1} {:>9.1} {:>10.2} {:>10.2}{}",
             r["prompt"].as_str().unwrap_or(""),
             r["prompt_tokens"],
             f("prefill_s"),
@@ -440,6 +448,7 @@ fn print_table(doc: &Value) {
             f("ttft_s"),
             f("decode_tok_s"),
             f("peak_rss_bytes") / 1048576.0,
+            f("rss_anon_bytes") / 1048576.0,
             f("hit_rate") * 100.0,
             f("bytes_per_token") / 1048576.0,
             f("read_wait_per_token_s") * 1e3,

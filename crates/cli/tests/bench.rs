@@ -89,6 +89,14 @@ fn bench_runs_each_prompt_in_a_fresh_process_and_reports_sane_json() {
             rss > 1 << 20 && rss < 8 << 30,
             "peak RSS {rss} bytes is not plausible"
         );
+        let (anon, file) = (
+            r["rss_anon_bytes"].as_u64().unwrap(),
+            r["rss_file_bytes"].as_u64().unwrap(),
+        );
+        assert!(
+            anon > 0 && file > 0 && anon + file <= rss,
+            "resident split anon {anon} + file {file} vs peak {rss}"
+        );
         let hit = r["hit_rate"].as_f64().unwrap();
         assert!((0.0..=1.0).contains(&hit), "hit rate {hit}");
         assert!(
