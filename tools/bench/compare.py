@@ -109,6 +109,7 @@ def ours(a, prompts: list, capped: bool) -> dict:
            "--ctx", str(a.ctx)]
     if a.direct_io:
         cmd.append("--direct-io")
+    cmd += ["--kernels", a.kernels]
     out, dt, rss = run(cmd, capped, a.timeout)
     doc = json.loads(out.strip().splitlines()[-1])
     res = {"cmd": " ".join(cmd), "wall_s": dt, "max_rss_kib_time": rss, "summary": doc["summary"],
@@ -202,6 +203,8 @@ def main() -> None:
     ap.add_argument("--slots", default="16")
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--direct-io", action="store_true")
+    ap.add_argument("--kernels", default="auto",
+                    help="mference kernel table: auto (exact), or avx512vnni (int8 prefill)")
     ap.add_argument("--modes", default="warm,capped")
     ap.add_argument("--engines", default="ours,llama")
     ap.add_argument("--cap-gib", type=float, default=8.0)
