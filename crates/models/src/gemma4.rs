@@ -14,7 +14,9 @@ use mference_format::Install;
 use mference_kernels::{Kernels, MatJob, QMatrix, ThreadPool};
 use mference_runtime::{KvCache, KvLayer};
 
-use crate::ops::{attention, gelu_tanh, rms_norm, rms_norm_into, softmax, top_k, AttnShape, Rope};
+use crate::ops::{
+    attention, gelu_tanh, rms_norm, rms_norm_into, softcap, softmax, top_k, AttnShape, Rope,
+};
 use crate::tensors::{QRef, VRef};
 use crate::{ChunkWant, Engine, LoadOptions, Logits, ModelError, Streamers, Want};
 
@@ -600,7 +602,7 @@ impl Gemma4 {
         let mut logits = vec![0.0f32; rows * self.cfg.vocab_size];
         pool.gemm(k, &head, &xf, rows, &mut logits);
         if let Some(c) = cap {
-            logits.iter_mut().for_each(|z| *z = c * (*z / c).tanh());
+            softcap(&mut logits, c);
         }
         Ok(Logits::Rows(logits))
     }
