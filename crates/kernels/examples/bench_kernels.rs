@@ -234,14 +234,22 @@ fn main() {
     }
 
     // Prefill GEMM on one expert's gate projection.
-    for &n in [8usize, 32, 128].iter().filter(|_| want("gemm")) {
+    for &n in [2usize, 4, 8, 32, 128].iter().filter(|_| want("gemm")) {
         let x: Vec<f32> = (0..n * hidden)
             .map(|i| ((i * 31 % 113) as f32 - 56.0) / 56.0)
             .collect();
         let mut y = vec![0.0f32; n * inter];
         for k in tables.iter().filter(|k| k.name() != "scalar") {
+            let m = experts[0][0].view();
+            let d = time(20, || {
+                black_box(k.prepare(&m, &x, n));
+            });
+            println!(
+                "{:7} prepare n={n:3} x 2816: {:7.1} us (serial, before the pool's region)",
+                k.name(),
+                d.as_secs_f64() * 1e6
+            );
             for pool in &pools {
-                let m = experts[0][0].view();
                 let d = time(20, || pool.gemm(k, &m, &x, n, &mut y));
                 let flops = 2.0 * (n * inter * hidden) as f64;
                 println!(

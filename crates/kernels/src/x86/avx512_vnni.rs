@@ -193,3 +193,21 @@ unsafe fn tile<const R: usize, const T: usize>(
         }
     }
 }
+
+/// `words[i]` = the 4 int8 codes `round(src[4i..4i+4] · inv)` (|src · inv| <= 127; round to
+/// nearest, ties to even, as the MXCSR default the conversion uses). `src.len()` is a multiple of
+/// 16 and `words.len() · 4 == src.len()`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+pub(super) unsafe fn quantize_i8(src: &[f32], inv: f32, words: &mut [u32]) {
+    let s = _mm512_set1_ps(inv);
+    for (i, c) in src.chunks_exact(16).enumerate() {
+        // SAFETY: 16 floats of `c`; 16 bytes = words 4i..4i+4, inside `words` (checked lengths).
+        unsafe {
+            let v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(c.as_ptr()), s));
+            _mm_storeu_si128(
+                words.as_mut_ptr().add(4 * i) as *mut __m128i,
+                _mm512_cvtsepi32_epi8(v),
+            );
+        }
+    }
+}

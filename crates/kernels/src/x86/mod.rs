@@ -28,6 +28,17 @@ pub(crate) fn available() -> Vec<&'static Kernels> {
     v
 }
 
+/// The AVX-512 twin of `prepared::quantize` (same rounding), when the CPU has AVX-512 BW;
+/// false means "not done here".
+pub(crate) fn quantize_i8(src: &[f32], inv: f32, words: &mut [u32]) -> bool {
+    if !avx512::supported() || !src.len().is_multiple_of(16) || words.len() * 4 != src.len() {
+        return false;
+    }
+    // SAFETY: AVX-512 F/BW/VL were detected; lengths were checked.
+    unsafe { avx512_vnni::quantize_i8(src, inv, words) };
+    true
+}
+
 thread_local! {
     /// Dequantized f32 weight rows for the GEMM (`[rows per tile, cols]`), reused across calls.
     static WTILE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
