@@ -38,7 +38,7 @@ pub struct ModelArgs {
     #[arg(long, default_value = "f16")]
     pub kv_cache: String,
     /// Kernel table: auto (the fastest exact one this CPU has), scalar, avx2, avx512, or
-    /// avx512vnni (int8 activations in prefill: ~2-3x the prompt speed, perplexity +0.2-0.4% on
+    /// avx512vnni (int8 activations in prefill: ~1.3-2.5x the prompt speed, perplexity +0.1-0.4% on
     /// the bundled models; decode unchanged).
     #[arg(long, default_value = "auto")]
     pub kernels: String,
