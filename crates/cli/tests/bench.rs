@@ -2,41 +2,16 @@
 //! runs in its own process and the JSON has sane values. Timings are not checked (they belong in
 //! benchmarks), only that they were measured.
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
-
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../..")
-        .canonicalize()
-        .unwrap()
-}
+use mference_testkit::{demo_install, run_ok};
 
 fn mference(args: &[&str]) -> std::process::Output {
-    let out = Command::new(env!("CARGO_BIN_EXE_mference"))
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "mference {args:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out
+    run_ok(env!("CARGO_BIN_EXE_mference"), args)
 }
 
 #[test]
 fn bench_runs_each_prompt_in_a_fresh_process_and_reports_sane_json() {
     let work = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let src = repo().join("assets/models/gemma4-tiny");
-    let inst = work.path().join("tiny.gturbo");
-    mference(&[
-        "install",
-        src.to_str().unwrap(),
-        "--output",
-        inst.to_str().unwrap(),
-        "--quiet",
-    ]);
+    let inst = demo_install();
     let json_path = work.path().join("bench.json");
     // 8 slots of 16 experts with top-4 routing: misses must happen, so bytes are read.
     let out = mference(&[
@@ -140,7 +115,7 @@ fn bench_rejects_bad_flags_before_loading() {
         (vec!["--prefill-chunk", "100"], "--prefill-chunk"),
         (vec!["--repeats", "0"], "--repeats"),
     ] {
-        let out = Command::new(env!("CARGO_BIN_EXE_mference"))
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_mference"))
             .args(["bench", "--model", "/nonexistent.gturbo"])
             .args(&args)
             .output()

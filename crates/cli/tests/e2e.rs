@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use mference_testkit::http::{open_stream, post};
 use mference_testkit::{
-    demo_install, demo_source, mlx_greedy, output_ok, python, reference_chat_prompt,
-    reference_text_prompt, repo, run_ok, run_ok_with_stdin, ServeProcess,
+    assert_perplexity_near, demo_install, demo_source, mlx_greedy, output_ok, perplexity, python,
+    reference_chat_prompt, reference_text_prompt, repo, run_ok, run_ok_with_stdin, ServeProcess,
 };
 use serde_json::json;
 
@@ -237,44 +237,8 @@ fn chat_drops_the_oldest_turns_to_fit_but_keeps_system_and_newest_user() {
 /// tools/ref/reference-values.json).
 #[test]
 fn demo_perplexity_is_within_0_3_percent_of_mlx_lm() {
-    let refs: serde_json::Value = serde_json::from_slice(
-        &std::fs::read(repo().join("tools/ref/reference-values.json")).unwrap(),
-    )
-    .unwrap();
-    let want = refs["models"]["gemma4-tiny"]["perplexity_llama_ctx512_8192"]["perplexity"]
-        .as_f64()
-        .unwrap();
-    let inst = demo_install();
-    let text = repo().join("assets/austen_pride_and_prejudice.txt");
-    let out = mference(&[
-        "perplexity",
-        "--model",
-        inst.to_str().unwrap(),
-        "--file",
-        text.to_str().unwrap(),
-        "--ctx",
-        "512",
-        "--max-tokens",
-        "8192",
-    ]);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let got: f64 = stdout
-        .lines()
-        .find_map(|l| l.strip_prefix("perplexity: "))
-        .expect("perplexity line")
-        .trim()
-        .parse()
-        .unwrap();
-    let rel = (got - want).abs() / want;
-    eprintln!(
-        "perplexity ours {got:.4}, mlx-lm {want:.4}, relative difference {:.3}%",
-        rel * 100.0
-    );
-    assert!(
-        rel <= 0.003,
-        "perplexity {got} vs mlx-lm {want}: {:.3}% apart",
-        rel * 100.0
-    );
+    let (got, _) = perplexity(BIN, demo_install(), &[]);
+    assert_perplexity_near("gemma4-tiny", got, 0.003);
 }
 
 /// `mference serve` on the demo model gets SIGTERM (then, in a second run, SIGINT) while a stream

@@ -7,7 +7,7 @@
 
 use std::path::Path;
 
-use mference_testkit::{demo_install, repo, run_ok};
+use mference_testkit::{assert_perplexity_near, demo_install, perplexity, repo, run_ok};
 
 const BIN: &str = env!("CARGO_BIN_EXE_mference");
 
@@ -24,61 +24,14 @@ fn vnni() -> bool {
     false
 }
 
-fn reference(model: &str) -> f64 {
-    let refs: serde_json::Value = serde_json::from_slice(
-        &std::fs::read(repo().join("tools/ref/reference-values.json")).unwrap(),
-    )
-    .unwrap();
-    refs["models"][model]["perplexity_llama_ctx512_8192"]["perplexity"]
-        .as_f64()
-        .unwrap()
-}
-
-fn int8_perplexity(install: &Path) -> f64 {
-    let text = repo().join("assets/austen_pride_and_prejudice.txt");
-    let out = run_ok(
-        BIN,
-        &[
-            "perplexity",
-            "--model",
-            install.to_str().unwrap(),
-            "--file",
-            text.to_str().unwrap(),
-            "--ctx",
-            "512",
-            "--max-tokens",
-            "8192",
-            "--kernels",
-            "avx512vnni",
-        ],
-    );
-    let err = String::from_utf8_lossy(&out.stderr);
+/// Perplexity with `--kernels avx512vnni`, checked to have run on that table.
+fn check(model: &str, install: &Path, budget: f64) {
+    let (got, err) = perplexity(BIN, install, &["--kernels", "avx512vnni"]);
     assert!(
         err.contains("kernels avx512vnni]"),
         "the run did not use the int8 kernels: {err}"
     );
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .find_map(|l| l.strip_prefix("perplexity: "))
-        .expect("perplexity line")
-        .trim()
-        .parse()
-        .unwrap()
-}
-
-fn check(model: &str, install: &Path, budget: f64) {
-    let (got, want) = (int8_perplexity(install), reference(model));
-    let rel = (got - want).abs() / want;
-    eprintln!(
-        "{model}: int8-prefill perplexity {got:.4}, mlx-lm {want:.4}, {:.3}% apart",
-        rel * 100.0
-    );
-    assert!(
-        rel <= budget,
-        "{model}: int8-prefill perplexity {got} vs mlx-lm {want}: {:.3}% apart (budget {:.2}%)",
-        rel * 100.0,
-        budget * 100.0
-    );
+    assert_perplexity_near(model, got, budget);
 }
 
 #[test]

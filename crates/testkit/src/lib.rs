@@ -137,3 +137,59 @@ pub fn mlx_greedy(prompt: &Value, n: usize, work: &Path) -> Vec<u32> {
         .take_while(|id| !GEMMA_STOP_IDS.contains(id))
         .collect()
 }
+
+/// mlx-lm's perplexity of `assets/models/<model>` by llama-perplexity's protocol (first 8,192
+/// tokens of the Austen text, 512-token chunks), as committed with its command in
+/// `tools/ref/reference-values.json`.
+pub fn reference_perplexity(model: &str) -> f64 {
+    let refs: Value = serde_json::from_slice(
+        &std::fs::read(repo().join("tools/ref/reference-values.json")).unwrap(),
+    )
+    .unwrap();
+    refs["models"][model]["perplexity_llama_ctx512_8192"]["perplexity"]
+        .as_f64()
+        .unwrap_or_else(|| panic!("no reference perplexity for {model}"))
+}
+
+/// `bin perplexity` on `install` by the same protocol, plus `extra` flags, which must succeed:
+/// the perplexity it prints and its stderr.
+pub fn perplexity(bin: &str, install: &Path, extra: &[&str]) -> (f64, String) {
+    let text = repo().join("assets/austen_pride_and_prejudice.txt");
+    let mut args = vec![
+        "perplexity",
+        "--model",
+        install.to_str().unwrap(),
+        "--file",
+        text.to_str().unwrap(),
+        "--ctx",
+        "512",
+        "--max-tokens",
+        "8192",
+    ];
+    args.extend_from_slice(extra);
+    let out = run_ok(bin, &args);
+    let got = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .find_map(|l| l.strip_prefix("perplexity: "))
+        .expect("perplexity line")
+        .trim()
+        .parse()
+        .unwrap();
+    (got, String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+/// Fails unless `got` is within `budget` (relative) of mlx-lm's perplexity for `model`.
+pub fn assert_perplexity_near(model: &str, got: f64, budget: f64) {
+    let want = reference_perplexity(model);
+    let rel = (got - want).abs() / want;
+    eprintln!(
+        "{model}: perplexity ours {got:.4}, mlx-lm {want:.4}, {:.3}% apart",
+        rel * 100.0
+    );
+    assert!(
+        rel <= budget,
+        "{model}: perplexity {got} vs mlx-lm {want}: {:.3}% apart (budget {:.2}%)",
+        rel * 100.0,
+        budget * 100.0
+    );
+}

@@ -8,36 +8,14 @@ use std::process::Command;
 
 use mference_models::{load, LoadOptions, Logits, Model, Want};
 
-pub fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../..")
-        .canonicalize()
-        .unwrap()
-}
-
-/// The reference venv's python. The README's test command creates it (tools/ref/setup-venv.sh);
-/// a missing venv is a failure, never a skip.
-pub fn python() -> PathBuf {
-    let p = repo().join(".venv/bin/python");
-    assert!(
-        p.exists(),
-        "{} is missing: run `bash tools/ref/setup-venv.sh` (the README's test command does)",
-        p.display()
-    );
-    p
-}
+/// The repository and the reference venv's python (a missing venv is a failure, never a skip).
+pub use mference_testkit::{python, repo};
 
 pub fn run_py(script: &str, args: &[&str]) {
-    let out = Command::new(python())
-        .arg(repo().join("tools/ref").join(script))
-        .args(args)
-        .output()
-        .expect("spawn python");
-    assert!(
-        out.status.success(),
-        "{script} {args:?} failed:\n{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
+    mference_testkit::output_ok(
+        Command::new(python())
+            .arg(repo().join("tools/ref").join(script))
+            .args(args),
     );
 }
 
