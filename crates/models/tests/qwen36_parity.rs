@@ -367,35 +367,6 @@ fn qwen36_trained_tiny_checkpoint() {
     let ids: Vec<u32> = serde_json::from_slice(&std::fs::read(&ids_file).unwrap()).unwrap();
     assert_eq!(ids.len(), 8192);
 
-    // mlx-lm's perplexity: tools/ref/reference-values.json when the harness has produced it,
-    // otherwise computed now with tools/ref/perplexity.py (~5 min on 2 cores).
-    let values = repo().join("tools/ref/reference-values.json");
-    let stored = std::fs::read(&values).ok().and_then(|b| {
-        let v: serde_json::Value = serde_json::from_slice(&b).ok()?;
-        v.pointer("/models/qwen3_6-tiny/perplexity_llama_ctx512_8192/perplexity")?
-            .as_f64()
-    });
-    let ref_ppl = stored.unwrap_or_else(|| {
-        let j = work.path().join("ppl.json");
-        run_py(
-            "perplexity.py",
-            &[
-                "--model",
-                src.to_str().unwrap(),
-                "--file",
-                text.to_str().unwrap(),
-                "--ctx",
-                "512",
-                "--max-tokens",
-                "8192",
-                "--json-out",
-                j.to_str().unwrap(),
-            ],
-        );
-        let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&j).unwrap()).unwrap();
-        v["perplexity"].as_f64().unwrap()
-    });
-
     let mut m = load(&inst, &opts(128, 512)).unwrap();
     let vocab = m.vocab_size();
     let (ctx, first) = (512, 256);
@@ -413,21 +384,8 @@ fn qwen36_trained_tiny_checkpoint() {
             count += 1;
         }
     }
-    let ppl = (nll / count as f64).exp();
-    let rel = (ppl / ref_ppl - 1.0).abs();
-    eprintln!(
-        "qwen3_6-tiny perplexity: ours {ppl:.4}, mlx-lm {ref_ppl:.4} ({}), Δ {:.3}%",
-        if stored.is_some() {
-            "reference-values.json"
-        } else {
-            "perplexity.py"
-        },
-        rel * 100.0
-    );
-    assert!(
-        rel <= 3e-3,
-        "perplexity {ppl} vs mlx-lm {ref_ppl}: {rel} > 0.3%"
-    );
+    // mlx-lm's value (tools/ref/reference-values.json, with the command that made it).
+    mference_testkit::assert_perplexity_near("qwen3_6-tiny", (nll / count as f64).exp(), 3e-3);
 
     // All-position logits of one window.
     let window = &ids[..256];
