@@ -249,13 +249,16 @@ pub fn assert_warm_equals_cold(turn: usize, w: &Value, c: &Value, tol: f64) -> (
         w["choices"][0]["message"]["content"],
         c["choices"][0]["message"]["content"]
     );
+    let mut worst = 0.0f64;
     for (x, y) in wl.iter().zip(&cl) {
         let (x, y) = (
             x["logprob"].as_f64().unwrap(),
             y["logprob"].as_f64().unwrap(),
         );
         assert!((x - y).abs() < tol, "turn {turn}: logprob {x} vs {y}");
+        worst = worst.max((x - y).abs());
     }
+    eprintln!("turn {turn}: max |warm - cold| logprob {worst:.2e} (budget {tol:.0e})");
     assert_eq!(c["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
     let cached = w["usage"]["prompt_tokens_details"]["cached_tokens"]
         .as_u64()
