@@ -632,6 +632,9 @@ fn chat(model: &mut dyn Model, text: &Text, a: &RunArgs) -> Result<()> {
     }
 }
 
+/// Scored positions per forward call in `perplexity` (256 × a 262k vocabulary = 256 MiB of logits).
+const SCORED_ROWS: usize = 256;
+
 /// `mference perplexity`: llama-perplexity's protocol — chunks of `ctx` tokens, the first token of
 /// each chunk replaced by BOS, the second half of each chunk scored.
 pub fn perplexity(a: PerplexityArgs) -> Result<()> {
@@ -639,6 +642,14 @@ pub fn perplexity(a: PerplexityArgs) -> Result<()> {
     let text = load_text(&a.model.model)?;
     if a.ctx < 4 {
         bail!("--ctx must be at least 4");
+    }
+    if let Some(m) = text.max_positions {
+        if a.ctx > m {
+            bail!(
+                "--ctx {} exceeds the model's max_position_embeddings {m}",
+                a.ctx
+            );
+        }
     }
     let body = std::fs::read_to_string(&a.file)
         .with_context(|| format!("reading {}", a.file.display()))?;
@@ -670,15 +681,21 @@ pub fn perplexity(a: PerplexityArgs) -> Result<()> {
             chunk[0] = b;
         }
         model.truncate(0);
-        let Logits::Rows(logits) = model.forward(&chunk, Want::Tail(a.ctx - first))? else {
-            bail!("model returned no logits")
-        };
-        for j in first..a.ctx - 1 {
-            let row = &logits[(j - first) * vocab..(j - first + 1) * vocab];
-            let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-            let lse = m + row.iter().map(|&z| (z as f64 - m).exp()).sum::<f64>().ln();
-            nll += lse - row[chunk[j + 1] as usize] as f64;
-            count += 1;
+        model.forward(&chunk[..first], Want::None)?;
+        // The scored half in pieces of at most SCORED_ROWS positions, so the logits held at once
+        // stay bounded (rows · vocab floats) whatever --ctx is.
+        for j0 in (first..a.ctx).step_by(SCORED_ROWS) {
+            let j1 = (j0 + SCORED_ROWS).min(a.ctx);
+            let Logits::Rows(logits) = model.forward(&chunk[j0..j1], Want::All)? else {
+                bail!("model returned no logits")
+            };
+            for j in j0..j1.min(a.ctx - 1) {
+                let row = &logits[(j - j0) * vocab..(j - j0 + 1) * vocab];
+                let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+                let lse = m + row.iter().map(|&z| (z as f64 - m).exp()).sum::<f64>().ln();
+                nll += lse - row[chunk[j + 1] as usize] as f64;
+                count += 1;
+            }
         }
         eprintln!(
             "[chunk {}/{chunks}: running perplexity {:.4}]",

@@ -157,6 +157,20 @@ fn bad_flags_are_rejected_with_the_allowed_values() {
         .output()
         .unwrap();
     assert!(!out.status.success(), "two modes accepted");
+    // A perplexity context beyond the model's positions is refused before anything is allocated
+    // (it used to size the logits by --ctx: tens of GB).
+    let text = repo().join("assets/austen_pride_and_prejudice.txt");
+    let out = Command::new(BIN)
+        .args(["perplexity", "--model", demo_install().to_str().unwrap()])
+        .args(["--file", text.to_str().unwrap(), "--ctx", "100000"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "perplexity --ctx 100000 accepted");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("exceeds the model's max_position_embeddings"),
+        "{err}"
+    );
 }
 
 /// `run --chat` on the demo install, greedy, with `input` typed in; it must exit 0.
