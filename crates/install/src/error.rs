@@ -30,6 +30,8 @@ pub enum InstallError {
     },
     #[error("{out} already exists; pass --overwrite to replace it")]
     OutputExists { out: PathBuf },
+    #[error("{out} exists and is not an mference install (no GTURBO manifest.json), so --overwrite will not delete it; remove it yourself or choose another --output")]
+    OverwriteRefused { out: PathBuf },
     #[error("the saved partial install does not match this source or plan ({detail}); run `mference discard {out}` to start over")]
     ResumeMismatch { out: PathBuf, detail: String },
     #[error("not enough free disk at {dir}: need {need} bytes (remaining output + one range + reserve), {free} free; free some space or choose another --output")]

@@ -367,6 +367,12 @@ fn refuse_existing(paths: &OutPaths, opts: &InstallOptions) -> Result<(), Instal
             out: paths.out.clone(),
         });
     }
+    // --overwrite replaces an install, never an arbitrary directory (a checkpoint, a home folder).
+    if paths.out.exists() && !is_install(&paths.out) {
+        return Err(InstallError::OverwriteRefused {
+            out: paths.out.clone(),
+        });
+    }
     if !opts.resume && (paths.partial.exists() || paths.journal.exists()) {
         return Err(InstallError::PartialExists {
             partial: paths.partial.clone(),
@@ -374,6 +380,13 @@ fn refuse_existing(paths: &OutPaths, opts: &InstallOptions) -> Result<(), Instal
         });
     }
     Ok(())
+}
+
+/// Whether `dir` holds an install: a `manifest.json` that parses as a GTURBO manifest.
+fn is_install(dir: &Path) -> bool {
+    std::fs::read(dir.join(mference_format::MANIFEST_FILE))
+        .ok()
+        .is_some_and(|b| mference_format::Manifest::parse(&b).is_ok())
 }
 
 /// Killed after promotion, before the journal was removed: `--resume` only removes the journal.

@@ -94,3 +94,45 @@ fn a_dry_run_onto_an_install_says_it_exists_and_what_overwrite_would_do() {
         "{partial}"
     );
 }
+
+/// `--overwrite` replaces an install and nothing else: a directory of the user's files, or the
+/// source checkpoint itself, named as the output is refused and left exactly as it was.
+#[test]
+fn overwrite_refuses_a_directory_that_is_not_an_install() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let notes = dir.path().join("notes");
+    std::fs::create_dir_all(&notes).unwrap();
+    std::fs::write(notes.join("precious.txt"), b"keep me").unwrap();
+    let err = install_local(&common::asset("gemma4-tiny"), &notes, &opts(true)).unwrap_err();
+    assert!(
+        err.to_string().contains("is not an mference install"),
+        "{err}"
+    );
+    assert_eq!(
+        std::fs::read(notes.join("precious.txt")).unwrap(),
+        b"keep me"
+    );
+    assert_eq!(
+        std::fs::read_dir(&notes).unwrap().count(),
+        1,
+        "files were added"
+    );
+
+    // The source checkpoint as its own output.
+    let src = dir.path().join("ckpt");
+    std::fs::create_dir_all(&src).unwrap();
+    for e in std::fs::read_dir(common::asset("gemma4-tiny")).unwrap() {
+        let e = e.unwrap().path();
+        if e.is_file() {
+            std::fs::copy(&e, src.join(e.file_name().unwrap())).unwrap();
+        }
+    }
+    let before = std::fs::read_dir(&src).unwrap().count();
+    let err = install_local(&src, &src, &opts(true)).unwrap_err();
+    assert!(
+        err.to_string().contains("is not an mference install"),
+        "{err}"
+    );
+    assert_eq!(std::fs::read_dir(&src).unwrap().count(), before);
+    assert!(src.join("config.json").exists());
+}
