@@ -84,6 +84,24 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         println!("{r}");
         return Ok(());
     }
+    // What the children would only find out one by one, checked once up front.
+    if let Some(m) = crate::run_cmd::max_positions(&a.model)? {
+        if a.ctx > m {
+            bail!(
+                "--ctx {} exceeds the model's max_position_embeddings {m}",
+                a.ctx
+            );
+        }
+    }
+    if let Some(dir) = a.json.as_ref().and_then(|p| p.parent()) {
+        if !dir.as_os_str().is_empty() && !dir.is_dir() {
+            bail!(
+                "--json {}: {} is not a directory",
+                a.json.as_ref().unwrap().display(),
+                dir.display()
+            );
+        }
+    }
     let prompts = parse_prompts(&a.prompts)?;
     let exe = std::env::current_exe().context("locating the mference binary")?;
     let mut runs: Vec<Value> = Vec::new();
@@ -150,6 +168,7 @@ fn validate(a: &BenchArgs) -> Result<()> {
     if a.threads == Some(0) {
         bail!("--threads must be at least 1");
     }
+    crate::run_cmd::kernels(&a.kernels)?;
     for (_, n) in parse_prompts(&a.prompts)? {
         if n + a.gen > a.ctx {
             bail!(

@@ -99,6 +99,13 @@ pub fn install(a: InstallArgs) -> anyhow::Result<()> {
                 let names: Vec<&str> = presets::PRESETS.iter().map(|p| p.name).collect();
                 format!("unknown --model {name}; choose one of {}", names.join(", "))
             })?;
+            if a.model.is_none() {
+                // The original's default; say so, since a forgotten SOURCE starts a download.
+                eprintln!(
+                    "no SOURCE directory given: installing the default preset --model {name} ({} @ {}) over HTTP",
+                    p.repo, p.revision
+                );
+            }
             opts.pin = Some(Pin {
                 index_sha256: p.index_sha256.into(),
             });

@@ -38,7 +38,7 @@ pub struct ModelArgs {
     #[arg(long, default_value = "f16")]
     pub kv_cache: String,
     /// Kernel table: auto (the fastest exact one this CPU has), scalar, avx2, avx512, or
-    /// avx512vnni (int8 activations in prefill: ~1.3-2.5x the prompt speed, perplexity +0.1-0.4% on
+    /// avx512vnni (int8 activations in prefill: 1.5-2.2x the prompt speed on Gemma 26B, perplexity +0.1-0.4% on
     /// the bundled models; decode unchanged).
     #[arg(long, default_value = "auto")]
     pub kernels: String,
@@ -122,6 +122,23 @@ struct Text {
     max_positions: Option<usize>,
 }
 
+/// `max_position_embeddings` of a config.json (its `text_config` for multimodal configs).
+fn max_positions_of(config: &serde_json::Value) -> Option<usize> {
+    let text_cfg = config.get("text_config").unwrap_or(config);
+    text_cfg
+        .get("max_position_embeddings")
+        .and_then(|v| v.as_u64())
+        .map(|v| v as usize)
+}
+
+/// The install's `max_position_embeddings`, when its config states one (errors: unreadable
+/// `tokenizer/config.json`).
+pub(crate) fn max_positions(dir: &Path) -> Result<Option<usize>> {
+    let path = dir.join("tokenizer/config.json");
+    let bytes = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
+    Ok(max_positions_of(&serde_json::from_slice(&bytes)?))
+}
+
 fn load_text(dir: &Path) -> Result<Text> {
     if !dir.join("manifest.json").is_file() {
         if dir.join("config.json").is_file() {
@@ -150,11 +167,7 @@ fn load_text(dir: &Path) -> Result<Text> {
         .unwrap_or("");
     let family =
         Family::from_model_type(mt).with_context(|| format!("unknown model_type '{mt}'"))?;
-    let text_cfg = config.get("text_config").unwrap_or(&config);
-    let max_positions = text_cfg
-        .get("max_position_embeddings")
-        .and_then(|v| v.as_u64())
-        .map(|v| v as usize);
+    let max_positions = max_positions_of(&config);
     Ok(Text {
         tok,
         template,

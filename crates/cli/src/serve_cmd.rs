@@ -28,9 +28,10 @@ pub struct ServeArgs {
     /// The id clients send as `model` (default: the family's id, e.g. gemma-4-26b-a4b-it).
     #[arg(long)]
     pub model_id: Option<String>,
-    /// KV cache positions: 4096, 8192, 16384, 32768, 65536 or 128000.
-    #[arg(long, default_value_t = 16384)]
-    pub max_context: usize,
+    /// KV cache positions: 4096, 8192, 16384, 32768, 65536 or 128000 (default 16384, or the
+    /// largest of these the model's max_position_embeddings allows).
+    #[arg(long)]
+    pub max_context: Option<usize>,
     /// Requests that may wait behind the running one; more get 429.
     #[arg(long, default_value_t = 4)]
     pub queue_limit: usize,
@@ -45,11 +46,12 @@ pub struct ServeArgs {
 /// `mference serve`: validate, load the model, then open the port and print the ready line; on
 /// SIGTERM or SIGINT shut down gracefully and exit 0.
 pub fn serve(a: ServeArgs) -> Result<()> {
-    if !CONTEXTS.contains(&a.max_context) {
-        bail!(
-            "invalid --max-context {}: allowed values are 4096, 8192, 16384, 32768, 65536, 128000",
-            a.max_context
-        );
+    if let Some(c) = a.max_context {
+        if !CONTEXTS.contains(&c) {
+            bail!(
+                "invalid --max-context {c}: allowed values are 4096, 8192, 16384, 32768, 65536, 128000"
+            );
+        }
     }
     if a.queue_limit == 0 {
         bail!("--queue-limit must be at least 1");
@@ -63,11 +65,25 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     let ip = bind.resolve()?;
     let text = TextSide::load(&a.model.model)
         .with_context(|| format!("loading the text side of {}", a.model.model.display()))?;
+    let limit = crate::run_cmd::max_positions(&a.model.model)?;
+    let max_context = match (a.max_context, limit) {
+        (Some(c), Some(m)) if c > m => {
+            bail!("--max-context {c} exceeds the model's max_position_embeddings {m}")
+        }
+        (Some(c), _) => c,
+        (None, Some(m)) => CONTEXTS
+            .iter()
+            .copied()
+            .filter(|&c| c <= m.min(16384))
+            .max()
+            .with_context(|| format!("the model's max_position_embeddings {m} is below the smallest --max-context 4096"))?,
+        (None, None) => 16384,
+    };
     let model_id = a
         .model_id
         .clone()
         .unwrap_or_else(|| mference_server::default_model_id(text.family).to_string());
-    let mut opts = load_options(&a.model, a.prefill_chunk, a.max_context)?;
+    let mut opts = load_options(&a.model, a.prefill_chunk, max_context)?;
     opts.kv_dtype = KvDtype::parse(&a.model.kv_cache).map_err(anyhow::Error::msg)?;
     let t0 = Instant::now();
     let model = mference_models::load(&a.model.model, &opts)?;
@@ -83,7 +99,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     eprintln!(
         "MferenceServer ready on http://{} model={model_id} context={} queue={} prompt-cache={} (loaded in {loaded:.2}s)",
         server.local_addr(),
-        a.max_context,
+        max_context,
         a.queue_limit,
         a.prompt_cache_mode
     );

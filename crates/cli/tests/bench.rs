@@ -114,6 +114,7 @@ fn bench_rejects_bad_flags_before_loading() {
         (vec!["--prompts", "4000", "--gen", "200"], "does not fit"),
         (vec!["--prefill-chunk", "100"], "--prefill-chunk"),
         (vec!["--repeats", "0"], "--repeats"),
+        (vec!["--kernels", "avx9000"], "invalid --kernels"),
     ] {
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_mference"))
             .args(["bench", "--model", "/nonexistent.gturbo"])

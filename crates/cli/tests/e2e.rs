@@ -171,6 +171,18 @@ fn bad_flags_are_rejected_with_the_allowed_values() {
         err.contains("exceeds the model's max_position_embeddings"),
         "{err}"
     );
+    // So is a server context beyond them (the default is clamped to them instead).
+    let out = Command::new(BIN)
+        .args(["serve", "--model", demo_install().to_str().unwrap()])
+        .args(["--max-context", "8192"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "serve --max-context 8192 accepted");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("exceeds the model's max_position_embeddings 4096"),
+        "{err}"
+    );
 }
 
 /// `run --chat` on the demo install, greedy, with `input` typed in; it must exit 0.
