@@ -127,9 +127,17 @@ fn demo_prompt_and_messages_match_mlx_lm_token_for_token() {
     );
 }
 
+/// `mference ARGS` must fail with `msg` in its stderr.
+fn refused(args: &[&str], msg: &str) {
+    let out = Command::new(BIN).args(args).output().unwrap();
+    assert!(!out.status.success(), "{args:?} accepted");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains(msg), "{args:?}: {err}");
+}
+
 #[test]
 fn bad_flags_are_rejected_with_the_allowed_values() {
-    let cases: [(&[&str], &str); 4] = [
+    let cases: [(&[&str], &str); 5] = [
         (
             &["--temperature", "0.5", "--top-k", "0", "--top-p", "0.9"],
             "requires --top-k between 1 and 256",
@@ -143,46 +151,33 @@ fn bad_flags_are_rejected_with_the_allowed_values() {
             "allowed values are 32, 64, 128",
         ),
         (&["--top-p", "0"], "--top-p must be in (0, 1]"),
+        (&["--chat"], "cannot be used with"),
     ];
     for (flags, msg) in cases {
         let mut args = vec!["run", "--model", "/nonexistent.gturbo", "--prompt", "x"];
         args.extend_from_slice(flags);
-        let out = Command::new(BIN).args(&args).output().unwrap();
-        assert!(!out.status.success(), "{flags:?} accepted");
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(err.contains(msg), "{flags:?}: {err}");
+        refused(&args, msg);
     }
-    let out = Command::new(BIN)
-        .args(["run", "--model", "/x", "--prompt", "a", "--chat"])
-        .output()
-        .unwrap();
-    assert!(!out.status.success(), "two modes accepted");
-    // A perplexity context beyond the model's positions is refused before anything is allocated
-    // (it used to size the logits by --ctx: tens of GB).
-    let text = repo().join("assets/austen_pride_and_prejudice.txt");
-    let out = Command::new(BIN)
-        .args(["perplexity", "--model", demo_install().to_str().unwrap()])
-        .args(["--file", text.to_str().unwrap(), "--ctx", "100000"])
-        .output()
-        .unwrap();
-    assert!(!out.status.success(), "perplexity --ctx 100000 accepted");
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        err.contains("exceeds the model's max_position_embeddings"),
-        "{err}"
+    // Contexts beyond the model's positions are refused before anything is allocated
+    // (perplexity used to size its logits by --ctx: tens of GB); serve's default is clamped.
+    let (model, text) = (
+        demo_install().to_str().unwrap(),
+        repo().join("assets/austen_pride_and_prejudice.txt"),
     );
-    // So is a server context beyond them (the default is clamped to them instead).
-    let out = Command::new(BIN)
-        .args(["serve", "--model", demo_install().to_str().unwrap()])
-        .args(["--max-context", "8192"])
-        .output()
-        .unwrap();
-    assert!(!out.status.success(), "serve --max-context 8192 accepted");
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        err.contains("exceeds the model's max_position_embeddings 4096"),
-        "{err}"
+    let over = "exceeds the model's max_position_embeddings 4096";
+    refused(
+        &[
+            "perplexity",
+            "--model",
+            model,
+            "--file",
+            text.to_str().unwrap(),
+            "--ctx",
+            "100000",
+        ],
+        over,
     );
+    refused(&["serve", "--model", model, "--max-context", "8192"], over);
 }
 
 /// `run --chat` on the demo install, greedy, with `input` typed in; it must exit 0.
