@@ -431,7 +431,7 @@ fn print_table(doc: &Value) {
     println!(
         "model {}  slots {}  threads {}  direct-io {}  prefill-chunk {}  ctx {}  gen {}  decode {}  kernels {}  (medians of {} run(s))",
         doc["model"].as_str().unwrap_or(""),
-        s["slots"],
+        s["slots"].as_str().map_or(s["slots"].to_string(), str::to_string),
         s["threads"],
         s["direct_io"],
         s["prefill_chunk"].as_str().unwrap_or(""),

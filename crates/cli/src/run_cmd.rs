@@ -585,6 +585,7 @@ fn chat(model: &mut dyn Model, text: &Text, a: &RunArgs) -> Result<()> {
         eprint!("> ");
         line.clear();
         if stdin.lock().read_line(&mut line)? == 0 {
+            eprintln!(); // end of input: leave the terminal on a fresh line
             return Ok(());
         }
         let input = line.trim_end_matches(['\n', '\r']);
