@@ -15,6 +15,7 @@ pub(crate) type ToF16Fn = fn(&[f32], &mut [f16]);
 pub(crate) type FromF16Fn = fn(&[f16], &mut [f32]);
 pub(crate) type DotF16Fn = fn(&[f32], &[f16]) -> f32;
 pub(crate) type AxpyF16Fn = fn(f32, &[f16], &mut [f32]);
+pub(crate) type WsumF16Fn = fn(&[f32], &[f16], usize, &mut [f32]);
 
 /// Kernel table picked once at startup (scalar / avx2 / avx512), function pointers.
 ///
@@ -38,6 +39,8 @@ pub struct Kernels {
     pub(crate) f16_to_f32: FromF16Fn,
     pub(crate) dot_f16: DotF16Fn,
     pub(crate) axpy_f16: AxpyF16Fn,
+    /// A register-blocked [`Kernels::wsum_f16`]; `None` loops over `axpy_f16`.
+    pub(crate) wsum_f16: Option<WsumF16Fn>,
 }
 
 static SCALAR: Kernels = Kernels {
@@ -53,6 +56,7 @@ static SCALAR: Kernels = Kernels {
     f16_to_f32: scalar::f16_to_f32,
     dot_f16: scalar::dot_f16,
     axpy_f16: scalar::axpy_f16,
+    wsum_f16: None,
 };
 
 thread_local! {
@@ -227,6 +231,30 @@ impl Kernels {
     pub fn axpy_f16(&self, a: f32, v: &[f16], y: &mut [f32]) {
         assert_eq!(v.len(), y.len(), "axpy_f16: length mismatch");
         (self.axpy_f16)(a, v, y)
+    }
+
+    /// `out += Σ_i w[i] · rows[i·stride .. i·stride + out.len()]`: attention's weighted sum of f16
+    /// V rows. Bit-identical to one [`Kernels::axpy_f16`] per row in order (the same fused
+    /// multiply-add per element); SIMD tables keep `out` in registers across the rows. Panics if
+    /// the last row runs past `rows`.
+    pub fn wsum_f16(&self, w: &[f32], rows: &[f16], stride: usize, out: &mut [f32]) {
+        if let Some(last) = w.len().checked_sub(1) {
+            assert!(
+                last * stride + out.len() <= rows.len(),
+                "wsum_f16: {} rows of stride {stride} and width {} overrun {} elements",
+                w.len(),
+                out.len(),
+                rows.len()
+            );
+        }
+        match self.wsum_f16 {
+            Some(f) => f(w, rows, stride, out),
+            None => {
+                for (i, &wi) in w.iter().enumerate() {
+                    (self.axpy_f16)(wi, &rows[i * stride..i * stride + out.len()], out);
+                }
+            }
+        }
     }
 
     /// Index and value of the largest element of rows `[r0, r1)` of `W x` (single thread), computing logits in

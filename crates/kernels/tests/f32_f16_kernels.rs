@@ -125,3 +125,38 @@ fn f16_dot_and_axpy_match_scalar() {
         }
     }
 }
+
+/// The weighted sum of f16 rows equals, bit for bit, one `axpy_f16` per row in order on the same
+/// table (register blocking must not change any element's sequence of fused multiply-adds), for
+/// head widths with and without a 16-column tail, strides wider than the row, and 0..40 rows.
+#[test]
+fn wsum_f16_equals_axpy_f16_row_by_row() {
+    let mut rng = Rng::new(11);
+    for k in Kernels::available() {
+        for d in [16usize, 100, 128, 256, 384, 512, 520] {
+            for n in [0usize, 1, 2, 7, 40] {
+                let stride = d + 16 * rng.below(3);
+                let rows: Vec<f16> = rng
+                    .vec_sym((n.max(1) - 1) * stride + d, 2.0)
+                    .iter()
+                    .map(|&v| f16::from_f32(v))
+                    .collect();
+                let w = rng.vec_sym(n, 1.0);
+                let start = rng.vec_sym(d, 1.0);
+                let mut want = start.clone();
+                for (i, &wi) in w.iter().enumerate() {
+                    k.axpy_f16(wi, &rows[i * stride..i * stride + d], &mut want);
+                }
+                let mut got = start.clone();
+                k.wsum_f16(&w, &rows, stride, &mut got);
+                assert!(
+                    got.iter()
+                        .zip(&want)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{} d {d} n {n} stride {stride}: wsum differs from axpy row by row",
+                    k.name()
+                );
+            }
+        }
+    }
+}

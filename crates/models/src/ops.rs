@@ -206,11 +206,19 @@ pub fn attention(
             }));
             softmax(&mut scores);
             o.fill(0.0);
-            for (kp, &w) in (lo..=p).zip(&scores) {
-                match kv.v(kp, kvh) {
-                    KvRow::F16(r) => k.axpy_f16(w, r, o),
-                    KvRow::F32(r) => k.axpy(w, r, o),
+            // Σ w·V over the positions, in order, run by run (the output stays in registers).
+            let (stride, mut i0) = (kv.row_stride(), 0);
+            for (count, run) in kv.v_runs(lo, p, kvh) {
+                let w = &scores[i0..i0 + count];
+                match run {
+                    KvRow::F16(r) => k.wsum_f16(w, r, stride, o),
+                    KvRow::F32(r) => {
+                        for (i, &wi) in w.iter().enumerate() {
+                            k.axpy(wi, &r[i * stride..i * stride + d], o);
+                        }
+                    }
                 }
+                i0 += count;
             }
         }
     });

@@ -73,6 +73,14 @@ impl Store {
         }
     }
 
+    /// Everything from element `at` on (several rows, for a caller that knows the stride).
+    fn tail(&self, at: usize) -> KvRow<'_> {
+        match self {
+            Store::F16(v) => KvRow::F16(&v[at..]),
+            Store::F32(v) => KvRow::F32(&v[at..]),
+        }
+    }
+
     #[inline]
     fn row(&self, at: usize, len: usize) -> KvRow<'_> {
         match self {
@@ -150,6 +158,34 @@ impl KvLayer {
         self.k.row(o, self.head_dim)
     }
 
+    /// Elements between consecutive positions' rows of one head (`n_kv_heads · head_dim`).
+    pub fn row_stride(&self) -> usize {
+        self.n_kv_heads * self.head_dim
+    }
+
+    /// V of `head` for the absolute positions `lo..=hi` (all still cached) in position order, as at
+    /// most two runs of consecutive rows (a ring wraps at most once): `(positions in the run, the
+    /// store from the run's first row of `head` on)`, rows [`KvLayer::row_stride`] apart.
+    pub fn v_runs(
+        &self,
+        lo: usize,
+        hi: usize,
+        head: usize,
+    ) -> impl Iterator<Item = (usize, KvRow<'_>)> {
+        let n = hi + 1 - lo;
+        let r0 = self.row_index(lo);
+        let first = if self.ring { n.min(self.rows - r0) } else { n };
+        [(first, r0), (n - first, 0)]
+            .into_iter()
+            .filter(|&(count, _)| count > 0)
+            .map(move |(count, r)| {
+                (
+                    count,
+                    self.v.tail((r * self.n_kv_heads + head) * self.head_dim),
+                )
+            })
+    }
+
     /// V of `head` at absolute position `pos` (`[head_dim]`).
     #[inline]
     pub fn v(&self, pos: usize, head: usize) -> KvRow<'_> {
@@ -204,6 +240,43 @@ mod tests {
         assert!(!c.truncate(3));
         assert_eq!(c.len, 6);
         assert!(c.truncate(0) && c.len == 0);
+    }
+
+    /// `v_runs` walks the same rows as `v(pos, head)` position by position, wrapped ring included.
+    #[test]
+    fn v_runs_cover_the_positions_in_order() {
+        for (rows, ring, lo, hi) in [
+            (5, true, 8, 12),
+            (5, true, 10, 12),
+            (5, true, 9, 9),
+            (16, false, 3, 11),
+        ] {
+            let mut l = KvLayer::new(rows, ring, 2, 4, KvDtype::F32);
+            for pos in 0..=hi {
+                let k = vec![0.0; 8];
+                let v: Vec<f32> = (0..8).map(|i| (pos * 10 + i) as f32).collect();
+                l.write(pos, &k, &v);
+            }
+            for head in 0..2 {
+                let mut seen = Vec::new();
+                for (count, run) in l.v_runs(lo, hi, head) {
+                    let KvRow::F32(r) = run else { panic!("dtype") };
+                    for i in 0..count {
+                        seen.push(r[i * l.row_stride()..i * l.row_stride() + 4].to_vec());
+                    }
+                }
+                let want: Vec<Vec<f32>> = (lo..=hi)
+                    .map(|pos| match l.v(pos, head) {
+                        KvRow::F32(r) => r.to_vec(),
+                        KvRow::F16(_) => panic!("dtype"),
+                    })
+                    .collect();
+                assert_eq!(
+                    seen, want,
+                    "rows {rows} ring {ring} {lo}..={hi} head {head}"
+                );
+            }
+        }
     }
 
     #[test]

@@ -30,6 +30,7 @@ pub(super) static TABLE: Kernels = Kernels {
     f16_to_f32,
     dot_f16,
     axpy_f16,
+    wsum_f16: None,
 };
 
 // The safe wrappers below are only reachable through `TABLE`, which `super::available` hands out only after

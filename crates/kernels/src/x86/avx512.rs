@@ -35,6 +35,7 @@ pub(super) static TABLE: Kernels = Kernels {
     f16_to_f32,
     dot_f16,
     axpy_f16,
+    wsum_f16: Some(wsum_f16),
 };
 
 // The safe wrappers below are only reachable through `TABLE`, which `super::available` hands out only after
@@ -75,6 +76,62 @@ pub(super) fn f16_to_f32(src: &[f16], dst: &mut [f32]) {
 pub(super) fn dot_f16(q: &[f32], k: &[f16]) -> f32 {
     // SAFETY: as for `gemv`; lengths are equal.
     unsafe { dot_f16_impl(q, k) }
+}
+
+pub(super) fn wsum_f16(w: &[f32], rows: &[f16], stride: usize, out: &mut [f32]) {
+    let d = out.len();
+    // SAFETY: AVX-512F/BW/VL, FMA and F16C are present; the caller checked that every row
+    // i·stride .. i·stride + d lies inside `rows`.
+    unsafe {
+        let mut c0 = 0;
+        while c0 + 256 <= d {
+            wsum_f16_block::<16>(w, rows, stride, c0, out);
+            c0 += 256;
+        }
+        while c0 + 128 <= d {
+            wsum_f16_block::<8>(w, rows, stride, c0, out);
+            c0 += 128;
+        }
+        while c0 + 16 <= d {
+            wsum_f16_block::<1>(w, rows, stride, c0, out);
+            c0 += 16;
+        }
+    }
+    // The last d % 16 columns, as axpy_f16 computes them.
+    if !d.is_multiple_of(16) {
+        let c0 = d - d % 16;
+        for (i, &wi) in w.iter().enumerate() {
+            axpy_f16(wi, &rows[i * stride + c0..i * stride + d], &mut out[c0..]);
+        }
+    }
+}
+
+/// Columns `c0 .. c0 + 16·NB` of [`wsum_f16`], accumulated in NB registers across all rows.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
+unsafe fn wsum_f16_block<const NB: usize>(
+    w: &[f32],
+    rows: &[f16],
+    stride: usize,
+    c0: usize,
+    out: &mut [f32],
+) {
+    let (rp, op) = (rows.as_ptr() as *const __m256i, out.as_mut_ptr());
+    // SAFETY: c0 + 16·NB <= out.len(); row i's columns c0 .. c0 + 16·NB lie inside `rows`
+    // (checked by the caller for the full row width).
+    unsafe {
+        let mut acc: [__m512; NB] = std::array::from_fn(|v| _mm512_loadu_ps(op.add(c0 + 16 * v)));
+        for (i, &wi) in w.iter().enumerate() {
+            let a = _mm512_set1_ps(wi);
+            let r = (rp as *const i16).add(i * stride + c0);
+            for v in 0..NB {
+                let vf = _mm512_cvtph_ps(_mm256_loadu_si256(r.add(16 * v) as *const __m256i));
+                acc[v] = _mm512_fmadd_ps(a, vf, acc[v]);
+            }
+        }
+        for v in 0..NB {
+            _mm512_storeu_ps(op.add(c0 + 16 * v), acc[v]);
+        }
+    }
 }
 
 pub(super) fn axpy_f16(a: f32, v: &[f16], y: &mut [f32]) {

@@ -36,6 +36,7 @@ pub(super) static TABLE: Kernels = Kernels {
     f16_to_f32: avx512::f16_to_f32,
     dot_f16: avx512::dot_f16,
     axpy_f16: avx512::axpy_f16,
+    wsum_f16: Some(avx512::wsum_f16),
 };
 
 fn gemm(m: &QMatrix, p: &PreparedX, y: &mut [f32], r0: usize, r1: usize) {
