@@ -16,6 +16,7 @@ pub(crate) type FromF16Fn = fn(&[f16], &mut [f32]);
 pub(crate) type DotF16Fn = fn(&[f32], &[f16]) -> f32;
 pub(crate) type AxpyF16Fn = fn(f32, &[f16], &mut [f32]);
 pub(crate) type WsumF16Fn = fn(&[f32], &[f16], usize, &mut [f32]);
+pub(crate) type DotsF16Fn = fn(&[f32], &[f16], usize, &mut [f32]);
 
 /// Kernel table picked once at startup (scalar / avx2 / avx512), function pointers.
 ///
@@ -41,6 +42,8 @@ pub struct Kernels {
     pub(crate) axpy_f16: AxpyF16Fn,
     /// A register-blocked [`Kernels::wsum_f16`]; `None` loops over `axpy_f16`.
     pub(crate) wsum_f16: Option<WsumF16Fn>,
+    /// A [`Kernels::dots_f16`] that keeps the query in registers; `None` loops over `dot_f16`.
+    pub(crate) dots_f16: Option<DotsF16Fn>,
 }
 
 static SCALAR: Kernels = Kernels {
@@ -57,6 +60,7 @@ static SCALAR: Kernels = Kernels {
     dot_f16: scalar::dot_f16,
     axpy_f16: scalar::axpy_f16,
     wsum_f16: None,
+    dots_f16: None,
 };
 
 thread_local! {
@@ -231,6 +235,29 @@ impl Kernels {
     pub fn axpy_f16(&self, a: f32, v: &[f16], y: &mut [f32]) {
         assert_eq!(v.len(), y.len(), "axpy_f16: length mismatch");
         (self.axpy_f16)(a, v, y)
+    }
+
+    /// `out[i] = q · rows[i·stride .. i·stride + q.len()]` for every `i < out.len()`: attention's
+    /// scores against f16 K rows. Bit-identical to one [`Kernels::dot_f16`] per row. Panics if the
+    /// last row runs past `rows`.
+    pub fn dots_f16(&self, q: &[f32], rows: &[f16], stride: usize, out: &mut [f32]) {
+        if let Some(last) = out.len().checked_sub(1) {
+            assert!(
+                last * stride + q.len() <= rows.len(),
+                "dots_f16: {} rows of stride {stride} and width {} overrun {} elements",
+                out.len(),
+                q.len(),
+                rows.len()
+            );
+        }
+        match self.dots_f16 {
+            Some(f) => f(q, rows, stride, out),
+            None => {
+                for (i, o) in out.iter_mut().enumerate() {
+                    *o = (self.dot_f16)(q, &rows[i * stride..i * stride + q.len()]);
+                }
+            }
+        }
     }
 
     /// `out += Σ_i w[i] · rows[i·stride .. i·stride + out.len()]`: attention's weighted sum of f16

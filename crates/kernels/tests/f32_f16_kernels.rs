@@ -126,6 +126,17 @@ fn f16_dot_and_axpy_match_scalar() {
     }
 }
 
+/// `n` random f16 rows of width `d`, `stride` (d, d + 16 or d + 32) apart: (stride, storage).
+fn strided_rows(rng: &mut Rng, n: usize, d: usize) -> (usize, Vec<f16>) {
+    let stride = d + 16 * rng.below(3);
+    let rows = rng
+        .vec_sym((n.max(1) - 1) * stride + d, 2.0)
+        .iter()
+        .map(|&v| f16::from_f32(v))
+        .collect();
+    (stride, rows)
+}
+
 /// The weighted sum of f16 rows equals, bit for bit, one `axpy_f16` per row in order on the same
 /// table (register blocking must not change any element's sequence of fused multiply-adds), for
 /// head widths with and without a 16-column tail, strides wider than the row, and 0..40 rows.
@@ -135,12 +146,7 @@ fn wsum_f16_equals_axpy_f16_row_by_row() {
     for k in Kernels::available() {
         for d in [16usize, 100, 128, 256, 384, 512, 520] {
             for n in [0usize, 1, 2, 7, 40] {
-                let stride = d + 16 * rng.below(3);
-                let rows: Vec<f16> = rng
-                    .vec_sym((n.max(1) - 1) * stride + d, 2.0)
-                    .iter()
-                    .map(|&v| f16::from_f32(v))
-                    .collect();
+                let (stride, rows) = strided_rows(&mut rng, n, d);
                 let w = rng.vec_sym(n, 1.0);
                 let start = rng.vec_sym(d, 1.0);
                 let mut want = start.clone();
@@ -154,6 +160,32 @@ fn wsum_f16_equals_axpy_f16_row_by_row() {
                         .zip(&want)
                         .all(|(a, b)| a.to_bits() == b.to_bits()),
                     "{} d {d} n {n} stride {stride}: wsum differs from axpy row by row",
+                    k.name()
+                );
+            }
+        }
+    }
+}
+
+/// Scores against strided f16 rows equal one `dot_f16` per row on the same table, bit for bit.
+#[test]
+fn dots_f16_equal_dot_f16_row_by_row() {
+    let mut rng = Rng::new(12);
+    for k in Kernels::available() {
+        for d in [16usize, 100, 128, 256, 512] {
+            for n in [0usize, 1, 3, 40] {
+                let (stride, rows) = strided_rows(&mut rng, n, d);
+                let q = rng.vec_sym(d, 1.0);
+                let want: Vec<f32> = (0..n)
+                    .map(|i| k.dot_f16(&q, &rows[i * stride..i * stride + d]))
+                    .collect();
+                let mut got = vec![f32::NAN; n];
+                k.dots_f16(&q, &rows, stride, &mut got);
+                assert!(
+                    got.iter()
+                        .zip(&want)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{} d {d} n {n} stride {stride}: dots differ from dot_f16 row by row",
                     k.name()
                 );
             }

@@ -196,18 +196,28 @@ pub fn attention(
             let p = pos0 + row;
             let lo = s.window.map_or(0, |w| (p + 1).saturating_sub(w));
             let qh = &q[item * d..(item + 1) * d];
+            // q·K over the positions, run by run (the query stays in registers).
+            let stride = kv.row_stride();
             scores.clear();
-            scores.extend((lo..=p).map(|kp| {
-                let dot = match kv.k(kp, kvh) {
-                    KvRow::F16(r) => k.dot_f16(qh, r),
-                    KvRow::F32(r) => k.dot_f32(qh, r),
-                };
-                dot * s.scale
-            }));
+            scores.resize(p + 1 - lo, 0.0);
+            let mut i0 = 0;
+            for (count, run) in kv.k_runs(lo, p, kvh) {
+                let out = &mut scores[i0..i0 + count];
+                match run {
+                    KvRow::F16(r) => k.dots_f16(qh, r, stride, out),
+                    KvRow::F32(r) => {
+                        for (i, o) in out.iter_mut().enumerate() {
+                            *o = k.dot_f32(qh, &r[i * stride..i * stride + d]);
+                        }
+                    }
+                }
+                i0 += count;
+            }
+            scores.iter_mut().for_each(|x| *x *= s.scale);
             softmax(&mut scores);
             o.fill(0.0);
             // Σ w·V over the positions, in order, run by run (the output stays in registers).
-            let (stride, mut i0) = (kv.row_stride(), 0);
+            let mut i0 = 0;
             for (count, run) in kv.v_runs(lo, p, kvh) {
                 let w = &scores[i0..i0 + count];
                 match run {

@@ -163,15 +163,35 @@ impl KvLayer {
         self.n_kv_heads * self.head_dim
     }
 
-    /// V of `head` for the absolute positions `lo..=hi` (all still cached) in position order, as at
+    /// K of `head` for the absolute positions `lo..=hi` (all still cached) in position order, as at
     /// most two runs of consecutive rows (a ring wraps at most once): `(positions in the run, the
     /// store from the run's first row of `head` on)`, rows [`KvLayer::row_stride`] apart.
+    pub fn k_runs(
+        &self,
+        lo: usize,
+        hi: usize,
+        head: usize,
+    ) -> impl Iterator<Item = (usize, KvRow<'_>)> {
+        self.runs(&self.k, lo, hi, head)
+    }
+
+    /// V of `head` for the positions `lo..=hi`, as [`KvLayer::k_runs`].
     pub fn v_runs(
         &self,
         lo: usize,
         hi: usize,
         head: usize,
     ) -> impl Iterator<Item = (usize, KvRow<'_>)> {
+        self.runs(&self.v, lo, hi, head)
+    }
+
+    fn runs<'a>(
+        &'a self,
+        store: &'a Store,
+        lo: usize,
+        hi: usize,
+        head: usize,
+    ) -> impl Iterator<Item = (usize, KvRow<'a>)> {
         let n = hi + 1 - lo;
         let r0 = self.row_index(lo);
         let first = if self.ring { n.min(self.rows - r0) } else { n };
@@ -179,10 +199,8 @@ impl KvLayer {
             .into_iter()
             .filter(|&(count, _)| count > 0)
             .map(move |(count, r)| {
-                (
-                    count,
-                    self.v.tail((r * self.n_kv_heads + head) * self.head_dim),
-                )
+                let at = (r * self.n_kv_heads + head) * self.head_dim;
+                (count, store.tail(at))
             })
     }
 
@@ -242,9 +260,10 @@ mod tests {
         assert!(c.truncate(0) && c.len == 0);
     }
 
-    /// `v_runs` walks the same rows as `v(pos, head)` position by position, wrapped ring included.
+    /// `k_runs` / `v_runs` walk the same rows as `k` / `v(pos, head)` position by position, wrapped
+    /// ring included.
     #[test]
-    fn v_runs_cover_the_positions_in_order() {
+    fn k_and_v_runs_cover_the_positions_in_order() {
         for (rows, ring, lo, hi) in [
             (5, true, 8, 12),
             (5, true, 10, 12),
@@ -253,8 +272,8 @@ mod tests {
         ] {
             let mut l = KvLayer::new(rows, ring, 2, 4, KvDtype::F32);
             for pos in 0..=hi {
-                let k = vec![0.0; 8];
                 let v: Vec<f32> = (0..8).map(|i| (pos * 10 + i) as f32).collect();
+                let k: Vec<f32> = v.iter().map(|x| -x).collect();
                 l.write(pos, &k, &v);
             }
             for head in 0..2 {
@@ -274,6 +293,17 @@ mod tests {
                 assert_eq!(
                     seen, want,
                     "rows {rows} ring {ring} {lo}..={hi} head {head}"
+                );
+                let stride = l.row_stride();
+                let mut ks = Vec::new();
+                for (count, run) in l.k_runs(lo, hi, head) {
+                    let KvRow::F32(r) = run else { panic!("dtype") };
+                    ks.extend((0..count).map(|i| r[i * stride]));
+                }
+                let kw: Vec<f32> = want.iter().map(|v| -v[0]).collect();
+                assert_eq!(
+                    ks, kw,
+                    "K runs: rows {rows} ring {ring} {lo}..={hi} head {head}"
                 );
             }
         }

@@ -31,6 +31,7 @@ pub(super) static TABLE: Kernels = Kernels {
     dot_f16,
     axpy_f16,
     wsum_f16: None,
+    dots_f16: None,
 };
 
 // The safe wrappers below are only reachable through `TABLE`, which `super::available` hands out only after

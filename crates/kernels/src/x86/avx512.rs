@@ -36,6 +36,7 @@ pub(super) static TABLE: Kernels = Kernels {
     dot_f16,
     axpy_f16,
     wsum_f16: Some(wsum_f16),
+    dots_f16: Some(dots_f16),
 };
 
 // The safe wrappers below are only reachable through `TABLE`, which `super::available` hands out only after
@@ -76,6 +77,47 @@ pub(super) fn f16_to_f32(src: &[f16], dst: &mut [f32]) {
 pub(super) fn dot_f16(q: &[f32], k: &[f16]) -> f32 {
     // SAFETY: as for `gemv`; lengths are equal.
     unsafe { dot_f16_impl(q, k) }
+}
+
+pub(super) fn dots_f16(q: &[f32], rows: &[f16], stride: usize, out: &mut [f32]) {
+    // SAFETY: AVX-512F/BW/VL, FMA and F16C are present; the caller checked that every row
+    // i·stride .. i·stride + q.len() lies inside `rows`.
+    unsafe {
+        match q.len() {
+            128 => dots_f16_regs::<8>(q, rows, stride, out),
+            256 => dots_f16_regs::<16>(q, rows, stride, out),
+            d => {
+                for (i, o) in out.iter_mut().enumerate() {
+                    *o = dot_f16_impl(q, &rows[i * stride..i * stride + d]);
+                }
+            }
+        }
+    }
+}
+
+/// [`dots_f16`] for `q.len() == 16·NQ` (NQ even) with the query held in NQ registers; per row the
+/// same two accumulators, multiply-adds and final reduction as `dot_f16_impl`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
+unsafe fn dots_f16_regs<const NQ: usize>(q: &[f32], rows: &[f16], stride: usize, out: &mut [f32]) {
+    debug_assert!(q.len() == 16 * NQ && NQ.is_multiple_of(2));
+    let rp = rows.as_ptr() as *const i16;
+    // SAFETY: q has 16·NQ floats; row i's 16·NQ elements lie inside `rows` (caller's check).
+    unsafe {
+        let qv: [__m512; NQ] = std::array::from_fn(|v| _mm512_loadu_ps(q.as_ptr().add(16 * v)));
+        for (i, o) in out.iter_mut().enumerate() {
+            let r = rp.add(i * stride);
+            let mut acc = [_mm512_setzero_ps(); 2];
+            for c in 0..NQ / 2 {
+                for (k, acc) in acc.iter_mut().enumerate() {
+                    let kf = _mm512_cvtph_ps(_mm256_loadu_si256(
+                        r.add(32 * c + 16 * k) as *const __m256i
+                    ));
+                    *acc = _mm512_fmadd_ps(qv[2 * c + k], kf, *acc);
+                }
+            }
+            *o = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
+        }
+    }
 }
 
 pub(super) fn wsum_f16(w: &[f32], rows: &[f16], stride: usize, out: &mut [f32]) {

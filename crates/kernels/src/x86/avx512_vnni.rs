@@ -37,6 +37,7 @@ pub(super) static TABLE: Kernels = Kernels {
     dot_f16: avx512::dot_f16,
     axpy_f16: avx512::axpy_f16,
     wsum_f16: Some(avx512::wsum_f16),
+    dots_f16: Some(avx512::dots_f16),
 };
 
 fn gemm(m: &QMatrix, p: &PreparedX, y: &mut [f32], r0: usize, r1: usize) {
