@@ -241,15 +241,7 @@ impl Kernels {
     /// scores against f16 K rows. Bit-identical to one [`Kernels::dot_f16`] per row. Panics if the
     /// last row runs past `rows`.
     pub fn dots_f16(&self, q: &[f32], rows: &[f16], stride: usize, out: &mut [f32]) {
-        if let Some(last) = out.len().checked_sub(1) {
-            assert!(
-                last * stride + q.len() <= rows.len(),
-                "dots_f16: {} rows of stride {stride} and width {} overrun {} elements",
-                out.len(),
-                q.len(),
-                rows.len()
-            );
-        }
+        assert_rows_fit("dots_f16", out.len(), stride, q.len(), rows.len());
         match self.dots_f16 {
             Some(f) => f(q, rows, stride, out),
             None => {
@@ -265,15 +257,7 @@ impl Kernels {
     /// multiply-add per element); SIMD tables keep `out` in registers across the rows. Panics if
     /// the last row runs past `rows`.
     pub fn wsum_f16(&self, w: &[f32], rows: &[f16], stride: usize, out: &mut [f32]) {
-        if let Some(last) = w.len().checked_sub(1) {
-            assert!(
-                last * stride + out.len() <= rows.len(),
-                "wsum_f16: {} rows of stride {stride} and width {} overrun {} elements",
-                w.len(),
-                out.len(),
-                rows.len()
-            );
-        }
+        assert_rows_fit("wsum_f16", w.len(), stride, out.len(), rows.len());
         match self.wsum_f16 {
             Some(f) => f(w, rows, stride, out),
             None => {
@@ -314,6 +298,16 @@ impl Kernels {
         } else {
             best
         }
+    }
+}
+
+/// Panics unless `n` rows of `width` elements, `stride` apart, fit in `len` elements.
+fn assert_rows_fit(what: &str, n: usize, stride: usize, width: usize, len: usize) {
+    if let Some(last) = n.checked_sub(1) {
+        assert!(
+            last * stride + width <= len,
+            "{what}: {n} rows of stride {stride} and width {width} overrun {len} elements"
+        );
     }
 }
 

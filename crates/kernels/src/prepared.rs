@@ -65,13 +65,16 @@ fn group_sum(v: &[f32]) -> f32 {
 const ROUND_MAGIC: f32 = 12_582_912.0;
 
 /// `round(v · inv)` as int8 (|v · inv| <= 127), four per little-endian word, `words.len() · 4 ==
-/// src.len()`; round to nearest, ties to even, on every path.
-fn quantize(src: &[f32], inv: f32, words: &mut [u32]) {
+/// src.len()` (a multiple of 16); round to nearest, ties to even, on every implementation.
+pub(crate) type QuantizeFn = fn(&[f32], f32, &mut [u32]);
+
+/// The fastest [`QuantizeFn`] this CPU runs, picked once per call site rather than per group.
+fn quantizer() -> QuantizeFn {
     #[cfg(target_arch = "x86_64")]
-    if crate::x86::quantize_i8(src, inv, words) {
-        return;
+    if let Some(f) = crate::x86::quantizer() {
+        return f;
     }
-    quantize_scalar(src, inv, words)
+    quantize_scalar
 }
 
 fn quantize_scalar(src: &[f32], inv: f32, words: &mut [u32]) {
@@ -154,7 +157,8 @@ impl PreparedX {
             let src = &x[t * cols..(t + 1) * cols];
             let dst = &mut self.x[t * cols..(t + 1) * cols];
             match layout {
-                XLayout::Natural | XLayout::Q8Lanes16 => dst.copy_from_slice(src),
+                XLayout::Natural => dst.copy_from_slice(src),
+                XLayout::Q8Lanes16 => unreachable!("filled by fill_q8_lanes"),
                 XLayout::EvenOdd32 => {
                     for (d, s) in dst.chunks_exact_mut(32).zip(src.chunks_exact(32)) {
                         let d: &mut [f32; 32] = d.try_into().expect("chunk of 32");
@@ -182,6 +186,7 @@ impl PreparedX {
         self.sums.resize(blocks * gpr * 16, 0.0);
         // Per 16-token block: quantize each token's row into `codes` ([16][cols] bytes as 4-byte
         // words), then transpose the words into the lane layout.
+        let quantize = quantizer();
         let mut codes = vec![0u32; 16 * quads];
         for b in 0..blocks {
             let lanes = (n - b * 16).min(16);
@@ -263,7 +268,7 @@ mod tests {
                 127.0 / abs_max(&src)
             };
             let (mut a, mut b) = (vec![0u32; len / 4], vec![0u32; len / 4]);
-            quantize(&src, inv, &mut a);
+            quantizer()(&src, inv, &mut a);
             quantize_scalar(&src, inv, &mut b);
             assert_eq!(a, b, "case {case}");
         }

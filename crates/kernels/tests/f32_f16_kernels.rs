@@ -126,6 +126,11 @@ fn f16_dot_and_axpy_match_scalar() {
     }
 }
 
+/// The bit patterns, for exact comparisons that treat -0.0 and NaN payloads as different values.
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
 /// `n` random f16 rows of width `d`, `stride` (d, d + 16 or d + 32) apart: (stride, storage).
 fn strided_rows(rng: &mut Rng, n: usize, d: usize) -> (usize, Vec<f16>) {
     let stride = d + 16 * rng.below(3);
@@ -155,10 +160,9 @@ fn wsum_f16_equals_axpy_f16_row_by_row() {
                 }
                 let mut got = start.clone();
                 k.wsum_f16(&w, &rows, stride, &mut got);
-                assert!(
-                    got.iter()
-                        .zip(&want)
-                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                assert_eq!(
+                    bits(&got),
+                    bits(&want),
                     "{} d {d} n {n} stride {stride}: wsum differs from axpy row by row",
                     k.name()
                 );
@@ -181,10 +185,9 @@ fn dots_f16_equal_dot_f16_row_by_row() {
                     .collect();
                 let mut got = vec![f32::NAN; n];
                 k.dots_f16(&q, &rows, stride, &mut got);
-                assert!(
-                    got.iter()
-                        .zip(&want)
-                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                assert_eq!(
+                    bits(&got),
+                    bits(&want),
                     "{} d {d} n {n} stride {stride}: dots differ from dot_f16 row by row",
                     k.name()
                 );

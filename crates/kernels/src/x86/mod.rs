@@ -28,15 +28,16 @@ pub(crate) fn available() -> Vec<&'static Kernels> {
     v
 }
 
-/// The AVX-512 twin of `prepared::quantize` (same rounding), when the CPU has AVX-512 BW;
-/// false means "not done here".
-pub(crate) fn quantize_i8(src: &[f32], inv: f32, words: &mut [u32]) -> bool {
-    if !avx512::supported() || !src.len().is_multiple_of(16) || words.len() * 4 != src.len() {
-        return false;
-    }
-    // SAFETY: AVX-512 F/BW/VL were detected; lengths were checked.
-    unsafe { avx512_vnni::quantize_i8(src, inv, words) };
-    true
+/// The AVX-512 [`QuantizeFn`](crate::prepared::QuantizeFn), when the CPU has AVX-512 F/BW/VL.
+pub(crate) fn quantizer() -> Option<crate::prepared::QuantizeFn> {
+    avx512::supported().then_some(quantize_avx512 as crate::prepared::QuantizeFn)
+}
+
+/// Only handed out by [`quantizer`], after the feature check.
+fn quantize_avx512(src: &[f32], inv: f32, words: &mut [u32]) {
+    assert!(src.len().is_multiple_of(16) && words.len() * 4 == src.len());
+    // SAFETY: AVX-512 F/BW/VL were detected before this function was handed out; lengths checked.
+    unsafe { avx512_vnni::quantize_i8(src, inv, words) }
 }
 
 thread_local! {
