@@ -3,7 +3,6 @@
 
 mod common;
 
-use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -11,8 +10,7 @@ use common::*;
 use mference_server::PromptCacheMode;
 use mference_testkit::http::{get, open_stream, post, post_stream, raw_request, Sse};
 use mference_testkit::{
-    demo_install, demo_source, mlx_greedy, output_ok, python, reference_chat_prompt,
-    reference_text_prompt, repo,
+    demo_install, demo_source, mlx_greedy, ref_logits, reference_chat_prompt, reference_text_prompt,
 };
 use serde_json::{json, Value};
 
@@ -241,28 +239,8 @@ fn greedy_chat_and_completions_match_mlx_lm() {
         r["usage"]["completion_tokens"].as_u64().unwrap() as usize
     );
     // mlx-lm's logits for the prompt: the last row is the first generated token's distribution.
-    let f = work.path().join("p.json");
-    std::fs::write(&f, p.to_string()).unwrap();
-    let out = work.path().join("logits.bin");
-    output_ok(
-        Command::new(python())
-            .args([
-                "tools/ref/ref_logits.py",
-                "--model",
-                src.to_str().unwrap(),
-                "--tokens-file",
-                f.to_str().unwrap(),
-                "--out",
-                out.to_str().unwrap(),
-            ])
-            .current_dir(repo()),
-    );
-    let bytes = std::fs::read(&out).unwrap();
-    let vocab = 262_144;
-    let all: Vec<f32> = bytes
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-        .collect();
+    let prompt_ids: Vec<u32> = serde_json::from_value(p.clone()).unwrap();
+    let (all, vocab) = ref_logits(&src, &prompt_ids, work.path());
     let row = &all[all.len() - vocab..];
     let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
     let lse = max

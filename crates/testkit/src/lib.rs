@@ -193,3 +193,28 @@ pub fn assert_perplexity_near(model: &str, got: f64, budget: f64) {
         budget * 100.0
     );
 }
+
+/// mlx-lm float32 logits for every position of `tokens` on the checkpoint `model`
+/// (`tools/ref/ref_logits.py`): `([T, vocab] row-major, vocab)`. `work` holds the files.
+pub fn ref_logits(model: &Path, tokens: &[u32], work: &Path) -> (Vec<f32>, usize) {
+    let tf = work.join("tokens.json");
+    std::fs::write(&tf, serde_json::to_string(tokens).unwrap()).unwrap();
+    let out = work.join("ref_logits.bin");
+    output_ok(
+        Command::new(python())
+            .arg(repo().join("tools/ref/ref_logits.py"))
+            .args(["--model", model.to_str().unwrap()])
+            .args(["--tokens-file", tf.to_str().unwrap()])
+            .args(["--out", out.to_str().unwrap()]),
+    );
+    let v: Vec<f32> = std::fs::read(&out)
+        .unwrap()
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect();
+    let side: Value =
+        serde_json::from_slice(&std::fs::read(out.with_extension("json")).unwrap()).unwrap();
+    let vocab = side["vocab"].as_u64().unwrap() as usize;
+    assert_eq!(v.len(), tokens.len() * vocab);
+    (v, vocab)
+}

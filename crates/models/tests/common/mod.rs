@@ -9,7 +9,7 @@ use std::process::Command;
 use mference_models::{load, LoadOptions, Logits, Model, Want};
 
 /// The repository and the reference venv's python (a missing venv is a failure, never a skip).
-pub use mference_testkit::{python, repo};
+pub use mference_testkit::{python, ref_logits, repo};
 
 pub fn run_py(script: &str, args: &[&str]) {
     mference_testkit::output_ok(
@@ -60,34 +60,6 @@ pub fn install(src: &Path, dir: &Path) -> PathBuf {
     };
     mference_install::install_local(src, &out, &opts).expect("install");
     out
-}
-
-/// mlx-lm float32 logits for every position of `tokens`: `[T, vocab]`.
-pub fn ref_logits(model: &Path, tokens: &[u32], work: &Path) -> (Vec<f32>, usize) {
-    let tf = work.join("tokens.json");
-    std::fs::write(&tf, serde_json::to_string(tokens).unwrap()).unwrap();
-    let out = work.join("ref_logits.bin");
-    run_py(
-        "ref_logits.py",
-        &[
-            "--model",
-            model.to_str().unwrap(),
-            "--tokens-file",
-            tf.to_str().unwrap(),
-            "--out",
-            out.to_str().unwrap(),
-        ],
-    );
-    let bytes = std::fs::read(&out).unwrap();
-    let v: Vec<f32> = bytes
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-        .collect();
-    let side: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(out.with_extension("json")).unwrap()).unwrap();
-    let vocab = side["vocab"].as_u64().unwrap() as usize;
-    assert_eq!(v.len(), tokens.len() * vocab);
-    (v, vocab)
 }
 
 /// mlx-lm float32 greedy continuation of `n` tokens.
