@@ -385,7 +385,7 @@ fn child(a: &BenchArgs, n: usize) -> Result<Value> {
         "finite": finite,
         "generated": generated,
         "slots": slots,
-        "threads": model.engine().pool.threads(),
+        "threads": model.engine().threads,
         "direct_io": a.direct_io,
         "prefill_chunk": chunk,
         "ctx": a.ctx,

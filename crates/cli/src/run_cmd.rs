@@ -560,7 +560,7 @@ pub fn run(a: RunArgs) -> Result<()> {
             a.model.model.display(),
             t0.elapsed().as_secs_f64(),
             model.engine().kernels.name(),
-            model.engine().pool.threads()
+            model.engine().threads
         );
     }
     let stdout = std::io::stdout();

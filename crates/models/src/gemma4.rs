@@ -6,19 +6,14 @@
 //! checkpoint names: §2.4. Intermediates are named after the reference (`attn_norm`, `router_logits`,
 //! `moe_out`) so a layer-by-layer diff stays easy.
 
-use std::collections::BTreeMap;
-
 use serde::Deserialize;
 
-use mference_format::Install;
-use mference_kernels::{Kernels, MatJob, QMatrix, ThreadPool};
-use mference_runtime::{KvCache, KvLayer};
-
-use crate::ops::{
-    attention, gelu_tanh, rms_norm, rms_norm_into, softcap, softmax, top_k, AttnShape, Rope,
+use mference_backend::Weights::Resident;
+use mference_backend::{
+    moe, Act, AttnShape, Backend, KvCache, Mlp, Norm, QRef, Rope, RouterSpec, Scoring, VRef,
 };
-use crate::tensors::{QRef, VRef};
-use crate::{ChunkWant, Engine, LoadOptions, Logits, ModelError, Streamers, Want};
+
+use crate::{check_ids, one, ChunkWant, Engine, LoadOptions, Logits, ModelError, Streamers, Want};
 
 /// `text_config` of a Gemma 4 `config.json` (HF keys; defaults as mlx-lm's `ModelArgs`).
 #[derive(Clone, Debug, Deserialize)]
@@ -126,18 +121,6 @@ impl Config {
     }
 }
 
-struct Mlp {
-    gate_proj: QRef,
-    up_proj: QRef,
-    down_proj: QRef,
-}
-
-struct Experts {
-    gate_proj: QRef,
-    up_proj: QRef,
-    down_proj: QRef,
-}
-
 struct Layer {
     sliding: bool,
     head_dim: usize,
@@ -160,30 +143,37 @@ struct Layer {
     router_proj: QRef,
     router_scale: VRef,
     per_expert_scale: VRef,
-    layer_scalar: VRef,
-    experts: Experts,
+    /// `layer_scalar`, read at load.
+    layer_scalar: f32,
+    /// `experts.switch_glu.*` inside an expert blob.
+    experts: Mlp,
 }
 
-/// A loaded Gemma 4 model with its KV cache and expert streamers (one sequence).
-pub struct Gemma4 {
+/// A loaded Gemma 4 model with its KV cache and expert streamers (one sequence) on backend `B`.
+pub struct Gemma4<B: Backend> {
     cfg: Config,
     engine: Engine,
+    be: B,
     embed_tokens: QRef,
     norm: VRef,
     layers: Vec<Layer>,
     /// sqrt(hidden_size) rounded to bf16, the weight dtype (HF `Gemma4TextScaledWordEmbedding`).
     embed_scale: f32,
-    kv: KvCache,
+    kv: KvCache<B::Kv>,
     streamers: Streamers,
 }
 
 const P: &str = "language_model.model";
 
-impl Gemma4 {
+impl<B: Backend> Gemma4<B> {
     /// Builds the model over an opened install: every resident tensor is resolved (and checked) now,
     /// so a malformed install fails at load with the tensor's name.
-    pub fn load(install: Install, cfg: Config, opts: &LoadOptions) -> Result<Self, ModelError> {
-        let engine = Engine::new(install, opts)?;
+    pub fn load(
+        engine: Engine,
+        be: B,
+        cfg: Config,
+        opts: &LoadOptions,
+    ) -> Result<Self, ModelError> {
         let (idx, len) = (&engine.index, engine.map.len());
         let q = |base: String| QRef::resident(idx, len, &base);
         let h = cfg.hidden_size;
@@ -226,11 +216,13 @@ impl Gemma4 {
                 .ok_or_else(|| {
                     ModelError::Config(format!("layout.json has no experts for MoE layer {l}"))
                 })?;
+            let ex =
+                |part: &str, t| QRef::expert(&format!("{b}.experts.switch_glu.{part}"), t, stride);
             let layer = Layer {
                 sliding,
                 head_dim,
                 n_kv_heads,
-                rope: Rope::new(head_dim, rotated, rp.rope_theta),
+                rope: Rope::proportional(head_dim, rotated, rp.rope_theta),
                 q_proj: q(format!("{b}.self_attn.q_proj"))?,
                 k_proj: q(format!("{b}.self_attn.k_proj"))?,
                 v_proj: if k_eq_v {
@@ -265,23 +257,11 @@ impl Gemma4 {
                 router_proj: q(format!("{b}.router.proj"))?,
                 router_scale: v(format!("{b}.router.scale"), h)?,
                 per_expert_scale: v(format!("{b}.router.per_expert_scale"), n_exp)?,
-                layer_scalar: v(format!("{b}.layer_scalar"), 1)?,
-                experts: Experts {
-                    gate_proj: QRef::expert(
-                        &format!("{b}.experts.switch_glu.gate_proj"),
-                        &blob.gate,
-                        stride,
-                    )?,
-                    up_proj: QRef::expert(
-                        &format!("{b}.experts.switch_glu.up_proj"),
-                        &blob.up,
-                        stride,
-                    )?,
-                    down_proj: QRef::expert(
-                        &format!("{b}.experts.switch_glu.down_proj"),
-                        &blob.down,
-                        stride,
-                    )?,
+                layer_scalar: v(format!("{b}.layer_scalar"), 1)?.get(&engine.map, 0),
+                experts: Mlp {
+                    gate_proj: ex("gate_proj", &blob.gate)?,
+                    up_proj: ex("up_proj", &blob.up)?,
+                    down_proj: ex("down_proj", &blob.down)?,
                 },
             };
             check_shapes(&cfg, &layer, l)?;
@@ -296,32 +276,14 @@ impl Gemma4 {
         }
         let norm = v(format!("{P}.norm.weight"), h)?;
         let embed_scale = half::bf16::from_f32((h as f32).sqrt()).to_f32();
-        let ring = cfg.sliding_window + opts.prefill_chunk;
-        let kv = KvCache {
-            layers: layers
-                .iter()
-                .map(|l| {
-                    if l.sliding {
-                        KvLayer::new(
-                            ring.min(opts.max_context),
-                            true,
-                            l.n_kv_heads,
-                            l.head_dim,
-                            opts.kv_dtype,
-                        )
-                    } else {
-                        KvLayer::new(
-                            opts.max_context,
-                            false,
-                            l.n_kv_heads,
-                            l.head_dim,
-                            opts.kv_dtype,
-                        )
-                    }
-                })
-                .collect(),
-            len: 0,
-        };
+        let ring = (cfg.sliding_window + opts.prefill_chunk).min(opts.max_context);
+        let kv = layers
+            .iter()
+            .map(|l| {
+                let rows = if l.sliding { ring } else { opts.max_context };
+                be.new_kv(rows, l.sliding, l.n_kv_heads, l.head_dim, opts.kv_dtype)
+            })
+            .collect::<Result<_, _>>()?;
         if opts.slots.count(n_exp) < cfg.top_k_experts.unwrap_or(0) {
             return Err(ModelError::Config(format!(
                 "{} expert cache slots cannot hold the {} experts one token routes to",
@@ -333,11 +295,12 @@ impl Gemma4 {
         Ok(Self {
             cfg,
             engine,
+            be,
             embed_tokens,
             norm,
             layers,
             embed_scale,
-            kv,
+            kv: KvCache::new(kv),
             streamers,
         })
     }
@@ -349,349 +312,108 @@ impl Gemma4 {
 
     /// Runs `tokens` (one chunk, at most the prefill chunk) at positions `kv.len ..`.
     fn forward_chunk(&mut self, tokens: &[u32], want: ChunkWant) -> Result<Logits, ModelError> {
+        let (cfg, be) = (&self.cfg, &self.be);
         let t = tokens.len();
-        let h = self.cfg.hidden_size;
+        let h = cfg.hidden_size;
+        let nh = cfg.num_attention_heads;
         let pos0 = self.kv.len;
-        let eps = self.cfg.rms_norm_eps;
-        let map = &self.engine.map[..];
-        let (k, pool) = (self.engine.kernels, &self.engine.pool);
+        let eps = cfg.rms_norm_eps;
+        check_ids(tokens, cfg.vocab_size)?;
+        // RMSNorm over the hidden size with a checkpoint weight.
+        let norm = |x: &mut B::Tensor, w: &VRef| be.rms_norm(x, h, Norm::Weight(w), eps);
 
-        // Embedding rows, scaled.
-        let mut x = vec![0.0f32; t * h];
-        let emb = self.embed_tokens.mat(map);
-        for (row, &id) in x.chunks_exact_mut(h).zip(tokens) {
-            if id as usize >= self.cfg.vocab_size {
-                return Err(ModelError::Input(format!(
-                    "token id {id} is outside the vocabulary ({})",
-                    self.cfg.vocab_size
-                )));
-            }
-            emb.dequantize_row(id as usize, row);
-            row.iter_mut().for_each(|v| *v *= self.embed_scale);
-        }
-
-        let mut attn_norm = vec![0.0f32; t * h];
+        let mut x = be.embed(&self.embed_tokens, tokens, Some(self.embed_scale))?; // [T, hidden]
         for (li, layer) in self.layers.iter().enumerate() {
             let d = layer.head_dim;
-            let nh = self.cfg.num_attention_heads;
-            let nkv = layer.n_kv_heads;
             // Attention block.
-            rms_norm_into(
-                &x,
-                &mut attn_norm,
-                h,
-                Some((&layer.input_layernorm, map)),
-                eps,
-            );
-            let mut q = vec![0.0f32; t * nh * d];
-            let mut kraw = vec![0.0f32; t * nkv * d];
-            let mut vraw = vec![
-                0.0f32;
-                if layer.v_proj.is_some() {
-                    t * nkv * d
-                } else {
-                    0
-                }
-            ];
-            projections(
-                pool,
-                k,
-                &attn_norm,
-                t,
-                &mut [
-                    (layer.q_proj.mat(map), &mut q[..]),
-                    (layer.k_proj.mat(map), &mut kraw[..]),
-                ],
-                layer.v_proj.as_ref().map(|vp| (vp.mat(map), &mut vraw[..])),
-            );
-            // attention_k_eq_v: V is the raw K projection (before k_norm and RoPE).
-            let mut v = if layer.v_proj.is_some() {
-                vraw
-            } else {
-                kraw.clone()
+            let mut attn_norm = be.copy(&x)?;
+            norm(&mut attn_norm, &layer.input_layernorm)?;
+            let mut projs = match &layer.v_proj {
+                Some(v_proj) => be.matmul(
+                    &[&layer.q_proj, &layer.k_proj, v_proj],
+                    Resident,
+                    &attn_norm,
+                )?,
+                None => be.matmul(&[&layer.q_proj, &layer.k_proj], Resident, &attn_norm)?,
             };
-            rms_norm(&mut q, d, Some((&layer.q_norm, map)), eps);
-            rms_norm(&mut kraw, d, Some((&layer.k_norm, map)), eps);
-            rms_norm(&mut v, d, None, eps);
-            for r in 0..t {
-                layer
-                    .rope
-                    .apply(&mut q[r * nh * d..(r + 1) * nh * d], d, pos0 + r);
-                layer
-                    .rope
-                    .apply(&mut kraw[r * nkv * d..(r + 1) * nkv * d], d, pos0 + r);
-                self.kv.layers[li].write(
-                    pos0 + r,
-                    &kraw[r * nkv * d..(r + 1) * nkv * d],
-                    &v[r * nkv * d..(r + 1) * nkv * d],
-                );
-            }
-            let mut attn = vec![0.0f32; t * nh * d];
+            // attention_k_eq_v: V is the raw K projection (before k_norm and RoPE).
+            let mut v = match layer.v_proj {
+                Some(_) => projs.pop().expect("three projections"),
+                None => be.copy(&projs[1])?,
+            }; // [T, n_kv_heads · head_dim]
+            let mut k = projs.pop().expect("k_proj");
+            let mut q = projs.pop().expect("q_proj"); // [T, n_heads · head_dim]
+            be.rms_norm(&mut q, d, Norm::Weight(&layer.q_norm), eps)?;
+            be.rms_norm(&mut k, d, Norm::Weight(&layer.k_norm), eps)?;
+            be.rms_norm(&mut v, d, Norm::NoScale, eps)?;
+            be.rope(&mut q, &layer.rope, d, pos0)?;
+            be.rope(&mut k, &layer.rope, d, pos0)?;
+            let kv = &mut self.kv.layers[li];
+            be.kv_write(kv, pos0, &k, &v)?;
             let shape = AttnShape {
                 n_heads: nh,
-                n_kv_heads: nkv,
+                n_kv_heads: layer.n_kv_heads,
                 head_dim: d,
-                window: layer.sliding.then_some(self.cfg.sliding_window),
+                window: layer.sliding.then_some(cfg.sliding_window),
                 scale: 1.0,
+                sinks: None,
             };
-            attention(pool, k, &q, &self.kv.layers[li], pos0, &shape, &mut attn);
-            let mut o = vec![0.0f32; t * h];
-            pool.gemm(k, &layer.o_proj.mat(map), &attn, t, &mut o);
-            rms_norm(&mut o, h, Some((&layer.post_attention_layernorm, map)), eps);
-            x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+            let attn = be.attention(&q, kv, pos0, &shape)?;
+            let mut o = one(be.matmul(&[&layer.o_proj], Resident, &attn)?);
+            norm(&mut o, &layer.post_attention_layernorm)?;
+            be.add(&mut x, &o, 1.0)?;
 
             // Router on the raw post-attention residual: no-scale norm × scale × hidden^-0.5.
-            let n_exp = layer.per_expert_scale.len;
-            let top = self.cfg.top_k_experts.unwrap_or(0);
-            let mut r = vec![0.0f32; t * h];
-            rms_norm_into(&x, &mut r, h, None, eps);
-            let root = (h as f32).powf(-0.5);
-            for row in r.chunks_exact_mut(h) {
-                row.iter_mut()
-                    .enumerate()
-                    .for_each(|(i, v)| *v *= layer.router_scale.get(map, i) * root);
-            }
-            let mut router_logits = vec![0.0f32; t * n_exp];
-            pool.gemm(k, &layer.router_proj.mat(map), &r, t, &mut router_logits);
-            let mut routes: BTreeMap<usize, Vec<(usize, f32)>> = BTreeMap::new();
-            for (row, lg) in router_logits.chunks_exact(n_exp).enumerate() {
-                self.engine.note_router_margin(pos0 + row, lg, top);
-                let idx = top_k(lg, top);
-                let mut w: Vec<f32> = idx.iter().map(|&e| lg[e]).collect();
-                softmax(&mut w);
-                for (&e, w) in idx.iter().zip(w) {
-                    routes
-                        .entry(e)
-                        .or_default()
-                        .push((row, w * layer.per_expert_scale.get(map, e)));
-                }
-            }
-            let needed: Vec<usize> = routes.keys().copied().collect();
-            let tile = if t == 1 {
-                needed.len().max(1)
-            } else {
-                (self.engine.slots.count(n_exp) / 2).clamp(1, 8)
-            };
+            let mut r = be.copy(&x)?;
+            be.rms_norm(&mut r, h, Norm::NoScale, eps)?;
+            be.mul_cols(&mut r, &layer.router_scale, (h as f32).powf(-0.5))?;
+            let router_logits = one(be.matmul(&[&layer.router_proj], Resident, &r)?); // [T, num_experts]
+            let routes = be.route(
+                &router_logits,
+                &RouterSpec {
+                    scoring: Scoring::SoftmaxOfTopK,
+                    top_k: cfg.top_k_experts.unwrap_or(0),
+                    per_expert_scale: Some(&layer.per_expert_scale),
+                    trace: self.engine.traces_router(),
+                },
+            )?;
+            self.engine.note_router_margins(pos0, &routes.margins);
+
+            // Dense shared MLP ‖ routed experts, each with its own pre- and post-norm.
+            let mut u2 = be.copy(&x)?;
+            norm(&mut u2, &layer.pre_feedforward_layernorm_2)?;
             let streamer = self.streamers.get(li, &self.engine)?;
-            let tiles: Vec<&[usize]> = needed.chunks(tile).collect();
-            let mut next_slots = match tiles.first() {
-                Some(first) => Some(streamer.acquire(first)?),
-                None => None,
-            };
-
-            // Shared (dense) MLP while the first tile's reads are in flight.
-            let mut u = vec![0.0f32; t * h];
-            rms_norm_into(
-                &x,
-                &mut u,
-                h,
-                Some((&layer.pre_feedforward_layernorm, map)),
-                eps,
-            );
-            let mut shared = mlp(
-                pool,
-                k,
-                map,
-                &layer.mlp.gate_proj,
-                &layer.mlp.up_proj,
-                &layer.mlp.down_proj,
-                &u,
-                t,
-            );
-            rms_norm(
-                &mut shared,
-                h,
-                Some((&layer.post_feedforward_layernorm_1, map)),
-                eps,
-            );
-
-            // Routed experts, tile by tile; the next tile's reads overlap this tile's compute.
-            rms_norm_into(
-                &x,
-                &mut u,
-                h,
-                Some((&layer.pre_feedforward_layernorm_2, map)),
-                eps,
-            );
-            let mut moe_out = vec![0.0f32; t * h];
-            // Each expert's rows land in `expert_out` and are summed in expert order afterwards, so the
-            // result never depends on which experts happened to be cached.
-            let mut expert_out: Vec<Option<Vec<f32>>> = vec![None; n_exp];
-            let run_expert = |e: usize, blob: &[u8]| {
-                let rows = &routes[&e];
-                let mut xe = Vec::with_capacity(rows.len() * h);
-                for &(row, _) in rows {
-                    xe.extend_from_slice(&u[row * h..(row + 1) * h]);
-                }
-                let ex = &layer.experts;
-                mlp(
-                    pool,
-                    k,
-                    blob,
-                    &ex.gate_proj,
-                    &ex.up_proj,
-                    &ex.down_proj,
-                    &xe,
-                    rows.len(),
-                )
-            };
-            for (ti, tl) in tiles.iter().enumerate() {
-                let slots = next_slots.take().expect("tile acquired one step ahead");
-                // Hits are in memory already: compute them while this tile's misses are read.
-                for (&e, &(slot, hit)) in tl.iter().zip(&slots) {
-                    if hit {
-                        expert_out[e] = Some(run_expert(e, streamer.blob(slot)));
-                    }
-                }
-                streamer.wait()?;
-                if let Some(next) = tiles.get(ti + 1) {
-                    next_slots = Some(streamer.acquire(next)?);
-                }
-                for (&e, &(slot, hit)) in tl.iter().zip(&slots) {
-                    if !hit {
-                        expert_out[e] = Some(run_expert(e, streamer.blob(slot)));
-                    }
-                }
-                streamer.release(tl);
-            }
-            for (e, rows) in &routes {
-                let ye = expert_out[*e].as_ref().expect("every routed expert ran");
-                for (j, &(row, w)) in rows.iter().enumerate() {
-                    k.axpy(
-                        w,
-                        &ye[j * h..(j + 1) * h],
-                        &mut moe_out[row * h..(row + 1) * h],
-                    );
-                }
-            }
-            rms_norm(
-                &mut moe_out,
-                h,
-                Some((&layer.post_feedforward_layernorm_2, map)),
-                eps,
-            );
-            shared.iter_mut().zip(&moe_out).for_each(|(a, b)| *a += b);
-            rms_norm(
-                &mut shared,
-                h,
-                Some((&layer.post_feedforward_layernorm, map)),
-                eps,
-            );
-            let scalar = layer.layer_scalar.get(map, 0);
-            x.iter_mut()
-                .zip(&shared)
-                .for_each(|(a, b)| *a = (*a + b) * scalar);
+            let (mut shared, mut moe_out) = moe::routed_experts(
+                be,
+                streamer,
+                &layer.experts,
+                Act::GeluTanh,
+                &u2,
+                &routes,
+                || {
+                    let mut u = be.copy(&x)?;
+                    norm(&mut u, &layer.pre_feedforward_layernorm)?;
+                    let mut shared = be.glu_mlp(&layer.mlp, Act::GeluTanh, Resident, &u)?;
+                    norm(&mut shared, &layer.post_feedforward_layernorm_1)?;
+                    Ok::<_, ModelError>((shared, be.zeros(t, h)?))
+                },
+            )?;
+            norm(&mut moe_out, &layer.post_feedforward_layernorm_2)?;
+            be.add(&mut shared, &moe_out, 1.0)?;
+            norm(&mut shared, &layer.post_feedforward_layernorm)?;
+            be.add(&mut x, &shared, layer.layer_scalar)?;
         }
         self.kv.len = pos0 + t;
 
         // Final norm and the tied head, only for the rows asked for.
-        let first = match want {
-            ChunkWant::None => return Ok(Logits::None),
-            ChunkWant::From(r) => r,
-            ChunkWant::Argmax => t - 1,
+        let head = crate::Head {
+            norm: &self.norm,
+            eps,
+            weight: &self.embed_tokens,
+            softcap: cfg.final_logit_softcapping,
         };
-        let rows = t - first;
-        let mut xf = x[first * h..].to_vec();
-        rms_norm(&mut xf, h, Some((&self.norm, map)), eps);
-        let head = self.embed_tokens.mat(map);
-        let cap = self.cfg.final_logit_softcapping;
-        if want == ChunkWant::Argmax {
-            let (id, _) = pool.gemv_argmax(k, &head, &xf, cap);
-            return Ok(Logits::Argmax(id as u32));
-        }
-        let mut logits = vec![0.0f32; rows * self.cfg.vocab_size];
-        pool.gemm(k, &head, &xf, rows, &mut logits);
-        if let Some(c) = cap {
-            softcap(&mut logits, c);
-        }
-        Ok(Logits::Rows(logits))
+        crate::head(be, &x, want, &head)
     }
-}
-
-/// Several projections of the same `t` rows of `x` in one parallel region (x prepared once per
-/// quantization layout).
-fn projections<'a>(
-    pool: &ThreadPool,
-    k: &Kernels,
-    x: &[f32],
-    t: usize,
-    mats: &mut [(QMatrix<'a>, &mut [f32]); 2],
-    extra: Option<(QMatrix<'a>, &mut [f32])>,
-) {
-    let [(m0, y0), (m1, y1)] = mats;
-    let p0 = k.prepare(m0, x, t);
-    let same = |m: &QMatrix| m.group_size == m0.group_size && m.bits == m0.bits;
-    let p1 = (!same(m1)).then(|| k.prepare(m1, x, t));
-    let mut jobs = vec![
-        MatJob {
-            m: *m0,
-            x: &p0,
-            y: y0,
-        },
-        MatJob {
-            m: *m1,
-            x: p1.as_ref().unwrap_or(&p0),
-            y: y1,
-        },
-    ];
-    let p2 = extra
-        .as_ref()
-        .filter(|(m, _)| !same(m))
-        .map(|(m, _)| k.prepare(m, x, t));
-    if let Some((m2, y2)) = extra {
-        jobs.push(MatJob {
-            m: m2,
-            x: p2.as_ref().unwrap_or(&p0),
-            y: y2,
-        });
-    }
-    pool.gemm_batch(k, &mut jobs);
-}
-
-/// `down(gelu_tanh(gate(x)) * up(x))` for `t` rows of `x` (GeGLU, `gelu_pytorch_tanh`).
-#[allow(clippy::too_many_arguments)]
-fn mlp(
-    pool: &ThreadPool,
-    k: &Kernels,
-    buf: &[u8],
-    gate: &QRef,
-    up: &QRef,
-    down: &QRef,
-    x: &[f32],
-    t: usize,
-) -> Vec<f32> {
-    let i = gate.rows;
-    let mut g = vec![0.0f32; t * i];
-    let mut u = vec![0.0f32; t * i];
-    let (gm, um) = (gate.mat(buf), up.mat(buf));
-    if gm.group_size == um.group_size && gm.bits == um.bits {
-        // One preparation of x and one parallel region for both projections.
-        let px = k.prepare(&gm, x, t);
-        pool.gemm_batch(
-            k,
-            &mut [
-                MatJob {
-                    m: gm,
-                    x: &px,
-                    y: &mut g,
-                },
-                MatJob {
-                    m: um,
-                    x: &px,
-                    y: &mut u,
-                },
-            ],
-        );
-    } else {
-        pool.gemm(k, &gm, x, t, &mut g);
-        pool.gemm(k, &um, x, t, &mut u);
-    }
-    g.iter_mut()
-        .zip(&u)
-        .for_each(|(a, b)| *a = gelu_tanh(*a) * b);
-    let mut y = vec![0.0f32; t * down.rows];
-    pool.gemm(k, &down.mat(buf), &g, t, &mut y);
-    y
 }
 
 /// Shapes that must agree with config.json: a mismatch means the install and config disagree.
@@ -762,7 +484,7 @@ fn check_shapes(c: &Config, l: &Layer, li: usize) -> Result<(), ModelError> {
     Ok(())
 }
 
-impl crate::Model for Gemma4 {
+impl<B: Backend + 'static> crate::Model for Gemma4<B> {
     fn forward(&mut self, tokens: &[u32], want: Want) -> Result<Logits, ModelError> {
         let (chunk, max) = (self.engine.prefill_chunk, self.engine.max_context);
         crate::run_chunked(tokens, self.kv.len, chunk, max, want, |c, w| {

@@ -1,17 +1,18 @@
-//! Model families over a `.gturbo` install: one file per family (`gemma4.rs`, …), sharing the
-//! [`Engine`] (mapped resident weights, kernels, worker pool) and the per-layer expert streamers.
+//! Model families over a `.gturbo` install: one file per family (`gemma4.rs`, …), each written once
+//! against the op layer (`mference-backend`), sharing the [`Engine`] (install, mapped resident
+//! weights, settings) and the per-layer expert streamers.
 
 pub mod gemma4;
 pub mod generate;
-pub mod ops;
 pub mod qwen3_5_moe;
-pub mod tensors;
 
 use std::path::Path;
 use std::sync::Arc;
 
+use mference_backend::cpu::CpuBackend;
+use mference_backend::{Backend, Norm, OpError, QRef, Tensor, Unary, VRef, WeightError, Weights};
 use mference_format::{Install, ResidentIndex, VerifyPolicy};
-use mference_kernels::{Kernels, ThreadPool};
+use mference_kernels::Kernels;
 use mference_runtime::streamer::IoPool;
 use mference_runtime::{CacheSlots, ExpertStreamer, KvDtype, RuntimeError, StreamerStats};
 
@@ -22,8 +23,10 @@ pub enum ModelError {
     Format(#[from] mference_format::FormatError),
     #[error(transparent)]
     Runtime(#[from] RuntimeError),
-    #[error("tensor {name}: {why}; the install does not match this runtime: reinstall it")]
-    Tensor { name: String, why: String },
+    #[error(transparent)]
+    Tensor(#[from] WeightError),
+    #[error(transparent)]
+    Op(#[from] OpError),
     #[error("config: {0}")]
     Config(String),
     #[error("unsupported family '{0}' (this build runs: gemma4, qwen3_5_moe)")]
@@ -124,6 +127,56 @@ pub enum Logits {
     Argmax(u32),
 }
 
+/// The final norm and the head of a family.
+pub struct Head<'a> {
+    pub norm: &'a VRef,
+    pub eps: f32,
+    pub weight: &'a QRef,
+    pub softcap: Option<f32>,
+}
+
+/// The final RMSNorm and the head over the rows of `x` (`[T, hidden]`) that `want` asks for:
+/// the logits (`[rows, vocab]`, softcapped if the family does) read back to the host, or only the
+/// fused greedy argmax of the last row.
+pub fn head<B: Backend>(
+    be: &B,
+    x: &B::Tensor,
+    want: ChunkWant,
+    head: &Head,
+) -> Result<Logits, ModelError> {
+    let t = x.rows();
+    let first = match want {
+        ChunkWant::None => return Ok(Logits::None),
+        ChunkWant::From(r) => r,
+        ChunkWant::Argmax => t - 1,
+    };
+    let mut xf = be.gather_rows(x, &(first..t).collect::<Vec<_>>())?;
+    be.rms_norm(&mut xf, x.cols(), Norm::Weight(head.norm), head.eps)?;
+    if want == ChunkWant::Argmax {
+        return Ok(Logits::Argmax(be.head_argmax(head.weight, &xf)?));
+    }
+    let mut logits = one(be.matmul(&[head.weight], Weights::Resident, &xf)?); // [rows, vocab]
+    if let Some(c) = head.softcap {
+        be.unary(&mut logits, Unary::Softcap(c))?;
+    }
+    Ok(Logits::Rows(be.read(&logits)?))
+}
+
+/// The single result of a one-matrix [`Backend::matmul`].
+pub(crate) fn one<T>(mut v: Vec<T>) -> T {
+    v.pop().expect("one product")
+}
+
+/// Token ids must index the vocabulary.
+pub(crate) fn check_ids(tokens: &[u32], vocab: usize) -> Result<(), ModelError> {
+    match tokens.iter().find(|&&id| id as usize >= vocab) {
+        Some(id) => Err(ModelError::Input(format!(
+            "token id {id} is outside the vocabulary ({vocab})"
+        ))),
+        None => Ok(()),
+    }
+}
+
 /// Settings fixed at load.
 #[derive(Clone, Debug)]
 pub struct LoadOptions {
@@ -193,13 +246,15 @@ pub trait Model: Send {
     fn kv_bytes(&self) -> usize;
 }
 
-/// What every family shares: the install, the mapped resident file, the kernel table and pools.
+/// What every family shares: the install, the mapped resident file, the settings and the I/O pool.
 pub struct Engine {
     pub install: Install,
-    pub map: memmap2::Mmap,
+    pub map: Arc<memmap2::Mmap>,
     pub index: ResidentIndex,
+    /// The CPU kernel table the backend runs.
     pub kernels: &'static Kernels,
-    pub pool: ThreadPool,
+    /// Worker threads of the backend (the caller included).
+    pub threads: usize,
     pub io: Arc<IoPool>,
     pub slots: CacheSlots,
     pub direct_io: bool,
@@ -210,23 +265,30 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// Records the router's top-k margin at `pos`: the k-th largest logit minus the (k+1)-th, in
-    /// logit units. A no-op unless the model was loaded with `trace_router`.
-    pub fn note_router_margin(&self, pos: usize, logits: &[f32], k: usize) {
+    /// Whether routers should report their top-k margins ([`Engine::note_router_margins`]).
+    pub fn traces_router(&self) -> bool {
+        self.router_margins.is_some()
+    }
+
+    /// Records one layer's router top-k margins (the k-th largest logit minus the (k+1)-th, in
+    /// logit units) of the rows at positions `pos0..`, keeping each position's smallest. A no-op
+    /// unless the model was loaded with `trace_router`.
+    pub fn note_router_margins(&self, pos0: usize, margins: &[f32]) {
         let Some(m) = &self.router_margins else {
             return;
         };
-        if k == 0 || k >= logits.len() {
-            return;
-        }
-        let mut v = logits.to_vec();
-        v.sort_by(|a, b| b.total_cmp(a));
-        let margin = v[k - 1] - v[k];
         let mut m = m.lock().unwrap_or_else(|e| e.into_inner());
-        if m.len() <= pos {
-            m.resize(pos + 1, f32::INFINITY);
+        if m.len() < pos0 + margins.len() {
+            m.resize(pos0 + margins.len(), f32::INFINITY);
         }
-        m[pos] = m[pos].min(margin);
+        for (i, &v) in margins.iter().enumerate() {
+            m[pos0 + i] = m[pos0 + i].min(v);
+        }
+    }
+
+    /// The CPU backend over this install's resident bytes.
+    pub fn cpu_backend(&self) -> CpuBackend {
+        CpuBackend::new(self.kernels, self.threads, self.map.clone())
     }
 
     /// Per absolute position, the smallest router top-k margin recorded (empty when untraced).
@@ -237,7 +299,8 @@ impl Engine {
             .unwrap_or_default()
     }
 
-    fn new(install: Install, opts: &LoadOptions) -> Result<Self, ModelError> {
+    /// Maps the install's resident weights and checks the settings.
+    pub fn new(install: Install, opts: &LoadOptions) -> Result<Self, ModelError> {
         let path = install.weights_path();
         let file = std::fs::File::open(&path).map_err(|source| ModelError::Map {
             path: path.display().to_string(),
@@ -272,10 +335,10 @@ impl Engine {
         }
         Ok(Self {
             install,
-            map,
+            map: Arc::new(map),
             index,
             kernels,
-            pool: ThreadPool::new(opts.threads.max(1)),
+            threads: opts.threads.max(1),
             io: IoPool::new(4),
             slots: opts.slots,
             direct_io: opts.direct_io,
@@ -344,11 +407,17 @@ pub fn load(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn Model>, ModelError
     match model_type.as_str() {
         "gemma4" | "gemma4_text" => {
             let cfg = gemma4::Config::from_config_json(&install.config_json)?;
-            Ok(Box::new(gemma4::Gemma4::load(install, cfg, opts)?))
+            let engine = Engine::new(install, opts)?;
+            let be = engine.cpu_backend();
+            Ok(Box::new(gemma4::Gemma4::load(engine, be, cfg, opts)?))
         }
         "qwen3_5_moe" | "qwen3_5_moe_text" => {
             let cfg = qwen3_5_moe::Config::from_config_json(&install.config_json)?;
-            Ok(Box::new(qwen3_5_moe::Qwen35Moe::load(install, cfg, opts)?))
+            let engine = Engine::new(install, opts)?;
+            let be = engine.cpu_backend();
+            Ok(Box::new(qwen3_5_moe::Qwen35Moe::load(
+                engine, be, cfg, opts,
+            )?))
         }
         other => Err(ModelError::Family(other.to_string())),
     }

@@ -9,20 +9,15 @@
 //! the plain `rms(x)·w`; the DeltaNet gated norm is plain in both formats. Intermediates are named
 //! after the reference (`attn_norm`, `router_logits`, `moe_out`) for layer-by-layer diffs.
 
-use std::collections::BTreeMap;
-
 use serde::Deserialize;
 
-use mference_format::{Dtype, Install, ResidentIndex};
-use mference_kernels::{bf16_to_f32, Kernels, ThreadPool};
-use mference_runtime::{KvCache, KvLayer};
-
-use crate::ops::{
-    attention, causal_conv1d_silu, gated_delta_rule, rms_norm, rms_norm_into, sigmoid, silu,
-    softmax, softplus, top_k, AttnShape, DeltaShape, Rope,
+use mference_backend::Weights::Resident;
+use mference_backend::{
+    f32_vector, moe, Act, AttnShape, Backend, DeltaShape, KvCache, Mlp, Norm, QRef, Rope,
+    RouterSpec, Scoring, VRef, WeightError,
 };
-use crate::tensors::{QRef, VRef};
-use crate::{Engine, LoadOptions, Logits, ModelError, Streamers, Want};
+
+use crate::{check_ids, one, ChunkWant, Engine, LoadOptions, Logits, ModelError, Streamers, Want};
 
 /// `text_config` of a Qwen 3.5/3.6 MoE `config.json` (HF keys; defaults as mlx-lm's
 /// `qwen3_5.TextModelArgs`).
@@ -177,17 +172,17 @@ impl Config {
 }
 
 /// Gated DeltaNet weights (`linear_attn.*`).
-struct DeltaNet {
+struct DeltaNet<B: Backend> {
     in_proj_qkv: QRef,
     in_proj_z: QRef,
     in_proj_b: QRef,
     in_proj_a: QRef,
     out_proj: QRef,
     /// `[conv_dim, kernel]`.
-    conv1d: Vec<f32>,
-    /// `exp(A_log)`, `[n_v_heads]`.
-    a: Vec<f32>,
-    dt_bias: Vec<f32>,
+    conv1d: B::Tensor,
+    /// `exp(A_log)`, `[1, n_v_heads]`.
+    a: B::Tensor,
+    dt_bias: B::Tensor,
     norm: VRef,
 }
 
@@ -201,20 +196,14 @@ struct Attention {
     k_norm: VRef,
 }
 
-enum Mixer {
-    Linear(Box<DeltaNet>),
+enum Mixer<B: Backend> {
+    Linear(Box<DeltaNet<B>>),
     /// With its index into the KV cache's layers.
     Full(Box<Attention>, usize),
 }
 
-struct Mlp {
-    gate_proj: QRef,
-    up_proj: QRef,
-    down_proj: QRef,
-}
-
-struct Layer {
-    mixer: Mixer,
+struct Layer<B: Backend> {
+    mixer: Mixer<B>,
     input_layernorm: VRef,
     post_attention_layernorm: VRef,
     /// Router `mlp.gate` `[num_experts, hidden]`.
@@ -227,81 +216,57 @@ struct Layer {
 }
 
 /// The recurrent state of one DeltaNet layer (FP32).
-#[derive(Clone)]
-struct DeltaState {
+struct DeltaState<B: Backend> {
     /// `[kernel - 1, conv_dim]` last pre-conv rows.
-    conv: Vec<f32>,
+    conv: B::State,
     /// `[n_v_heads, head_v_dim, head_k_dim]`.
-    ssm: Vec<f32>,
+    ssm: B::State,
 }
 
-/// A loaded Qwen 3.6 MoE model with its KV cache, DeltaNet states and expert streamers (one sequence).
-pub struct Qwen35Moe {
+impl<B: Backend> Clone for DeltaState<B> {
+    fn clone(&self) -> Self {
+        Self {
+            conv: self.conv.clone(),
+            ssm: self.ssm.clone(),
+        }
+    }
+
+    fn clone_from(&mut self, o: &Self) {
+        self.conv.clone_from(&o.conv);
+        self.ssm.clone_from(&o.ssm);
+    }
+}
+
+/// A loaded Qwen 3.6 MoE model with its KV cache, DeltaNet states and expert streamers (one
+/// sequence) on backend `B`.
+pub struct Qwen35Moe<B: Backend> {
     cfg: Config,
     engine: Engine,
+    be: B,
     embed_tokens: QRef,
     norm: VRef,
     lm_head: QRef,
-    layers: Vec<Layer>,
+    layers: Vec<Layer<B>>,
     rope: Rope,
-    rotated: usize,
-    kv: KvCache,
+    kv: KvCache<B::Kv>,
     /// One per layer; `None` for full-attention layers.
-    states: Vec<Option<DeltaState>>,
+    states: Vec<Option<DeltaState<B>>>,
     /// The DeltaNet states as they were at one earlier position ([`crate::Model::checkpoint`]).
-    snapshot: Option<(usize, Vec<Option<DeltaState>>)>,
+    snapshot: Option<(usize, Vec<Option<DeltaState<B>>>)>,
     streamers: Streamers,
 }
 
 const P: &str = "language_model.model";
 
-/// A small resident float vector (BF16, F16 or F32) of `len` elements, read once at load.
-fn small_vec(
-    index: &ResidentIndex,
-    map: &[u8],
-    name: &str,
-    len: usize,
-) -> Result<Vec<f32>, ModelError> {
-    let bad = |why: String| ModelError::Tensor {
-        name: name.into(),
-        why,
-    };
-    let e = index
-        .get(name)
-        .ok_or_else(|| bad("missing from model_weights.bin".into()))?;
-    let width = match e.dtype {
-        Dtype::BF16 | Dtype::F16 => 2,
-        Dtype::F32 => 4,
-        d => return Err(bad(format!("expected a float vector, found {d:?}"))),
-    };
-    if e.is_quantized() || e.size_bytes as usize != len * width {
-        return Err(bad(format!(
-            "expected {len} values, found {} bytes of {:?}",
-            e.size_bytes, e.dtype
-        )));
-    }
-    let b = e.weight_bytes(map);
-    Ok(match e.dtype {
-        Dtype::BF16 => b
-            .chunks_exact(2)
-            .map(|c| bf16_to_f32(u16::from_le_bytes([c[0], c[1]])))
-            .collect(),
-        Dtype::F16 => b
-            .chunks_exact(2)
-            .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
-            .collect(),
-        _ => b
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect(),
-    })
-}
-
-impl Qwen35Moe {
+impl<B: Backend> Qwen35Moe<B> {
     /// Builds the model over an opened install: every resident tensor is resolved (and its shape
     /// checked against `cfg`) now, so a malformed install fails at load with the tensor's name.
-    pub fn load(install: Install, cfg: Config, opts: &LoadOptions) -> Result<Self, ModelError> {
-        let engine = Engine::new(install, opts)?;
+    pub fn load(
+        engine: Engine,
+        be: B,
+        cfg: Config,
+        opts: &LoadOptions,
+    ) -> Result<Self, ModelError> {
         let (idx, map) = (&engine.index, &engine.map[..]);
         let h = cfg.hidden_size;
         let hd = cfg.head_dim();
@@ -329,6 +294,7 @@ impl Qwen35Moe {
             Ok(r)
         };
         let v = |name: String, n: usize| VRef::resident(idx, &name, n);
+        let vector = |name: String, n: usize| f32_vector(idx, map, &name, n);
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         let mut n_full = 0;
         for l in 0..cfg.num_hidden_layers {
@@ -341,24 +307,28 @@ impl Qwen35Moe {
                     .map(|e| e.logical_shape())
                     .unwrap_or_default();
                 if shape != [conv_dim as u64, kern as u64, 1] {
-                    return Err(ModelError::Tensor {
+                    return Err(WeightError {
                         name: conv_name,
                         why: format!(
                             "expected the MLX layout [{conv_dim}, {kern}, 1], found {shape:?} \
                              (an unconverted HF checkpoint? convert it with mlx-lm)"
                         ),
-                    });
+                    }
+                    .into());
                 }
-                let a_log = small_vec(idx, map, &format!("{a}.A_log"), nv)?;
+                let a_exp: Vec<f32> = vector(format!("{a}.A_log"), nv)?
+                    .iter()
+                    .map(|x| x.exp())
+                    .collect();
                 Mixer::Linear(Box::new(DeltaNet {
                     in_proj_qkv: q(format!("{a}.in_proj_qkv"), conv_dim, h)?,
                     in_proj_z: q(format!("{a}.in_proj_z"), nv * dv, h)?,
                     in_proj_b: q(format!("{a}.in_proj_b"), nv, h)?,
                     in_proj_a: q(format!("{a}.in_proj_a"), nv, h)?,
                     out_proj: q(format!("{a}.out_proj"), h, nv * dv)?,
-                    conv1d: small_vec(idx, map, &conv_name, conv_dim * kern)?,
-                    a: a_log.iter().map(|x| x.exp()).collect(),
-                    dt_bias: small_vec(idx, map, &format!("{a}.dt_bias"), nv)?,
+                    conv1d: be.upload(&vector(conv_name, conv_dim * kern)?, kern)?,
+                    a: be.upload(&a_exp, nv)?,
+                    dt_bias: be.upload(&vector(format!("{a}.dt_bias"), nv)?, nv)?,
                     norm: v(format!("{a}.norm.weight"), dv)?,
                 }))
             } else {
@@ -429,31 +399,30 @@ impl Qwen35Moe {
                 cfg.num_experts_per_tok
             )));
         }
-        let kv = KvCache {
-            layers: (0..n_full)
-                .map(|_| KvLayer::new(opts.max_context, false, nkv, hd, opts.kv_dtype))
-                .collect(),
-            len: 0,
-        };
-        let states = (0..cfg.num_hidden_layers)
-            .map(|l| {
-                cfg.is_linear(l).then(|| DeltaState {
-                    conv: vec![0.0; (kern - 1) * conv_dim],
-                    ssm: vec![0.0; nv * dv * dk],
-                })
-            })
-            .collect();
+        let kv = (0..n_full)
+            .map(|_| be.new_kv(opts.max_context, false, nkv, hd, opts.kv_dtype))
+            .collect::<Result<_, _>>()?;
+        let mut states = Vec::with_capacity(cfg.num_hidden_layers);
+        for l in 0..cfg.num_hidden_layers {
+            states.push(match cfg.is_linear(l) {
+                true => Some(DeltaState {
+                    conv: be.new_state((kern - 1) * conv_dim)?,
+                    ssm: be.new_state(nv * dv * dk)?,
+                }),
+                false => None,
+            });
+        }
         let streamers = Streamers::new(cfg.num_hidden_layers);
         Ok(Self {
-            rope: Rope::new(rotated, rotated, theta),
-            rotated,
+            rope: Rope::neox(rotated, theta),
             cfg,
             engine,
+            be,
             embed_tokens,
             norm,
             lm_head,
             layers,
-            kv,
+            kv: KvCache::new(kv),
             states,
             snapshot: None,
             streamers,
@@ -466,363 +435,180 @@ impl Qwen35Moe {
     }
 
     /// Runs `tokens` (one chunk, at most the prefill chunk) at positions `kv.len ..`; see [`Want`].
-    fn forward_chunk(
-        &mut self,
-        tokens: &[u32],
-        want: crate::ChunkWant,
-    ) -> Result<Logits, ModelError> {
+    fn forward_chunk(&mut self, tokens: &[u32], want: ChunkWant) -> Result<Logits, ModelError> {
+        let (cfg, be) = (&self.cfg, &self.be);
         let t = tokens.len();
-        let cfg = &self.cfg;
         let h = cfg.hidden_size;
         let pos0 = self.kv.len;
         let eps = cfg.rms_norm_eps;
-        let map = &self.engine.map[..];
-        let (k, pool) = (self.engine.kernels, &self.engine.pool);
+        check_ids(tokens, cfg.vocab_size)?;
 
-        let mut x = vec![0.0f32; t * h]; // [T, hidden]
-        let emb = self.embed_tokens.mat(map);
-        for (row, &id) in x.chunks_exact_mut(h).zip(tokens) {
-            if id as usize >= cfg.vocab_size {
-                return Err(ModelError::Input(format!(
-                    "token id {id} is outside the vocabulary ({})",
-                    cfg.vocab_size
-                )));
-            }
-            emb.dequantize_row(id as usize, row);
-        }
-
-        let mut attn_norm = vec![0.0f32; t * h];
+        let mut x = be.embed(&self.embed_tokens, tokens, None)?; // [T, hidden]
         for (li, layer) in self.layers.iter().enumerate() {
-            rms_norm_into(
-                &x,
-                &mut attn_norm,
-                h,
-                Some((&layer.input_layernorm, map)),
-                eps,
-            );
+            let mut attn_norm = be.copy(&x)?;
+            be.rms_norm(&mut attn_norm, h, Norm::Weight(&layer.input_layernorm), eps)?;
             let mixer_out = match &layer.mixer {
                 Mixer::Linear(d) => {
                     let st = self.states[li].as_mut().expect("state of a DeltaNet layer");
-                    delta_net(cfg, pool, k, map, d, st, &attn_norm, t)
+                    delta_net(cfg, be, d, st, &attn_norm)?
                 }
                 Mixer::Full(a, kvi) => {
-                    let kvl = &mut self.kv.layers[*kvi];
-                    let rope = (&self.rope, self.rotated);
-                    full_attention(cfg, pool, k, map, a, kvl, rope, &attn_norm, t, pos0)
+                    let kv = &mut self.kv.layers[*kvi];
+                    full_attention(cfg, be, a, kv, &self.rope, &attn_norm, pos0)?
                 }
             };
-            x.iter_mut().zip(&mixer_out).for_each(|(a, b)| *a += b);
+            be.add(&mut x, &mixer_out, 1.0)?;
 
-            let mut u = vec![0.0f32; t * h];
-            rms_norm_into(
-                &x,
+            let mut u = be.copy(&x)?;
+            be.rms_norm(
                 &mut u,
                 h,
-                Some((&layer.post_attention_layernorm, map)),
+                Norm::Weight(&layer.post_attention_layernorm),
                 eps,
-            );
-            let streamer = self.streamers.get(li, &self.engine)?;
-            let moe_out = sparse_moe(
-                cfg,
-                pool,
-                k,
-                map,
-                layer,
-                streamer,
-                self.engine.slots,
-                &u,
-                t,
-                &self.engine,
-                pos0,
             )?;
-            x.iter_mut().zip(&moe_out).for_each(|(a, b)| *a += b);
+            let streamer = self.streamers.get(li, &self.engine)?;
+            let moe_out = sparse_moe(cfg, be, layer, streamer, &u, &self.engine, pos0)?;
+            be.add(&mut x, &moe_out, 1.0)?;
         }
         self.kv.len = pos0 + t;
 
-        let rows: Vec<usize> = match want {
-            crate::ChunkWant::None => return Ok(Logits::None),
-            crate::ChunkWant::From(r) => (r..t).collect(),
-            crate::ChunkWant::Argmax => vec![t - 1],
+        let head = crate::Head {
+            norm: &self.norm,
+            eps,
+            weight: &self.lm_head,
+            softcap: None,
         };
-        let mut xf = Vec::with_capacity(rows.len() * h);
-        for &r in &rows {
-            xf.extend_from_slice(&x[r * h..(r + 1) * h]);
-        }
-        rms_norm(&mut xf, h, Some((&self.norm, map)), eps);
-        let head = self.lm_head.mat(map);
-        if want == crate::ChunkWant::Argmax {
-            let (id, _) = pool.gemv_argmax(k, &head, &xf, None);
-            return Ok(Logits::Argmax(id as u32));
-        }
-        let mut logits = vec![0.0f32; rows.len() * cfg.vocab_size];
-        pool.gemm(k, &head, &xf, rows.len(), &mut logits);
-        Ok(Logits::Rows(logits))
+        crate::head(be, &x, want, &head)
     }
 }
 
-/// Gated DeltaNet over `t` rows of `a` (`[T, hidden]`), continuing `st`; returns `[T, hidden]`
+/// Gated DeltaNet over the rows of `a` (`[T, hidden]`), continuing `st`; returns `[T, hidden]`
 /// (mlx-lm `qwen3_5.GatedDeltaNet.__call__`).
-#[allow(clippy::too_many_arguments)]
-fn delta_net(
+fn delta_net<B: Backend>(
     cfg: &Config,
-    pool: &ThreadPool,
-    k: &Kernels,
-    map: &[u8],
-    d: &DeltaNet,
-    st: &mut DeltaState,
-    a: &[f32],
-    t: usize,
-) -> Vec<f32> {
+    be: &B,
+    d: &DeltaNet<B>,
+    st: &mut DeltaState<B>,
+    a: &B::Tensor,
+) -> Result<B::Tensor, ModelError> {
     let (nk, nv) = (cfg.linear_num_key_heads, cfg.linear_num_value_heads);
     let (dk, dv) = (cfg.linear_key_head_dim, cfg.linear_value_head_dim);
     let key_dim = nk * dk;
-    let conv_dim = 2 * key_dim + nv * dv;
-    let gemm = |m: &QRef, out_w: usize| {
-        let mut y = vec![0.0f32; t * out_w];
-        pool.gemm(k, &m.mat(map), a, t, &mut y);
-        y
-    };
-    let mixed_qkv = gemm(&d.in_proj_qkv, conv_dim); // [T, conv_dim] = q | k | v
-    let z = gemm(&d.in_proj_z, nv * dv); // [T, n_v_heads, head_v_dim]
-    let b = gemm(&d.in_proj_b, nv); // [T, n_v_heads]
-    let alpha = gemm(&d.in_proj_a, nv); // [T, n_v_heads]
+    let mixed_qkv = one(be.matmul(&[&d.in_proj_qkv], Resident, a)?); // [T, conv_dim] = q | k | v
+    let z = one(be.matmul(&[&d.in_proj_z], Resident, a)?); // [T, n_v_heads · head_v_dim]
+    let b = one(be.matmul(&[&d.in_proj_b], Resident, a)?); // [T, n_v_heads]
+    let alpha = one(be.matmul(&[&d.in_proj_a], Resident, a)?); // [T, n_v_heads]
 
-    let mut conv_out = vec![0.0f32; t * conv_dim];
-    causal_conv1d_silu(
+    let conv_out = be.conv1d_silu(
         &mixed_qkv,
         &mut st.conv,
         &d.conv1d,
-        conv_dim,
         cfg.linear_conv_kernel_dim,
-        &mut conv_out,
-    );
-    // Split, and L2-normalise q and k per head as mlx's `normalize_qk` does: `rms_norm` with the
-    // eps scaled by 1/dk, times dk^-1 (q: the readout scale folded in) or dk^-0.5 (k).
+    )?;
+    let conv_dim = 2 * key_dim + nv * dv;
+    let mut qkv = be.split(&conv_out, conv_dim, &[key_dim, key_dim, nv * dv])?;
+    let v = qkv.pop().expect("v"); // [T, n_v_heads · head_v_dim]
+    let mut k = qkv.pop().expect("k"); // [T, n_k_heads · head_k_dim]
+    let mut q = qkv.pop().expect("q");
+    // L2-normalise q and k per head as mlx's `normalize_qk` does: `rms_norm` with the eps scaled
+    // by 1/dk, times dk^-1 (q: the readout scale folded in) or dk^-0.5 (k).
     let inv2 = 1.0 / dk as f32;
-    let mut q = Vec::with_capacity(t * key_dim); // [T, n_k_heads, head_k_dim]
-    let mut kk = Vec::with_capacity(t * key_dim);
-    let mut v = Vec::with_capacity(t * nv * dv); // [T, n_v_heads, head_v_dim]
-    for row in conv_out.chunks_exact(conv_dim) {
-        q.extend_from_slice(&row[..key_dim]);
-        kk.extend_from_slice(&row[key_dim..2 * key_dim]);
-        v.extend_from_slice(&row[2 * key_dim..]);
-    }
-    for (buf, scale) in [(&mut q, inv2), (&mut kk, inv2.sqrt())] {
-        for head in buf.chunks_exact_mut(dk) {
-            let ms = head.iter().map(|x| x * x).sum::<f32>() / dk as f32;
-            let r = scale / (ms + 1e-6 * inv2).sqrt();
-            head.iter_mut().for_each(|x| *x *= r);
-        }
-    }
+    be.rms_norm(&mut q, dk, Norm::Scaled(inv2), 1e-6 * inv2)?;
+    be.rms_norm(&mut k, dk, Norm::Scaled(inv2.sqrt()), 1e-6 * inv2)?;
     // β = sigmoid(b); decay = exp(−exp(A_log)·softplus(α + dt_bias)) (`gated_delta.compute_g`).
-    let beta: Vec<f32> = b.iter().map(|&x| sigmoid(x)).collect();
-    let decay: Vec<f32> = alpha
-        .iter()
-        .enumerate()
-        .map(|(i, &x)| {
-            let hh = i % nv;
-            (-d.a[hh] * softplus(x + d.dt_bias[hh])).exp()
-        })
-        .collect();
-    let mut core = vec![0.0f32; t * nv * dv]; // [T, n_v_heads, head_v_dim]
+    let (beta, decay) = be.delta_gates(&b, &alpha, &d.a, &d.dt_bias)?;
     let shape = DeltaShape {
         n_k_heads: nk,
         n_v_heads: nv,
         head_k_dim: dk,
         head_v_dim: dv,
     };
-    gated_delta_rule(
-        pool,
-        k,
-        &q,
-        &kk,
-        &v,
-        &decay,
-        &beta,
-        &mut st.ssm,
-        &shape,
-        &mut core,
-    );
+    let mut core = be.gated_delta_rule(&q, &k, &v, &decay, &beta, &mut st.ssm, &shape)?;
     // Gated RMSNorm per value head: rms_norm(o)·w ⊙ silu(z) (`Qwen3NextRMSNormGated`).
-    rms_norm(&mut core, dv, Some((&d.norm, map)), cfg.rms_norm_eps);
-    core.iter_mut().zip(&z).for_each(|(o, &g)| *o *= silu(g));
-    let mut out = vec![0.0f32; t * cfg.hidden_size];
-    pool.gemm(k, &d.out_proj.mat(map), &core, t, &mut out);
-    out
+    be.rms_norm_gated(&mut core, dv, &d.norm, &z, cfg.rms_norm_eps)?;
+    Ok(one(be.matmul(&[&d.out_proj], Resident, &core)?))
 }
 
-/// Gated full attention over `t` rows of `a` at positions `pos0..` (mlx-lm
+/// Gated full attention over the rows of `a` at positions `pos0..` (mlx-lm
 /// `qwen3_next.Qwen3NextAttention`): q and an output gate per head from one projection, q/k norms,
 /// NeoX RoPE on the first `rotated` dims of each head, scale `head_dim^-0.5`, output ⊙ sigmoid(gate).
-#[allow(clippy::too_many_arguments)]
-fn full_attention(
+fn full_attention<B: Backend>(
     cfg: &Config,
-    pool: &ThreadPool,
-    k: &Kernels,
-    map: &[u8],
+    be: &B,
     at: &Attention,
-    kv: &mut KvLayer,
-    (rope, rotated): (&Rope, usize),
-    a: &[f32],
-    t: usize,
+    kv: &mut B::Kv,
+    rope: &Rope,
+    a: &B::Tensor,
     pos0: usize,
-) -> Vec<f32> {
+) -> Result<B::Tensor, ModelError> {
     let d = cfg.head_dim();
     let (nh, nkv) = (cfg.num_attention_heads, cfg.num_key_value_heads);
     let eps = cfg.rms_norm_eps;
-    let mut qg = vec![0.0f32; t * nh * 2 * d]; // [T, n_heads, 2·head_dim] = q | gate per head
-    pool.gemm(k, &at.q_proj.mat(map), a, t, &mut qg);
-    let mut q = Vec::with_capacity(t * nh * d); // [T, n_heads, head_dim]
-    let mut gate = Vec::with_capacity(t * nh * d);
-    for head in qg.chunks_exact(2 * d) {
-        q.extend_from_slice(&head[..d]);
-        gate.extend_from_slice(&head[d..]);
-    }
-    let mut kr = vec![0.0f32; t * nkv * d]; // [T, n_kv_heads, head_dim]
-    pool.gemm(k, &at.k_proj.mat(map), a, t, &mut kr);
-    let mut v = vec![0.0f32; t * nkv * d];
-    pool.gemm(k, &at.v_proj.mat(map), a, t, &mut v);
-    rms_norm(&mut q, d, Some((&at.q_norm, map)), eps);
-    rms_norm(&mut kr, d, Some((&at.k_norm, map)), eps);
-    for r in 0..t {
-        let p = pos0 + r;
-        for head in q[r * nh * d..(r + 1) * nh * d].chunks_exact_mut(d) {
-            rope.apply(&mut head[..rotated], rotated, p);
-        }
-        for head in kr[r * nkv * d..(r + 1) * nkv * d].chunks_exact_mut(d) {
-            rope.apply(&mut head[..rotated], rotated, p);
-        }
-        kv.write(
-            p,
-            &kr[r * nkv * d..(r + 1) * nkv * d],
-            &v[r * nkv * d..(r + 1) * nkv * d],
-        );
-    }
-    let mut attn = vec![0.0f32; t * nh * d];
+    let mut p = be.matmul(&[&at.q_proj, &at.k_proj, &at.v_proj], Resident, a)?;
+    let v = p.pop().expect("v_proj"); // [T, n_kv_heads · head_dim]
+    let mut k = p.pop().expect("k_proj");
+    let qg = p.pop().expect("q_proj"); // [T, n_heads · 2·head_dim] = q | gate per head
+    let mut qg = be.split(&qg, 2 * d, &[d, d])?;
+    let gate = qg.pop().expect("gate"); // [T, n_heads · head_dim]
+    let mut q = qg.pop().expect("q");
+    be.rms_norm(&mut q, d, Norm::Weight(&at.q_norm), eps)?;
+    be.rms_norm(&mut k, d, Norm::Weight(&at.k_norm), eps)?;
+    be.rope(&mut q, rope, d, pos0)?;
+    be.rope(&mut k, rope, d, pos0)?;
+    be.kv_write(kv, pos0, &k, &v)?;
     let shape = AttnShape {
         n_heads: nh,
         n_kv_heads: nkv,
         head_dim: d,
         window: None,
         scale: (d as f32).powf(-0.5),
+        sinks: None,
     };
-    attention(pool, k, &q, kv, pos0, &shape, &mut attn);
-    attn.iter_mut()
-        .zip(&gate)
-        .for_each(|(o, &g)| *o *= sigmoid(g));
-    let mut out = vec![0.0f32; t * cfg.hidden_size];
-    pool.gemm(k, &at.o_proj.mat(map), &attn, t, &mut out);
-    out
+    let mut attn = be.attention(&q, kv, pos0, &shape)?;
+    be.mul_sigmoid(&mut attn, &gate)?;
+    Ok(one(be.matmul(&[&at.o_proj], Resident, &attn)?))
 }
 
-/// The MoE block over `t` rows of `u` (mlx-lm `Qwen3NextSparseMoeBlock`): softmax router, top-k
-/// (renormalised when `norm_topk_prob`), SwiGLU experts streamed tile by tile, plus the shared
-/// expert scaled by `sigmoid(shared_expert_gate(u))`. Returns `[T, hidden]`.
-#[allow(clippy::too_many_arguments)]
-fn sparse_moe(
+/// The MoE block over the rows of `u` (mlx-lm `Qwen3NextSparseMoeBlock`): softmax router, top-k
+/// (renormalised when `norm_topk_prob`), SwiGLU experts, plus the shared expert scaled by
+/// `sigmoid(shared_expert_gate(u))`. Returns `[T, hidden]`.
+fn sparse_moe<B: Backend>(
     cfg: &Config,
-    pool: &ThreadPool,
-    k: &Kernels,
-    map: &[u8],
-    layer: &Layer,
+    be: &B,
+    layer: &Layer<B>,
     streamer: &mut mference_runtime::ExpertStreamer,
-    slots: mference_runtime::CacheSlots,
-    u: &[f32],
-    t: usize,
-    engine: &crate::Engine,
+    u: &B::Tensor,
+    engine: &Engine,
     pos0: usize,
-) -> Result<Vec<f32>, ModelError> {
-    let h = cfg.hidden_size;
-    let n_exp = cfg.num_experts;
-    let mut router_logits = vec![0.0f32; t * n_exp]; // [T, num_experts]
-    pool.gemm(k, &layer.gate.mat(map), u, t, &mut router_logits);
-    let mut routes: BTreeMap<usize, Vec<(usize, f32)>> = BTreeMap::new();
-    for (row, p) in router_logits.chunks_exact_mut(n_exp).enumerate() {
-        engine.note_router_margin(pos0 + row, p, cfg.num_experts_per_tok);
-        softmax(p);
-        let idx = top_k(p, cfg.num_experts_per_tok);
-        let z: f32 = if cfg.norm_topk_prob {
-            idx.iter().map(|&e| p[e]).sum()
-        } else {
-            1.0
-        };
-        for &e in &idx {
-            routes.entry(e).or_default().push((row, p[e] / z));
-        }
-    }
-    let needed: Vec<usize> = routes.keys().copied().collect();
-    let tile = if t == 1 {
-        needed.len().max(1)
-    } else {
-        (slots.count(n_exp) / 2).clamp(1, 8)
-    };
-    let tiles: Vec<&[usize]> = needed.chunks(tile).collect();
-    let mut next_slots = match tiles.first() {
-        Some(first) => Some(streamer.acquire(first)?),
-        None => None,
-    };
-
-    // Shared expert while the first tile's reads are in flight.
-    let se = &layer.shared_expert;
-    let mut moe_out = swiglu_mlp(pool, k, map, se, u, t);
-    let mut shared_gate = vec![0.0f32; t];
-    pool.gemm(
-        k,
-        &layer.shared_expert_gate.mat(map),
+) -> Result<B::Tensor, ModelError> {
+    let router_logits = one(be.matmul(&[&layer.gate], Resident, u)?); // [T, num_experts]
+    let routes = be.route(
+        &router_logits,
+        &RouterSpec {
+            scoring: Scoring::TopKOfSoftmax {
+                norm_topk_prob: cfg.norm_topk_prob,
+            },
+            top_k: cfg.num_experts_per_tok,
+            per_expert_scale: None,
+            trace: engine.traces_router(),
+        },
+    )?;
+    engine.note_router_margins(pos0, &routes.margins);
+    let ((), moe_out) = moe::routed_experts(
+        be,
+        streamer,
+        &layer.switch_mlp,
+        Act::Silu,
         u,
-        t,
-        &mut shared_gate,
-    );
-    for (row, &g) in moe_out.chunks_exact_mut(h).zip(&shared_gate) {
-        let s = sigmoid(g);
-        row.iter_mut().for_each(|v| *v *= s);
-    }
-
-    for (ti, tl) in tiles.iter().enumerate() {
-        streamer.wait()?;
-        let got = next_slots.take().expect("tile acquired one step ahead");
-        if let Some(next) = tiles.get(ti + 1) {
-            next_slots = Some(streamer.acquire(next)?);
-        }
-        for (&e, &(slot, _hit)) in tl.iter().zip(&got) {
-            let rows = &routes[&e];
-            let blob = streamer.blob(slot);
-            let mut xe = Vec::with_capacity(rows.len() * h);
-            for &(row, _) in rows {
-                xe.extend_from_slice(&u[row * h..(row + 1) * h]);
-            }
-            let ye = swiglu_mlp(pool, k, blob, &layer.switch_mlp, &xe, rows.len());
-            for (j, &(row, w)) in rows.iter().enumerate() {
-                k.axpy(
-                    w,
-                    &ye[j * h..(j + 1) * h],
-                    &mut moe_out[row * h..(row + 1) * h],
-                );
-            }
-        }
-        streamer.release(tl);
-    }
+        &routes,
+        || {
+            let mut shared = be.glu_mlp(&layer.shared_expert, Act::Silu, Resident, u)?;
+            let shared_gate = one(be.matmul(&[&layer.shared_expert_gate], Resident, u)?); // [T, 1]
+            be.mul_rows_sigmoid(&mut shared, &shared_gate)?;
+            Ok::<_, ModelError>(((), shared))
+        },
+    )?;
     Ok(moe_out)
-}
-
-/// `down(silu(gate(x)) * up(x))` for `t` rows of `x` (SwiGLU).
-fn swiglu_mlp(
-    pool: &ThreadPool,
-    k: &Kernels,
-    buf: &[u8],
-    m: &Mlp,
-    x: &[f32],
-    t: usize,
-) -> Vec<f32> {
-    let i = m.gate_proj.rows;
-    let mut g = vec![0.0f32; t * i];
-    let mut u = vec![0.0f32; t * i];
-    pool.gemm(k, &m.gate_proj.mat(buf), x, t, &mut g);
-    pool.gemm(k, &m.up_proj.mat(buf), x, t, &mut u);
-    g.iter_mut().zip(&u).for_each(|(a, b)| *a = silu(*a) * b);
-    let mut y = vec![0.0f32; t * m.down_proj.rows];
-    pool.gemm(k, &m.down_proj.mat(buf), &g, t, &mut y);
-    y
 }
 
 fn check(name: &str, got: (usize, usize), want: (usize, usize)) -> Result<(), ModelError> {
@@ -835,7 +621,7 @@ fn check(name: &str, got: (usize, usize), want: (usize, usize)) -> Result<(), Mo
     }
 }
 
-impl crate::Model for Qwen35Moe {
+impl<B: Backend + 'static> crate::Model for Qwen35Moe<B> {
     fn forward(&mut self, tokens: &[u32], want: Want) -> Result<Logits, ModelError> {
         let (chunk, max) = (self.engine.prefill_chunk, self.engine.max_context);
         crate::run_chunked(tokens, self.kv.len, chunk, max, want, |c, w| {
@@ -859,8 +645,12 @@ impl crate::Model for Qwen35Moe {
             self.snapshot = None;
             self.kv.clear();
             for s in self.states.iter_mut().flatten() {
-                s.conv.fill(0.0);
-                s.ssm.fill(0.0);
+                // A backend that cannot zero its state leaves the sequence unusable: refuse the cut.
+                if self.be.zero_state(&mut s.conv).is_err()
+                    || self.be.zero_state(&mut s.ssm).is_err()
+                {
+                    return false;
+                }
             }
             return true;
         }
@@ -915,7 +705,7 @@ impl crate::Model for Qwen35Moe {
             .states
             .iter()
             .flatten()
-            .map(|s| 4 * (s.conv.len() + s.ssm.len()))
+            .map(|s| self.be.state_bytes(&s.conv) + self.be.state_bytes(&s.ssm))
             .sum();
         self.kv.bytes() + states
     }

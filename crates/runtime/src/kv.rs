@@ -125,6 +125,11 @@ impl KvLayer {
         self.rows
     }
 
+    /// Whether rows are reused in a ring (sliding window).
+    pub fn is_ring(&self) -> bool {
+        self.ring
+    }
+
     /// Bytes held by K and V.
     pub fn bytes(&self) -> usize {
         (self.k.len() + self.v.len()) * self.k.elem_bytes()
@@ -212,53 +217,9 @@ impl KvLayer {
     }
 }
 
-/// Every layer's KV rows plus the number of positions already cached.
-pub struct KvCache {
-    pub layers: Vec<KvLayer>,
-    /// Positions written so far (the next token's position).
-    pub len: usize,
-}
-
-impl KvCache {
-    /// Total bytes of K and V.
-    pub fn bytes(&self) -> usize {
-        self.layers.iter().map(KvLayer::bytes).sum()
-    }
-
-    /// Forgets every cached position (capacity is kept).
-    pub fn clear(&mut self) {
-        self.len = 0;
-    }
-
-    /// Keeps the first `n` positions (for a retained prefix). Ring layers can only be truncated
-    /// when no row of the kept prefix has been overwritten; `n == 0` (keep nothing) always works.
-    pub fn truncate(&mut self, n: usize) -> bool {
-        let ok = n == 0 || self.layers.iter().all(|l| !l.ring || self.len <= l.rows);
-        if ok && n <= self.len {
-            self.len = n;
-            true
-        } else {
-            false
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn truncate_refuses_a_wrapped_ring_except_to_zero() {
-        let mut c = KvCache {
-            layers: vec![KvLayer::new(4, true, 1, 2, KvDtype::F16)],
-            len: 3,
-        };
-        assert!(c.truncate(2) && c.len == 2);
-        c.len = 6; // positions 4 and 5 overwrote rows 0 and 1
-        assert!(!c.truncate(3));
-        assert_eq!(c.len, 6);
-        assert!(c.truncate(0) && c.len == 0);
-    }
 
     /// `k_runs` / `v_runs` walk the same rows as `k` / `v(pos, head)` position by position, wrapped
     /// ring included.

@@ -8,7 +8,7 @@ pub mod sampler;
 pub mod slab;
 pub mod streamer;
 
-pub use kv::{KvCache, KvDtype, KvLayer, KvRow};
+pub use kv::{KvDtype, KvLayer, KvRow};
 pub use sampler::{Sampler, SamplerConfig};
 pub use streamer::{CacheSlots, ExpertStreamer, StreamerStats};
 

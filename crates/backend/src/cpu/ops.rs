@@ -1,33 +1,42 @@
-//! Small per-row operations shared by the families: RMSNorm, RoPE, GELU-tanh, softmax, top-k,
-//! and causal attention over the FP16 KV cache. The heavy products are in `mference-kernels`.
+//! The CPU backend's row operations: RMSNorm, GELU-tanh, tanh, softmax, top-k, causal attention
+//! over the KV cache, the causal conv and the gated delta rule. The quantized products are in
+//! `mference-kernels`.
 
 use std::sync::Mutex;
 
 use mference_kernels::{Kernels, ThreadPool};
 use mference_runtime::{KvLayer, KvRow};
 
-use crate::tensors::VRef;
+use crate::{AttnShape, DeltaShape, Norm};
 
-/// `x ← x · rsqrt(mean(x²) + eps) · w` over each row of `dim` (mlx `fast.rms_norm`; Gemma 4 uses
-/// plain `w`, not `1 + w`). `w = None` is the no-scale norm.
-pub fn rms_norm(x: &mut [f32], dim: usize, w: Option<(&VRef, &[u8])>, eps: f32) {
+/// `x ← x · rsqrt(mean(x²) + eps) · s` over each `dim` piece of `x` (mlx `fast.rms_norm`), `s` as
+/// [`Norm`] says; weights are read from `buf` (the resident bytes).
+pub fn rms_norm(x: &mut [f32], dim: usize, norm: Norm, buf: &[u8], eps: f32) {
     for row in x.chunks_exact_mut(dim) {
         let ms = row.iter().map(|v| v * v).sum::<f32>() / dim as f32;
-        let r = 1.0 / (ms + eps).sqrt();
-        match w {
-            Some((w, buf)) => row
-                .iter_mut()
-                .enumerate()
-                .for_each(|(i, v)| *v *= r * w.get(buf, i)),
-            None => row.iter_mut().for_each(|v| *v *= r),
+        match norm {
+            Norm::NoScale => {
+                let r = 1.0 / (ms + eps).sqrt();
+                row.iter_mut().for_each(|v| *v *= r)
+            }
+            Norm::Weight(w) => {
+                let r = 1.0 / (ms + eps).sqrt();
+                row.iter_mut()
+                    .enumerate()
+                    .for_each(|(i, v)| *v *= r * w.get(buf, i))
+            }
+            Norm::OnePlusWeight(w) => {
+                let r = 1.0 / (ms + eps).sqrt();
+                row.iter_mut()
+                    .enumerate()
+                    .for_each(|(i, v)| *v *= r * (1.0 + w.get(buf, i)))
+            }
+            Norm::Scaled(c) => {
+                let r = c / (ms + eps).sqrt();
+                row.iter_mut().for_each(|v| *v *= r)
+            }
         }
     }
-}
-
-/// `out ← rms_norm(x) ` into a separate buffer.
-pub fn rms_norm_into(x: &[f32], out: &mut [f32], dim: usize, w: Option<(&VRef, &[u8])>, eps: f32) {
-    out.copy_from_slice(x);
-    rms_norm(out, dim, w, eps);
 }
 
 /// GELU with the tanh approximation (`gelu_pytorch_tanh`, mlx `nn.gelu_approx`).
@@ -89,52 +98,6 @@ pub fn tanh(x: f32) -> f32 {
     }
 }
 
-/// NeoX ("rotate half") RoPE tables for one layer kind: dimension `i < head_dim/2` is paired with
-/// `i + head_dim/2` and turns at `inv_freq[i]` rad/token; `inv_freq[i] = 0` leaves the pair unrotated
-/// (Gemma 4's proportional partial RoPE, `reference/architectures.md` §2.2).
-#[derive(Clone, Debug)]
-pub struct Rope {
-    pub inv_freq: Vec<f32>,
-}
-
-impl Rope {
-    /// `inv_freq[i] = theta^(-2i/head_dim)` for the first `rotated_dims/2` pairs, 0 after.
-    pub fn new(head_dim: usize, rotated_dims: usize, theta: f64) -> Self {
-        let inv_freq = (0..head_dim / 2)
-            .map(|i| {
-                if 2 * i < rotated_dims {
-                    theta.powf(-(2.0 * i as f64) / head_dim as f64) as f32
-                } else {
-                    0.0
-                }
-            })
-            .collect();
-        Self { inv_freq }
-    }
-
-    /// Rotates every head (`[n_heads, head_dim]`) of one row at position `pos`.
-    pub fn apply(&self, x: &mut [f32], head_dim: usize, pos: usize) {
-        let half = head_dim / 2;
-        let cs: Vec<(f32, f32)> = self
-            .inv_freq
-            .iter()
-            .map(|&f| {
-                let (s, c) = (pos as f32 * f).sin_cos();
-                (c, s)
-            })
-            .collect();
-        for head in x.chunks_exact_mut(head_dim) {
-            let (a, b) = head.split_at_mut(half);
-            for i in 0..half {
-                let (c, s) = cs[i];
-                let (x1, x2) = (a[i], b[i]);
-                a[i] = x1 * c - x2 * s;
-                b[i] = x1 * s + x2 * c;
-            }
-        }
-    }
-}
-
 /// Indices of the `k` largest values (ties to the lower index), largest first.
 pub fn top_k(v: &[f32], k: usize) -> Vec<usize> {
     let mut idx: Vec<usize> = (0..v.len()).collect();
@@ -152,16 +115,6 @@ pub fn softmax(v: &mut [f32]) {
         z += *x;
     }
     v.iter_mut().for_each(|x| *x /= z);
-}
-
-/// Shape of one attention call.
-pub struct AttnShape {
-    pub n_heads: usize,
-    pub n_kv_heads: usize,
-    pub head_dim: usize,
-    /// `Some(w)`: a key at position `k` is visible from query position `q` iff `q - w < k <= q`.
-    pub window: Option<usize>,
-    pub scale: f32,
 }
 
 /// Causal attention for `t` query rows at positions `pos0..pos0+t` against the cache (which already
@@ -214,7 +167,10 @@ pub fn attention(
                 i0 += count;
             }
             scores.iter_mut().for_each(|x| *x *= s.scale);
-            softmax(&mut scores);
+            match &s.sinks {
+                None => softmax(&mut scores),
+                Some(sinks) => softmax_with_sink(&mut scores, sinks[head]),
+            }
             o.fill(0.0);
             // Σ w·V over the positions, in order, run by run (the output stays in registers).
             let mut i0 = 0;
@@ -232,6 +188,17 @@ pub fn attention(
             }
         }
     });
+}
+
+/// Softmax of `v` with one extra logit `sink` in the denominator (its probability is dropped).
+fn softmax_with_sink(v: &mut [f32], sink: f32) {
+    let m = v.iter().copied().fold(sink, f32::max);
+    let mut z = (sink - m).exp();
+    for x in v.iter_mut() {
+        *x = (*x - m).exp();
+        z += *x;
+    }
+    v.iter_mut().for_each(|x| *x /= z);
 }
 
 /// SiLU, `x · sigmoid(x)` (mlx `nn.silu`).
@@ -286,14 +253,6 @@ pub fn causal_conv1d_silu(
         }
     }
     state.copy_from_slice(&seq[t * channels..]);
-}
-
-/// Head counts and sizes of one gated delta rule call.
-pub struct DeltaShape {
-    pub n_k_heads: usize,
-    pub n_v_heads: usize,
-    pub head_k_dim: usize,
-    pub head_v_dim: usize,
 }
 
 /// The gated delta rule recurrence over `t` rows (mlx-lm `gated_delta.py::_gated_delta_step_ops`;

@@ -4,7 +4,23 @@
 use mference_format::{Dtype, ExpertTensor, IndexEntry, ResidentIndex};
 use mference_kernels::{bf16_to_f32, QMatrix};
 
-use crate::ModelError;
+/// A tensor of the install does not fit what the family expects (the install does not match this
+/// runtime).
+#[derive(Debug, thiserror::Error)]
+#[error("tensor {name}: {why}; the install does not match this runtime: reinstall it")]
+pub struct WeightError {
+    pub name: String,
+    pub why: String,
+}
+
+/// The three projections of a GLU MLP (a dense MLP, a shared expert, or every routed expert of a
+/// layer at the same offsets inside each expert blob).
+#[derive(Clone, Copy, Debug)]
+pub struct Mlp {
+    pub gate_proj: QRef,
+    pub up_proj: QRef,
+    pub down_proj: QRef,
+}
 
 /// A quantized Linear `[rows = out, cols = in]` located by byte ranges in some buffer.
 #[derive(Clone, Copy, Debug)]
@@ -33,9 +49,12 @@ impl QRef {
         }
     }
 
+    /// A matrix `[rows, cols]` whose packed weights, scales and biases are the byte ranges
+    /// `(offset, len)` `w`, `s`, `b` of a buffer of `buf_len` bytes.
+    ///
     /// Derives bits and group size from the byte sizes (`reference/architectures.md` §7) and checks
     /// them against the kernel's rules, so a malformed install fails at load, not mid-generation.
-    fn from_parts(
+    pub fn from_parts(
         name: &str,
         rows: usize,
         cols: usize,
@@ -43,8 +62,8 @@ impl QRef {
         s: (usize, usize),
         b: (usize, usize),
         buf_len: usize,
-    ) -> Result<Self, ModelError> {
-        let bad = |why: String| ModelError::Tensor {
+    ) -> Result<Self, WeightError> {
+        let bad = |why: String| WeightError {
             name: name.to_string(),
             why,
         };
@@ -91,18 +110,18 @@ impl QRef {
         index: &ResidentIndex,
         file_len: usize,
         base: &str,
-    ) -> Result<Self, ModelError> {
+    ) -> Result<Self, WeightError> {
         let name = format!("{base}.weight");
         let e = entry(index, &name)?;
         if !e.is_quantized() || e.dtype != Dtype::U32 {
-            return Err(ModelError::Tensor {
+            return Err(WeightError {
                 name,
                 why: "expected a quantized (U32 + scales/biases) tensor".into(),
             });
         }
         let shape = e.logical_shape();
         if shape.len() != 2 {
-            return Err(ModelError::Tensor {
+            return Err(WeightError {
                 name,
                 why: format!("expected rank 2, got {shape:?}"),
             });
@@ -123,10 +142,10 @@ impl QRef {
         name: &str,
         parts: &[ExpertTensor; 3],
         stride: usize,
-    ) -> Result<Self, ModelError> {
+    ) -> Result<Self, WeightError> {
         let shape = &parts[0].shape;
         if shape.len() != 2 {
-            return Err(ModelError::Tensor {
+            return Err(WeightError {
                 name: name.into(),
                 why: format!("expected a per-expert rank-2 shape, got {shape:?}"),
             });
@@ -152,11 +171,16 @@ pub struct VRef {
 }
 
 impl VRef {
+    /// `len` BF16 values at byte offset `off` of the resident buffer.
+    pub fn at(off: usize, len: usize) -> Self {
+        Self { off, len }
+    }
+
     /// A resident BF16 tensor named `name` with `len` elements.
-    pub fn resident(index: &ResidentIndex, name: &str, len: usize) -> Result<Self, ModelError> {
+    pub fn resident(index: &ResidentIndex, name: &str, len: usize) -> Result<Self, WeightError> {
         let e = entry(index, name)?;
         if e.dtype != Dtype::BF16 || e.size_bytes as usize != len * 2 {
-            return Err(ModelError::Tensor {
+            return Err(WeightError {
                 name: name.into(),
                 why: format!(
                     "expected {len} BF16 values, found {:?} of {} bytes",
@@ -183,8 +207,49 @@ impl VRef {
     }
 }
 
-fn entry<'a>(index: &'a ResidentIndex, name: &str) -> Result<&'a IndexEntry, ModelError> {
-    index.get(name).ok_or_else(|| ModelError::Tensor {
+/// A small resident float vector (BF16, F16 or F32) of `len` elements, converted to f32 at load
+/// (DeltaNet's `A_log`, `dt_bias`, `conv1d.weight`).
+pub fn f32_vector(
+    index: &ResidentIndex,
+    map: &[u8],
+    name: &str,
+    len: usize,
+) -> Result<Vec<f32>, WeightError> {
+    let bad = |why: String| WeightError {
+        name: name.into(),
+        why,
+    };
+    let e = entry(index, name)?;
+    let width = match e.dtype {
+        Dtype::BF16 | Dtype::F16 => 2,
+        Dtype::F32 => 4,
+        d => return Err(bad(format!("expected a float vector, found {d:?}"))),
+    };
+    if e.is_quantized() || e.size_bytes as usize != len * width {
+        return Err(bad(format!(
+            "expected {len} values, found {} bytes of {:?}",
+            e.size_bytes, e.dtype
+        )));
+    }
+    let b = e.weight_bytes(map);
+    Ok(match e.dtype {
+        Dtype::BF16 => b
+            .chunks_exact(2)
+            .map(|c| bf16_to_f32(u16::from_le_bytes([c[0], c[1]])))
+            .collect(),
+        Dtype::F16 => b
+            .chunks_exact(2)
+            .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        _ => b
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+    })
+}
+
+fn entry<'a>(index: &'a ResidentIndex, name: &str) -> Result<&'a IndexEntry, WeightError> {
+    index.get(name).ok_or_else(|| WeightError {
         name: name.into(),
         why: "missing from model_weights.bin".into(),
     })

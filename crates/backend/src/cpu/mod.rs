@@ -1,0 +1,607 @@
+//! The CPU backend: activations in host `Vec<f32>`, quantized products through the kernel table
+//! (`mference-kernels`, picked once at startup) on the persistent worker pool, KV in
+//! [`mference_runtime::KvLayer`], recurrent state in `Vec<f32>`. Resident weights are read in place
+//! from the mapped `model_weights.bin`; expert weights from the streamer's slot blobs.
+
+pub mod ops;
+
+use std::collections::BTreeMap;
+use std::ops::Deref;
+use std::sync::Arc;
+
+use mference_kernels::{Kernels, MatJob, PreparedX, QMatrix, ThreadPool};
+use mference_runtime::{KvDtype, KvLayer};
+
+use crate::{
+    check, Act, AttnShape, Backend, DeltaShape, Mlp, Norm, OpResult, QRef, Rope, RouterSpec,
+    Routes, Scoring, Tensor, Unary, VRef, Weights,
+};
+
+/// Resident bytes the backend reads weights from (the mapped `model_weights.bin`, or any buffer
+/// in that layout: the op harness uses a `Vec<u8>`).
+pub type ResidentBytes = Arc<dyn Deref<Target = [u8]> + Send + Sync>;
+
+/// Activations `[rows, cols]` in host memory.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CpuTensor {
+    data: Vec<f32>,
+    cols: usize,
+}
+
+impl CpuTensor {
+    fn new(data: Vec<f32>, cols: usize) -> Self {
+        debug_assert!(cols > 0 && data.len().is_multiple_of(cols));
+        Self { data, cols }
+    }
+}
+
+impl Tensor for CpuTensor {
+    fn rows(&self) -> usize {
+        self.data.len() / self.cols
+    }
+    fn cols(&self) -> usize {
+        self.cols
+    }
+}
+
+/// The CPU backend: a kernel table, a worker pool and the resident bytes.
+pub struct CpuBackend {
+    kernels: &'static Kernels,
+    pool: ThreadPool,
+    resident: ResidentBytes,
+}
+
+impl CpuBackend {
+    /// A backend running `kernels` on `threads` threads (the caller counts as one) over `resident`.
+    pub fn new(kernels: &'static Kernels, threads: usize, resident: ResidentBytes) -> Self {
+        Self {
+            kernels,
+            pool: ThreadPool::new(threads.max(1)),
+            resident,
+        }
+    }
+
+    /// The kernel table.
+    pub fn kernels(&self) -> &'static Kernels {
+        self.kernels
+    }
+
+    /// Worker threads, the caller included.
+    pub fn threads(&self) -> usize {
+        self.pool.threads()
+    }
+
+    fn buf<'a>(&'a self, src: Weights<'a>) -> &'a [u8] {
+        match src {
+            Weights::Resident => &self.resident,
+            Weights::Blob(b) => b,
+        }
+    }
+
+    /// Several products of the same rows `x` in one parallel region, `x` prepared once per
+    /// quantization layout (bit-identical to one product at a time).
+    fn products(&self, mats: &[QMatrix], x: &[f32], t: usize) -> Vec<Vec<f32>> {
+        let k = self.kernels;
+        let mut layouts: Vec<((usize, u32), PreparedX)> = Vec::new();
+        for m in mats {
+            let key = (m.group_size, m.bits);
+            if !layouts.iter().any(|(l, _)| *l == key) {
+                layouts.push((key, k.prepare(m, x, t)));
+            }
+        }
+        let mut ys: Vec<Vec<f32>> = mats.iter().map(|m| vec![0.0f32; t * m.rows]).collect();
+        let mut jobs: Vec<MatJob> = mats
+            .iter()
+            .zip(ys.iter_mut())
+            .map(|(m, y)| MatJob {
+                m: *m,
+                x: &layouts
+                    .iter()
+                    .find(|(l, _)| *l == (m.group_size, m.bits))
+                    .expect("prepared above")
+                    .1,
+                y,
+            })
+            .collect();
+        self.pool.gemm_batch(k, &mut jobs);
+        ys
+    }
+}
+
+fn same_shape(op: &'static str, a: &CpuTensor, b: &CpuTensor) -> OpResult<()> {
+    check(op, a.data.len() == b.data.len() && a.cols == b.cols, || {
+        format!("[{}, {}] vs [{}, {}]", a.rows(), a.cols, b.rows(), b.cols)
+    })
+}
+
+impl Backend for CpuBackend {
+    type Tensor = CpuTensor;
+    type Kv = KvLayer;
+    type State = Vec<f32>;
+
+    fn name(&self) -> String {
+        format!("cpu {} x{}", self.kernels.name(), self.pool.threads())
+    }
+
+    fn upload(&self, data: &[f32], cols: usize) -> OpResult<CpuTensor> {
+        check(
+            "upload",
+            cols > 0 && data.len().is_multiple_of(cols),
+            || format!("{} values do not fill rows of {cols}", data.len()),
+        )?;
+        Ok(CpuTensor::new(data.to_vec(), cols))
+    }
+
+    fn zeros(&self, rows: usize, cols: usize) -> OpResult<CpuTensor> {
+        Ok(CpuTensor::new(vec![0.0; rows * cols], cols))
+    }
+
+    fn copy(&self, x: &CpuTensor) -> OpResult<CpuTensor> {
+        Ok(x.clone())
+    }
+
+    fn read(&self, x: &CpuTensor) -> OpResult<Vec<f32>> {
+        Ok(x.data.clone())
+    }
+
+    fn gather_rows(&self, x: &CpuTensor, rows: &[usize]) -> OpResult<CpuTensor> {
+        let c = x.cols;
+        let n = x.rows();
+        check("gather_rows", rows.iter().all(|&r| r < n), || {
+            format!("a row index is outside {n} rows")
+        })?;
+        let mut out = Vec::with_capacity(rows.len() * c);
+        for &r in rows {
+            out.extend_from_slice(&x.data[r * c..(r + 1) * c]);
+        }
+        Ok(CpuTensor::new(out, c))
+    }
+
+    fn split(&self, x: &CpuTensor, group: usize, parts: &[usize]) -> OpResult<Vec<CpuTensor>> {
+        check(
+            "split",
+            parts.iter().sum::<usize>() == group && x.cols.is_multiple_of(group),
+            || format!("parts {parts:?} of groups of {group} in rows of {}", x.cols),
+        )?;
+        let groups = x.data.len() / group;
+        let mut out: Vec<Vec<f32>> = parts
+            .iter()
+            .map(|p| Vec::with_capacity(groups * p))
+            .collect();
+        for g in x.data.chunks_exact(group) {
+            let mut o = 0;
+            for (dst, &p) in out.iter_mut().zip(parts) {
+                dst.extend_from_slice(&g[o..o + p]);
+                o += p;
+            }
+        }
+        let per_row = x.cols / group;
+        Ok(out
+            .into_iter()
+            .zip(parts)
+            .map(|(d, &p)| CpuTensor::new(d, per_row * p))
+            .collect())
+    }
+
+    fn embed(&self, table: &QRef, ids: &[u32], scale: Option<f32>) -> OpResult<CpuTensor> {
+        let h = table.cols;
+        check(
+            "embed",
+            ids.iter().all(|&i| (i as usize) < table.rows),
+            || format!("a token id is outside the table's {} rows", table.rows),
+        )?;
+        let emb = table.mat(&self.resident);
+        let mut x = vec![0.0f32; ids.len() * h];
+        for (row, &id) in x.chunks_exact_mut(h).zip(ids) {
+            emb.dequantize_row(id as usize, row);
+            if let Some(s) = scale {
+                row.iter_mut().for_each(|v| *v *= s);
+            }
+        }
+        Ok(CpuTensor::new(x, h))
+    }
+
+    fn matmul(&self, ws: &[&QRef], src: Weights, x: &CpuTensor) -> OpResult<Vec<CpuTensor>> {
+        check("matmul", ws.iter().all(|w| w.cols == x.cols), || {
+            format!("a matrix's columns differ from the input's {}", x.cols)
+        })?;
+        let buf = self.buf(src);
+        let mats: Vec<QMatrix> = ws.iter().map(|w| w.mat(buf)).collect();
+        let ys = self.products(&mats, &x.data, x.rows());
+        Ok(ys
+            .into_iter()
+            .zip(ws)
+            .map(|(y, w)| CpuTensor::new(y, w.rows))
+            .collect())
+    }
+
+    fn glu_mlp(&self, mlp: &Mlp, act: Act, src: Weights, x: &CpuTensor) -> OpResult<CpuTensor> {
+        let t = x.rows();
+        check(
+            "glu_mlp",
+            mlp.gate_proj.cols == x.cols
+                && mlp.up_proj.cols == x.cols
+                && mlp.down_proj.cols == mlp.gate_proj.rows,
+            || format!("projections do not chain from {} columns", x.cols),
+        )?;
+        let buf = self.buf(src);
+        let mut gu = self.products(&[mlp.gate_proj.mat(buf), mlp.up_proj.mat(buf)], &x.data, t);
+        let u = gu.pop().expect("two products");
+        let mut g = gu.pop().expect("two products");
+        match act {
+            Act::GeluTanh => g
+                .iter_mut()
+                .zip(&u)
+                .for_each(|(a, b)| *a = ops::gelu_tanh(*a) * b),
+            Act::Silu => g
+                .iter_mut()
+                .zip(&u)
+                .for_each(|(a, b)| *a = ops::silu(*a) * b),
+            Act::SiluClamped(l) => g
+                .iter_mut()
+                .zip(&u)
+                .for_each(|(a, b)| *a = ops::silu(a.min(l)) * b.clamp(-l, l)),
+        }
+        let mut y = vec![0.0f32; t * mlp.down_proj.rows];
+        self.pool
+            .gemm(self.kernels, &mlp.down_proj.mat(buf), &g, t, &mut y);
+        Ok(CpuTensor::new(y, mlp.down_proj.rows))
+    }
+
+    fn head_argmax(&self, w: &QRef, x: &CpuTensor) -> OpResult<u32> {
+        check("head_argmax", x.rows() == 1 && x.cols == w.cols, || {
+            format!(
+                "expected one row of {}, got [{}, {}]",
+                w.cols,
+                x.rows(),
+                x.cols
+            )
+        })?;
+        let (id, _) = self
+            .pool
+            .gemv_argmax(self.kernels, &w.mat(&self.resident), &x.data, None);
+        Ok(id as u32)
+    }
+
+    fn rms_norm(&self, x: &mut CpuTensor, dim: usize, norm: Norm, eps: f32) -> OpResult<()> {
+        check("rms_norm", dim > 0 && x.cols.is_multiple_of(dim), || {
+            format!("pieces of {dim} in rows of {}", x.cols)
+        })?;
+        ops::rms_norm(&mut x.data, dim, norm, &self.resident, eps);
+        Ok(())
+    }
+
+    fn rms_norm_gated(
+        &self,
+        x: &mut CpuTensor,
+        dim: usize,
+        w: &VRef,
+        z: &CpuTensor,
+        eps: f32,
+    ) -> OpResult<()> {
+        same_shape("rms_norm_gated", x, z)?;
+        ops::rms_norm(&mut x.data, dim, Norm::Weight(w), &self.resident, eps);
+        x.data
+            .iter_mut()
+            .zip(&z.data)
+            .for_each(|(o, &g)| *o *= ops::silu(g));
+        Ok(())
+    }
+
+    fn unary(&self, x: &mut CpuTensor, op: Unary) -> OpResult<()> {
+        let d = &mut x.data;
+        match op {
+            Unary::Scale(c) => d.iter_mut().for_each(|v| *v *= c),
+            Unary::Softcap(c) => ops::softcap(d, c),
+            Unary::Clamp(lo, hi) => d.iter_mut().for_each(|v| *v = v.clamp(lo, hi)),
+            Unary::Silu => d.iter_mut().for_each(|v| *v = ops::silu(*v)),
+            Unary::GeluTanh => d.iter_mut().for_each(|v| *v = ops::gelu_tanh(*v)),
+            Unary::Sigmoid => d.iter_mut().for_each(|v| *v = ops::sigmoid(*v)),
+        }
+        Ok(())
+    }
+
+    fn mul_cols(&self, x: &mut CpuTensor, w: &VRef, c: f32) -> OpResult<()> {
+        check("mul_cols", w.len == x.cols, || {
+            format!("{} weights for rows of {}", w.len, x.cols)
+        })?;
+        for row in x.data.chunks_exact_mut(x.cols) {
+            row.iter_mut()
+                .enumerate()
+                .for_each(|(i, v)| *v *= w.get(&self.resident, i) * c);
+        }
+        Ok(())
+    }
+
+    fn mul_sigmoid(&self, x: &mut CpuTensor, g: &CpuTensor) -> OpResult<()> {
+        same_shape("mul_sigmoid", x, g)?;
+        x.data
+            .iter_mut()
+            .zip(&g.data)
+            .for_each(|(o, &g)| *o *= ops::sigmoid(g));
+        Ok(())
+    }
+
+    fn mul_rows_sigmoid(&self, x: &mut CpuTensor, g: &CpuTensor) -> OpResult<()> {
+        check(
+            "mul_rows_sigmoid",
+            g.cols == 1 && g.rows() == x.rows(),
+            || format!("gate [{}, {}] for {} rows", g.rows(), g.cols, x.rows()),
+        )?;
+        for (row, &g) in x.data.chunks_exact_mut(x.cols).zip(&g.data) {
+            let s = ops::sigmoid(g);
+            row.iter_mut().for_each(|v| *v *= s);
+        }
+        Ok(())
+    }
+
+    fn add(&self, x: &mut CpuTensor, y: &CpuTensor, s: f32) -> OpResult<()> {
+        same_shape("add", x, y)?;
+        if s == 1.0 {
+            x.data.iter_mut().zip(&y.data).for_each(|(a, b)| *a += b);
+        } else {
+            x.data
+                .iter_mut()
+                .zip(&y.data)
+                .for_each(|(a, b)| *a = (*a + b) * s);
+        }
+        Ok(())
+    }
+
+    fn scatter_add(
+        &self,
+        acc: &mut CpuTensor,
+        y: &CpuTensor,
+        rows: &[(usize, f32)],
+    ) -> OpResult<()> {
+        let (h, n) = (acc.cols, acc.rows());
+        check(
+            "scatter_add",
+            y.cols == h && y.rows() == rows.len() && rows.iter().all(|&(r, _)| r < n),
+            || format!("[{}, {}] rows into [{n}, {h}]", y.rows(), y.cols),
+        )?;
+        for (j, &(row, w)) in rows.iter().enumerate() {
+            self.kernels.axpy(
+                w,
+                &y.data[j * h..(j + 1) * h],
+                &mut acc.data[row * h..(row + 1) * h],
+            );
+        }
+        Ok(())
+    }
+
+    fn new_kv(
+        &self,
+        rows: usize,
+        ring: bool,
+        n_kv_heads: usize,
+        head_dim: usize,
+        dtype: KvDtype,
+    ) -> OpResult<KvLayer> {
+        Ok(KvLayer::new(rows, ring, n_kv_heads, head_dim, dtype))
+    }
+
+    fn rope(&self, x: &mut CpuTensor, rope: &Rope, head_dim: usize, pos0: usize) -> OpResult<()> {
+        check(
+            "rope",
+            x.cols.is_multiple_of(head_dim) && rope.rotated <= head_dim,
+            || {
+                format!(
+                    "heads of {head_dim} (rotating {}) in rows of {}",
+                    rope.rotated, x.cols
+                )
+            },
+        )?;
+        let c = x.cols;
+        for (r, row) in x.data.chunks_exact_mut(c).enumerate() {
+            rope.apply(row, head_dim, pos0 + r);
+        }
+        Ok(())
+    }
+
+    fn kv_write(
+        &self,
+        kv: &mut KvLayer,
+        pos0: usize,
+        k: &CpuTensor,
+        v: &CpuTensor,
+    ) -> OpResult<()> {
+        same_shape("kv_write", k, v)?;
+        let w = kv.row_stride();
+        check("kv_write", k.cols == w, || {
+            format!("rows of {} into a KV row of {w}", k.cols)
+        })?;
+        for r in 0..k.rows() {
+            kv.write(
+                pos0 + r,
+                &k.data[r * w..(r + 1) * w],
+                &v.data[r * w..(r + 1) * w],
+            );
+        }
+        Ok(())
+    }
+
+    fn attention(
+        &self,
+        q: &CpuTensor,
+        kv: &KvLayer,
+        pos0: usize,
+        s: &AttnShape,
+    ) -> OpResult<CpuTensor> {
+        check(
+            "attention",
+            q.cols == s.n_heads * s.head_dim
+                && s.n_kv_heads > 0
+                && s.n_heads.is_multiple_of(s.n_kv_heads)
+                && kv.row_stride() == s.n_kv_heads * s.head_dim
+                && s.sinks.as_ref().is_none_or(|v| v.len() == s.n_heads),
+            || {
+                format!(
+                    "q rows of {} for {} heads of {}",
+                    q.cols, s.n_heads, s.head_dim
+                )
+            },
+        )?;
+        let mut out = vec![0.0f32; q.data.len()];
+        ops::attention(&self.pool, self.kernels, &q.data, kv, pos0, s, &mut out);
+        Ok(CpuTensor::new(out, q.cols))
+    }
+
+    fn new_state(&self, len: usize) -> OpResult<Vec<f32>> {
+        Ok(vec![0.0; len])
+    }
+
+    fn zero_state(&self, s: &mut Vec<f32>) -> OpResult<()> {
+        s.fill(0.0);
+        Ok(())
+    }
+
+    fn state_bytes(&self, s: &Vec<f32>) -> usize {
+        4 * s.len()
+    }
+
+    fn conv1d_silu(
+        &self,
+        x: &CpuTensor,
+        state: &mut Vec<f32>,
+        w: &CpuTensor,
+        kernel: usize,
+    ) -> OpResult<CpuTensor> {
+        let c = x.cols;
+        check(
+            "conv1d_silu",
+            kernel >= 2 && w.data.len() == c * kernel && state.len() == (kernel - 1) * c,
+            || format!("kernel {kernel} over {c} channels"),
+        )?;
+        let mut out = vec![0.0f32; x.data.len()];
+        ops::causal_conv1d_silu(&x.data, state, &w.data, c, kernel, &mut out);
+        Ok(CpuTensor::new(out, c))
+    }
+
+    fn delta_gates(
+        &self,
+        b: &CpuTensor,
+        alpha: &CpuTensor,
+        a: &CpuTensor,
+        dt_bias: &CpuTensor,
+    ) -> OpResult<(CpuTensor, CpuTensor)> {
+        same_shape("delta_gates", b, alpha)?;
+        let nv = b.cols;
+        check(
+            "delta_gates",
+            a.data.len() == nv && dt_bias.data.len() == nv,
+            || format!("a / dt_bias for {nv} heads"),
+        )?;
+        let beta: Vec<f32> = b.data.iter().map(|&x| ops::sigmoid(x)).collect();
+        let decay: Vec<f32> = alpha
+            .data
+            .iter()
+            .enumerate()
+            .map(|(i, &x)| {
+                let h = i % nv;
+                (-a.data[h] * ops::softplus(x + dt_bias.data[h])).exp()
+            })
+            .collect();
+        Ok((CpuTensor::new(beta, nv), CpuTensor::new(decay, nv)))
+    }
+
+    fn gated_delta_rule(
+        &self,
+        q: &CpuTensor,
+        k: &CpuTensor,
+        v: &CpuTensor,
+        decay: &CpuTensor,
+        beta: &CpuTensor,
+        state: &mut Vec<f32>,
+        s: &DeltaShape,
+    ) -> OpResult<CpuTensor> {
+        let (nk, nv, dk, dv) = (s.n_k_heads, s.n_v_heads, s.head_k_dim, s.head_v_dim);
+        same_shape("gated_delta_rule", q, k)?;
+        same_shape("gated_delta_rule", decay, beta)?;
+        check(
+            "gated_delta_rule",
+            q.cols == nk * dk
+                && v.cols == nv * dv
+                && decay.cols == nv
+                && nk > 0
+                && nv.is_multiple_of(nk)
+                && state.len() == nv * dv * dk
+                && q.rows() == v.rows()
+                && q.rows() == decay.rows(),
+            || format!("operands do not fit {s:?}"),
+        )?;
+        let mut out = vec![0.0f32; v.data.len()];
+        ops::gated_delta_rule(
+            &self.pool,
+            self.kernels,
+            &q.data,
+            &k.data,
+            &v.data,
+            &decay.data,
+            &beta.data,
+            state,
+            s,
+            &mut out,
+        );
+        Ok(CpuTensor::new(out, nv * dv))
+    }
+
+    fn route(&self, logits: &CpuTensor, spec: &RouterSpec) -> OpResult<Routes> {
+        let n_exp = logits.cols;
+        let k = spec.top_k;
+        check("route", k > 0 && k <= n_exp, || {
+            format!("top-{k} of {n_exp} experts")
+        })?;
+        check(
+            "route",
+            spec.per_expert_scale.is_none_or(|s| s.len == n_exp),
+            || format!("per_expert_scale length for {n_exp} experts"),
+        )?;
+        let mut experts: BTreeMap<usize, Vec<(usize, f32)>> = BTreeMap::new();
+        let mut margins = Vec::new();
+        let mut p = Vec::with_capacity(n_exp);
+        for (row, lg) in logits.data.chunks_exact(n_exp).enumerate() {
+            if spec.trace {
+                margins.push(top_k_margin(lg, k));
+            }
+            let chosen: Vec<(usize, f32)> = match spec.scoring {
+                Scoring::SoftmaxOfTopK => {
+                    let idx = ops::top_k(lg, k);
+                    let mut w: Vec<f32> = idx.iter().map(|&e| lg[e]).collect();
+                    ops::softmax(&mut w);
+                    idx.into_iter().zip(w).collect()
+                }
+                Scoring::TopKOfSoftmax { norm_topk_prob } => {
+                    p.clear();
+                    p.extend_from_slice(lg);
+                    ops::softmax(&mut p);
+                    let idx = ops::top_k(&p, k);
+                    let z: f32 = if norm_topk_prob {
+                        idx.iter().map(|&e| p[e]).sum()
+                    } else {
+                        1.0
+                    };
+                    idx.into_iter().map(|e| (e, p[e] / z)).collect()
+                }
+            };
+            for (e, w) in chosen {
+                let w = match spec.per_expert_scale {
+                    Some(s) => w * s.get(&self.resident, e),
+                    None => w,
+                };
+                experts.entry(e).or_default().push((row, w));
+            }
+        }
+        Ok(Routes { experts, margins })
+    }
+}
+
+/// The k-th largest logit minus the (k+1)-th (`+∞` when there is no (k+1)-th).
+pub fn top_k_margin(logits: &[f32], k: usize) -> f32 {
+    if k == 0 || k >= logits.len() {
+        return f32::INFINITY;
+    }
+    let mut v = logits.to_vec();
+    v.sort_by(|a, b| b.total_cmp(a));
+    v[k - 1] - v[k]
+}

@@ -1,0 +1,406 @@
+//! mference-backend: the op layer every family is written against (`docs/ARCHITECTURE.md`).
+//!
+//! A family file (`mference-models`) states its math once as calls on a [`Backend`]: quantized
+//! matmuls against resident weights or an expert blob, norms, RoPE, attention over a backend-owned
+//! KV cache, the recurrent ops of linear attention, elementwise ops, the router and the head. The
+//! backend owns every buffer the calls produce ([`Backend::Tensor`], [`Backend::Kv`],
+//! [`Backend::State`]); the host sees activations only through the explicit readbacks
+//! ([`Backend::route`]'s expert ids and weights, [`Backend::read`], [`Backend::head_argmax`]).
+//!
+//! - [`cpu::CpuBackend`]: today's kernels (`mference-kernels`) and worker pool.
+//! - [`reference`]: a plain scalar implementation of every op, the oracle of the op test harness
+//!   (`tests/backend_ops.rs`, in the spirit of llama.cpp's `test-backend-ops`).
+//! - [`moe::routed_experts`]: the MoE step (tiles of experts, hits first, the next tile's reads
+//!   overlapping this tile's compute), written once for every family and backend.
+//!
+//! Shapes: activations are row-major `[rows, cols]` f32 (`rows` = tokens of the chunk); a
+//! "per-head" op sees each row as `[heads, head_dim]`.
+
+pub mod cpu;
+mod kv;
+pub mod moe;
+pub mod reference;
+mod rope;
+mod weights;
+
+use std::collections::BTreeMap;
+
+pub use kv::{KvCache, KvState};
+pub use mference_runtime::KvDtype;
+pub use rope::{Rope, RopeStyle, Yarn};
+pub use weights::{f32_vector, Mlp, QRef, VRef, WeightError};
+
+/// A backend failed an op: it lacks the op, or the op's operands do not fit together.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum OpError {
+    /// The backend does not implement `op` (the op harness reports it by name).
+    #[error("backend '{backend}' has no op '{op}'")]
+    Missing { backend: String, op: &'static str },
+    /// Operand shapes disagree (a bug in the caller, reported instead of a wrong result).
+    #[error("op '{op}': {why}")]
+    Shape { op: &'static str, why: String },
+}
+
+/// Result of an op.
+pub type OpResult<T> = Result<T, OpError>;
+
+/// A backend-owned activation buffer, row-major `[rows, cols]` f32.
+pub trait Tensor: Send {
+    fn rows(&self) -> usize;
+    fn cols(&self) -> usize;
+}
+
+/// Where the bytes of a quantized matrix live: the resident weights (the mapped
+/// `model_weights.bin`, or the backend's copy of it) or one expert blob of the streamer's slots.
+#[derive(Clone, Copy)]
+pub enum Weights<'a> {
+    Resident,
+    /// An expert blob (`expertStride` bytes); [`QRef`] offsets are inside it.
+    Blob(&'a [u8]),
+}
+
+/// The scale of an RMSNorm `x · rsqrt(mean(x²) + eps) · s` (mlx `fast.rms_norm`).
+#[derive(Clone, Copy)]
+pub enum Norm<'a> {
+    /// `s = 1` (Gemma 4's V norm, the router's pre-norm).
+    NoScale,
+    /// `s = w` (the checkpoint stores the final weight; Qwen's MLX `1 + w` norms are stored shifted).
+    Weight(&'a VRef),
+    /// `s = 1 + w` (zero-centred norms stored unshifted: DeepSeek-V4, Inkling).
+    OnePlusWeight(&'a VRef),
+    /// `s = c` with the rsqrt and `c` folded first: `x · (c / sqrt(mean(x²) + eps))` (the L2
+    /// normalisation of Gated DeltaNet's q and k, `normalize_qk`).
+    Scaled(f32),
+}
+
+/// An elementwise map.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Unary {
+    /// `x · c`.
+    Scale(f32),
+    /// `c · tanh(x / c)` (Gemma's final logit softcap).
+    Softcap(f32),
+    /// `min(max(x, lo), hi)`.
+    Clamp(f32, f32),
+    /// `x · sigmoid(x)`.
+    Silu,
+    /// GELU, tanh approximation (`gelu_pytorch_tanh`).
+    GeluTanh,
+    /// `1 / (1 + e^-x)`.
+    Sigmoid,
+}
+
+/// The activation of a GLU MLP: `down(act(gate(x)) ⊙ up(x))`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Act {
+    /// GeGLU (Gemma 4).
+    GeluTanh,
+    /// SwiGLU (Qwen 3.6, DeepSeek-V4, Inkling).
+    Silu,
+    /// SwiGLU with the gate clamped to `≤ limit` and the up projection to `[-limit, limit]` first
+    /// (Maple's clamped SwiGLU, `reference/architectures.md` §6).
+    SiluClamped(f32),
+}
+
+/// Shape of one attention call.
+#[derive(Clone, Debug)]
+pub struct AttnShape {
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    /// `Some(w)`: a key at position `k` is visible from query position `q` iff `q - w < k <= q`.
+    pub window: Option<usize>,
+    pub scale: f32,
+    /// One learned logit per query head that joins every softmax (attention sinks) and takes
+    /// probability mass without contributing a value.
+    pub sinks: Option<Vec<f32>>,
+}
+
+/// Head counts and sizes of one gated delta rule call (Gated DeltaNet).
+#[derive(Clone, Debug)]
+pub struct DeltaShape {
+    pub n_k_heads: usize,
+    pub n_v_heads: usize,
+    pub head_k_dim: usize,
+    pub head_v_dim: usize,
+}
+
+/// How a router turns its logits into the top-k experts and their weights.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Scoring {
+    /// Top-k of the raw logits, then a softmax over the k chosen (Gemma 4).
+    SoftmaxOfTopK,
+    /// Softmax over every expert, then the top-k, renormalised to sum 1 when `norm_topk_prob`
+    /// (Qwen 3.6, Maple).
+    TopKOfSoftmax { norm_topk_prob: bool },
+}
+
+/// A router: scoring rule, experts per token and an optional per-expert weight multiplier.
+#[derive(Clone, Copy)]
+pub struct RouterSpec<'a> {
+    pub scoring: Scoring,
+    pub top_k: usize,
+    /// Gemma 4's `router.per_expert_scale` (`[num_experts]`), multiplied into each chosen weight.
+    pub per_expert_scale: Option<&'a VRef>,
+    /// Also return each row's top-k margin (parity tests' router trace).
+    pub trace: bool,
+}
+
+/// The router's decision for a chunk, read back to the host to plan the expert cache.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Routes {
+    /// Expert → the rows routed to it with their combine weights; experts ascending, rows ascending.
+    pub experts: BTreeMap<usize, Vec<(usize, f32)>>,
+    /// Per row, the k-th largest raw logit minus the (k+1)-th (only when traced).
+    pub margins: Vec<f32>,
+}
+
+/// The op vocabulary of the five families. Every op has a default body that fails with
+/// [`OpError::Missing`], so a backend that lacks an op is reported by the op's name.
+///
+/// Numerics: each op of the CPU backend computes exactly what its [`reference`] twin computes up
+/// to f32 summation order (the kernels' documented budgets); `tests/backend_ops.rs` checks every
+/// op of every backend compiled in against it.
+#[allow(unused_variables)]
+pub trait Backend: Send + Sync + Sized {
+    /// Activations `[rows, cols]` f32.
+    type Tensor: Tensor;
+    /// One attention layer's K and V rows (FP16 or FP32; a sliding ring or linear).
+    type Kv: KvState + Send;
+    /// A recurrent state vector (f32): a conv tail, a DeltaNet state.
+    type State: Clone + Send;
+
+    /// Short description: `cpu avx512 ×2`.
+    fn name(&self) -> String;
+
+    #[doc(hidden)]
+    fn missing(&self, op: &'static str) -> OpError {
+        OpError::Missing {
+            backend: self.name(),
+            op,
+        }
+    }
+
+    // ---- data in and out -------------------------------------------------------------------
+
+    /// A tensor `[data.len() / cols, cols]` holding `data` (small constants read at load).
+    fn upload(&self, data: &[f32], cols: usize) -> OpResult<Self::Tensor> {
+        Err(self.missing("upload"))
+    }
+    /// Zeros `[rows, cols]`.
+    fn zeros(&self, rows: usize, cols: usize) -> OpResult<Self::Tensor> {
+        Err(self.missing("zeros"))
+    }
+    /// A copy of `x`.
+    fn copy(&self, x: &Self::Tensor) -> OpResult<Self::Tensor> {
+        Err(self.missing("copy"))
+    }
+    /// The explicit readback: `x` as host floats, row-major.
+    fn read(&self, x: &Self::Tensor) -> OpResult<Vec<f32>> {
+        Err(self.missing("read"))
+    }
+    /// Rows `rows` of `x`, in that order (`[rows.len(), cols]`).
+    fn gather_rows(&self, x: &Self::Tensor, rows: &[usize]) -> OpResult<Self::Tensor> {
+        Err(self.missing("gather_rows"))
+    }
+    /// Splits every row's groups of `group` columns into `parts` (which sum to `group`): part `j`
+    /// of the result holds part `j` of every group, so `[T, n·group]` gives `[T, n·parts[j]]`.
+    fn split(
+        &self,
+        x: &Self::Tensor,
+        group: usize,
+        parts: &[usize],
+    ) -> OpResult<Vec<Self::Tensor>> {
+        Err(self.missing("split"))
+    }
+
+    // ---- embedding and products ------------------------------------------------------------
+
+    /// `[ids.len(), cols]` dequantized rows of the quantized `table`, times `scale` if given.
+    fn embed(&self, table: &QRef, ids: &[u32], scale: Option<f32>) -> OpResult<Self::Tensor> {
+        Err(self.missing("embed"))
+    }
+    /// `Y[T, w.rows] = X[T, w.cols] · Wᵀ` for each `w` (MLX affine 2/4/8-bit, group 32/64/128), one
+    /// input shared by every product: decode GEMV for one row, prefill GEMM for more.
+    fn matmul(&self, ws: &[&QRef], src: Weights, x: &Self::Tensor) -> OpResult<Vec<Self::Tensor>> {
+        Err(self.missing("matmul"))
+    }
+    /// `down(act(gate(x)) ⊙ up(x))`, `[T, down.rows]`.
+    fn glu_mlp(
+        &self,
+        mlp: &Mlp,
+        act: Act,
+        src: Weights,
+        x: &Self::Tensor,
+    ) -> OpResult<Self::Tensor> {
+        Err(self.missing("glu_mlp"))
+    }
+    /// The head of one row with a fused greedy argmax: `argmax_r (W x)_r` without materialising
+    /// the logits (softcap is monotonic, so it does not change the index). The id is the readback.
+    fn head_argmax(&self, w: &QRef, x: &Self::Tensor) -> OpResult<u32> {
+        Err(self.missing("head_argmax"))
+    }
+
+    // ---- norms and elementwise -------------------------------------------------------------
+
+    /// RMSNorm of every `dim`-wide piece of each row (`dim = cols`: per row; `head_dim`: per head).
+    fn rms_norm(&self, x: &mut Self::Tensor, dim: usize, norm: Norm, eps: f32) -> OpResult<()> {
+        Err(self.missing("rms_norm"))
+    }
+    /// Gated RMSNorm: `rms_norm(x)·w ⊙ silu(z)` per `dim` piece (`Qwen3NextRMSNormGated`).
+    fn rms_norm_gated(
+        &self,
+        x: &mut Self::Tensor,
+        dim: usize,
+        w: &VRef,
+        z: &Self::Tensor,
+        eps: f32,
+    ) -> OpResult<()> {
+        Err(self.missing("rms_norm_gated"))
+    }
+    /// `x ← op(x)` elementwise.
+    fn unary(&self, x: &mut Self::Tensor, op: Unary) -> OpResult<()> {
+        Err(self.missing("unary"))
+    }
+    /// `x[r, i] ← x[r, i] · (w[i] · c)` (a per-column weight, e.g. Gemma's `router.scale`).
+    fn mul_cols(&self, x: &mut Self::Tensor, w: &VRef, c: f32) -> OpResult<()> {
+        Err(self.missing("mul_cols"))
+    }
+    /// `x ← x ⊙ sigmoid(g)`, same shapes (an output gate).
+    fn mul_sigmoid(&self, x: &mut Self::Tensor, g: &Self::Tensor) -> OpResult<()> {
+        Err(self.missing("mul_sigmoid"))
+    }
+    /// `x[r, :] ← x[r, :] · sigmoid(g[r])` for `g` `[rows, 1]` (a per-row gate).
+    fn mul_rows_sigmoid(&self, x: &mut Self::Tensor, g: &Self::Tensor) -> OpResult<()> {
+        Err(self.missing("mul_rows_sigmoid"))
+    }
+    /// `x ← (x + y) · s` (`s = 1`: the residual add).
+    fn add(&self, x: &mut Self::Tensor, y: &Self::Tensor, s: f32) -> OpResult<()> {
+        Err(self.missing("add"))
+    }
+    /// `acc[row] += w · y[j]` for the `j`-th `(row, w)` of `rows` (the routed experts' combine).
+    fn scatter_add(
+        &self,
+        acc: &mut Self::Tensor,
+        y: &Self::Tensor,
+        rows: &[(usize, f32)],
+    ) -> OpResult<()> {
+        Err(self.missing("scatter_add"))
+    }
+
+    // ---- attention -------------------------------------------------------------------------
+
+    /// A KV layer of `rows` positions (`ring`: a sliding ring), rows `[n_kv_heads, head_dim]`.
+    fn new_kv(
+        &self,
+        rows: usize,
+        ring: bool,
+        n_kv_heads: usize,
+        head_dim: usize,
+        dtype: KvDtype,
+    ) -> OpResult<Self::Kv> {
+        Err(self.missing("new_kv"))
+    }
+    /// Rotates every `head_dim` head of row `r` of `x` by position `pos0 + r`.
+    fn rope(
+        &self,
+        x: &mut Self::Tensor,
+        rope: &Rope,
+        head_dim: usize,
+        pos0: usize,
+    ) -> OpResult<()> {
+        Err(self.missing("rope"))
+    }
+    /// Stores row `r` of `k` and `v` (`[T, n_kv_heads·head_dim]`) at position `pos0 + r`.
+    fn kv_write(
+        &self,
+        kv: &mut Self::Kv,
+        pos0: usize,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+    ) -> OpResult<()> {
+        Err(self.missing("kv_write"))
+    }
+    /// Causal attention of `q` (`[T, n_heads·head_dim]`, positions `pos0..`) over `kv`, which
+    /// already holds those positions: `softmax(q·kᵀ·scale) v` per head, GQA by
+    /// `n_heads / n_kv_heads`. Returns `[T, n_heads·head_dim]`.
+    fn attention(
+        &self,
+        q: &Self::Tensor,
+        kv: &Self::Kv,
+        pos0: usize,
+        shape: &AttnShape,
+    ) -> OpResult<Self::Tensor> {
+        Err(self.missing("attention"))
+    }
+
+    // ---- recurrent state (linear attention, short convolutions) ----------------------------
+
+    /// A zeroed state of `len` floats.
+    fn new_state(&self, len: usize) -> OpResult<Self::State> {
+        Err(self.missing("new_state"))
+    }
+    /// Zeroes a state.
+    fn zero_state(&self, s: &mut Self::State) -> OpResult<()> {
+        Err(self.missing("zero_state"))
+    }
+    /// Bytes a state holds.
+    fn state_bytes(&self, s: &Self::State) -> usize {
+        0
+    }
+    /// Depthwise causal conv over rows of `x` (`[T, C]`) continuing `state` (`[kernel-1, C]`, the
+    /// last pre-conv rows), then SiLU; `w` is `[C, kernel]`. Updates `state`.
+    fn conv1d_silu(
+        &self,
+        x: &Self::Tensor,
+        state: &mut Self::State,
+        w: &Self::Tensor,
+        kernel: usize,
+    ) -> OpResult<Self::Tensor> {
+        Err(self.missing("conv1d_silu"))
+    }
+    /// Gated DeltaNet's per-head gates from `b`, `alpha` (`[T, n_v_heads]`), `a = exp(A_log)` and
+    /// `dt_bias` (`[1, n_v_heads]`): `(β = sigmoid(b), decay = exp(−a·softplus(α + dt_bias)))`.
+    fn delta_gates(
+        &self,
+        b: &Self::Tensor,
+        alpha: &Self::Tensor,
+        a: &Self::Tensor,
+        dt_bias: &Self::Tensor,
+    ) -> OpResult<(Self::Tensor, Self::Tensor)> {
+        Err(self.missing("delta_gates"))
+    }
+    /// The gated delta rule over the rows (`S ← g·S; u = (v − S·k)·β; S ← S + u ⊗ k; o = S·q`),
+    /// `state` `[n_v_heads, head_v_dim, head_k_dim]`. Returns `[T, n_v_heads·head_v_dim]`.
+    #[allow(clippy::too_many_arguments)]
+    fn gated_delta_rule(
+        &self,
+        q: &Self::Tensor,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+        decay: &Self::Tensor,
+        beta: &Self::Tensor,
+        state: &mut Self::State,
+        shape: &DeltaShape,
+    ) -> OpResult<Self::Tensor> {
+        Err(self.missing("gated_delta_rule"))
+    }
+
+    // ---- router ----------------------------------------------------------------------------
+
+    /// Scores `logits` (`[T, num_experts]`), picks each row's top-k (ties to the lower id) and
+    /// reads back only the chosen ids and weights: the one place per layer where the host sees
+    /// data, to plan the expert cache.
+    fn route(&self, logits: &Self::Tensor, spec: &RouterSpec) -> OpResult<Routes> {
+        Err(self.missing("route"))
+    }
+}
+
+/// An operand check shared by the backends: `Err(OpError::Shape)` unless `ok`.
+pub fn check(op: &'static str, ok: bool, why: impl FnOnce() -> String) -> OpResult<()> {
+    if ok {
+        Ok(())
+    } else {
+        Err(OpError::Shape { op, why: why() })
+    }
+}

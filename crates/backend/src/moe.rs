@@ -1,0 +1,80 @@
+//! The routed-experts step of one MoE layer, written once for every family and backend
+//! (`shared/docs/DESIGN.md` §4–5): plan the router's experts against the layer's slot cache in
+//! tiles, compute the experts already cached while the misses are read, start the next tile's
+//! reads before computing this tile's misses, and combine in expert order, so the result never
+//! depends on which experts happened to be cached or on the slot count.
+
+use mference_runtime::{ExpertStreamer, RuntimeError};
+
+use crate::{Act, Backend, Mlp, OpError, Routes, Tensor, Weights};
+
+/// Runs the experts of `routes` on the rows of `x` (`[T, hidden]`) and adds each expert's output,
+/// times its weight, to an accumulator.
+///
+/// `meanwhile` runs once the first tile's reads are in flight (the shared expert); it returns a
+/// value passed through and the accumulator `[T, hidden]` the experts are added into (zeros, or
+/// the shared expert's output when the family sums into it).
+///
+/// Tiles: one for decode (every expert of the token), otherwise half the slots (at most 8), so the
+/// current and the next tile fit in the cache together.
+///
+/// Errors: a failed read or a full cache ([`RuntimeError`]), an op error ([`OpError`]).
+pub fn routed_experts<B, S, E>(
+    be: &B,
+    streamer: &mut ExpertStreamer,
+    experts: &Mlp,
+    act: Act,
+    x: &B::Tensor,
+    routes: &Routes,
+    meanwhile: impl FnOnce() -> Result<(S, B::Tensor), E>,
+) -> Result<(S, B::Tensor), E>
+where
+    B: Backend,
+    E: From<OpError> + From<RuntimeError>,
+{
+    let needed: Vec<usize> = routes.experts.keys().copied().collect();
+    let tile = if x.rows() == 1 {
+        needed.len().max(1)
+    } else {
+        (streamer.slots() / 2).clamp(1, 8)
+    };
+    let tiles: Vec<&[usize]> = needed.chunks(tile).collect();
+    let mut next_slots = match tiles.first() {
+        Some(first) => Some(streamer.acquire(first)?),
+        None => None,
+    };
+    let (carry, mut acc) = meanwhile()?;
+
+    let run = |e: usize, blob: &[u8]| -> Result<B::Tensor, OpError> {
+        let rows: Vec<usize> = routes.experts[&e].iter().map(|&(r, _)| r).collect();
+        let xe = be.gather_rows(x, &rows)?;
+        be.glu_mlp(experts, act, Weights::Blob(blob), &xe)
+    };
+    let mut out: Vec<Option<B::Tensor>> = (0..=needed.last().copied().unwrap_or(0))
+        .map(|_| None)
+        .collect();
+    for (ti, tl) in tiles.iter().enumerate() {
+        let slots = next_slots.take().expect("tile acquired one step ahead");
+        // Hits are in memory already: compute them while this tile's misses are read.
+        for (&e, &(slot, hit)) in tl.iter().zip(&slots) {
+            if hit {
+                out[e] = Some(run(e, streamer.blob(slot))?);
+            }
+        }
+        streamer.wait()?;
+        if let Some(next) = tiles.get(ti + 1) {
+            next_slots = Some(streamer.acquire(next)?);
+        }
+        for (&e, &(slot, hit)) in tl.iter().zip(&slots) {
+            if !hit {
+                out[e] = Some(run(e, streamer.blob(slot))?);
+            }
+        }
+        streamer.release(tl);
+    }
+    for (e, rows) in &routes.experts {
+        let ye = out[*e].as_ref().expect("every routed expert ran");
+        be.scatter_add(&mut acc, ye, rows)?;
+    }
+    Ok((carry, acc))
+}
