@@ -1,11 +1,12 @@
 //! Kernel microbenchmark: GB/s of packed bytes (weights + scales + biases) streamed by the quantized GEMV for
 //! Gemma-4-26B-A4B shapes, per kernel table and thread count, plus prefill GEMM throughput.
 //!
-//! `cargo run --release -p mference-kernels --example bench_kernels [-- quick] [only=roof|expert|moe|gemm|head]`
+//! `cargo run --release -p mference-kernels --example bench_kernels [-- quick] [only=roof|expert|bits|moe|gemm|head]`
 //! (`MFERENCE_KERNELS=avx2` etc. changes which table `detect()` picks; all available tables are measured.)
 //!
 //! - "expert hot": one expert matrix read again and again (stays in L2/L3: kernel compute ceiling).
 //! - "expert cold": round-robin over 48 experts (~150 MiB, larger than L3), as in decode from the slot slab.
+//! - "bits": single-thread hot GEMV GFLOP/s of one 704 × 2816 matrix at 4 and at 2 bits (group 64).
 //! - "moe": one decode MoE layer (top-8 experts; gate+up of all 8 in one pool region, downs in a second).
 //! - "head": the tied 262144 × 2816 head (~415 MB, DRAM-bound), plain GEMV and the fused argmax.
 //! - "read roof": a plain f32 sum over a 512 MiB buffer, the memory-bandwidth roof for comparison.
@@ -21,10 +22,14 @@ struct Owned {
     b: Vec<u8>,
     rows: usize,
     cols: usize,
+    bits: u32,
 }
 
 impl Owned {
     fn random(rows: usize, cols: usize, seed: u64) -> Self {
+        Self::random_bits(rows, cols, 4, seed)
+    }
+    fn random_bits(rows: usize, cols: usize, bits: u32, seed: u64) -> Self {
         let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
         let mut next = || {
             state ^= state << 13;
@@ -32,7 +37,9 @@ impl Owned {
             state ^= state << 17;
             state
         };
-        let w: Vec<u8> = (0..rows * cols / 2).map(|_| next() as u8).collect();
+        let w: Vec<u8> = (0..rows * cols * bits as usize / 8)
+            .map(|_| next() as u8)
+            .collect();
         let g = rows * cols / 64;
         let bf = |v: f32| ((v.to_bits() >> 16) as u16).to_le_bytes();
         let mut s = Vec::with_capacity(2 * g);
@@ -50,10 +57,14 @@ impl Owned {
             b,
             rows,
             cols,
+            bits,
         }
     }
     fn view(&self) -> QMatrix<'_> {
-        QMatrix::new(&self.w, &self.s, &self.b, self.rows, self.cols, 4, 64).unwrap()
+        QMatrix::new(
+            &self.w, &self.s, &self.b, self.rows, self.cols, self.bits, 64,
+        )
+        .unwrap()
     }
 }
 
@@ -180,6 +191,31 @@ fn main() {
         }
     }
     black_box((&y_i, &y_h));
+
+    // 2-bit against 4-bit: the same shape and input, one thread, matrix hot in cache.
+    let by_bits = [4u32, 2].map(|bits| Owned::random_bits(inter, hidden, bits, 7));
+    for k in tables.iter().filter(|_| want("bits")) {
+        let iters = if k.name() == "scalar" { 20 } else { 400 };
+        let line: Vec<String> = by_bits
+            .iter()
+            .map(|o| {
+                let m = o.view();
+                let d = time(iters, || k.gemv(&m, &x_h, &mut y_i));
+                let flops = 2.0 * (inter * hidden) as f64;
+                format!(
+                    "{}-bit {:6.1} GFLOP/s ({:5.1} us)",
+                    o.bits,
+                    flops / d.as_secs_f64() / 1e9,
+                    d.as_secs_f64() * 1e6
+                )
+            })
+            .collect();
+        println!(
+            "{:7} threads 1: gemv 704x2816 g64 hot: {}",
+            k.name(),
+            line.join(" | ")
+        );
+    }
 
     // One MoE layer of decode as the runtime would run it: top-8 experts, gate+up of all 8 in one parallel
     // region (activations prepared once), then the 8 downs in a second region. Experts cycle through the

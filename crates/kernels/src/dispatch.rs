@@ -27,6 +27,8 @@ pub struct Kernels {
     pub(crate) name: &'static str,
     /// Layout of prepared activations for 4-bit matrices (8-bit always uses natural order).
     pub(crate) layout4: XLayout,
+    /// Layout of prepared activations for 2-bit matrices (never int8-quantized: `q8` is 4-bit only).
+    pub(crate) layout2: XLayout,
     /// 4-bit GEMM with group size 64/128 and at least `Q8_MIN_ROWS` rows uses int8-quantized
     /// activations (`XLayout::Q8Lanes16`).
     pub(crate) q8: bool,
@@ -49,6 +51,7 @@ pub struct Kernels {
 static SCALAR: Kernels = Kernels {
     name: "scalar",
     layout4: XLayout::Natural,
+    layout2: XLayout::Natural,
     q8: false,
     exact: true,
     gemv: scalar::gemv,
@@ -124,13 +127,15 @@ impl Kernels {
         match bits {
             4 if self.q8 && group_size.is_multiple_of(64) && n >= Q8_MIN_ROWS => XLayout::Q8Lanes16,
             4 => self.layout4,
+            2 => self.layout2,
             _ => XLayout::Natural,
         }
     }
 
     /// Whether this table computes in f32 throughout (scalar, avx2, avx512). The `avx512vnni` table
-    /// quantizes prefill (GEMM) activations to int8 per group (ggml's q8 idea; its GEMV is the exact
-    /// AVX-512 one) and is only used when asked for by name.
+    /// quantizes prefill (GEMM) activations of 4-bit matrices to int8 per group (ggml's q8 idea; its GEMV,
+    /// and its GEMM of 2- and 8-bit matrices, are the exact AVX-512 ones) and is only used when asked for by
+    /// name.
     pub fn is_exact(&self) -> bool {
         self.exact
     }

@@ -1,7 +1,7 @@
 //! mference-kernels: the CPU speed core (`docs/DESIGN.md` §6).
 //!
 //! - [`QMatrix`]: a zero-copy view of an MLX affine-quantized Linear (`reference/architectures.md` §7):
-//!   packed u32 words (little-endian), bf16 scales and biases, group size 32/64/128, bits 4 or 8.
+//!   packed u32 words (little-endian), bf16 scales and biases, group size 32/64/128, bits 2, 4 or 8.
 //!   The byte slices may be only 2-byte aligned (they point into a mapped file); nothing here assumes more.
 //! - [`Kernels`]: a table of function pointers (scalar reference, AVX2+FMA, AVX-512, and an opt-in
 //!   AVX-512 VNNI variant) chosen once at startup with [`Kernels::detect`]. Every SIMD kernel has a scalar
@@ -18,8 +18,9 @@
 //! Numerics. The exact tables (`scalar`, `avx2`, `avx512`) differ only in f32 summation order: measured against
 //! an f64 dequantize-then-matmul, errors stay below 4e-6 of `Σ (|scale|·q + |bias|)·|x|` (observed ≈ 2.5e-7).
 //! Within one table, a row's result does not depend on how rows are split (bit-identical across `gemv_rows`
-//! ranges and thread counts). `avx512vnni` rounds GEMV activations to int8 per group; with outlier-heavy
-//! activations its error reaches ~1.5e-2 of the same magnitude, so [`Kernels::detect`] never picks it.
+//! ranges and thread counts). `avx512vnni` rounds the prefill (GEMM) activations of 4-bit matrices to int8 per
+//! group (its 2- and 8-bit products are the exact AVX-512 ones); with outlier-heavy activations its error
+//! reaches ~1.5e-2 of the same magnitude, so [`Kernels::detect`] never picks it.
 //!
 //! Typical decode use:
 //! ```
@@ -59,8 +60,8 @@ pub use qmatrix::{bf16_to_f32, QMatrix};
 /// Errors from validating kernel inputs (shapes and formats of quantized tensors).
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum KernelError {
-    /// Only 4- and 8-bit MLX affine quantization is implemented.
-    #[error("unsupported quantization bits {0} (supported: 4, 8)")]
+    /// Only 2-, 4- and 8-bit MLX affine quantization is implemented (not 3, 5 or 6).
+    #[error("unsupported quantization bits {0} (supported: 2, 4, 8)")]
     UnsupportedBits(u32),
     /// Only group sizes 32, 64 and 128 are implemented (MLX's set).
     #[error("unsupported group size {0} (supported: 32, 64, 128)")]

@@ -12,6 +12,10 @@ pub(crate) enum XLayout {
     /// columns (2i, 2i+1) in its (low, high) nibble, so SIMD kernels can mask/shift nibbles and multiply by
     /// contiguous x without shuffles.
     EvenOdd32,
+    /// Within each run of 32 columns: the 8 columns `≡ 0 (mod 4)`, then those `≡ 1`, `≡ 2` and `≡ 3`. A
+    /// 2-bit byte holds columns 4i..4i+3 at bits 0, 2, 4, 6, so SIMD kernels widen 8 packed bytes to lanes,
+    /// shift by 2k and meet 8 contiguous x (`k`-th block) without shuffles. 32 divides every group size.
+    Mod4x32,
     /// int8 activations for the VNNI GEMM, 16 tokens per 512-bit lane group: per block of 16 tokens
     /// and per 4 columns, 64 bytes `[token][4 columns]` (tokens past `n` are zero), so one
     /// `vpdpbusd` multiplies 4 columns of one weight row (broadcast) with 16 tokens at once. Each
@@ -159,6 +163,17 @@ impl PreparedX {
             match layout {
                 XLayout::Natural => dst.copy_from_slice(src),
                 XLayout::Q8Lanes16 => unreachable!("filled by fill_q8_lanes"),
+                XLayout::Mod4x32 => {
+                    for (d, s) in dst.chunks_exact_mut(32).zip(src.chunks_exact(32)) {
+                        let d: &mut [f32; 32] = d.try_into().expect("chunk of 32");
+                        let s: &[f32; 32] = s.try_into().expect("chunk of 32");
+                        for k in 0..4 {
+                            for i in 0..8 {
+                                d[8 * k + i] = s[4 * i + k];
+                            }
+                        }
+                    }
+                }
                 XLayout::EvenOdd32 => {
                     for (d, s) in dst.chunks_exact_mut(32).zip(src.chunks_exact(32)) {
                         let d: &mut [f32; 32] = d.try_into().expect("chunk of 32");

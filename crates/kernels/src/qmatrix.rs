@@ -18,7 +18,8 @@ pub(crate) fn bf16_at(bytes: &[u8], i: usize) -> f32 {
 ///
 /// - `weight`: `rows · cols · bits / 8` bytes; u32 little-endian words, row-major, each row `cols·bits/32` words.
 ///   Element `j` of a row occupies bits `[j·bits, (j+1)·bits)` of the row's little-endian bitstream (4-bit:
-///   word k holds elements 8k..8k+7, first element in the lowest nibble).
+///   word k holds elements 8k..8k+7, first element in the lowest nibble; 2-bit: word k holds elements
+///   16k..16k+15, element j at bits `2(j mod 16)`, so byte j/4 holds element j at bits `2(j mod 4)`).
 /// - `scales`, `biases`: bf16 (little-endian), `[rows, cols / group_size]`, `2 · rows · cols / group_size` bytes
 ///   each. Scales may be negative.
 /// - Dequantization: `w = scale · q + bias`.
@@ -36,7 +37,7 @@ pub struct QMatrix<'a> {
     pub rows: usize,
     /// Input features (`in`); a multiple of `group_size`.
     pub cols: usize,
-    /// Bits per code: 4 or 8.
+    /// Bits per code: 2, 4 or 8.
     pub bits: u32,
     /// Elements per (scale, bias) group along a row: 32, 64 or 128.
     pub group_size: usize,
@@ -45,7 +46,7 @@ pub struct QMatrix<'a> {
 impl<'a> QMatrix<'a> {
     /// Builds a view and validates it.
     ///
-    /// Errors: [`KernelError::UnsupportedBits`] (bits not 4/8), [`KernelError::UnsupportedGroupSize`]
+    /// Errors: [`KernelError::UnsupportedBits`] (bits not 2/4/8), [`KernelError::UnsupportedGroupSize`]
     /// (not 32/64/128), [`KernelError::ColsNotMultipleOfGroup`], [`KernelError::Empty`], and
     /// [`KernelError::BadLength`] when a slice length differs from the one implied by the shape.
     pub fn new(
@@ -57,7 +58,7 @@ impl<'a> QMatrix<'a> {
         bits: u32,
         group_size: usize,
     ) -> Result<Self, KernelError> {
-        if bits != 4 && bits != 8 {
+        if !matches!(bits, 2 | 4 | 8) {
             return Err(KernelError::UnsupportedBits(bits));
         }
         if !matches!(group_size, 32 | 64 | 128) {
@@ -144,6 +145,7 @@ impl<'a> QMatrix<'a> {
     pub fn code(&self, row: usize, col: usize) -> u32 {
         let w = self.row_weight(row);
         match self.bits {
+            2 => (w[col / 4] >> (2 * (col % 4))) as u32 & 0x03,
             4 => {
                 let b = w[col / 2];
                 if col.is_multiple_of(2) {
@@ -210,6 +212,29 @@ mod tests {
     }
 
     #[test]
+    fn two_bit_order_matches_mlx_quantize() {
+        // mlx 0.32.4 `mx.quantize(w, group_size=32, bits=2)` of the row
+        // [3,2,1,0, 0,1,2,3, 1,1,1,1, 2,2,2,2, 0 ×15, 3] gives the words 0x55aa1be4, 0x3fffffff with
+        // scale -1 and bias 3 (codes 3 - w), and `mx.dequantize` returns the row exactly.
+        let mut w = [0u8; 8];
+        w[..4].copy_from_slice(&0x55aa1be4u32.to_le_bytes());
+        w[4..].copy_from_slice(&0x3fffffffu32.to_le_bytes());
+        let s = 0xbf80u16.to_le_bytes(); // bf16 -1.0
+        let b = 0x4040u16.to_le_bytes(); // bf16 3.0
+        let m = QMatrix::new(&w, &s, &b, 1, 32, 2, 32).unwrap();
+        let codes: Vec<u32> = (0..8).map(|c| m.code(0, c)).collect();
+        assert_eq!(codes, [0, 1, 2, 3, 3, 2, 1, 0]);
+        let mut row = vec![0.0; 32];
+        m.dequantize_row(0, &mut row);
+        let mut want = vec![
+            3., 2., 1., 0., 0., 1., 2., 3., 1., 1., 1., 1., 2., 2., 2., 2.,
+        ];
+        want.extend([0.0; 15]);
+        want.push(3.0);
+        assert_eq!(row, want);
+    }
+
+    #[test]
     fn dequantize_row_applies_negative_scale_and_bias() {
         let w = [0x21u8; 16]; // codes 1, 2, 1, 2, …
         let s = (((-0.5f32).to_bits() >> 16) as u16).to_le_bytes(); // bf16 -0.5
@@ -224,10 +249,19 @@ mod tests {
     fn new_rejects_bad_shapes_with_specific_errors() {
         let w = vec![0u8; 64];
         let sb = vec![0u8; 4];
-        assert_eq!(
-            QMatrix::new(&w, &sb, &sb, 2, 64, 3, 64).unwrap_err(),
-            KernelError::UnsupportedBits(3)
-        );
+        for bits in [1, 3, 5, 6, 16] {
+            assert_eq!(
+                QMatrix::new(&w, &sb, &sb, 2, 64, bits, 64).unwrap_err(),
+                KernelError::UnsupportedBits(bits)
+            );
+        }
+        // 2-bit: a quarter of the 8-bit bytes.
+        let two_bit = QMatrix::new(&w, &sb, &sb, 2, 64, 2, 64).unwrap_err();
+        assert!(matches!(
+            two_bit,
+            KernelError::BadLength { expected: 32, .. }
+        ));
+        assert!(QMatrix::new(&w[..32], &sb, &sb, 2, 64, 2, 64).is_ok());
         assert_eq!(
             QMatrix::new(&w, &sb, &sb, 2, 64, 4, 16).unwrap_err(),
             KernelError::UnsupportedGroupSize(16)

@@ -18,6 +18,15 @@ pub(crate) fn row_dot(m: &QMatrix, r: usize, x: &[f32], sums: &[f32]) -> f32 {
         let xg = &x[g * gs..(g + 1) * gs];
         let mut qx = 0.0f32;
         match m.bits {
+            2 => {
+                for (i, &byte) in w[g * gs / 4..(g + 1) * gs / 4].iter().enumerate() {
+                    let q = |k: u32| ((byte >> (2 * k)) & 0x03) as f32;
+                    qx += q(0) * xg[4 * i]
+                        + q(1) * xg[4 * i + 1]
+                        + q(2) * xg[4 * i + 2]
+                        + q(3) * xg[4 * i + 3];
+                }
+            }
             4 => {
                 for (i, &byte) in w[g * gs / 2..(g + 1) * gs / 2].iter().enumerate() {
                     qx += (byte & 0x0f) as f32 * xg[2 * i] + (byte >> 4) as f32 * xg[2 * i + 1];

@@ -1,7 +1,8 @@
 //! Quantized GEMV/GEMM: the scalar reference against an independent f64 dequantize-then-matmul, and every
 //! SIMD table (and the thread pool) against the scalar reference, on random shapes (rows not a multiple of
-//! anything, cols a multiple of the group size), bits 4 and 8, groups 32/64/128, negative scales, and tensors
-//! that start at odd 2-byte-aligned (and unaligned) byte offsets.
+//! anything, cols a multiple of the group size), bits 2, 4 and 8, groups 32/64/128, negative scales, and
+//! tensors that start at odd 2-byte-aligned (and unaligned) byte offsets. The budgets below hold for every bit
+//! width: the measure is relative to the sum of absolute terms, whatever the code range.
 
 mod common;
 
@@ -159,6 +160,12 @@ fn scalar_and_simd_match_f64_reference_on_fixed_shapes() {
         (97, 2816, 4, 64), // Gemma-26B gate/up input width
         (37, 704, 4, 64),  // Gemma-26B down input width
         (13, 2816, 8, 64), // 8-bit router
+        (3, 32, 2, 32),
+        (9, 192, 2, 64),
+        (35, 384, 2, 128),
+        (19, 4096, 2, 32),  // DeepSeek-V4-Flash routed gate_proj (g32) input width
+        (11, 2048, 2, 64),  // DeepSeek-V4-Flash routed down_proj input width
+        (29, 2048, 2, 128), // Maple ternary projections
     ] {
         for &offset in &[0usize, 2, 6, 1] {
             for &n in &[1usize, 3, 8] {
@@ -187,7 +194,7 @@ proptest! {
         seed in any::<u64>(),
         rows in 1usize..90,
         groups in 1usize..9,
-        bits in prop_oneof![Just(4u32), Just(8u32)],
+        bits in prop_oneof![Just(2u32), Just(4u32), Just(8u32)],
         gs in prop_oneof![Just(32usize), Just(64usize), Just(128usize)],
         offset in prop_oneof![Just(0usize), Just(2usize), Just(6usize), Just(10usize), Just(1usize)],
         n in 1usize..12,
@@ -212,12 +219,30 @@ fn gemm_of_a_long_batch_matches_scalar() {
         },
         &pools(),
     );
+    check(
+        &Case {
+            seed: 100,
+            rows: 13,
+            cols: 4096,
+            bits: 2,
+            gs: 32,
+            offset: 6,
+            n: 101,
+        },
+        &pools(),
+    );
 }
 
 #[test]
 fn argmax_matches_full_logits_with_and_without_softcap() {
-    let mut rng = Rng::new(7);
-    let q = OwnedQ::random(&mut rng, 1000, 256, 4, 64, 2);
+    for (seed, bits, gs) in [(7, 4, 64), (8, 2, 128), (9, 2, 32)] {
+        argmax_matches_full_logits(seed, bits, gs);
+    }
+}
+
+fn argmax_matches_full_logits(seed: u64, bits: u32, gs: usize) {
+    let mut rng = Rng::new(seed);
+    let q = OwnedQ::random(&mut rng, 1000, 256, bits, gs, 2);
     let m = q.view();
     let x = activations(&mut rng, 256);
     for k in Kernels::available() {
@@ -233,7 +258,7 @@ fn argmax_matches_full_logits_with_and_without_softcap() {
             assert_eq!(
                 pool.gemv_argmax(k, &m, &x, None),
                 (want_i, want_v),
-                "{} threads {threads}",
+                "{} threads {threads} bits {bits}",
                 k.name()
             );
             let (i, v) = pool.gemv_argmax(k, &m, &x, Some(30.0));
@@ -285,8 +310,10 @@ fn gemm_batch_equals_one_by_one() {
         OwnedQ::random(&mut rng, 70, 256, 4, 64, 2),
         OwnedQ::random(&mut rng, 33, 128, 8, 32, 6),
         OwnedQ::random(&mut rng, 257, 64, 4, 32, 0),
+        OwnedQ::random(&mut rng, 45, 256, 2, 32, 2),
+        OwnedQ::random(&mut rng, 45, 256, 2, 128, 6),
     ];
-    let ns = [1usize, 1, 5, 3];
+    let ns = [1usize, 1, 5, 3, 1, 4];
     for k in Kernels::available() {
         let preps: Vec<_> = mats
             .iter()
@@ -330,6 +357,9 @@ fn dequantize_row_matches_the_u32_bitstream_definition() {
         (8, 32, 1),
         (8, 64, 2),
         (8, 128, 0),
+        (2, 32, 2),
+        (2, 64, 6),
+        (2, 128, 1),
     ] {
         let q = OwnedQ::random(&mut rng, 9, 384, bits, gs, offset);
         let m = q.view();

@@ -1,6 +1,7 @@
 //! AVX2 (+FMA, F16C) kernels: the same algorithm as `avx512.rs` with 8-lane vectors, for CPUs without
 //! AVX-512. 4-bit uses `XLayout::EvenOdd32`: of 16 packed bytes, bytes 0..8 give columns (even 0..16 → x[0..8],
-//! odd → x[16..24]) and bytes 8..16 give (x[8..16], x[24..32]).
+//! odd → x[16..24]) and bytes 8..16 give (x[8..16], x[24..32]). 2-bit uses `XLayout::Mod4x32`: 8 packed bytes
+//! widened to 8 lanes give, shifted by 0, 2, 4, 6, the columns of x[0..8], x[8..16], x[16..24], x[24..32].
 
 use std::arch::x86_64::*;
 
@@ -20,6 +21,7 @@ pub(super) fn supported() -> bool {
 pub(super) static TABLE: Kernels = Kernels {
     name: "avx2",
     layout4: XLayout::EvenOdd32,
+    layout2: XLayout::Mod4x32,
     q8: false,
     exact: true,
     gemv,
@@ -96,6 +98,36 @@ unsafe fn load_u8x8(p: *const u8) -> __m256i {
     _mm256_cvtepu8_epi32(unsafe { _mm_loadl_epi64(p as *const __m128i) })
 }
 
+/// The codes of columns `col..col + 32` of the packed row at `w` (4- or 2-bit), widened to i32 lanes in the
+/// prepared column order: vector k meets `x[8k..8k + 8]` of the run.
+/// - 4-bit (`XLayout::EvenOdd32`): low nibbles of bytes 0..8 and 8..16, then their high nibbles.
+/// - 2-bit (`XLayout::Mod4x32`): the 8 bytes shifted by 2k, masked.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn codes32<const BITS: u32>(w: *const u8, col: usize) -> [__m256i; 4] {
+    if BITS == 4 {
+        let nib = _mm256_set1_epi32(0x0f);
+        // SAFETY: the caller guarantees the row holds columns col..col+32 (16 bytes at col/2).
+        let (v0, v1) = unsafe { (load_u8x8(w.add(col / 2)), load_u8x8(w.add(col / 2 + 8))) };
+        [
+            _mm256_and_si256(v0, nib),
+            _mm256_and_si256(v1, nib),
+            _mm256_srli_epi32::<4>(v0),
+            _mm256_srli_epi32::<4>(v1),
+        ]
+    } else {
+        let m = _mm256_set1_epi32(0x03);
+        // SAFETY: as above, 8 bytes at col/4.
+        let v = unsafe { load_u8x8(w.add(col / 4)) };
+        [
+            _mm256_and_si256(v, m),
+            _mm256_and_si256(_mm256_srli_epi32::<2>(v), m),
+            _mm256_and_si256(_mm256_srli_epi32::<4>(v), m),
+            _mm256_srli_epi32::<6>(v),
+        ]
+    }
+}
+
 /// `Σ_g bias[g] · sums[g]` over `gpr` groups (`bias` is bf16 at `b`).
 #[target_feature(enable = "avx2,fma")]
 #[inline]
@@ -123,7 +155,7 @@ unsafe fn bias_dot(b: *const u8, sums: &[f32], gpr: usize) -> f32 {
 /// How far ahead (in rows) the GEMV prefetches packed weights.
 const PF_ROWS: usize = 8;
 
-/// Rows `r..r+R` of `W x` for 4- or 8-bit codes.
+/// Rows `r..r+R` of `W x` for 2-, 4- or 8-bit codes.
 #[target_feature(enable = "avx2,fma")]
 #[inline]
 unsafe fn rows_dot<const R: usize, const BITS: u32>(
@@ -143,7 +175,6 @@ unsafe fn rows_dot<const R: usize, const BITS: u32>(
     let sc = unsafe { m.scales.as_ptr().add(r * gpr * 2) };
     let bi = unsafe { m.biases.as_ptr().add(r * gpr * 2) };
     let xp = x.as_ptr();
-    let nib = _mm256_set1_epi32(0x0f);
     let mut acc = [_mm256_setzero_ps(); R];
     // Software prefetch of the same bytes PF_ROWS rows ahead (see avx512.rs).
     let pf = PF_ROWS * rb;
@@ -154,36 +185,18 @@ unsafe fn rows_dot<const R: usize, const BITS: u32>(
                 w.wrapping_add(pf + i * rb + g * gs * BITS as usize / 8) as *const i8
             );
         }
-        if BITS == 4 {
+        if BITS != 8 {
             for c in 0..gs / 32 {
                 let col = g * gs + c * 32;
-                // SAFETY: col + 32 <= cols; 16 bytes at byte col/2 of each row are inside the row.
+                // SAFETY: col + 32 <= cols; columns col..col+32 of each row are inside the row.
                 unsafe {
                     let xs: [__m256; 4] =
                         std::array::from_fn(|k| _mm256_loadu_ps(xp.add(col + 8 * k)));
                     for i in 0..R {
-                        let v0 = load_u8x8(w.add(i * rb + col / 2));
-                        let v1 = load_u8x8(w.add(i * rb + col / 2 + 8));
-                        accg[i] = _mm256_fmadd_ps(
-                            _mm256_cvtepi32_ps(_mm256_and_si256(v0, nib)),
-                            xs[0],
-                            accg[i],
-                        );
-                        accg[i] = _mm256_fmadd_ps(
-                            _mm256_cvtepi32_ps(_mm256_and_si256(v1, nib)),
-                            xs[1],
-                            accg[i],
-                        );
-                        accg[i] = _mm256_fmadd_ps(
-                            _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(v0)),
-                            xs[2],
-                            accg[i],
-                        );
-                        accg[i] = _mm256_fmadd_ps(
-                            _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(v1)),
-                            xs[3],
-                            accg[i],
-                        );
+                        let q = codes32::<BITS>(w.add(i * rb), col);
+                        for k in 0..4 {
+                            accg[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q[k]), xs[k], accg[i]);
+                        }
                     }
                 }
             }
@@ -212,44 +225,20 @@ unsafe fn rows_dot<const R: usize, const BITS: u32>(
     }
 }
 
-#[target_feature(enable = "avx2,fma")]
-unsafe fn gemv_impl(m: &QMatrix, p: &PreparedX, y: &mut [f32], r0: usize, r1: usize) {
-    let (x, sums) = (p.row(0), p.sums_row(0));
-    let mut r = r0;
-    // SAFETY (calls below): r..r+R <= r1 <= rows; y has r1 - r0 entries.
-    if m.bits == 4 {
-        while r + 4 <= r1 {
-            unsafe { rows_dot::<4, 4>(m, x, sums, r, &mut y[r - r0..]) };
-            r += 4;
-        }
-        while r < r1 {
-            unsafe { rows_dot::<1, 4>(m, x, sums, r, &mut y[r - r0..]) };
-            r += 1;
-        }
-    } else {
-        while r + 4 <= r1 {
-            unsafe { rows_dot::<4, 8>(m, x, sums, r, &mut y[r - r0..]) };
-            r += 4;
-        }
-        while r < r1 {
-            unsafe { rows_dot::<1, 8>(m, x, sums, r, &mut y[r - r0..]) };
-            r += 1;
-        }
-    }
-}
+define_gemv!("avx2,fma");
 
-/// Dequantizes row `r` into `out` (`cols` floats) in the prepared-activation column order.
+/// Dequantizes row `r` of a `BITS`-bit matrix into `out` (`cols` floats) in the prepared-activation column
+/// order.
 #[target_feature(enable = "avx2,fma")]
 #[inline]
-unsafe fn dequant_row(m: &QMatrix, r: usize, out: &mut [f32]) {
+unsafe fn dequant_row<const BITS: u32>(m: &QMatrix, r: usize, out: &mut [f32]) {
     let gs = m.group_size;
     let gpr = m.groups_per_row();
     let rb = m.row_bytes();
-    debug_assert!(out.len() >= m.cols && r < m.rows);
+    debug_assert!(m.bits == BITS && out.len() >= m.cols && r < m.rows);
     // SAFETY (pointer arithmetic below): row r exists; columns stay below cols, groups below gpr.
     let w = unsafe { m.weight.as_ptr().add(r * rb) };
     let o = out.as_mut_ptr();
-    let nib = _mm256_set1_epi32(0x0f);
     for g in 0..gpr {
         // SAFETY: group g of row r.
         let (s, b) = unsafe {
@@ -260,18 +249,16 @@ unsafe fn dequant_row(m: &QMatrix, r: usize, out: &mut [f32]) {
             )
         };
         let (s, b) = (_mm256_set1_ps(s), _mm256_set1_ps(b));
-        if m.bits == 4 {
+        if BITS != 8 {
             for c in 0..gs / 32 {
                 let col = g * gs + c * 32;
-                // SAFETY: 16 bytes of the row at col/2; 32 floats of `out` at col.
+                // SAFETY: columns col..col+32 of the row; 32 floats of `out` at col.
                 unsafe {
-                    let v0 = load_u8x8(w.add(col / 2));
-                    let v1 = load_u8x8(w.add(col / 2 + 8));
-                    let f = |v| _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), s, b);
-                    _mm256_storeu_ps(o.add(col), f(_mm256_and_si256(v0, nib)));
-                    _mm256_storeu_ps(o.add(col + 8), f(_mm256_and_si256(v1, nib)));
-                    _mm256_storeu_ps(o.add(col + 16), f(_mm256_srli_epi32::<4>(v0)));
-                    _mm256_storeu_ps(o.add(col + 24), f(_mm256_srli_epi32::<4>(v1)));
+                    let q = codes32::<BITS>(w, col);
+                    for k in 0..4 {
+                        let f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q[k]), s, b);
+                        _mm256_storeu_ps(o.add(col + 8 * k), f);
+                    }
                 }
             }
         } else {
@@ -341,8 +328,15 @@ unsafe fn gemm_impl(m: &QMatrix, p: &PreparedX, y: &mut [f32], r0: usize, r1: us
         while r < r1 {
             let rb = (r1 - r).min(GEMM_RB);
             for i in 0..rb {
-                // SAFETY: row r+i < r1 <= rows; wt has GEMM_RB · cols floats.
-                unsafe { dequant_row(m, r + i, &mut wt[i * cols..(i + 1) * cols]) };
+                let out = &mut wt[i * cols..(i + 1) * cols];
+                // SAFETY: row r+i < r1 <= rows; `out` is that row's cols floats of the tile.
+                unsafe {
+                    match m.bits {
+                        4 => dequant_row::<4>(m, r + i, out),
+                        2 => dequant_row::<2>(m, r + i, out),
+                        _ => dequant_row::<8>(m, r + i, out),
+                    }
+                }
             }
             let mut n0 = 0;
             while n0 < n {

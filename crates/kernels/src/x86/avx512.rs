@@ -1,6 +1,7 @@
 //! AVX-512 (F/BW/VL + FMA + F16C) kernels. Pure f32 FMA arithmetic: codes are widened to i32, converted to
 //! f32 and multiplied with activations prepared in the kernel's column order (`XLayout::EvenOdd32` for
-//! 4-bit, so the low and high nibbles of 16 bytes meet 16 contiguous even and 16 contiguous odd columns).
+//! 4-bit, so the low and high nibbles of 16 bytes meet 16 contiguous even and 16 contiguous odd columns;
+//! `XLayout::Mod4x32` for 2-bit, so the four 2-bit fields of 8 bytes meet four runs of 8 contiguous columns).
 //!
 //! Per output row the operation sequence does not depend on which other rows share a register block, so
 //! results are bit-identical however rows are split across calls or threads.
@@ -25,6 +26,7 @@ pub(super) fn supported() -> bool {
 pub(super) static TABLE: Kernels = Kernels {
     name: "avx512",
     layout4: XLayout::EvenOdd32,
+    layout2: XLayout::Mod4x32,
     q8: false,
     exact: true,
     gemv,
@@ -287,13 +289,54 @@ unsafe fn rows_dot_u8<const R: usize>(
     }
 }
 
-/// Rows `r..r+R` of `W x` for 4-bit codes, by table lookup: per (row, group) a 16-entry table `scale · q`
+/// The code values of a 16-entry `vpermps` table (which reads the low 4 bits of each index lane) for `BITS`
+/// 4 or 2: `0..16`, or `[0, 1, 2, 3]` four times, so that a 2-bit index only depends on its low 2 bits and
+/// the next code's bits above it need no mask.
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn lut_codes<const BITS: u32>() -> __m512 {
+    if BITS == 4 {
+        _mm512_setr_ps(
+            0., 1., 2., 3., 4., 5., 6., 7., 8., 9., 10., 11., 12., 13., 14., 15.,
+        )
+    } else {
+        _mm512_setr_ps(
+            0., 1., 2., 3., 0., 1., 2., 3., 0., 1., 2., 3., 0., 1., 2., 3.,
+        )
+    }
+}
+
+/// `vpermps` indices (see [`lut_codes`]) of columns `col..col + 32` of the packed row at `w`, in the prepared
+/// column order: `(x[0..16], x[16..32])` of the run.
+/// - 4-bit (`XLayout::EvenOdd32`): 16 bytes widened to 16 lanes, then shifted by 0 and 4.
+/// - 2-bit (`XLayout::Mod4x32`): 8 bytes widened twice to 16 lanes, then shifted by (0, 2) and (4, 6) per
+///   half, so lane l < 8 holds column 4l + k of shift 2k.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+#[inline]
+unsafe fn lut_indices<const BITS: u32>(w: *const u8, col: usize) -> (__m512i, __m512i) {
+    if BITS == 4 {
+        // SAFETY: the caller guarantees the row holds columns col..col+32 (16 bytes at col/2).
+        let v = _mm512_cvtepu8_epi32(unsafe { _mm_loadu_si128(w.add(col / 2) as *const __m128i) });
+        (v, _mm512_srli_epi32::<4>(v))
+    } else {
+        // SAFETY: as above, 8 bytes at col/4; the load is unaligned.
+        let b8 = unsafe { (w.add(col / 4) as *const i64).read_unaligned() };
+        let v = _mm512_cvtepu8_epi32(_mm_set1_epi64x(b8));
+        let (s01, s23) = (
+            _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2),
+            _mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6),
+        );
+        (_mm512_srlv_epi32(v, s01), _mm512_srlv_epi32(v, s23))
+    }
+}
+
+/// Rows `r..r+R` of `W x` for 4- or 2-bit codes, by table lookup: per (row, group) a 16-entry table `scale · q`
 /// (exact in f32: an 8-bit bf16 mantissa times a 4-bit integer) and `vpermps`, which reads only the low 4
 /// bits of each index lane, turns widened packed bytes into `scale · q` directly (no mask, no int→float
 /// conversion, no per-group rescale of a partial sum).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
 #[inline]
-unsafe fn rows_dot_q4<const R: usize>(
+unsafe fn rows_dot_lut<const R: usize, const BITS: u32>(
     m: &QMatrix,
     x: &[f32],
     sums: &[f32],
@@ -310,18 +353,18 @@ unsafe fn rows_dot_q4<const R: usize>(
     let sc = unsafe { m.scales.as_ptr().add(r * gpr * 2) };
     let bi = unsafe { m.biases.as_ptr().add(r * gpr * 2) };
     let xp = x.as_ptr();
-    let iota = _mm512_setr_ps(
-        0., 1., 2., 3., 4., 5., 6., 7., 8., 9., 10., 11., 12., 13., 14., 15.,
-    );
+    let codes = lut_codes::<BITS>();
     let mut acc_lo = [_mm512_setzero_ps(); R];
     let mut acc_hi = [_mm512_setzero_ps(); R];
     let pf = PF_ROWS * rb;
     for g in 0..gpr {
         let mut tbl = [_mm512_setzero_ps(); R];
         for i in 0..R {
-            _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(pf + i * rb + g * gs / 2) as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(
+                w.wrapping_add(pf + i * rb + g * gs * BITS as usize / 8) as *const i8
+            );
             // SAFETY: group g of row r+i.
-            tbl[i] = _mm512_mul_ps(iota, unsafe { broadcast_bf16(sc.add((i * gpr + g) * 2)) });
+            tbl[i] = _mm512_mul_ps(codes, unsafe { broadcast_bf16(sc.add((i * gpr + g) * 2)) });
         }
         for c in 0..gs / 32 {
             let col = g * gs + c * 32;
@@ -333,12 +376,10 @@ unsafe fn rows_dot_q4<const R: usize>(
                 )
             };
             for i in 0..R {
-                // SAFETY: 16 bytes at byte col/2 of row r+i are inside the row.
-                let v = unsafe {
-                    _mm512_cvtepu8_epi32(_mm_loadu_si128(w.add(i * rb + col / 2) as *const __m128i))
-                };
-                let lo = _mm512_permutexvar_ps(v, tbl[i]);
-                let hi = _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(v), tbl[i]);
+                // SAFETY: columns col..col+32 of row r+i are inside the row.
+                let (vl, vh) = unsafe { lut_indices::<BITS>(w.add(i * rb), col) };
+                let lo = _mm512_permutexvar_ps(vl, tbl[i]);
+                let hi = _mm512_permutexvar_ps(vh, tbl[i]);
                 acc_lo[i] = _mm512_fmadd_ps(lo, x0, acc_lo[i]);
                 acc_hi[i] = _mm512_fmadd_ps(hi, x1, acc_hi[i]);
             }
@@ -351,42 +392,45 @@ unsafe fn rows_dot_q4<const R: usize>(
     }
 }
 
+/// Rows `r..r+R` of `W x` for `BITS`-bit codes.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
-unsafe fn gemv_impl(m: &QMatrix, p: &PreparedX, y: &mut [f32], r0: usize, r1: usize) {
-    let (x, sums) = (p.row(0), p.sums_row(0));
-    let mut r = r0;
-    // SAFETY (calls below): r..r+R <= r1 <= rows; y has r1 - r0 entries.
-    if m.bits == 4 {
-        while r + 4 <= r1 {
-            unsafe { rows_dot_q4::<4>(m, x, sums, r, &mut y[r - r0..]) };
-            r += 4;
-        }
-        while r < r1 {
-            unsafe { rows_dot_q4::<1>(m, x, sums, r, &mut y[r - r0..]) };
-            r += 1;
-        }
-    } else {
-        while r + 4 <= r1 {
-            unsafe { rows_dot_u8::<4>(m, x, sums, r, &mut y[r - r0..]) };
-            r += 4;
-        }
-        while r < r1 {
-            unsafe { rows_dot_u8::<1>(m, x, sums, r, &mut y[r - r0..]) };
-            r += 1;
+#[inline]
+unsafe fn rows_dot<const R: usize, const BITS: u32>(
+    m: &QMatrix,
+    x: &[f32],
+    sums: &[f32],
+    r: usize,
+    out: &mut [f32],
+) {
+    // SAFETY: the caller's contract, passed on.
+    unsafe {
+        if BITS == 8 {
+            rows_dot_u8::<R>(m, x, sums, r, out)
+        } else {
+            rows_dot_lut::<R, BITS>(m, x, sums, r, out)
         }
     }
 }
 
-/// Dequantizes columns `[c0, c1)` of row `r` into `out[..c1 - c0]`, in the prepared-activation column order
-/// (`c0`, `c1` multiples of the group size).
+define_gemv!("avx512f,avx512bw,avx512vl,fma");
+
+/// Dequantizes columns `[c0, c1)` of row `r` of a `BITS`-bit matrix into `out[..c1 - c0]`, in the
+/// prepared-activation column order (`c0`, `c1` multiples of the group size).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
 #[inline]
-unsafe fn dequant_cols(m: &QMatrix, r: usize, c0: usize, c1: usize, out: &mut [f32]) {
+unsafe fn dequant_cols<const BITS: u32>(
+    m: &QMatrix,
+    r: usize,
+    c0: usize,
+    c1: usize,
+    out: &mut [f32],
+) {
     let gs = m.group_size;
     let gpr = m.groups_per_row();
     let rb = m.row_bytes();
     debug_assert!(
-        out.len() >= c1 - c0
+        m.bits == BITS
+            && out.len() >= c1 - c0
             && r < m.rows
             && c0.is_multiple_of(gs)
             && c1.is_multiple_of(gs)
@@ -395,9 +439,6 @@ unsafe fn dequant_cols(m: &QMatrix, r: usize, c0: usize, c1: usize, out: &mut [f
     // SAFETY (pointer arithmetic below): row r exists; columns stay below c1 <= cols, groups below gpr.
     let w = unsafe { m.weight.as_ptr().add(r * rb) };
     let o = out.as_mut_ptr();
-    let iota = _mm512_setr_ps(
-        0., 1., 2., 3., 4., 5., 6., 7., 8., 9., 10., 11., 12., 13., 14., 15.,
-    );
     for g in c0 / gs..c1 / gs {
         // SAFETY: group g of row r.
         let (s, b) = unsafe {
@@ -408,20 +449,17 @@ unsafe fn dequant_cols(m: &QMatrix, r: usize, c0: usize, c1: usize, out: &mut [f
             )
         };
         let (s, b) = (_mm512_set1_ps(s), _mm512_set1_ps(b));
-        if m.bits == 4 {
+        if BITS != 8 {
             // 16-entry table of fma(q, scale, bias) (the same rounding as converting and fusing per element);
             // vpermps reads only the low 4 bits of each index lane.
-            let tbl = _mm512_fmadd_ps(iota, s, b);
+            let tbl = _mm512_fmadd_ps(lut_codes::<BITS>(), s, b);
             for c in 0..gs / 32 {
                 let col = g * gs + c * 32;
-                // SAFETY: 16 bytes of the row at col/2; 32 floats of `out` at col - c0.
+                // SAFETY: columns col..col+32 of the row; 32 floats of `out` at col - c0.
                 unsafe {
-                    let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(w.add(col / 2) as *const __m128i));
-                    _mm512_storeu_ps(o.add(col - c0), _mm512_permutexvar_ps(v, tbl));
-                    _mm512_storeu_ps(
-                        o.add(col - c0 + 16),
-                        _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(v), tbl),
-                    );
+                    let (vl, vh) = lut_indices::<BITS>(w, col);
+                    _mm512_storeu_ps(o.add(col - c0), _mm512_permutexvar_ps(vl, tbl));
+                    _mm512_storeu_ps(o.add(col - c0 + 16), _mm512_permutexvar_ps(vh, tbl));
                 }
             }
         } else {
@@ -496,8 +534,15 @@ unsafe fn gemm_impl(m: &QMatrix, p: &PreparedX, y: &mut [f32], r0: usize, r1: us
             let rb = (r1 - r).min(GEMM_RB);
             // Each weight row is dequantized once per call (rb · cols floats, in L2).
             for i in 0..rb {
-                // SAFETY: row r+i < r1 <= rows; wt has GEMM_RB · cols floats.
-                unsafe { dequant_cols(m, r + i, 0, cols, &mut wt[i * cols..(i + 1) * cols]) };
+                let out = &mut wt[i * cols..(i + 1) * cols];
+                // SAFETY: row r+i < r1 <= rows; `out` is that row's cols floats of the tile.
+                unsafe {
+                    match m.bits {
+                        4 => dequant_cols::<4>(m, r + i, 0, cols, out),
+                        2 => dequant_cols::<2>(m, r + i, 0, cols, out),
+                        _ => dequant_cols::<8>(m, r + i, 0, cols, out),
+                    }
+                }
             }
             let mut n0 = 0;
             while n0 < n {

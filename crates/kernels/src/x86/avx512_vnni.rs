@@ -10,6 +10,9 @@
 //!
 //! Per (row, token) the operation sequence does not depend on the register block, so results are
 //! bit-identical however rows are split across calls or threads.
+//!
+//! 2- and 8-bit matrices never take the int8 path ([`Kernels::layout_for`] gives them no `Q8Lanes16`
+//! layout): their GEMV and GEMM are the exact AVX-512 ones.
 
 use std::arch::x86_64::*;
 
@@ -26,6 +29,7 @@ pub(super) fn supported() -> bool {
 pub(super) static TABLE: Kernels = Kernels {
     name: "avx512vnni",
     layout4: XLayout::EvenOdd32,
+    layout2: XLayout::Mod4x32,
     q8: true,
     exact: false,
     gemv: avx512::gemv,
