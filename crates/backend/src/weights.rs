@@ -96,9 +96,9 @@ impl QRef {
             bits: bits as u32,
             group_size: cols / groups,
         };
-        if !matches!(q.bits, 4 | 8) || !matches!(q.group_size, 32 | 64 | 128) {
+        if !matches!(q.bits, 2 | 4 | 8) || !matches!(q.group_size, 32 | 64 | 128) {
             return Err(bad(format!(
-                "{}-bit, group {} is not supported (4/8-bit, group 32/64/128)",
+                "{}-bit, group {} is not supported (2/4/8-bit, group 32/64/128)",
                 q.bits, q.group_size
             )));
         }
