@@ -199,6 +199,11 @@ pub trait Backend: Send + Sync + Sized {
     fn read(&self, x: &Self::Tensor) -> OpResult<Vec<f32>> {
         Err(self.missing("read"))
     }
+    /// Whether every element of `x` is finite (a one-bit readback: the families check the
+    /// residual stream once per chunk, so a NaN never turns silently into text).
+    fn all_finite(&self, x: &Self::Tensor) -> OpResult<bool> {
+        Err(self.missing("all_finite"))
+    }
     /// Rows `rows` of `x`, in that order (`[rows.len(), cols]`).
     fn gather_rows(&self, x: &Self::Tensor, rows: &[usize]) -> OpResult<Self::Tensor> {
         Err(self.missing("gather_rows"))
@@ -236,8 +241,9 @@ pub trait Backend: Send + Sync + Sized {
         Err(self.missing("glu_mlp"))
     }
     /// The head of one row with a fused greedy argmax: `argmax_r (W x)_r` without materialising
-    /// the logits (softcap is monotonic, so it does not change the index). The id is the readback.
-    fn head_argmax(&self, w: &QRef, x: &Self::Tensor) -> OpResult<u32> {
+    /// the logits (softcap is monotonic, so it does not change the index). The readback is the id
+    /// and its raw logit (NaN when every logit is NaN).
+    fn head_argmax(&self, w: &QRef, x: &Self::Tensor) -> OpResult<(u32, f32)> {
         Err(self.missing("head_argmax"))
     }
 

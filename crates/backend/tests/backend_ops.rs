@@ -217,6 +217,21 @@ fn data_ops<B: Backend>(h: &mut Harness<B>, rng: &mut Rng) {
             h.fail("zeros", "not 21 zeros".into());
         }
     }
+    let r = h.be.all_finite(&x);
+    if h.ok("all_finite", r) != Some(true) {
+        h.fail("all_finite", "finite values reported non-finite".into());
+    }
+    for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+        let mut e = d.clone();
+        let at = rng.below(e.len());
+        e[at] = bad;
+        if let Some(et) = h.up(&e, 12) {
+            let r = h.be.all_finite(&et);
+            if h.ok("all_finite", r) != Some(false) {
+                h.fail("all_finite", format!("missed {bad}"));
+            }
+        }
+    }
     let r = h.be.copy(&x);
     if let Some(c) = h.ok("copy", r) {
         if h.read(&c).as_deref() != Some(&d[..]) {
@@ -371,7 +386,7 @@ fn products<B: Backend>(h: &mut Harness<B>, rng: &mut Rng, w: &TestWeights) {
         if t == 1 {
             for (m, bits, gs) in &w.mats {
                 let r = h.be.head_argmax(m, &xt);
-                let Some(id) = h.ok("head_argmax", r) else {
+                let Some((id, _)) = h.ok("head_argmax", r) else {
                     continue;
                 };
                 let want = refr::matmul(m, buf, &x);

@@ -412,7 +412,7 @@ impl<B: Backend> Gemma4<B> {
             weight: &self.embed_tokens,
             softcap: cfg.final_logit_softcapping,
         };
-        crate::head(be, &x, want, &head)
+        crate::head(be, &x, pos0, want, &head)
     }
 }
 

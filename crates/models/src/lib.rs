@@ -33,6 +33,13 @@ pub enum ModelError {
     Family(String),
     #[error("input: {0}")]
     Input(String),
+    /// NaN or infinity in the residual stream or the logits: never turned into text.
+    #[error("non-finite values (NaN or infinity) in the {what} at positions {first}..{end}: the install's weights are probably damaged (run `mference verify` on it; `--verify trusted-receipt` does not rehash the layer files) or the activations overflowed")]
+    NonFinite {
+        what: &'static str,
+        first: usize,
+        end: usize,
+    },
     #[error("context full: {need} tokens needed, max context is {max} (raise --max-context)")]
     ContextFull { need: usize, max: usize },
     #[error("cannot map {path}: {source}")]
@@ -138,13 +145,25 @@ pub struct Head<'a> {
 /// The final RMSNorm and the head over the rows of `x` (`[T, hidden]`) that `want` asks for:
 /// the logits (`[rows, vocab]`, softcapped if the family does) read back to the host, or only the
 /// fused greedy argmax of the last row.
+///
+/// Errors: [`ModelError::NonFinite`] when the residual stream of the chunk at positions `pos0..`
+/// or the logits hold a NaN or an infinity.
 pub fn head<B: Backend>(
     be: &B,
     x: &B::Tensor,
+    pos0: usize,
     want: ChunkWant,
     head: &Head,
 ) -> Result<Logits, ModelError> {
     let t = x.rows();
+    let non_finite = |what| ModelError::NonFinite {
+        what,
+        first: pos0,
+        end: pos0 + t,
+    };
+    if !be.all_finite(x)? {
+        return Err(non_finite("residual stream"));
+    }
     let first = match want {
         ChunkWant::None => return Ok(Logits::None),
         ChunkWant::From(r) => r,
@@ -153,13 +172,21 @@ pub fn head<B: Backend>(
     let mut xf = be.gather_rows(x, &(first..t).collect::<Vec<_>>())?;
     be.rms_norm(&mut xf, x.cols(), Norm::Weight(head.norm), head.eps)?;
     if want == ChunkWant::Argmax {
-        return Ok(Logits::Argmax(be.head_argmax(head.weight, &xf)?));
+        let (id, logit) = be.head_argmax(head.weight, &xf)?;
+        if !logit.is_finite() {
+            return Err(non_finite("logits"));
+        }
+        return Ok(Logits::Argmax(id));
     }
     let mut logits = one(be.matmul(&[head.weight], Weights::Resident, &xf)?); // [rows, vocab]
     if let Some(c) = head.softcap {
         be.unary(&mut logits, Unary::Softcap(c))?;
     }
-    Ok(Logits::Rows(be.read(&logits)?))
+    let rows = be.read(&logits)?;
+    if rows.iter().any(|v| !v.is_finite()) {
+        return Err(non_finite("logits"));
+    }
+    Ok(Logits::Rows(rows))
 }
 
 /// The single result of a one-matrix [`Backend::matmul`].

@@ -478,7 +478,7 @@ impl<B: Backend> Qwen35Moe<B> {
             weight: &self.lm_head,
             softcap: None,
         };
-        crate::head(be, &x, want, &head)
+        crate::head(be, &x, pos0, want, &head)
     }
 }
 

@@ -91,3 +91,27 @@ fn a_truncated_weights_file_is_refused_at_load() {
     let msg = err_text(load(&inst, &opts(128, 512)));
     assert!(msg.contains("model_weights.bin"), "{msg}");
 }
+
+/// A layer file damaged into NaN scales, loaded under `trusted-receipt` (which does not rehash
+/// layer files): every way of asking for output ends in a non-finite error naming `mference
+/// verify`, never in text.
+#[test]
+fn non_finite_weights_end_the_forward_pass_with_an_error() {
+    let (_w, inst) = fresh_install("nan");
+    let path = inst.join("packed_experts/layer_01.bin");
+    let len = std::fs::metadata(&path).unwrap().len() as usize;
+    // 0xffff is a bf16 NaN: every scale and bias of every expert becomes NaN.
+    std::fs::write(&path, vec![0xffu8; len]).unwrap();
+    let o = mference_models::LoadOptions {
+        verify: mference_format::VerifyPolicy::TrustedReceipt,
+        ..opts(128, 512)
+    };
+    for want in [Want::Argmax, Want::Last, Want::All, Want::None] {
+        let mut m = load(&inst, &o).expect("trusted-receipt checks only sizes of layer files");
+        let msg = err_text(m.forward(&prompt(), want));
+        assert!(
+            msg.contains("non-finite") && msg.contains("mference verify"),
+            "{want:?}: {msg}"
+        );
+    }
+}

@@ -144,6 +144,10 @@ impl Backend for CpuBackend {
         Ok(x.data.clone())
     }
 
+    fn all_finite(&self, x: &CpuTensor) -> OpResult<bool> {
+        Ok(x.data.iter().all(|v| v.is_finite()))
+    }
+
     fn gather_rows(&self, x: &CpuTensor, rows: &[usize]) -> OpResult<CpuTensor> {
         let c = x.cols;
         let n = x.rows();
@@ -248,7 +252,7 @@ impl Backend for CpuBackend {
         Ok(CpuTensor::new(y, mlp.down_proj.rows))
     }
 
-    fn head_argmax(&self, w: &QRef, x: &CpuTensor) -> OpResult<u32> {
+    fn head_argmax(&self, w: &QRef, x: &CpuTensor) -> OpResult<(u32, f32)> {
         check("head_argmax", x.rows() == 1 && x.cols == w.cols, || {
             format!(
                 "expected one row of {}, got [{}, {}]",
@@ -257,10 +261,10 @@ impl Backend for CpuBackend {
                 x.cols
             )
         })?;
-        let (id, _) = self
-            .pool
-            .gemv_argmax(self.kernels, &w.mat(&self.resident), &x.data, None);
-        Ok(id as u32)
+        let (id, logit) =
+            self.pool
+                .gemv_argmax(self.kernels, &w.mat(&self.resident), &x.data, None);
+        Ok((id as u32, logit))
     }
 
     fn rms_norm(&self, x: &mut CpuTensor, dim: usize, norm: Norm, eps: f32) -> OpResult<()> {
