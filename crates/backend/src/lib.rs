@@ -17,6 +17,7 @@
 //! "per-head" op sees each row as `[heads, head_dim]`.
 
 pub mod cpu;
+pub mod harness;
 mod kv;
 pub mod moe;
 pub mod reference;

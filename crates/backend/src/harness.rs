@@ -1,0 +1,841 @@
+//! The op test harness (llama.cpp's `test-backend-ops` idea): every op of a backend runs against
+//! its twin in [`crate::reference`] on random shapes, quantized weights at odd 2-byte-aligned
+//! offsets with negative scales, 2/4/8-bit and groups 32/64/128. A backend that lacks an op fails
+//! with the op's name. Each backend crate's tests call [`run_all`] on every backend it can start
+//! (`crates/backend/tests/backend_ops.rs` for the CPU tables).
+
+use crate::reference as refr;
+use crate::{
+    Act, AttnShape, Backend, DeltaShape, KvDtype, Mlp, Norm, OpError, QRef, Rope, RouterSpec,
+    Scoring, Tensor, Unary, VRef, Weights, Yarn,
+};
+
+/// Exact f32 tables against the f64 reference: relative to the largest reference magnitude.
+/// Observed: ≤ 2e-6 on these shapes; f32 summation over ≤ 1024 terms bounds it near 6e-5.
+pub const EXACT_REL: f64 = 5e-5;
+/// FP16 KV rounds K and V to 11 significant bits (relative 4.9e-4 per element).
+pub const F16_KV_REL: f64 = 4e-3;
+/// The int8-prefill table (`avx512vnni`) rounds prefill activations to 127 levels per group.
+pub const Q8_REL: f64 = 3e-2;
+/// A GLU MLP on that table chains two rounded products (gate/up, then down on their product), and
+/// a clamped gate concentrates the output in a few large terms; observed up to 8.6e-2.
+pub const Q8_GLU_REL: f64 = 1.5e-1;
+
+/// splitmix64: a seeded stream, so a failure replays exactly.
+pub struct Rng(pub u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+    /// Uniform in `[-a, a]`.
+    fn sym(&mut self, a: f32) -> f32 {
+        ((self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * a
+    }
+    fn vec(&mut self, n: usize, a: f32) -> Vec<f32> {
+        (0..n).map(|_| self.sym(a)).collect()
+    }
+}
+
+fn bf16_bytes(v: f32) -> [u8; 2] {
+    ((v.to_bits() >> 16) as u16).to_le_bytes()
+}
+
+/// A resident buffer in the install's layout, built tensor by tensor.
+struct Buf {
+    bytes: Vec<u8>,
+}
+
+impl Buf {
+    /// Pads so the next tensor starts 2 bytes past a 4-byte boundary (the worst alignment the
+    /// install format allows).
+    fn pad(&mut self) {
+        while self.bytes.len() % 4 != 2 {
+            self.bytes.push(0);
+        }
+    }
+
+    /// A random quantized `[rows, cols]` matrix: random codes, scales ±[0.002, 0.05] with random
+    /// sign, biases ±0.2.
+    fn q(&mut self, rng: &mut Rng, rows: usize, cols: usize, bits: usize, gs: usize) -> QRef {
+        self.pad();
+        let w0 = self.bytes.len();
+        let wlen = rows * cols * bits / 8;
+        self.bytes.extend((0..wlen).map(|_| rng.next() as u8));
+        let groups = rows * cols / gs;
+        self.pad();
+        let s0 = self.bytes.len();
+        for _ in 0..groups {
+            let mag = 0.002 + (rng.sym(1.0).abs()) * 0.048;
+            let s = if rng.below(2) == 0 { mag } else { -mag };
+            self.bytes.extend(bf16_bytes(s));
+        }
+        self.pad();
+        let b0 = self.bytes.len();
+        for _ in 0..groups {
+            self.bytes.extend(bf16_bytes(rng.sym(0.2)));
+        }
+        let total = self.bytes.len() + 64;
+        QRef::from_parts(
+            "test",
+            rows,
+            cols,
+            (w0, wlen),
+            (s0, 2 * groups),
+            (b0, 2 * groups),
+            total,
+        )
+        .expect("a well-formed test matrix")
+    }
+
+    /// `len` BF16 values around `center`.
+    fn v(&mut self, rng: &mut Rng, len: usize, center: f32) -> VRef {
+        self.pad();
+        let off = self.bytes.len();
+        for _ in 0..len {
+            self.bytes.extend(bf16_bytes(center + rng.sym(0.5)));
+        }
+        VRef::at(off, len)
+    }
+
+    fn finish(mut self) -> Vec<u8> {
+        self.bytes.extend([0u8; 64]);
+        self.bytes
+    }
+}
+
+/// `max |got − want| / max(max |want|, 1e-3)`.
+fn rel(got: &[f32], want: &[f32]) -> f64 {
+    assert_eq!(got.len(), want.len(), "lengths differ");
+    let m = want
+        .iter()
+        .fold(0.0f64, |m, &v| m.max(v.abs() as f64))
+        .max(1e-3);
+    let d = got
+        .iter()
+        .zip(want)
+        .fold(0.0f64, |d, (&a, &b)| d.max((a as f64 - b as f64).abs()));
+    if got.iter().any(|v| !v.is_finite()) {
+        return f64::INFINITY;
+    }
+    d / m
+}
+
+/// Runs every op of one backend; returns the failures (op name and why).
+struct Harness<'a, B: Backend> {
+    be: &'a B,
+    buf: &'a [u8],
+    fails: Vec<String>,
+    exact: bool,
+}
+
+impl<B: Backend> Harness<'_, B> {
+    fn fail(&mut self, op: &str, why: String) {
+        self.fails.push(format!("{}: {op}: {why}", self.be.name()));
+    }
+
+    /// Unwraps an op's result, recording an error (a missing op names itself).
+    fn ok<T>(&mut self, op: &str, r: Result<T, OpError>) -> Option<T> {
+        match r {
+            Ok(v) => Some(v),
+            Err(e) => {
+                self.fail(op, e.to_string());
+                None
+            }
+        }
+    }
+
+    fn up(&mut self, data: &[f32], cols: usize) -> Option<B::Tensor> {
+        let r = self.be.upload(data, cols);
+        self.ok("upload", r)
+    }
+
+    fn read(&mut self, x: &B::Tensor) -> Option<Vec<f32>> {
+        let r = self.be.read(x);
+        self.ok("read", r)
+    }
+
+    fn expect_close(&mut self, op: &str, got: &[f32], want: &[f32], budget: f64) {
+        let e = rel(got, want);
+        if e > budget {
+            self.fail(op, format!("relative error {e:.3e} > budget {budget:.1e}"));
+        }
+    }
+
+    fn budget_q(&self, rows: usize) -> f64 {
+        if self.exact || rows < 4 {
+            EXACT_REL
+        } else {
+            Q8_REL
+        }
+    }
+}
+
+/// Every op on `be` (its resident bytes are `buf`, laid out by `w`; `exact`: an f32-exact
+/// backend, else the int8-prefill budgets apply to products of 4+ rows), seed `seed`. Returns the
+/// failures, one line each: `backend: op: why`.
+pub fn run_all<B: Backend>(
+    be: &B,
+    buf: &[u8],
+    w: &TestWeights,
+    exact: bool,
+    seed: u64,
+) -> Vec<String> {
+    let mut h = Harness {
+        be,
+        buf,
+        fails: Vec::new(),
+        exact,
+    };
+    let mut rng = Rng(seed);
+    data_ops(&mut h, &mut rng);
+    products(&mut h, &mut rng, w);
+    norms_and_elementwise(&mut h, &mut rng, w);
+    rope_ops(&mut h, &mut rng);
+    attention_ops(&mut h, &mut rng);
+    recurrent_ops(&mut h, &mut rng);
+    router_ops(&mut h, &mut rng, w);
+    h.fails
+}
+
+fn data_ops<B: Backend>(h: &mut Harness<B>, rng: &mut Rng) {
+    let d = rng.vec(5 * 12, 1.0);
+    let Some(x) = h.up(&d, 12) else { return };
+    if (x.rows(), x.cols()) != (5, 12) {
+        h.fail("upload", format!("shape [{}, {}]", x.rows(), x.cols()));
+    }
+    if let Some(back) = h.read(&x) {
+        if back != d {
+            h.fail("read", "upload then read changed values".into());
+        }
+    }
+    let r = h.be.zeros(3, 7);
+    if let Some(z) = h.ok("zeros", r) {
+        if h.read(&z) != Some(vec![0.0; 21]) {
+            h.fail("zeros", "not 21 zeros".into());
+        }
+    }
+    let r = h.be.all_finite(&x);
+    if h.ok("all_finite", r) != Some(true) {
+        h.fail("all_finite", "finite values reported non-finite".into());
+    }
+    for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+        let mut e = d.clone();
+        let at = rng.below(e.len());
+        e[at] = bad;
+        if let Some(et) = h.up(&e, 12) {
+            let r = h.be.all_finite(&et);
+            if h.ok("all_finite", r) != Some(false) {
+                h.fail("all_finite", format!("missed {bad}"));
+            }
+        }
+    }
+    let r = h.be.copy(&x);
+    if let Some(c) = h.ok("copy", r) {
+        if h.read(&c).as_deref() != Some(&d[..]) {
+            h.fail("copy", "copy differs".into());
+        }
+    }
+    let rows = [4usize, 0, 4, 2];
+    let r = h.be.gather_rows(&x, &rows);
+    if let Some(g) = h.ok("gather_rows", r) {
+        let want: Vec<f32> = rows
+            .iter()
+            .flat_map(|&r| d[r * 12..(r + 1) * 12].to_vec())
+            .collect();
+        if h.read(&g) != Some(want) {
+            h.fail("gather_rows", "rows differ".into());
+        }
+    }
+    // Rows of 12 = 2 groups of 6 = [2 | 1 | 3].
+    let r = h.be.split(&x, 6, &[2, 1, 3]);
+    if let Some(parts) = h.ok("split", r) {
+        for (j, (p, (o, n))) in parts.iter().zip([(0, 2), (2, 1), (3, 3)]).enumerate() {
+            let want: Vec<f32> = d
+                .chunks_exact(6)
+                .flat_map(|g| g[o..o + n].to_vec())
+                .collect();
+            if h.read(p) != Some(want) || p.cols() != 2 * n {
+                h.fail("split", format!("part {j} differs"));
+            }
+        }
+    }
+}
+
+/// Quantized matrices of every format the families use, laid out once per seed.
+pub struct TestWeights {
+    /// `(matrix, bits, group)` with `cols` = 256 (one input for all).
+    mats: Vec<(QRef, usize, usize)>,
+    /// An embedding table `[50, 128]`.
+    table: QRef,
+    /// A GLU MLP 256 → 96 → 256 (4-bit g64) and one in 8-bit g32 / 4-bit g128 (mixed layouts).
+    mlps: Vec<Mlp>,
+    /// Norm weights of 256 and of 32 (a head).
+    w256: VRef,
+    w32: VRef,
+    /// Per-expert scales of 16 experts.
+    pes: VRef,
+}
+
+/// Random weights of every tested format (`bits` each with groups 32, 64, 128) in one resident
+/// buffer, returned with their views.
+pub fn test_weights(rng: &mut Rng, bits: &[usize]) -> (Vec<u8>, TestWeights) {
+    let mut b = Buf { bytes: Vec::new() };
+    let mut mats = Vec::new();
+    for &bits in bits {
+        for gs in [32, 64, 128] {
+            let rows = 1 + rng.below(90);
+            mats.push((b.q(rng, rows, 256, bits, gs), bits, gs));
+        }
+    }
+    let table = b.q(rng, 50, 128, 4, 64);
+    let mlp =
+        |b: &mut Buf, rng: &mut Rng, (gb, gg): (usize, usize), (db, dg): (usize, usize)| Mlp {
+            gate_proj: b.q(rng, 96, 256, gb, gg),
+            up_proj: b.q(rng, 96, 256, gb, gg),
+            down_proj: b.q(rng, 256, 96, db, dg),
+        };
+    let mlps = vec![
+        mlp(&mut b, rng, (4, 64), (4, 32)),
+        mlp(&mut b, rng, (8, 32), (4, 32)),
+    ];
+    let w256 = b.v(rng, 256, 1.0);
+    let w32 = b.v(rng, 32, 0.0);
+    let pes = b.v(rng, 16, 1.0);
+    (
+        b.finish(),
+        TestWeights {
+            mats,
+            table,
+            mlps,
+            w256,
+            w32,
+            pes,
+        },
+    )
+}
+
+fn products<B: Backend>(h: &mut Harness<B>, rng: &mut Rng, w: &TestWeights) {
+    let buf = h.buf;
+    // Embedding.
+    let ids = [0u32, 49, 7, 7, 23];
+    let r = h.be.embed(&w.table, &ids, Some(3.5));
+    if let Some(e) = h.ok("embed", r) {
+        let d = refr::dequantize(&w.table, buf);
+        let want: Vec<f32> = ids
+            .iter()
+            .flat_map(|&i| {
+                d[i as usize * 128..(i as usize + 1) * 128]
+                    .iter()
+                    .map(|v| (v * 3.5) as f32)
+            })
+            .collect();
+        if let Some(got) = h.read(&e) {
+            h.expect_close("embed", &got, &want, EXACT_REL);
+        }
+    }
+    // Products, one by one and all sharing one input, for decode (1 row) and prefill rows.
+    for t in [1usize, 3, 17] {
+        let x = rng.vec(t * 256, 1.0);
+        let Some(xt) = h.up(&x, 256) else { return };
+        let all: Vec<&QRef> = w.mats.iter().map(|m| &m.0).collect();
+        let r = h.be.matmul(&all, Weights::Resident, &xt);
+        let Some(ys) = h.ok("matmul", r) else {
+            continue;
+        };
+        for ((m, bits, gs), y) in w.mats.iter().zip(&ys) {
+            let want = refr::matmul(m, buf, &x);
+            if let Some(got) = h.read(y) {
+                let op = format!("matmul {bits}-bit g{gs} [{}, 256] x {t} rows", m.rows);
+                let budget = h.budget_q(t);
+                h.expect_close(&op, &got, &want, budget);
+            }
+        }
+        // An expert blob: the same matrix read from a separate buffer at the same offsets.
+        let blob = buf.to_vec();
+        let r = h.be.matmul(&[&w.mats[0].0], Weights::Blob(&blob), &xt);
+        if let Some(ys) = h.ok("matmul", r) {
+            let want = refr::matmul(&w.mats[0].0, buf, &x);
+            if let Some(got) = h.read(&ys[0]) {
+                let budget = h.budget_q(t);
+                h.expect_close("matmul (expert blob)", &got, &want, budget);
+            }
+        }
+        for (i, mlp) in w.mlps.iter().enumerate() {
+            for act in [Act::GeluTanh, Act::Silu, Act::SiluClamped(0.05)] {
+                let r = h.be.glu_mlp(mlp, act, Weights::Blob(&blob), &xt);
+                let Some(y) = h.ok("glu_mlp", r) else {
+                    continue;
+                };
+                let want =
+                    refr::glu_mlp(&mlp.gate_proj, &mlp.up_proj, &mlp.down_proj, act, buf, &x);
+                if let Some(got) = h.read(&y) {
+                    let budget = match h.budget_q(t) {
+                        EXACT_REL => EXACT_REL,
+                        _ => Q8_GLU_REL,
+                    };
+                    h.expect_close(
+                        &format!("glu_mlp {i} {act:?} x {t} rows"),
+                        &got,
+                        &want,
+                        budget,
+                    );
+                }
+            }
+        }
+        if t == 1 {
+            for (m, bits, gs) in &w.mats {
+                let r = h.be.head_argmax(m, &xt);
+                let Some((id, _)) = h.ok("head_argmax", r) else {
+                    continue;
+                };
+                let want = refr::matmul(m, buf, &x);
+                let best = want.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let tol = EXACT_REL as f32 * want.iter().fold(1e-3f32, |a, v| a.max(v.abs()));
+                if (id as usize) >= want.len() || want[id as usize] < best - tol {
+                    h.fail(
+                        "head_argmax",
+                        format!("{bits}-bit g{gs}: id {id} is not the argmax"),
+                    );
+                }
+            }
+        }
+    }
+}
+
+fn norms_and_elementwise<B: Backend>(h: &mut Harness<B>, rng: &mut Rng, w: &TestWeights) {
+    let buf = h.buf;
+    let t = 3;
+    let x = rng.vec(t * 256, 2.0);
+    let cases: [(usize, Norm, &str); 5] = [
+        (256, Norm::NoScale, "no-scale"),
+        (256, Norm::Weight(&w.w256), "weight"),
+        (32, Norm::Weight(&w.w32), "per-head weight"),
+        (32, Norm::OnePlusWeight(&w.w32), "1+w per head"),
+        (32, Norm::Scaled(0.125), "scaled (L2) per head"),
+    ];
+    for (dim, norm, name) in cases {
+        let Some(mut xt) = h.up(&x, 256) else { return };
+        let r = h.be.rms_norm(&mut xt, dim, norm, 1e-6);
+        if h.ok("rms_norm", r).is_some() {
+            let want = refr::rms_norm(&x, dim, norm, buf, 1e-6);
+            if let Some(got) = h.read(&xt) {
+                h.expect_close(&format!("rms_norm {name}"), &got, &want, EXACT_REL);
+            }
+        }
+    }
+    let z = rng.vec(t * 256, 3.0);
+    if let (Some(mut xt), Some(zt)) = (h.up(&x, 256), h.up(&z, 256)) {
+        let r = h.be.rms_norm_gated(&mut xt, 32, &w.w32, &zt, 1e-6);
+        if h.ok("rms_norm_gated", r).is_some() {
+            let n = refr::rms_norm(&x, 32, Norm::Weight(&w.w32), buf, 1e-6);
+            let want: Vec<f32> = n
+                .iter()
+                .zip(&z)
+                .map(|(&a, &g)| a * refr::unary(g, Unary::Silu))
+                .collect();
+            if let Some(got) = h.read(&xt) {
+                h.expect_close("rms_norm_gated", &got, &want, EXACT_REL);
+            }
+        }
+    }
+    for op in [
+        Unary::Scale(-1.7),
+        Unary::Softcap(30.0),
+        Unary::Clamp(-0.5, 1.25),
+        Unary::Silu,
+        Unary::GeluTanh,
+        Unary::Sigmoid,
+    ] {
+        let v: Vec<f32> = rng.vec(200, 12.0);
+        let Some(mut vt) = h.up(&v, 20) else { return };
+        let r = h.be.unary(&mut vt, op);
+        if h.ok("unary", r).is_some() {
+            let want: Vec<f32> = v.iter().map(|&a| refr::unary(a, op)).collect();
+            if let Some(got) = h.read(&vt) {
+                h.expect_close(&format!("unary {op:?}"), &got, &want, 1e-6);
+            }
+        }
+    }
+    let y = rng.vec(t * 256, 1.0);
+    let g = rng.vec(t, 4.0);
+    type Case<'w> = (&'w str, fn(&[f32], &[f32], &[f32], f32) -> Vec<f32>);
+    let _: Option<Case> = None;
+    // mul_cols
+    if let Some(mut xt) = h.up(&x, 256) {
+        let r = h.be.mul_cols(&mut xt, &w.w256, 0.0625);
+        if h.ok("mul_cols", r).is_some() {
+            let want: Vec<f32> = x
+                .iter()
+                .enumerate()
+                .map(|(i, &a)| (a as f64 * w.w256.get(buf, i % 256) as f64 * 0.0625) as f32)
+                .collect();
+            if let Some(got) = h.read(&xt) {
+                h.expect_close("mul_cols", &got, &want, 1e-6);
+            }
+        }
+    }
+    if let (Some(mut xt), Some(yt)) = (h.up(&x, 256), h.up(&y, 256)) {
+        let r = h.be.mul_sigmoid(&mut xt, &yt);
+        if h.ok("mul_sigmoid", r).is_some() {
+            let want: Vec<f32> = x
+                .iter()
+                .zip(&y)
+                .map(|(&a, &b)| a * refr::unary(b, Unary::Sigmoid))
+                .collect();
+            if let Some(got) = h.read(&xt) {
+                h.expect_close("mul_sigmoid", &got, &want, 1e-6);
+            }
+        }
+    }
+    if let (Some(mut xt), Some(gt)) = (h.up(&x, 256), h.up(&g, 1)) {
+        let r = h.be.mul_rows_sigmoid(&mut xt, &gt);
+        if h.ok("mul_rows_sigmoid", r).is_some() {
+            let want: Vec<f32> = x
+                .iter()
+                .enumerate()
+                .map(|(i, &a)| a * refr::unary(g[i / 256], Unary::Sigmoid))
+                .collect();
+            if let Some(got) = h.read(&xt) {
+                h.expect_close("mul_rows_sigmoid", &got, &want, 1e-6);
+            }
+        }
+    }
+    for s in [1.0f32, 0.7] {
+        if let (Some(mut xt), Some(yt)) = (h.up(&x, 256), h.up(&y, 256)) {
+            let r = h.be.add(&mut xt, &yt, s);
+            if h.ok("add", r).is_some() {
+                let want: Vec<f32> = x
+                    .iter()
+                    .zip(&y)
+                    .map(|(&a, &b)| ((a as f64 + b as f64) * s as f64) as f32)
+                    .collect();
+                if let Some(got) = h.read(&xt) {
+                    h.expect_close(&format!("add s={s}"), &got, &want, 1e-6);
+                }
+            }
+        }
+    }
+    // scatter_add: expert outputs for rows [2, 0, 2] of a 3-row accumulator.
+    let rows = [(2usize, 0.25f32), (0, -1.5), (2, 0.75)];
+    let ye = rng.vec(3 * 256, 1.0);
+    if let (Some(mut acc), Some(yt)) = (h.up(&x, 256), h.up(&ye, 256)) {
+        let r = h.be.scatter_add(&mut acc, &yt, &rows);
+        if h.ok("scatter_add", r).is_some() {
+            let mut want: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+            for (j, &(row, wt)) in rows.iter().enumerate() {
+                for i in 0..256 {
+                    want[row * 256 + i] += wt as f64 * ye[j * 256 + i] as f64;
+                }
+            }
+            let want: Vec<f32> = want.into_iter().map(|v| v as f32).collect();
+            if let Some(got) = h.read(&acc) {
+                h.expect_close("scatter_add", &got, &want, 1e-6);
+            }
+        }
+    }
+}
+
+fn rope_ops<B: Backend>(h: &mut Harness<B>, rng: &mut Rng) {
+    let yarn = Yarn {
+        factor: 16.0,
+        original_max_position_embeddings: 4096.0,
+        beta_fast: 32.0,
+        beta_slow: 1.0,
+        attention_factor: None,
+    };
+    let ropes = [
+        ("neox full", Rope::neox(64, 10000.0)),
+        ("neox partial 16 of 64", Rope::neox(16, 1e7)),
+        ("proportional 16 of 64", Rope::proportional(64, 16, 1e6)),
+        ("interleaved 32 of 64", Rope::interleaved(32, 10000.0)),
+        (
+            "yarn interleaved",
+            Rope::interleaved(64, 10000.0).yarn(&yarn, 10000.0),
+        ),
+    ];
+    for (name, rope) in ropes {
+        let (t, cols, pos0) = (4, 4 * 64, 1000 + rng.below(3000));
+        let x = rng.vec(t * cols, 1.0);
+        let Some(mut xt) = h.up(&x, cols) else { return };
+        let r = h.be.rope(&mut xt, &rope, 64, pos0);
+        if h.ok("rope", r).is_some() {
+            let want = refr::rope(&x, cols, &rope, 64, pos0);
+            if let Some(got) = h.read(&xt) {
+                // Angles of ~3000 rad are formed in f32 on both sides; sin/cos differ by ulps.
+                h.expect_close(&format!("rope {name}"), &got, &want, 2e-6);
+            }
+        }
+    }
+}
+
+fn attention_ops<B: Backend>(h: &mut Harness<B>, rng: &mut Rng) {
+    // (dtype, ring rows / window, GQA heads, sinks)
+    let cases = [
+        (KvDtype::F32, None, (4, 2), false),
+        (KvDtype::F16, None, (4, 1), false),
+        (KvDtype::F32, Some(5), (2, 2), false),
+        (KvDtype::F16, Some(4), (6, 2), true),
+        (KvDtype::F32, None, (3, 3), true),
+    ];
+    for (dtype, window, (nh, nkv), sinks) in cases {
+        let d = 32;
+        let chunks = [5usize, 1, 3, 1];
+        let total: usize = chunks.iter().sum();
+        let (rows, ring) = match window {
+            Some(w) => (w + 5, true),
+            None => (total, false),
+        };
+        let r = h.be.new_kv(rows, ring, nkv, d, dtype);
+        let Some(mut kv) = h.ok("new_kv", r) else {
+            return;
+        };
+        let shape = AttnShape {
+            n_heads: nh,
+            n_kv_heads: nkv,
+            head_dim: d,
+            window,
+            scale: 1.0 / (d as f32).sqrt(),
+            sinks: sinks.then(|| rng.vec(nh, 2.0)),
+        };
+        let (mut hk, mut hv) = (Vec::new(), Vec::new());
+        let mut pos0 = 0;
+        for t in chunks {
+            let k = rng.vec(t * nkv * d, 2.0);
+            let v = rng.vec(t * nkv * d, 1.0);
+            let q = rng.vec(t * nh * d, 2.0);
+            let round = |x: &[f32]| -> Vec<f32> {
+                match dtype {
+                    KvDtype::F16 => x.iter().map(|&a| half::f16::from_f32(a).to_f32()).collect(),
+                    KvDtype::F32 => x.to_vec(),
+                }
+            };
+            hk.extend(round(&k));
+            hv.extend(round(&v));
+            let (Some(kt), Some(vt), Some(qt)) =
+                (h.up(&k, nkv * d), h.up(&v, nkv * d), h.up(&q, nh * d))
+            else {
+                return;
+            };
+            let r = h.be.kv_write(&mut kv, pos0, &kt, &vt);
+            if h.ok("kv_write", r).is_none() {
+                return;
+            }
+            let r = h.be.attention(&qt, &kv, pos0, &shape);
+            if let Some(o) = h.ok("attention", r) {
+                let want = refr::attention(&q, &hk, &hv, pos0, &shape);
+                let budget = if dtype == KvDtype::F16 {
+                    F16_KV_REL
+                } else {
+                    EXACT_REL
+                };
+                if let Some(got) = h.read(&o) {
+                    let name = format!("attention {dtype:?} window {window:?} heads {nh}/{nkv} sinks {sinks} at {pos0}");
+                    h.expect_close(&name, &got, &want, budget);
+                }
+            }
+            pos0 += t;
+        }
+    }
+}
+
+fn recurrent_ops<B: Backend>(h: &mut Harness<B>, rng: &mut Rng) {
+    // Causal conv, continued across calls.
+    let (c, kernel) = (24, 4);
+    let w = rng.vec(c * kernel, 0.5);
+    let r = h.be.new_state((kernel - 1) * c);
+    let Some(mut st) = h.ok("new_state", r) else {
+        return;
+    };
+    let Some(wt) = h.up(&w, kernel) else { return };
+    let mut ref_state = vec![0.0f32; (kernel - 1) * c];
+    for t in [5usize, 1, 2] {
+        let x = rng.vec(t * c, 1.5);
+        let Some(xt) = h.up(&x, c) else { return };
+        let r = h.be.conv1d_silu(&xt, &mut st, &wt, kernel);
+        let Some(o) = h.ok("conv1d_silu", r) else {
+            return;
+        };
+        let (want, next) = refr::conv1d_silu(&x, &ref_state, &w, c, kernel);
+        ref_state = next;
+        if let Some(got) = h.read(&o) {
+            h.expect_close(&format!("conv1d_silu {t} rows"), &got, &want, EXACT_REL);
+        }
+    }
+    if h.be.state_bytes(&st) != 4 * (kernel - 1) * c {
+        h.fail(
+            "state_bytes",
+            format!("{} for {} floats", h.be.state_bytes(&st), (kernel - 1) * c),
+        );
+    }
+    let r = h.be.zero_state(&mut st);
+    if h.ok("zero_state", r).is_some() {
+        // After zeroing, one row convolves only itself: the reference from a zero state.
+        let x = rng.vec(c, 1.0);
+        if let Some(xt) = h.up(&x, c) {
+            let r = h.be.conv1d_silu(&xt, &mut st, &wt, kernel);
+            if let Some(o) = h.ok("conv1d_silu", r) {
+                let (want, _) = refr::conv1d_silu(&x, &vec![0.0; (kernel - 1) * c], &w, c, kernel);
+                if let Some(got) = h.read(&o) {
+                    h.expect_close("zero_state then conv1d_silu", &got, &want, EXACT_REL);
+                }
+            }
+        }
+    }
+    // Gates and the delta rule, continued across calls.
+    let s = DeltaShape {
+        n_k_heads: 2,
+        n_v_heads: 4,
+        head_k_dim: 16,
+        head_v_dim: 8,
+    };
+    let nv = s.n_v_heads;
+    let a = rng
+        .vec(nv, 1.0)
+        .iter()
+        .map(|v| v.abs() + 0.5)
+        .collect::<Vec<_>>();
+    let dt = rng.vec(nv, 0.5);
+    let (Some(at), Some(dtt)) = (h.up(&a, nv), h.up(&dt, nv)) else {
+        return;
+    };
+    let r = h.be.new_state(nv * s.head_v_dim * s.head_k_dim);
+    let Some(mut ds) = h.ok("new_state", r) else {
+        return;
+    };
+    let mut ref_ds = vec![0.0f32; nv * s.head_v_dim * s.head_k_dim];
+    for t in [4usize, 1, 3] {
+        let b = rng.vec(t * nv, 3.0);
+        let alpha = rng.vec(t * nv, 3.0);
+        let (Some(bt), Some(alt)) = (h.up(&b, nv), h.up(&alpha, nv)) else {
+            return;
+        };
+        let r = h.be.delta_gates(&bt, &alt, &at, &dtt);
+        let Some((beta, decay)) = h.ok("delta_gates", r) else {
+            return;
+        };
+        let (want_b, want_d) = refr::delta_gates(&b, &alpha, &a, &dt);
+        if let (Some(gb), Some(gd)) = (h.read(&beta), h.read(&decay)) {
+            h.expect_close("delta_gates beta", &gb, &want_b, 1e-6);
+            h.expect_close("delta_gates decay", &gd, &want_d, 1e-5);
+        }
+        let kd = s.n_k_heads * s.head_k_dim;
+        // q and k L2-normalised per head, as the family feeds them.
+        let unit = |rng: &mut Rng| -> Vec<f32> {
+            let v = rng.vec(t * kd, 1.0);
+            v.chunks_exact(s.head_k_dim)
+                .flat_map(|hd| {
+                    let n = hd.iter().map(|x| x * x).sum::<f32>().sqrt();
+                    hd.iter().map(|x| x / n).collect::<Vec<_>>()
+                })
+                .collect()
+        };
+        let (q, k) = (unit(rng), unit(rng));
+        let v = rng.vec(t * nv * s.head_v_dim, 1.0);
+        let (Some(qt), Some(kt), Some(vt)) =
+            (h.up(&q, kd), h.up(&k, kd), h.up(&v, nv * s.head_v_dim))
+        else {
+            return;
+        };
+        let r =
+            h.be.gated_delta_rule(&qt, &kt, &vt, &decay, &beta, &mut ds, &s);
+        let Some(o) = h.ok("gated_delta_rule", r) else {
+            return;
+        };
+        let gd = h.read(&decay).unwrap_or_default();
+        let gb = h.read(&beta).unwrap_or_default();
+        let (want, next) = refr::gated_delta_rule(&q, &k, &v, &gd, &gb, &ref_ds, &s);
+        ref_ds = next;
+        if let Some(got) = h.read(&o) {
+            h.expect_close(
+                &format!("gated_delta_rule {t} rows"),
+                &got,
+                &want,
+                EXACT_REL,
+            );
+        }
+    }
+}
+
+fn router_ops<B: Backend>(h: &mut Harness<B>, rng: &mut Rng, w: &TestWeights) {
+    let buf = h.buf;
+    let n_exp = 16;
+    let t = 6;
+    let logits = rng.vec(t * n_exp, 4.0);
+    let Some(lt) = h.up(&logits, n_exp) else {
+        return;
+    };
+    let specs = [
+        (Scoring::SoftmaxOfTopK, Some(&w.pes), 4),
+        (
+            Scoring::TopKOfSoftmax {
+                norm_topk_prob: true,
+            },
+            None,
+            8,
+        ),
+        (
+            Scoring::TopKOfSoftmax {
+                norm_topk_prob: false,
+            },
+            None,
+            2,
+        ),
+    ];
+    for (scoring, pes, k) in specs {
+        let spec = RouterSpec {
+            scoring,
+            top_k: k,
+            per_expert_scale: pes,
+            trace: true,
+        };
+        let r = h.be.route(&lt, &spec);
+        let Some(routes) = h.ok("route", r) else {
+            continue;
+        };
+        let want = refr::route(&logits, n_exp, &spec, buf);
+        let mut got: Vec<Vec<(usize, f32)>> = vec![Vec::new(); t];
+        for (&e, rows) in &routes.experts {
+            for &(row, wt) in rows {
+                got[row].push((e, wt));
+            }
+        }
+        let name = format!("route {scoring:?} top-{k}");
+        for (row, (g, wnt)) in got.iter().zip(&want).enumerate() {
+            let ids_g: Vec<usize> = g.iter().map(|p| p.0).collect();
+            let ids_w: Vec<usize> = wnt.iter().map(|p| p.0).collect();
+            if ids_g != ids_w {
+                h.fail(
+                    &name,
+                    format!("row {row}: experts {ids_g:?}, reference {ids_w:?}"),
+                );
+                continue;
+            }
+            let gw: Vec<f32> = g.iter().map(|p| p.1).collect();
+            let ww: Vec<f32> = wnt.iter().map(|p| p.1).collect();
+            h.expect_close(&name, &gw, &ww, 1e-6);
+        }
+        // Margins: the k-th minus the (k+1)-th largest raw logit.
+        let want_m: Vec<f32> = logits
+            .chunks_exact(n_exp)
+            .map(|r| {
+                let mut v = r.to_vec();
+                v.sort_by(|a, b| b.total_cmp(a));
+                v[k - 1] - v[k]
+            })
+            .collect();
+        if routes.margins != want_m {
+            h.fail(
+                &name,
+                format!("margins {:?}, want {want_m:?}", routes.margins),
+            );
+        }
+    }
+}
