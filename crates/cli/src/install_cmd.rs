@@ -12,7 +12,8 @@ use std::path::PathBuf;
 
 #[derive(Args)]
 pub struct InstallArgs {
-    /// Local mlx-community-style checkpoint directory (config.json, *.safetensors, tokenizer files).
+    /// Local mlx-community-style checkpoint directory (config.json, *.safetensors, tokenizer files;
+    /// without tokenizer files the install takes token ids only: `logits`, `bench`).
     pub source: Option<PathBuf>,
     /// Pinned preset to download instead of a local directory: gemma4, qwen36, deepseekv4flash, inklingsmall, maple.
     #[arg(long, conflicts_with = "source")]
@@ -131,6 +132,9 @@ pub fn install(a: InstallArgs) -> anyhow::Result<()> {
 }
 
 fn print_report(r: &InstallReport) {
+    for w in &r.warnings {
+        eprintln!("warning: {w}");
+    }
     if r.dry_run {
         println!("dry run: nothing written");
         println!("family:            {}", r.family);

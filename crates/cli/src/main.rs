@@ -4,6 +4,7 @@ use clap::{Parser, Subcommand};
 
 mod bench_cmd;
 mod install_cmd;
+mod logits_cmd;
 mod run_cmd;
 mod serve_cmd;
 
@@ -30,6 +31,8 @@ enum Command {
     Discard(install_cmd::DiscardArgs),
     /// Generate text from a prompt, a messages file, or an interactive chat.
     Run(run_cmd::RunArgs),
+    /// Float32 logits [T, vocab] of a JSON list of token ids, as a NumPy .npy (no tokenizer needed).
+    Logits(logits_cmd::LogitsArgs),
     /// Perplexity of a text file, computed as llama-perplexity does.
     Perplexity(run_cmd::PerplexityArgs),
     /// Serve the model over an OpenAI-compatible HTTP API.
@@ -46,6 +49,7 @@ fn main() -> std::process::ExitCode {
         Command::Inspect(a) => install_cmd::inspect(a),
         Command::Discard(a) => install_cmd::discard(a),
         Command::Run(a) => run_cmd::run(a),
+        Command::Logits(a) => logits_cmd::logits(a),
         Command::Perplexity(a) => run_cmd::perplexity(a),
         Command::Serve(a) => serve_cmd::serve(a),
         Command::Bench(a) => bench_cmd::bench(a),

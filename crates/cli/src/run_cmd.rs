@@ -23,7 +23,7 @@ pub struct ModelArgs {
     #[arg(long)]
     pub model: PathBuf,
     /// Expert cache slots per layer: 8, 16, 24, 32, 64, 96, 128, resident, or auto (by family and RAM).
-    #[arg(long, default_value = "auto")]
+    #[arg(long, visible_alias = "slots", default_value = "auto")]
     pub expert_cache_slots: String,
     /// Integrity check at load: full-sha256 or trusted-receipt.
     #[arg(long, default_value = "full-sha256")]
@@ -139,7 +139,9 @@ pub(crate) fn max_positions(dir: &Path) -> Result<Option<usize>> {
     Ok(max_positions_of(&serde_json::from_slice(&bytes)?))
 }
 
-fn load_text(dir: &Path) -> Result<Text> {
+/// Refuses a directory that is not a complete install (a checkpoint, an unfinished install, anything
+/// else) with what to run instead.
+pub(crate) fn check_install_dir(dir: &Path) -> Result<()> {
     if !dir.join("manifest.json").is_file() {
         if dir.join("config.json").is_file() {
             bail!("{} is a checkpoint, not an install: run `mference install {} --output NAME.gturbo` first", dir.display(), dir.display());
@@ -150,6 +152,11 @@ fn load_text(dir: &Path) -> Result<Text> {
         }
         bail!("{} is not an mference install (no manifest.json): create one with `mference install <checkpoint> --output NAME.gturbo`", dir.display());
     }
+    Ok(())
+}
+
+fn load_text(dir: &Path) -> Result<Text> {
+    check_install_dir(dir)?;
     let tdir = dir.join("tokenizer");
     let tok = Tokenizer::from_dir(&tdir)
         .with_context(|| format!("loading the tokenizer of {}", dir.display()))?;
@@ -214,7 +221,7 @@ fn validate_sampling(a: &RunArgs) -> Result<()> {
 }
 
 /// Checks the model flags' values before anything is read from disk.
-fn validate_model_args(m: &ModelArgs) -> Result<()> {
+pub(crate) fn validate_model_args(m: &ModelArgs) -> Result<()> {
     if m.expert_cache_slots != "auto" {
         CacheSlots::parse(&m.expert_cache_slots).map_err(anyhow::Error::msg)?;
     }
@@ -352,6 +359,7 @@ pub(crate) fn load_options(
         max_context,
         verify,
         kernels: kernels(&m.kernels)?,
+        kv_dtype: KvDtype::parse(&m.kv_cache).map_err(anyhow::Error::msg)?,
         ..Default::default()
     };
     if let Some(t) = m.threads {
@@ -363,19 +371,27 @@ pub(crate) fn load_options(
     Ok(o)
 }
 
-fn read_messages(path: &Path) -> Result<Vec<serde_json::Value>> {
+/// The non-empty JSON array in `path` (`--messages-file`, `--ids`). Errors name the file and say
+/// what it must hold (`holds`, e.g. "{role, content} objects") or that the `name` array is empty.
+pub(crate) fn read_json_array(
+    path: &Path,
+    holds: &str,
+    name: &str,
+) -> Result<Vec<serde_json::Value>> {
     let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
     let v: serde_json::Value = serde_json::from_slice(&bytes)
         .with_context(|| format!("{} is not valid JSON", path.display()))?;
-    let arr = v.as_array().with_context(|| {
-        format!(
-            "{} must hold a JSON array of {{role, content}} objects",
-            path.display()
-        )
-    })?;
+    let serde_json::Value::Array(arr) = v else {
+        bail!("{} must hold a JSON array of {holds}", path.display());
+    };
     if arr.is_empty() {
-        bail!("{}: the messages array is empty", path.display());
+        bail!("{}: the {name} array is empty", path.display());
     }
+    Ok(arr)
+}
+
+fn read_messages(path: &Path) -> Result<Vec<serde_json::Value>> {
+    let arr = read_json_array(path, "{role, content} objects", "messages")?;
     for (i, m) in arr.iter().enumerate() {
         let role = m
             .get("role")
@@ -393,7 +409,7 @@ fn read_messages(path: &Path) -> Result<Vec<serde_json::Value>> {
             }
         }
     }
-    Ok(arr.clone())
+    Ok(arr)
 }
 
 fn render(text: &Text, messages: &[serde_json::Value]) -> Result<Vec<u32>> {

@@ -6,7 +6,6 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 
-use mference_runtime::KvDtype;
 use mference_server::{BindMode, PromptCacheMode, ServerConfig, TextSide};
 
 use crate::run_cmd::{load_options, ModelArgs};
@@ -83,8 +82,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         .model_id
         .clone()
         .unwrap_or_else(|| mference_server::default_model_id(text.family).to_string());
-    let mut opts = load_options(&a.model, a.prefill_chunk, max_context)?;
-    opts.kv_dtype = KvDtype::parse(&a.model.kv_cache).map_err(anyhow::Error::msg)?;
+    let opts = load_options(&a.model, a.prefill_chunk, max_context)?;
     let t0 = Instant::now();
     let model = mference_models::load(&a.model.model, &opts)?;
     let loaded = t0.elapsed().as_secs_f64();

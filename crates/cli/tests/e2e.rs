@@ -10,7 +10,8 @@ use std::time::Duration;
 use mference_testkit::http::{open_stream, post};
 use mference_testkit::{
     assert_perplexity_near, demo_install, demo_source, mlx_greedy, output_ok, perplexity, python,
-    reference_chat_prompt, reference_text_prompt, repo, run_ok, run_ok_with_stdin, ServeProcess,
+    reference_chat_prompt, reference_text_prompt, repo, run_ok, run_ok_with_stdin, run_refused,
+    ServeProcess,
 };
 use serde_json::json;
 
@@ -129,10 +130,7 @@ fn demo_prompt_and_messages_match_mlx_lm_token_for_token() {
 
 /// `mference ARGS` must fail with `msg` in its stderr.
 fn refused(args: &[&str], msg: &str) {
-    let out = Command::new(BIN).args(args).output().unwrap();
-    assert!(!out.status.success(), "{args:?} accepted");
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains(msg), "{args:?}: {err}");
+    run_refused(BIN, args, msg);
 }
 
 #[test]

@@ -19,6 +19,10 @@ pub const SIDECARS: &[(&str, u64)] = &[
     ("generation_config.json", 4 << 20),
 ];
 
+/// The sidecars that turn text into token ids; an install without `tokenizer.json` runs on token
+/// ids only (`mference logits`, `mference bench`).
+pub const TOKENIZER_FILES: &[&str] = &["tokenizer.json", "tokenizer_config.json"];
+
 /// Expected source identity (a preset).
 #[derive(Clone, Debug)]
 pub struct Pin {
@@ -44,6 +48,28 @@ pub struct Checkpoint {
     pub shards: Vec<Shard>,
     /// Sidecars present in the source: (file name, size in bytes).
     pub sidecars: Vec<(String, u64)>,
+}
+
+impl Checkpoint {
+    /// The install-time warning for a checkpoint without `tokenizer.json` (the golden fixtures
+    /// ship none): it installs, but text commands will refuse it. `None` when the tokenizer is there.
+    pub fn tokenizer_warning(&self) -> Option<String> {
+        let has = |f: &str| self.sidecars.iter().any(|(n, _)| n == f);
+        if has(TOKENIZER_FILES[0]) {
+            return None;
+        }
+        let missing: Vec<&str> = TOKENIZER_FILES
+            .iter()
+            .copied()
+            .filter(|f| !has(f))
+            .collect();
+        Some(format!(
+            "the checkpoint has no tokenizer files ({} missing): the install takes token ids only \
+             (`mference logits`, `mference bench`); `run`, `perplexity` and `serve` will refuse it. \
+             Add the tokenizer files to the checkpoint and reinstall to use text",
+            missing.join(", ")
+        ))
+    }
 }
 
 fn invalid(detail: impl Into<String>) -> InstallError {

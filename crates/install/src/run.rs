@@ -84,6 +84,9 @@ pub struct InstallReport {
     /// Dry run only: what is at the output that the install would replace, continue or stop
     /// at (one sentence each, with the option that changes it).
     pub notes: Vec<String>,
+    /// What the install lacks that some commands need (a checkpoint without tokenizer files), one
+    /// sentence each; the install itself succeeds.
+    pub warnings: Vec<String>,
 }
 
 /// The paths next to an output `<out>`: `<out>.partial/`, `<out>.resume.json`,
@@ -227,6 +230,7 @@ fn install_locked(
         expert_stride: plan.layout.expert_stride,
         excluded: plan.excluded.clone(),
         notes: Vec::new(),
+        warnings: ck.tokenizer_warning().into_iter().collect(),
     };
     if opts.dry_run {
         report.notes = dry_run_notes(paths, opts);

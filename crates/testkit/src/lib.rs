@@ -20,7 +20,7 @@ use std::sync::{Mutex, OnceLock};
 
 use serde_json::Value;
 
-pub use process::{output_ok, run_ok, run_ok_with_stdin, ServeProcess};
+pub use process::{output_ok, run_ok, run_ok_with_stdin, run_refused, ServeProcess};
 
 /// Gemma 4's stop tokens (`<eos>`, `<turn|>`, `<|tool_response>`): generation ends before them and
 /// our outputs never contain them.
@@ -217,4 +217,74 @@ pub fn ref_logits(model: &Path, tokens: &[u32], work: &Path) -> (Vec<f32>, usize
     let vocab = side["vocab"].as_u64().unwrap() as usize;
     assert_eq!(v.len(), tokens.len() * vocab);
     (v, vocab)
+}
+
+/// `max|Δlogit| / max|ref logit|` over everything, and the share of rows whose argmax agrees
+/// (`[rows, vocab]` row-major both).
+pub fn compare(ours: &[f32], reference: &[f32], vocab: usize) -> (f32, f64) {
+    assert_eq!(ours.len(), reference.len());
+    let max_ref = reference.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let max_d = ours
+        .iter()
+        .zip(reference)
+        .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+    let rows = reference.len() / vocab;
+    let agree = (0..rows)
+        .filter(|&r| {
+            argmax(&ours[r * vocab..(r + 1) * vocab])
+                == argmax(&reference[r * vocab..(r + 1) * vocab])
+        })
+        .count();
+    (max_d / max_ref, agree as f64 / rows as f64)
+}
+
+/// The index of the largest value (the first one on ties).
+pub fn argmax(v: &[f32]) -> usize {
+    let mut b = 0;
+    for (i, &x) in v.iter().enumerate() {
+        if x > v[b] {
+            b = i;
+        }
+    }
+    b
+}
+
+/// A 2-D float32 NumPy file as `mference logits` writes it, read strictly by the format 1.0
+/// specification (`numpy/lib/format.py`): magic and version, a `'<f4'` C-order header with a
+/// two-entry shape, a header that ends in a newline at a 64-byte boundary, and exactly
+/// rows × cols values after it. Returns `((rows, cols), values)`; anything else fails the test.
+pub fn read_npy_f32(path: &Path) -> ((usize, usize), Vec<f32>) {
+    let b = std::fs::read(path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+    assert!(b.len() >= 10, "{}: too short for .npy", path.display());
+    assert_eq!(&b[..8], b"\x93NUMPY\x01\x00", "not a v1.0 .npy");
+    let hlen = u16::from_le_bytes([b[8], b[9]]) as usize;
+    assert_eq!((10 + hlen) % 64, 0, "data not 64-byte aligned");
+    let header = std::str::from_utf8(&b[10..10 + hlen]).expect("ASCII header");
+    assert!(header.ends_with('\n'), "header does not end in a newline");
+    let dict = header.trim_end();
+    assert!(dict.contains("'descr': '<f4'"), "dtype: {dict}");
+    assert!(dict.contains("'fortran_order': False"), "order: {dict}");
+    let shape = dict
+        .split("'shape': (")
+        .nth(1)
+        .and_then(|s| s.split(')').next())
+        .unwrap_or_else(|| panic!("no shape: {dict}"));
+    let dims: Vec<usize> = shape
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(|s| s.parse().expect("integer dimension"))
+        .collect();
+    assert_eq!(dims.len(), 2, "shape {shape} is not 2-D");
+    let data = &b[10 + hlen..];
+    assert_eq!(
+        data.len(),
+        dims[0] * dims[1] * 4,
+        "data size vs shape {dims:?}"
+    );
+    let v = data
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    ((dims[0], dims[1]), v)
 }

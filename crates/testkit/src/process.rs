@@ -33,6 +33,18 @@ pub fn run_ok(bin: &str, args: &[&str]) -> Output {
     output_ok(Command::new(bin).args(args))
 }
 
+/// Runs `bin ARGS`, which must fail with `msg` in its stderr; returns the stderr.
+pub fn run_refused(bin: &str, args: &[&str], msg: &str) -> String {
+    let out = Command::new(bin)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {bin}: {e}"));
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "{args:?} accepted: {err}");
+    assert!(err.contains(msg), "{args:?}: expected {msg:?} in: {err}");
+    err
+}
+
 /// Runs `bin ARGS` with `input` on its stdin (then closed), to completion, which must succeed
 /// (an interactive session such as `run --chat`).
 pub fn run_ok_with_stdin(bin: &str, args: &[&str], input: &str) -> Output {

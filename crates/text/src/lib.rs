@@ -38,6 +38,15 @@ pub enum TextError {
         /// The underlying I/O error.
         source: std::io::Error,
     },
+    /// The folder has no `tokenizer.json`: the install was made from a checkpoint without tokenizer
+    /// files, so it runs on token ids only.
+    #[error("no tokenizer files in {dir} ({missing} missing): the install was made from a checkpoint without them, so it cannot turn text into tokens. `mference logits` and `mference bench` take token ids and work without a tokenizer; for text, add tokenizer.json and tokenizer_config.json to the checkpoint and reinstall")]
+    NoTokenizer {
+        /// The install's tokenizer folder.
+        dir: PathBuf,
+        /// The tokenizer files that are absent, comma-separated.
+        missing: String,
+    },
     /// `tokenizer.json` exists but the `tokenizers` crate rejected it.
     #[error("cannot load tokenizer {path}: {message} (is it an HF tokenizer.json?)")]
     TokenizerLoad {

@@ -29,13 +29,26 @@ impl Tokenizer {
     /// Loads `dir/tokenizer.json` and, when present, `dir/tokenizer_config.json` (for `bos_token` and
     /// `eos_token`).
     ///
-    /// Errors: [`TextError::Io`] when `tokenizer.json` is missing, [`TextError::TokenizerLoad`] when it
-    /// is not a valid HF tokenizer, [`TextError::Json`] when `tokenizer_config.json` is not valid JSON.
+    /// Errors: [`TextError::NoTokenizer`] when `tokenizer.json` does not exist, [`TextError::Io`]
+    /// when it cannot be read, [`TextError::TokenizerLoad`] when it is not a valid HF tokenizer,
+    /// [`TextError::Json`] when `tokenizer_config.json` is not valid JSON.
     pub fn from_dir(dir: &Path) -> Result<Self, TextError> {
         let path = dir.join("tokenizer.json");
-        let bytes = std::fs::read(&path).map_err(|source| TextError::Io {
-            path: path.clone(),
-            source,
+        let bytes = std::fs::read(&path).map_err(|source| {
+            if source.kind() != std::io::ErrorKind::NotFound {
+                return TextError::Io {
+                    path: path.clone(),
+                    source,
+                };
+            }
+            let missing: Vec<&str> = ["tokenizer.json", "tokenizer_config.json"]
+                .into_iter()
+                .filter(|f| !dir.join(f).exists())
+                .collect();
+            TextError::NoTokenizer {
+                dir: dir.to_path_buf(),
+                missing: missing.join(", "),
+            }
         })?;
         let inner =
             tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| TextError::TokenizerLoad {

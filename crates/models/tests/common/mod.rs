@@ -8,8 +8,9 @@ use std::process::Command;
 
 use mference_models::{load, LoadOptions, Logits, Model, Want};
 
-/// The repository and the reference venv's python (a missing venv is a failure, never a skip).
-pub use mference_testkit::{python, ref_logits, repo};
+/// The repository and the reference venv's python (a missing venv is a failure, never a skip),
+/// the reference logits and the comparison with them.
+pub use mference_testkit::{compare, python, ref_logits, repo};
 
 pub fn run_py(script: &str, args: &[&str]) {
     mference_testkit::output_ok(
@@ -88,34 +89,6 @@ pub fn ref_greedy(model: &Path, tokens: &[u32], n: usize, work: &Path) -> Vec<u3
         .iter()
         .map(|x| x.as_u64().unwrap() as u32)
         .collect()
-}
-
-/// `max|Δlogit| / max|ref logit|` over everything, and the share of rows whose argmax agrees.
-pub fn compare(ours: &[f32], reference: &[f32], vocab: usize) -> (f32, f64) {
-    assert_eq!(ours.len(), reference.len());
-    let max_ref = reference.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-    let max_d = ours
-        .iter()
-        .zip(reference)
-        .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
-    let rows = reference.len() / vocab;
-    let agree = (0..rows)
-        .filter(|&r| {
-            argmax(&ours[r * vocab..(r + 1) * vocab])
-                == argmax(&reference[r * vocab..(r + 1) * vocab])
-        })
-        .count();
-    (max_d / max_ref, agree as f64 / rows as f64)
-}
-
-pub fn argmax(v: &[f32]) -> usize {
-    let mut b = 0;
-    for (i, &x) in v.iter().enumerate() {
-        if x > v[b] {
-            b = i;
-        }
-    }
-    b
 }
 
 pub fn opts(chunk: usize, max_context: usize) -> LoadOptions {
