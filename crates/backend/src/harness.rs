@@ -789,12 +789,28 @@ fn router_ops<B: Backend>(h: &mut Harness<B>, rng: &mut Rng, w: &TestWeights) {
             2,
         ),
     ];
-    for (scoring, pes, k) in specs {
+    // A replayed trace: distinct ids per row, not the top-k.
+    let forced: Vec<usize> = (0..t)
+        .flat_map(|r| [(3 * r) % n_exp, (3 * r + 5) % n_exp, 15 - r])
+        .collect();
+    let specs = specs.into_iter().map(|(s, p, k)| (s, p, k, None)).chain([
+        (Scoring::SoftmaxOfTopK, Some(&w.pes), 3, Some(&forced[..])),
+        (
+            Scoring::TopKOfSoftmax {
+                norm_topk_prob: true,
+            },
+            None,
+            3,
+            Some(&forced[..]),
+        ),
+    ]);
+    for (scoring, pes, k, forced) in specs {
         let spec = RouterSpec {
             scoring,
             top_k: k,
             per_expert_scale: pes,
             trace: true,
+            forced,
         };
         let r = h.be.route(&lt, &spec);
         let Some(routes) = h.ok("route", r) else {
@@ -807,7 +823,7 @@ fn router_ops<B: Backend>(h: &mut Harness<B>, rng: &mut Rng, w: &TestWeights) {
                 got[row].push((e, wt));
             }
         }
-        let name = format!("route {scoring:?} top-{k}");
+        let name = format!("route {scoring:?} top-{k} forced {}", forced.is_some());
         for (row, (g, wnt)) in got.iter().zip(&want).enumerate() {
             let ids_g: Vec<usize> = g.iter().map(|p| p.0).collect();
             let ids_w: Vec<usize> = wnt.iter().map(|p| p.0).collect();

@@ -145,6 +145,9 @@ pub struct RouterSpec<'a> {
     pub per_expert_scale: Option<&'a VRef>,
     /// Also return each row's top-k margin (parity tests' router trace).
     pub trace: bool,
+    /// `[rows, top_k]` expert ids to take instead of the top-k (a recorded routing trace replayed
+    /// in benchmarks); their weights still come from this router's scores of those ids.
+    pub forced: Option<&'a [usize]>,
 }
 
 /// The router's decision for a chunk, read back to the host to plan the expert cache.

@@ -265,7 +265,8 @@ pub fn route(
 ) -> Vec<Vec<(usize, f32)>> {
     logits
         .chunks_exact(n_exp)
-        .map(|lg| {
+        .enumerate()
+        .map(|(row, lg)| {
             let mut order: Vec<usize> = (0..n_exp).collect();
             let probs: Vec<f64> = match spec.scoring {
                 Scoring::SoftmaxOfTopK => lg.iter().map(|&x| x as f64).collect(),
@@ -273,6 +274,9 @@ pub fn route(
             };
             order.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]).then(a.cmp(&b)));
             order.truncate(spec.top_k);
+            if let Some(f) = spec.forced {
+                order = f[row * spec.top_k..(row + 1) * spec.top_k].to_vec();
+            }
             let w: Vec<f64> = match spec.scoring {
                 Scoring::SoftmaxOfTopK => {
                     softmax(&order.iter().map(|&e| lg[e]).collect::<Vec<_>>())

@@ -68,6 +68,11 @@ pub struct BenchArgs {
     /// Kernel table: auto, scalar, avx2, avx512, or avx512vnni (int8 prefill).
     #[arg(long, default_value = "auto")]
     pub kernels: String,
+    /// Replay this recorded expert routing (`.npy`, uint8 [tokens, layers, top_k], e.g.
+    /// assets/traces/gemma4-26b-a4b-routing.npy) as the routers' choice: realistic cache hit rates
+    /// on synthetic checkpoints, whose random routers pick near-uniformly.
+    #[arg(long)]
+    pub routing_trace: Option<PathBuf>,
     /// Also write the JSON document to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -132,6 +137,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             "slots": first["slots"], "threads": first["threads"], "direct_io": a.direct_io,
             "prefill_chunk": a.prefill_chunk, "ctx": a.ctx, "gen": a.gen, "decode": a.decode,
             "repeats": a.repeats, "warmup": a.warmup, "kernels": first["kernels"],
+            "routing": first["routing"],
         },
         "summary": summary,
         "runs": runs,
@@ -216,6 +222,9 @@ fn spawn_child(exe: &std::path::Path, a: &BenchArgs, n: usize) -> Result<Value> 
         .args(["--verify", &a.verify])
         .args(["--kernels", &a.kernels])
         .args(["--child", &n.to_string()]);
+    if let Some(t) = &a.routing_trace {
+        cmd.arg("--routing-trace").arg(t);
+    }
     if let Some(t) = a.threads {
         cmd.args(["--threads", &t.to_string()]);
     }
@@ -297,7 +306,8 @@ fn child(a: &BenchArgs, n: usize) -> Result<Value> {
         kv_cache: "f16".into(),
         kernels: a.kernels.clone(),
     };
-    let opts = load_options(&margs, chunk, a.ctx)?;
+    let mut opts = load_options(&margs, chunk, a.ctx)?;
+    opts.routing_trace = a.routing_trace.clone();
     let slots = match opts.slots {
         mference_runtime::CacheSlots::Fixed(k) => json!(k),
         mference_runtime::CacheSlots::Resident => json!("resident"),
@@ -391,6 +401,7 @@ fn child(a: &BenchArgs, n: usize) -> Result<Value> {
         "ctx": a.ctx,
         "decode": a.decode,
         "kernels": model.engine().kernels.name(),
+        "routing": model.engine().routing(),
     }))
 }
 
@@ -429,7 +440,7 @@ fn median_row(name: &str, runs: &[Value]) -> Value {
 fn print_table(doc: &Value) {
     let s = &doc["settings"];
     println!(
-        "model {}  slots {}  threads {}  direct-io {}  prefill-chunk {}  ctx {}  gen {}  decode {}  kernels {}  (medians of {} run(s))",
+        "model {}  slots {}  threads {}  direct-io {}  prefill-chunk {}  ctx {}  gen {}  decode {}  kernels {}  routing {}  (medians of {} run(s))",
         doc["model"].as_str().unwrap_or(""),
         s["slots"].as_str().map_or(s["slots"].to_string(), str::to_string),
         s["threads"],
@@ -439,6 +450,7 @@ fn print_table(doc: &Value) {
         s["gen"],
         s["decode"].as_str().unwrap_or(""),
         s["kernels"].as_str().unwrap_or(""),
+        s["routing"].as_str().unwrap_or(""),
         s["repeats"]
     );
     println!(

@@ -291,6 +291,7 @@ impl<B: Backend> Gemma4<B> {
                 cfg.top_k_experts.unwrap_or(0)
             )));
         }
+        engine.check_routing(cfg.num_hidden_layers, n_exp, cfg.top_k_experts.unwrap_or(0))?;
         let streamers = Streamers::new(cfg.num_hidden_layers);
         Ok(Self {
             cfg,
@@ -375,6 +376,7 @@ impl<B: Backend> Gemma4<B> {
                     top_k: cfg.top_k_experts.unwrap_or(0),
                     per_expert_scale: Some(&layer.per_expert_scale),
                     trace: self.engine.traces_router(),
+                    forced: self.engine.forced_routes(li, pos0, t).as_deref(),
                 },
             )?;
             self.engine.note_router_margins(pos0, &routes.margins);

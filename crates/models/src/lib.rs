@@ -14,7 +14,9 @@ use mference_backend::{Backend, Norm, OpError, QRef, Tensor, Unary, VRef, Weight
 use mference_format::{Install, ResidentIndex, VerifyPolicy};
 use mference_kernels::Kernels;
 use mference_runtime::streamer::IoPool;
-use mference_runtime::{CacheSlots, ExpertStreamer, KvDtype, RuntimeError, StreamerStats};
+use mference_runtime::{
+    CacheSlots, ExpertStreamer, KvDtype, RoutingTrace, RuntimeError, StreamerStats,
+};
 
 /// Errors from loading or running a model.
 #[derive(Debug, thiserror::Error)]
@@ -221,6 +223,10 @@ pub struct LoadOptions {
     /// Record each position's smallest router top-k margin (parity tests: a row that disagrees with
     /// the reference must sit on a routing near-tie to be excused).
     pub trace_router: bool,
+    /// Replay this recorded routing (`.npy`, uint8 `[tokens, layers, top_k]`) as every router's
+    /// choice of experts (benchmarks on synthetic checkpoints, whose random routers pick
+    /// near-uniformly); the weights still come from the router's scores of those experts.
+    pub routing_trace: Option<std::path::PathBuf>,
     /// Force a kernel variant by name (`scalar`, `avx2`, `avx512`); `None` = best available.
     pub kernels: Option<String>,
 }
@@ -239,6 +245,7 @@ impl Default for LoadOptions {
             kernels: None,
             kv_dtype: KvDtype::F16,
             trace_router: false,
+            routing_trace: None,
         }
     }
 }
@@ -289,6 +296,9 @@ pub struct Engine {
     pub max_context: usize,
     /// Per position, the smallest top-k margin seen by any layer's router (traced runs only).
     router_margins: Option<std::sync::Mutex<Vec<f32>>>,
+    /// Recorded routing replayed instead of the routers' top-k ([`LoadOptions::routing_trace`]).
+    routing: Option<RoutingTrace>,
+    routing_path: String,
 }
 
 impl Engine {
@@ -311,6 +321,49 @@ impl Engine {
         for (i, &v) in margins.iter().enumerate() {
             m[pos0 + i] = m[pos0 + i].min(v);
         }
+    }
+
+    /// With a routing trace loaded: the recorded expert ids of `layer` for positions
+    /// `pos0..pos0 + t` (`[t, top_k]`, the trace wrapping around at its end).
+    pub fn forced_routes(&self, layer: usize, pos0: usize, t: usize) -> Option<Vec<usize>> {
+        let tr = self.routing.as_ref()?;
+        Some(
+            (pos0..pos0 + t)
+                .flat_map(|p| tr.ids(p, layer).iter().map(|&e| e as usize))
+                .collect(),
+        )
+    }
+
+    /// Which routing runs: `"router"`, or `"trace FILE"`.
+    pub fn routing(&self) -> String {
+        match &self.routing {
+            None => "router".into(),
+            Some(_) => format!("trace {}", self.routing_path),
+        }
+    }
+
+    /// Refuses a routing trace recorded for another shape (layers, experts, experts per token).
+    pub fn check_routing(
+        &self,
+        layers: usize,
+        experts: usize,
+        top_k: usize,
+    ) -> Result<(), ModelError> {
+        let Some(t) = &self.routing else {
+            return Ok(());
+        };
+        if t.layers != layers || t.top_k != top_k || t.max_id() as usize >= experts {
+            return Err(ModelError::Config(format!(
+                "routing trace {} is [{} tokens, {} layers, top-{}] with ids up to {}; this model \
+                 has {layers} MoE layers, {experts} experts, top-{top_k}",
+                self.routing_path,
+                t.tokens,
+                t.layers,
+                t.top_k,
+                t.max_id()
+            )));
+        }
+        Ok(())
     }
 
     /// The CPU backend over this install's resident bytes.
@@ -372,6 +425,16 @@ impl Engine {
             prefill_chunk: opts.prefill_chunk,
             max_context: opts.max_context,
             router_margins: opts.trace_router.then(|| std::sync::Mutex::new(Vec::new())),
+            routing: opts
+                .routing_trace
+                .as_deref()
+                .map(RoutingTrace::open)
+                .transpose()?,
+            routing_path: opts
+                .routing_trace
+                .as_ref()
+                .map(|p| p.display().to_string())
+                .unwrap_or_default(),
         })
     }
 }

@@ -14,7 +14,7 @@ use serde::Deserialize;
 use mference_backend::Weights::Resident;
 use mference_backend::{
     f32_vector, moe, Act, AttnShape, Backend, DeltaShape, KvCache, Mlp, Norm, QRef, Rope,
-    RouterSpec, Scoring, VRef, WeightError,
+    RouterSpec, Scoring, Tensor, VRef, WeightError,
 };
 
 use crate::{check_ids, one, ChunkWant, Engine, LoadOptions, Logits, ModelError, Streamers, Want};
@@ -412,6 +412,7 @@ impl<B: Backend> Qwen35Moe<B> {
                 false => None,
             });
         }
+        engine.check_routing(cfg.num_hidden_layers, n_exp, cfg.num_experts_per_tok)?;
         let streamers = Streamers::new(cfg.num_hidden_layers);
         Ok(Self {
             rope: Rope::neox(rotated, theta),
@@ -467,7 +468,7 @@ impl<B: Backend> Qwen35Moe<B> {
                 eps,
             )?;
             let streamer = self.streamers.get(li, &self.engine)?;
-            let moe_out = sparse_moe(cfg, be, layer, streamer, &u, &self.engine, pos0)?;
+            let moe_out = sparse_moe(cfg, be, layer, streamer, &u, &self.engine, (li, pos0))?;
             be.add(&mut x, &moe_out, 1.0)?;
         }
         self.kv.len = pos0 + t;
@@ -579,7 +580,7 @@ fn sparse_moe<B: Backend>(
     streamer: &mut mference_runtime::ExpertStreamer,
     u: &B::Tensor,
     engine: &Engine,
-    pos0: usize,
+    (li, pos0): (usize, usize),
 ) -> Result<B::Tensor, ModelError> {
     let router_logits = one(be.matmul(&[&layer.gate], Resident, u)?); // [T, num_experts]
     let routes = be.route(
@@ -591,6 +592,7 @@ fn sparse_moe<B: Backend>(
             top_k: cfg.num_experts_per_tok,
             per_expert_scale: None,
             trace: engine.traces_router(),
+            forced: engine.forced_routes(li, pos0, u.rows()).as_deref(),
         },
     )?;
     engine.note_router_margins(pos0, &routes.margins);

@@ -7,14 +7,18 @@ pub mod kv;
 pub mod sampler;
 pub mod slab;
 pub mod streamer;
+pub mod trace;
 
 pub use kv::{KvDtype, KvLayer, KvRow};
 pub use sampler::{Sampler, SamplerConfig};
 pub use streamer::{CacheSlots, ExpertStreamer, StreamerStats};
+pub use trace::RoutingTrace;
 
 /// Errors raised by the runtime building blocks.
 #[derive(Debug, thiserror::Error)]
 pub enum RuntimeError {
+    #[error("routing trace {path}: {why}")]
+    Trace { path: String, why: String },
     #[error("cannot open expert file {path}: {source}")]
     OpenLayer {
         path: String,

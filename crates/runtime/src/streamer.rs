@@ -287,21 +287,28 @@ impl ExpertStreamer {
             return Ok(out);
         }
         self.clock += 1;
+        if let Some(&e) = experts.iter().find(|&&e| e >= self.experts) {
+            return Err(RuntimeError::Invalid(format!(
+                "expert {e} out of range ({} experts)",
+                self.experts
+            )));
+        }
+        // Count and pin every requested expert that is cached before choosing any victim, so a
+        // miss never evicts an expert this same request needs.
+        for &e in experts {
+            self.use_count[e] += 1;
+            self.last_used[e] = self.clock;
+            if self.slot_of[e] >= 0 {
+                self.pinned[self.slot_of[e] as usize] = true;
+            }
+        }
         let mut out = Vec::with_capacity(experts.len());
         let mut batch: Option<Arc<Batch>> = None;
         let mut misses = Vec::new();
         for &e in experts {
-            if e >= self.experts {
-                return Err(RuntimeError::Invalid(format!(
-                    "expert {e} out of range ({} experts)",
-                    self.experts
-                )));
-            }
-            self.use_count[e] += 1;
-            self.last_used[e] = self.clock;
+            // Requests hold distinct experts, so a cached one was cached before this call.
             let s = self.slot_of[e];
             if s >= 0 {
-                self.pinned[s as usize] = true;
                 self.stats.hits += 1;
                 out.push((s as usize, true));
                 continue;

@@ -561,6 +561,25 @@ impl Backend for CpuBackend {
             spec.per_expert_scale.is_none_or(|s| s.len == n_exp),
             || format!("per_expert_scale length for {n_exp} experts"),
         )?;
+        if let Some(f) = spec.forced {
+            check(
+                "route",
+                f.len() == logits.rows() * k
+                    && f.iter().all(|&e| e < n_exp)
+                    && f.chunks_exact(k)
+                        .all(|r| r.iter().enumerate().all(|(i, e)| !r[..i].contains(e))),
+                || {
+                    format!(
+                        "forced ids must be [{}, {k}] distinct ids < {n_exp}",
+                        logits.rows()
+                    )
+                },
+            )?;
+        }
+        let pick = |row: usize, scores: &[f32]| match spec.forced {
+            Some(f) => f[row * k..(row + 1) * k].to_vec(),
+            None => ops::top_k(scores, k),
+        };
         let mut experts: BTreeMap<usize, Vec<(usize, f32)>> = BTreeMap::new();
         let mut margins = Vec::new();
         let mut p = Vec::with_capacity(n_exp);
@@ -570,7 +589,7 @@ impl Backend for CpuBackend {
             }
             let chosen: Vec<(usize, f32)> = match spec.scoring {
                 Scoring::SoftmaxOfTopK => {
-                    let idx = ops::top_k(lg, k);
+                    let idx = pick(row, lg);
                     let mut w: Vec<f32> = idx.iter().map(|&e| lg[e]).collect();
                     ops::softmax(&mut w);
                     idx.into_iter().zip(w).collect()
@@ -579,7 +598,7 @@ impl Backend for CpuBackend {
                     p.clear();
                     p.extend_from_slice(lg);
                     ops::softmax(&mut p);
-                    let idx = ops::top_k(&p, k);
+                    let idx = pick(row, &p);
                     let z: f32 = if norm_topk_prob {
                         idx.iter().map(|&e| p[e]).sum()
                     } else {
