@@ -40,6 +40,13 @@ pub enum OpError {
     /// Operand shapes disagree (a bug in the caller, reported instead of a wrong result).
     #[error("op '{op}': {why}")]
     Shape { op: &'static str, why: String },
+    /// The device failed the op (a GPU backend: out of device memory, a failed launch or copy).
+    #[error("backend '{backend}' failed op '{op}': {why}")]
+    Device {
+        backend: String,
+        op: &'static str,
+        why: String,
+    },
 }
 
 /// Result of an op.

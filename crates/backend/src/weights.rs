@@ -49,6 +49,12 @@ impl QRef {
         }
     }
 
+    /// The byte ranges `(offset, len)` of the packed weights, scales and biases in their buffer
+    /// (a device backend reads its copy of that buffer at the same offsets).
+    pub fn byte_ranges(&self) -> [(usize, usize); 3] {
+        [self.w, self.s, self.b]
+    }
+
     /// A matrix `[rows, cols]` whose packed weights, scales and biases are the byte ranges
     /// `(offset, len)` `w`, `s`, `b` of a buffer of `buf_len` bytes.
     ///
@@ -192,6 +198,11 @@ impl VRef {
             off: e.file_offset as usize,
             len,
         })
+    }
+
+    /// Byte offset of element 0 in the resident buffer (a device backend reads its copy there).
+    pub fn offset(&self) -> usize {
+        self.off
     }
 
     /// Element `i` as f32.

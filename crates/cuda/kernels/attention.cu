@@ -1,0 +1,127 @@
+// RoPE, the KV cache write and causal attention over it.
+
+// Rotates the first `rotated` dims of every `head_dim` head of row r of x ([T, cols]) by position
+// pos0 + r: pair i turns by (pos0 + r) * inv_freq[i] (the angle formed in f32, as on the host),
+// cos and sin scaled by mscale. style 0: NeoX (i, i + rotated/2); 1: interleaved (2i, 2i + 1).
+extern "C" __global__ void rope(float* x, u64 t_rows, int cols, int head_dim, int rotated,
+                                int style, const float* inv_freq, int pos0, float mscale) {
+    int half = rotated / 2;
+    int heads = cols / head_dim;
+    FOR_EACH(idx, t_rows * (u64)heads * half) {
+        int i = (int)(idx % half);
+        u64 rh = idx / half;                 // row * heads + head
+        int r = (int)(rh / heads);
+        float* h = x + rh * head_dim;
+        float ang = (float)(pos0 + r) * inv_freq[i];
+        float s, c;
+        sincosf(ang, &s, &c);
+        if (mscale != 1.0f) { c *= mscale; s *= mscale; }
+        int ia = style == 0 ? i : 2 * i;
+        int ib = style == 0 ? i + half : 2 * i + 1;
+        float x1 = h[ia], x2 = h[ib];
+        h[ia] = x1 * c - x2 * s;
+        h[ib] = x1 * s + x2 * c;
+    }
+}
+
+// Row r of k and v ([T, width]) into the store row of position pos0 + r (pos % rows in a ring).
+// When a ring is shorter than the chunk, only the last writer of each store row writes, so the
+// result is the host's sequential one.
+template <typename S, typename Conv>
+__device__ void kv_write_impl(S* ks, S* vs, const float* k, const float* v, int t_rows,
+                              int width, int rows, int ring, int pos0, Conv conv) {
+    FOR_EACH(i, (u64)t_rows * width) {
+        int r = (int)(i / width), e = (int)(i % width);
+        if (ring && r + rows < t_rows) continue;
+        int pos = pos0 + r;
+        u64 row = ring ? (u64)(pos % rows) : (u64)pos;
+        ks[row * width + e] = conv(k[i]);
+        vs[row * width + e] = conv(v[i]);
+    }
+}
+
+struct ToF16 { __device__ u16 operator()(float x) const { return f32_to_f16(x); } };
+struct ToF32 { __device__ float operator()(float x) const { return x; } };
+
+extern "C" __global__ void kv_write_f16(u16* ks, u16* vs, const float* k, const float* v,
+                                        int t_rows, int width, int rows, int ring, int pos0) {
+    kv_write_impl(ks, vs, k, v, t_rows, width, rows, ring, pos0, ToF16());
+}
+
+extern "C" __global__ void kv_write_f32(float* ks, float* vs, const float* k, const float* v,
+                                        int t_rows, int width, int rows, int ring, int pos0) {
+    kv_write_impl(ks, vs, k, v, t_rows, width, rows, ring, pos0, ToF32());
+}
+
+__device__ __forceinline__ float load_kv(const u16* p, u64 i) { return f16_to_f32(p[i]); }
+__device__ __forceinline__ float load_kv(const float* p, u64 i) { return p[i]; }
+
+// Dimensions of a head one lane holds (head_dim <= 32 * ATTN_PER_LANE).
+#define ATTN_PER_LANE 16
+
+// softmax(q k^T * scale) v for one (query row, head) per warp, over the visible positions
+// lo..=p (p = pos0 + row; lo = p + 1 - window for a sliding window), in one pass with a running
+// maximum (online softmax); a sink logit starts the running sum with e^(sink - m).
+template <typename S>
+__device__ void attention_impl(const float* q, const S* ks, const S* vs, int t_rows, int nh,
+                               int nkv, int d, int rows, int ring, int pos0, int window,
+                               float scale, const float* sinks, float* out) {
+    int item = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5);
+    int lane = threadIdx.x & 31;
+    if (item >= t_rows * nh) return;
+    int r = item / nh, h = item % nh;
+    int kvh = h / (nh / nkv);
+    int p = pos0 + r;
+    int lo = window > 0 ? max(0, p + 1 - window) : 0;
+    const float* qh = q + (u64)item * d;
+    float qv[ATTN_PER_LANE], o[ATTN_PER_LANE];
+#pragma unroll
+    for (int k = 0; k < ATTN_PER_LANE; ++k) {
+        int c = lane + 32 * k;
+        qv[k] = c < d ? qh[c] : 0.0f;
+        o[k] = 0.0f;
+    }
+    float m = sinks ? sinks[h] : -F32_INF;
+    float l = sinks ? 1.0f : 0.0f;
+    for (int j = lo; j <= p; ++j) {
+        u64 row = ring ? (u64)(j % rows) : (u64)j;
+        u64 base = (row * nkv + kvh) * d;
+        float dot = 0.0f;
+#pragma unroll
+        for (int k = 0; k < ATTN_PER_LANE; ++k) {
+            int c = lane + 32 * k;
+            if (c < d) dot += qv[k] * load_kv(ks, base + c);
+        }
+        float s = warp_sum(dot) * scale;
+        float mn = fmaxf(m, s);
+        float corr = m == -F32_INF ? 0.0f : expf(m - mn);
+        float e = expf(s - mn);
+        l = l * corr + e;
+#pragma unroll
+        for (int k = 0; k < ATTN_PER_LANE; ++k) {
+            int c = lane + 32 * k;
+            if (c < d) o[k] = o[k] * corr + e * load_kv(vs, base + c);
+        }
+        m = mn;
+    }
+    float* oh = out + (u64)item * d;
+#pragma unroll
+    for (int k = 0; k < ATTN_PER_LANE; ++k) {
+        int c = lane + 32 * k;
+        if (c < d) oh[c] = o[k] / l;
+    }
+}
+
+extern "C" __global__ void attention_f16(const float* q, const u16* ks, const u16* vs,
+                                         int t_rows, int nh, int nkv, int d, int rows, int ring,
+                                         int pos0, int window, float scale, const float* sinks,
+                                         float* out) {
+    attention_impl(q, ks, vs, t_rows, nh, nkv, d, rows, ring, pos0, window, scale, sinks, out);
+}
+
+extern "C" __global__ void attention_f32(const float* q, const float* ks, const float* vs,
+                                         int t_rows, int nh, int nkv, int d, int rows, int ring,
+                                         int pos0, int window, float scale, const float* sinks,
+                                         float* out) {
+    attention_impl(q, ks, vs, t_rows, nh, nkv, d, rows, ring, pos0, window, scale, sinks, out);
+}

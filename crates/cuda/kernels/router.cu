@@ -1,0 +1,81 @@
+// The router: each row's top-k experts and their combine weights, computed on the device so
+// only ids and weights cross to the host.
+
+// f32 as an i32 in total order (Rust's f32::total_cmp).
+__device__ __forceinline__ int total_key(float v) {
+    int b = __float_as_int(v);
+    return b ^ (int)(((u32)(b >> 31)) >> 1);
+}
+
+// Largest-first order with ties to the lower index: (ka, ia) comes before (kb, ib).
+__device__ __forceinline__ bool before(int ka, int ia, int kb, int ib) {
+    return ka > kb || (ka == kb && ia < ib);
+}
+
+#define ROUTE_MAX_K 64
+
+// scoring 0: top-k of the raw logits, softmax over the k chosen (Gemma 4).
+// scoring 1: softmax over all, top-k of the probabilities, divided by their sum when norm
+// (Qwen 3.6). Each weight is then multiplied by the BF16 per-expert scale at pes_off when
+// has_pes. margins[row] = (k-th largest raw logit) - (k+1-th) when trace. One thread per row.
+extern "C" __global__ void route(const float* logits, int t_rows, int n, int k, int scoring,
+                                 int norm, const unsigned char* base, u64 pes_off, int has_pes,
+                                 int trace, u32* ids, float* weights, float* margins) {
+    int row = blockIdx.x * blockDim.x + threadIdx.x;
+    if (row >= t_rows) return;
+    const float* lg = logits + (u64)row * n;
+    float m = -F32_INF, z = 0.0f;
+    if (scoring == 1) {
+        for (int e = 0; e < n; ++e) m = fmaxf(m, lg[e]);
+        for (int e = 0; e < n; ++e) z += expf(lg[e] - m);
+    }
+    int pick[ROUTE_MAX_K];
+    int pk = 0, pi = -1;
+    for (int j = 0; j < k; ++j) {
+        int best = -1, bk = 0;
+        for (int e = 0; e < n; ++e) {
+            float p = scoring == 1 ? expf(lg[e] - m) / z : lg[e];
+            int ke = total_key(p);
+            if (j > 0 && !before(pk, pi, ke, e)) continue;
+            if (best < 0 || before(ke, e, bk, best)) { best = e; bk = ke; }
+        }
+        pick[j] = best;
+        pk = bk;
+        pi = best;
+    }
+    float w[ROUTE_MAX_K];
+    if (scoring == 0) {
+        float mm = -F32_INF, zz = 0.0f;
+        for (int j = 0; j < k; ++j) mm = fmaxf(mm, lg[pick[j]]);
+        for (int j = 0; j < k; ++j) { w[j] = expf(lg[pick[j]] - mm); zz += w[j]; }
+        for (int j = 0; j < k; ++j) w[j] /= zz;
+    } else {
+        float zz = 0.0f;
+        for (int j = 0; j < k; ++j) { w[j] = expf(lg[pick[j]] - m) / z; zz += w[j]; }
+        if (!norm) zz = 1.0f;
+        for (int j = 0; j < k; ++j) w[j] /= zz;
+    }
+    const u16* pes = (const u16*)(base + pes_off);
+    for (int j = 0; j < k; ++j) {
+        ids[(u64)row * k + j] = (u32)pick[j];
+        weights[(u64)row * k + j] = has_pes ? w[j] * bf16_to_f32(pes[pick[j]]) : w[j];
+    }
+    if (trace) {
+        // The k-th and (k+1)-th raw logits in total order.
+        float kth = 0.0f, next = F32_INF;
+        int qk = 0, qi = -1;
+        for (int j = 0; j <= k && j < n; ++j) {
+            int best = -1, bk = 0;
+            for (int e = 0; e < n; ++e) {
+                int ke = total_key(lg[e]);
+                if (j > 0 && !before(qk, qi, ke, e)) continue;
+                if (best < 0 || before(ke, e, bk, best)) { best = e; bk = ke; }
+            }
+            qk = bk;
+            qi = best;
+            if (j == k - 1) kth = lg[best];
+            if (j == k) next = lg[best];
+        }
+        margins[row] = k < n ? kth - next : F32_INF;
+    }
+}

@@ -1,0 +1,267 @@
+//! The kernels: `.cu` sources of `kernels/` compiled at startup by NVRTC into a cubin for the
+//! device's compute capability, cached on disk.
+//!
+//! A cache entry is named by the SHA-256 of everything that determines its bytes (the source,
+//! the target `sm_XY`, the NVRTC version, the driver's CUDA version, the options) and carries the
+//! SHA-256 of its own payload: a truncated or corrupt file is recompiled and rewritten, never
+//! loaded. Entries are written to a temporary file and renamed, so a reader sees a whole entry or
+//! none. A cache that cannot be read or written costs a compile, nothing else.
+
+use std::ffi::{c_char, CString};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
+use sha2::{Digest, Sha256};
+
+use crate::CudaError;
+
+/// The shared helpers, then every kernel file: one translation unit, one module.
+pub(crate) const SOURCES: [(&str, &str); 6] = [
+    ("common.cuh", include_str!("../kernels/common.cuh")),
+    ("elementwise.cu", include_str!("../kernels/elementwise.cu")),
+    ("quant.cu", include_str!("../kernels/quant.cu")),
+    ("attention.cu", include_str!("../kernels/attention.cu")),
+    ("recurrent.cu", include_str!("../kernels/recurrent.cu")),
+    ("router.cu", include_str!("../kernels/router.cu")),
+];
+
+/// NVRTC options besides the target (no fast-math: the math builtins keep their ulp bounds).
+const OPTIONS: [&str; 1] = ["--std=c++17"];
+
+const MAGIC: &[u8; 8] = b"MFCUBIN1";
+
+/// The concatenated kernel source, each file introduced by a `#line` so NVRTC's messages name it.
+pub(crate) fn source() -> String {
+    let mut s = String::new();
+    for (name, text) in SOURCES {
+        s.push_str(&format!("#line 1 \"{name}\"\n"));
+        s.push_str(text);
+        s.push('\n');
+    }
+    s
+}
+
+/// What determines a compiled image.
+pub(crate) struct Target {
+    /// `sm_90` for compute capability 9.0.
+    pub arch: String,
+    /// NVRTC `(major, minor)`.
+    pub nvrtc: (i32, i32),
+    /// `cuDriverGetVersion` (13000 for CUDA 13.0).
+    pub driver: i32,
+}
+
+/// Where the cache lives: `$XDG_CACHE_HOME/mference/cuda`, else `$HOME/.cache/mference/cuda`.
+pub fn default_cache_dir() -> Option<PathBuf> {
+    let nonempty = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty());
+    if let Some(x) = nonempty("XDG_CACHE_HOME") {
+        return Some(PathBuf::from(x).join("mference/cuda"));
+    }
+    nonempty("HOME").map(|h| PathBuf::from(h).join(".cache/mference/cuda"))
+}
+
+/// The cache file of `src` compiled for `t`.
+pub(crate) fn entry_path(dir: &Path, src: &str, t: &Target) -> PathBuf {
+    let mut h = Sha256::new();
+    h.update(b"mference-cuda kernels\0");
+    h.update(src.as_bytes());
+    h.update(
+        format!(
+            "\0{}\0nvrtc {}.{}\0driver {}\0{}",
+            t.arch,
+            t.nvrtc.0,
+            t.nvrtc.1,
+            t.driver,
+            OPTIONS.join(" ")
+        )
+        .as_bytes(),
+    );
+    dir.join(format!("{}.cubin", hex(&h.finalize())))
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// The payload of a cache entry, or `None` if it is missing, truncated or fails its checksum.
+pub(crate) fn read_entry(path: &Path) -> Option<Vec<u8>> {
+    let bytes = std::fs::read(path).ok()?;
+    let (head, payload) = bytes.split_at_checked(MAGIC.len() + 32 + 8)?;
+    let (magic, rest) = head.split_at(MAGIC.len());
+    let (sum, len) = rest.split_at(32);
+    let len = u64::from_le_bytes(len.try_into().ok()?);
+    if magic != MAGIC || len != payload.len() as u64 || Sha256::digest(payload)[..] != sum[..] {
+        return None;
+    }
+    Some(payload.to_vec())
+}
+
+/// Writes a cache entry (temporary file, then rename).
+pub(crate) fn write_entry(path: &Path, payload: &[u8]) -> std::io::Result<()> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir)?;
+    // Unique per writer (process and call), so two writers never share a temporary file.
+    static WRITES: AtomicU64 = AtomicU64::new(0);
+    let n = WRITES.fetch_add(1, Ordering::Relaxed);
+    let tmp = path.with_extension(format!("tmp{}-{n}", std::process::id()));
+    let mut f = std::fs::File::create(&tmp)?;
+    f.write_all(MAGIC)?;
+    f.write_all(&Sha256::digest(payload))?;
+    f.write_all(&(payload.len() as u64).to_le_bytes())?;
+    f.write_all(payload)?;
+    f.sync_all()?;
+    drop(f);
+    std::fs::rename(&tmp, path).inspect_err(|_| {
+        let _ = std::fs::remove_file(&tmp);
+    })
+}
+
+/// NVRTC's version.
+pub(crate) fn nvrtc_version() -> Result<(i32, i32), CudaError> {
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: both pointers are valid for one write; the caller checked the library is present.
+    unsafe { nvrtc_sys::nvrtcVersion(&mut major, &mut minor) }
+        .result()
+        .map_err(|e| CudaError::Compile {
+            arch: String::new(),
+            log: format!("nvrtcVersion: {e:?}"),
+        })?;
+    Ok((major, minor))
+}
+
+/// Compiles `src` to a cubin for `arch` (`sm_90`).
+pub(crate) fn compile_cubin(src: &str, arch: &str) -> Result<Vec<u8>, CudaError> {
+    let fail = |log: String| CudaError::Compile {
+        arch: arch.to_string(),
+        log,
+    };
+    let csrc = CString::new(src).map_err(|_| fail("the source holds a NUL byte".into()))?;
+    let prog = nvrtc::create_program(&csrc, Some(c"mference.cu"))
+        .map_err(|e| fail(format!("nvrtcCreateProgram: {e:?}")))?;
+    let mut opts: Vec<String> = vec![format!("--gpu-architecture={arch}")];
+    opts.extend(OPTIONS.iter().map(|s| s.to_string()));
+    // SAFETY: `prog` is a live program created above (with `csrc` alive until it is destroyed);
+    // the CUBIN buffer is sized by nvrtcGetCUBINSize; the program is destroyed once, at the end.
+    let out = unsafe {
+        let compiled = nvrtc::compile_program(prog, &opts);
+        let out = match compiled {
+            Err(e) => {
+                let log = nvrtc::get_program_log(prog)
+                    .map(|l| {
+                        let b: Vec<u8> =
+                            l.iter().map(|&c| c as u8).take_while(|&c| c != 0).collect();
+                        String::from_utf8_lossy(&b).into_owned()
+                    })
+                    .unwrap_or_default();
+                Err(fail(format!("{e:?}: {log}")))
+            }
+            Ok(()) => {
+                let mut n = 0usize;
+                match nvrtc_sys::nvrtcGetCUBINSize(prog, &mut n).result() {
+                    Err(e) => Err(fail(format!("nvrtcGetCUBINSize: {e:?}"))),
+                    Ok(()) => {
+                        let mut buf = vec![0u8; n];
+                        nvrtc_sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr() as *mut c_char)
+                            .result()
+                            .map(|()| buf)
+                            .map_err(|e| fail(format!("nvrtcGetCUBIN: {e:?}")))
+                    }
+                }
+            }
+        };
+        let _ = nvrtc::destroy_program(prog);
+        out
+    };
+    drop(csrc);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn target() -> Target {
+        Target {
+            arch: "sm_90".into(),
+            nvrtc: (13, 0),
+            driver: 13000,
+        }
+    }
+
+    #[test]
+    fn an_entry_reads_back_and_a_damaged_one_does_not() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = entry_path(dir.path(), "src", &target());
+        assert!(read_entry(&path).is_none(), "missing");
+        let payload: Vec<u8> = (0..1000u32).map(|i| (i * 7) as u8).collect();
+        write_entry(&path, &payload).expect("write");
+        assert_eq!(read_entry(&path).as_deref(), Some(&payload[..]));
+        let good = std::fs::read(&path).expect("read");
+        // One flipped payload byte, a flipped checksum byte, a truncation, a wrong length field.
+        for damage in 0..4 {
+            let mut b = good.clone();
+            match damage {
+                0 => *b.last_mut().expect("payload") ^= 1,
+                1 => b[MAGIC.len()] ^= 0x80,
+                2 => b.truncate(b.len() - 1),
+                _ => b[MAGIC.len() + 32] ^= 1,
+            }
+            std::fs::write(&path, &b).expect("write");
+            assert!(read_entry(&path).is_none(), "damage {damage} was accepted");
+        }
+        std::fs::write(&path, b"MFCUBIN1").expect("write");
+        assert!(read_entry(&path).is_none(), "a header alone was accepted");
+    }
+
+    #[test]
+    fn the_key_changes_with_source_arch_nvrtc_and_driver() {
+        let d = Path::new("/c");
+        let base = entry_path(d, "src", &target());
+        assert_eq!(base, entry_path(d, "src", &target()));
+        let mut others = vec![entry_path(d, "src2", &target())];
+        let mut t = target();
+        t.arch = "sm_89".into();
+        others.push(entry_path(d, "src", &t));
+        let mut t = target();
+        t.nvrtc = (13, 1);
+        others.push(entry_path(d, "src", &t));
+        let mut t = target();
+        t.driver = 13010;
+        others.push(entry_path(d, "src", &t));
+        for o in others {
+            assert_ne!(o, base);
+        }
+    }
+
+    /// NVRTC needs no GPU: where its library is on the loader path, the kernels must compile
+    /// for Hopper and define every kernel the backend loads.
+    #[test]
+    fn the_kernels_compile_where_nvrtc_is_present() {
+        // SAFETY: the probe only opens and closes the candidate libraries.
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            eprintln!("skipped the NVRTC compile: libnvrtc.so is not on the loader path");
+            return;
+        }
+        let cubin = compile_cubin(&source(), "sm_90").unwrap_or_else(|e| panic!("{e}"));
+        assert!(cubin.starts_with(b"\x7fELF"), "not an ELF cubin");
+        for k in crate::KERNELS {
+            let name = k.as_bytes();
+            assert!(
+                cubin
+                    .windows(name.len() + 1)
+                    .any(|w| &w[..name.len()] == name && w[name.len()] == 0),
+                "kernel {k} is not defined"
+            );
+        }
+    }
+
+    #[test]
+    fn every_kernel_file_is_in_the_source() {
+        let s = source();
+        for (name, text) in SOURCES {
+            assert!(s.contains(&format!("#line 1 \"{name}\"")) && s.contains(text));
+        }
+    }
+}

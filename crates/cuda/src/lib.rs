@@ -1,0 +1,1330 @@
+//! mference-cuda: the CUDA backend of the op layer (`docs/ARCHITECTURE.md`, issue 11's first
+//! slice): every op of [`mference_backend::Backend`] as a kernel or a composition of kernels,
+//! correct first, on one device and one stream.
+//!
+//! - Kernels: the `.cu` sources of `kernels/` (one translation unit), compiled at startup by
+//!   NVRTC into a cubin for the device's compute capability and cached on disk (`compile.rs`).
+//!   Only the driver (`libcuda`) and NVRTC (`libnvrtc`) are needed at run time, both loaded
+//!   dynamically: the crate builds and its tests run on a machine without CUDA.
+//! - Buffers: the resident bytes (`model_weights.bin`) are copied to the device once, and
+//!   [`QRef`] / [`VRef`] offsets index that copy, so [`Weights::Resident`] reads no host data.
+//!   [`Weights::Blob`] (an expert slot of the host streamer) is copied to a device staging buffer
+//!   on every call: this first slice has no GPU slot cache yet.
+//! - Activations are [`CudaTensor`]s (`CudaSlice<f32>` + shape), the KV cache a [`CudaKv`]
+//!   (device K and V, FP16 or FP32, ring or linear, indexed as `mference_runtime::KvLayer`),
+//!   recurrent state a [`CudaState`].
+//! - Device → host copies happen only in `read`, `all_finite`, `head_argmax` and `route`.
+
+mod compile;
+
+pub use compile::default_cache_dir;
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DriverError,
+    LaunchConfig, PushKernelArg,
+};
+use cudarc::nvrtc::Ptx;
+use mference_backend::cpu::ResidentBytes;
+use mference_backend::{
+    check, Act, AttnShape, Backend, DeltaShape, KvDtype, KvState, Mlp, Norm, OpError, OpResult,
+    QRef, Rope, RopeStyle, RouterSpec, Routes, Scoring, Tensor, Unary, VRef, Weights,
+};
+
+/// Why the CUDA backend could not start. Each names what is missing and what to do.
+#[derive(Debug, thiserror::Error)]
+pub enum CudaError {
+    /// `libcuda.so` could not be loaded.
+    #[error(
+        "no CUDA driver: libcuda.so could not be loaded (install the NVIDIA driver, or run on the CPU)"
+    )]
+    NoDriver,
+    /// `libnvrtc.so` could not be loaded.
+    #[error(
+        "no NVRTC: libnvrtc.so could not be loaded; it ships with the CUDA toolkit (for example in \
+         /usr/local/cuda/targets/x86_64-linux/lib or /usr/local/cuda/lib64): add that folder to \
+         LD_LIBRARY_PATH"
+    )]
+    NoNvrtc,
+    /// The ordinal names no device.
+    #[error("no CUDA device {ordinal}: the driver sees {count} device(s)")]
+    NoDevice { ordinal: usize, count: usize },
+    /// A driver call failed.
+    #[error("CUDA driver: {what}: {err}")]
+    Driver {
+        what: &'static str,
+        err: DriverError,
+    },
+    /// NVRTC failed (its log is included).
+    #[error("NVRTC could not compile the kernels for {arch}: {log}")]
+    Compile { arch: String, log: String },
+}
+
+fn driver(what: &'static str) -> impl FnOnce(DriverError) -> CudaError {
+    move |err| CudaError::Driver { what, err }
+}
+
+/// Activations `[rows, cols]` f32 in device memory, row-major.
+pub struct CudaTensor {
+    buf: CudaSlice<f32>,
+    rows: usize,
+    cols: usize,
+}
+
+impl Tensor for CudaTensor {
+    fn rows(&self) -> usize {
+        self.rows
+    }
+    fn cols(&self) -> usize {
+        self.cols
+    }
+}
+
+impl CudaTensor {
+    fn len(&self) -> usize {
+        self.rows * self.cols
+    }
+}
+
+/// K or V rows on the device.
+enum Store {
+    F16(CudaSlice<u16>),
+    F32(CudaSlice<f32>),
+}
+
+/// One attention layer's K and V on the device: `rows` rows of `[n_kv_heads, head_dim]`,
+/// position `p` in row `p % rows` of a ring (sliding window) or row `p` of a linear layer.
+pub struct CudaKv {
+    rows: usize,
+    ring: bool,
+    n_kv_heads: usize,
+    head_dim: usize,
+    k: Store,
+    v: Store,
+}
+
+impl CudaKv {
+    fn width(&self) -> usize {
+        self.n_kv_heads * self.head_dim
+    }
+}
+
+impl KvState for CudaKv {
+    fn rows(&self) -> usize {
+        self.rows
+    }
+    fn is_ring(&self) -> bool {
+        self.ring
+    }
+    fn bytes(&self) -> usize {
+        let elem = match self.k {
+            Store::F16(_) => 2,
+            Store::F32(_) => 4,
+        };
+        2 * self.rows * self.width() * elem
+    }
+}
+
+/// A recurrent f32 state on the device. `clone` is a device-to-device copy (it panics only if
+/// the device fails the copy, as `Clone` cannot return an error).
+#[derive(Clone)]
+pub struct CudaState {
+    buf: CudaSlice<f32>,
+}
+
+/// Every kernel of `kernels/`, loaded at startup (a missing one fails [`CudaBackend::new`]).
+const KERNELS: [&str; 24] = [
+    "all_finite",
+    "gather_rows",
+    "split_part",
+    "unary",
+    "mul_cols",
+    "mul_sigmoid",
+    "mul_silu",
+    "mul_rows_sigmoid",
+    "add_scaled",
+    "scatter_add",
+    "glu_act",
+    "rms_norm",
+    "qmatmul",
+    "qembed",
+    "argmax",
+    "rope",
+    "kv_write_f16",
+    "kv_write_f32",
+    "attention_f16",
+    "attention_f32",
+    "conv1d_silu",
+    "delta_gates",
+    "gated_delta_rule",
+    "route",
+];
+
+/// Where the kernels came from at startup.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum KernelOrigin {
+    /// Loaded from this cache entry.
+    Cached(PathBuf),
+    /// Compiled by NVRTC, then written to this entry (`None`: no cache directory, or the write
+    /// failed).
+    Compiled(Option<PathBuf>),
+}
+
+/// The attention kernel keeps 16 dimensions of a head per lane: `head_dim <= 32 * 16`.
+const ATTN_MAX_HEAD_DIM: usize = 512;
+/// Most experts per token the router kernel keeps per row.
+const ROUTE_MAX_K: usize = 64;
+/// Small constant vectors kept on the device (RoPE frequencies, attention sinks).
+const CONSTS_KEPT: usize = 64;
+
+/// A small host vector (by its bit patterns) and its device copy.
+type Constant = (Vec<u32>, Arc<CudaSlice<f32>>);
+
+/// The CUDA backend: one device, one stream, the resident bytes in device memory.
+pub struct CudaBackend {
+    stream: Arc<CudaStream>,
+    _module: Arc<CudaModule>,
+    funcs: HashMap<&'static str, CudaFunction>,
+    resident: CudaSlice<u8>,
+    /// An expert blob's device copy (grown to the largest blob seen).
+    staging: Mutex<Option<CudaSlice<u8>>>,
+    /// Host constants already uploaded, by their bit patterns.
+    consts: Mutex<Vec<Constant>>,
+    name: String,
+    origin: KernelOrigin,
+}
+
+/// Launches kernel `$k` for op `$op` with `$cfg` and the arguments (references to locals or
+/// device buffers, in the order of the kernel's parameters); an empty grid launches nothing.
+macro_rules! launch {
+    ($be:expr, $op:expr, $k:expr, $cfg:expr, $($arg:expr),+ $(,)?) => {{
+        let cfg: LaunchConfig = $cfg;
+        if cfg.grid_dim.0 == 0 || cfg.grid_dim.1 == 0 {
+            Ok(())
+        } else {
+            let mut b = $be.stream.launch_builder(&$be.funcs[$k]);
+            $( b.arg($arg); )+
+            // SAFETY: the arguments follow the kernel's parameter list in kernels/*.cu (device
+            // buffers, or their `u64` addresses, as pointers; `i32` as int, `u64` as u64, `f32`
+            // as float), and the op checked that every buffer holds what the launch's shape
+            // reads or writes.
+            unsafe { b.launch(cfg) }.map(|_| ()).map_err(|e| $be.dev($op, e))
+        }
+    }};
+}
+
+/// A 1-D grid of 256-thread blocks over `n` elements (kernels loop if the grid is capped).
+fn elems(n: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (n.div_ceil(256).min(1 << 20) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// One warp per item, 4 warps a block, `y` blocks along the grid's second axis.
+fn warps(items: usize, y: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (items.div_ceil(4) as u32, y.min(65535) as u32, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn blocks(n: usize, threads: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (n as u32, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn same_shape(op: &'static str, a: &CudaTensor, b: &CudaTensor) -> OpResult<()> {
+    check(op, a.rows == b.rows && a.cols == b.cols, || {
+        format!("[{}, {}] vs [{}, {}]", a.rows, a.cols, b.rows, b.cols)
+    })
+}
+
+impl CudaBackend {
+    /// A backend on CUDA device `device_ordinal` holding a device copy of `resident` (the
+    /// mapped `model_weights.bin`), kernels cached under [`default_cache_dir`].
+    ///
+    /// Errors: the driver or NVRTC library cannot be loaded, the ordinal names no device, a
+    /// driver call fails (e.g. out of device memory), or NVRTC fails. Never falls back to the CPU.
+    pub fn new(device_ordinal: usize, resident: ResidentBytes) -> Result<Self, CudaError> {
+        Self::with_cache(device_ordinal, resident, default_cache_dir())
+    }
+
+    /// [`CudaBackend::new`] with the kernel cache in `cache` (`None`: compile, keep nothing).
+    pub fn with_cache(
+        device_ordinal: usize,
+        resident: ResidentBytes,
+        cache: Option<PathBuf>,
+    ) -> Result<Self, CudaError> {
+        // SAFETY: the probes only open and close the candidate libraries (cudarc's loaders
+        // would panic on a missing one instead of returning an error).
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return Err(CudaError::NoDriver);
+        }
+        let count = CudaContext::device_count().map_err(driver("cuInit / cuDeviceGetCount"))?;
+        if device_ordinal >= count.max(0) as usize {
+            return Err(CudaError::NoDevice {
+                ordinal: device_ordinal,
+                count: count.max(0) as usize,
+            });
+        }
+        // SAFETY: as above.
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            return Err(CudaError::NoNvrtc);
+        }
+        let ctx = CudaContext::new(device_ordinal).map_err(driver("cuCtx (primary context)"))?;
+        // SAFETY: every buffer of this backend is allocated, used and freed on its one stream,
+        // in stream order, so the per-buffer events cudarc records for multi-stream use are
+        // not needed.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream().map_err(driver("cuStreamCreate"))?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(driver("compute capability"))?;
+        let mut driver_version = 0;
+        // SAFETY: one valid out-pointer; the driver library is loaded.
+        unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut driver_version) }
+            .result()
+            .map_err(driver("cuDriverGetVersion"))?;
+        let target = compile::Target {
+            arch: format!("sm_{major}{minor}"),
+            nvrtc: compile::nvrtc_version()?,
+            driver: driver_version,
+        };
+        let (module, origin) = load_kernels(&ctx, &target, cache)?;
+        let mut funcs = HashMap::new();
+        for k in KERNELS {
+            let f = module
+                .load_function(k)
+                .map_err(driver("cuModuleGetFunction"))?;
+            funcs.insert(k, f);
+        }
+        let resident = stream
+            .clone_htod(&resident[..])
+            .map_err(driver("copying the resident weights to the device"))?;
+        stream
+            .synchronize()
+            .map_err(driver("cuStreamSynchronize"))?;
+        let dev = ctx.name().unwrap_or_else(|_| "unknown device".into());
+        Ok(Self {
+            stream,
+            _module: module,
+            funcs,
+            resident,
+            staging: Mutex::new(None),
+            consts: Mutex::new(Vec::new()),
+            name: format!("cuda:{device_ordinal} {dev} {}", target.arch),
+            origin,
+        })
+    }
+
+    /// Where the kernels came from (cache entry or a fresh compile).
+    pub fn kernel_origin(&self) -> &KernelOrigin {
+        &self.origin
+    }
+
+    fn dev(&self, op: &'static str, e: DriverError) -> OpError {
+        OpError::Device {
+            backend: self.name.clone(),
+            op,
+            why: e.to_string(),
+        }
+    }
+
+    fn zeros_f32(&self, op: &'static str, n: usize) -> OpResult<CudaSlice<f32>> {
+        self.stream.alloc_zeros(n).map_err(|e| self.dev(op, e))
+    }
+
+    fn tensor(&self, op: &'static str, rows: usize, cols: usize) -> OpResult<CudaTensor> {
+        Ok(CudaTensor {
+            buf: self.zeros_f32(op, rows * cols)?,
+            rows,
+            cols,
+        })
+    }
+
+    fn to_device<T: cudarc::driver::DeviceRepr>(
+        &self,
+        op: &'static str,
+        v: &[T],
+    ) -> OpResult<CudaSlice<T>> {
+        self.stream.clone_htod(v).map_err(|e| self.dev(op, e))
+    }
+
+    fn to_host<T: cudarc::driver::DeviceRepr + Default + Clone>(
+        &self,
+        op: &'static str,
+        v: &CudaSlice<T>,
+    ) -> OpResult<Vec<T>> {
+        let out = self.stream.clone_dtoh(v).map_err(|e| self.dev(op, e))?;
+        self.stream.synchronize().map_err(|e| self.dev(op, e))?;
+        Ok(out)
+    }
+
+    /// A device copy of a small host constant, uploaded once per distinct value.
+    fn constant(&self, op: &'static str, v: &[f32]) -> OpResult<Arc<CudaSlice<f32>>> {
+        let key: Vec<u32> = v.iter().map(|x| x.to_bits()).collect();
+        let mut kept = self.consts.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, s)) = kept.iter().find(|(k, _)| *k == key) {
+            return Ok(s.clone());
+        }
+        let s = Arc::new(self.to_device(op, v)?);
+        if kept.len() >= CONSTS_KEPT {
+            // Frees in stream order: a queued kernel still reading it is unaffected.
+            kept.remove(0);
+        }
+        kept.push((key, s.clone()));
+        Ok(s)
+    }
+
+    /// The device address of a buffer (event tracking is off, so no guard is needed).
+    fn addr<T>(&self, s: &CudaSlice<T>) -> u64 {
+        let (p, _sync) = s.device_ptr(&self.stream);
+        p
+    }
+
+    /// The kernel for `kv`'s dtype (`f16` or `f32`) and the device addresses of its K and V.
+    fn kv_ptrs(
+        &self,
+        kv: &CudaKv,
+        f16: &'static str,
+        f32: &'static str,
+    ) -> (&'static str, u64, u64) {
+        match (&kv.k, &kv.v) {
+            (Store::F16(k), Store::F16(v)) => (f16, self.addr(k), self.addr(v)),
+            (Store::F32(k), Store::F32(v)) => (f32, self.addr(k), self.addr(v)),
+            _ => unreachable!("new_kv gives K and V one dtype"),
+        }
+    }
+
+    /// Checks a BF16 vector lies in the resident copy, 2-byte aligned; returns its offset.
+    fn vref(&self, op: &'static str, w: &VRef, len: usize) -> OpResult<u64> {
+        let off = w.offset();
+        check(
+            op,
+            w.len == len && off.is_multiple_of(2) && off + 2 * len <= self.resident.len(),
+            || {
+                format!(
+                    "a BF16 vector of {} at byte {off} for {len} values in {} resident bytes",
+                    w.len,
+                    self.resident.len()
+                )
+            },
+        )?;
+        Ok(off as u64)
+    }
+
+    /// Runs `f` on the device buffer that `src` names: the resident copy, or the staging buffer
+    /// after copying the blob into it.
+    fn with_weights<R>(
+        &self,
+        op: &'static str,
+        src: Weights,
+        f: impl FnOnce(&CudaSlice<u8>, usize) -> OpResult<R>,
+    ) -> OpResult<R> {
+        match src {
+            Weights::Resident => f(&self.resident, self.resident.len()),
+            Weights::Blob(b) => {
+                let mut g = self.staging.lock().unwrap_or_else(|e| e.into_inner());
+                if g.as_ref().is_none_or(|s| s.len() < b.len()) {
+                    *g = None; // free the smaller buffer first
+                    *g = Some(
+                        self.stream
+                            .alloc_zeros(b.len())
+                            .map_err(|e| self.dev(op, e))?,
+                    );
+                }
+                let s = g.as_mut().expect("allocated above");
+                // From pageable memory the copy is staged before this returns, and it is
+                // ordered after every queued kernel that reads the previous blob.
+                self.stream.memcpy_htod(b, s).map_err(|e| self.dev(op, e))?;
+                f(s, b.len())
+            }
+        }
+    }
+
+    /// `y[T, w.rows] = x · wᵀ` from the bytes in `buf` (`len` of them valid).
+    fn qmatmul(
+        &self,
+        op: &'static str,
+        w: &QRef,
+        buf: &CudaSlice<u8>,
+        len: usize,
+        x: &CudaTensor,
+    ) -> OpResult<CudaTensor> {
+        check(op, w.cols == x.cols, || {
+            format!("a [{}, {}] matrix for rows of {}", w.rows, w.cols, x.cols)
+        })?;
+        let [wo, so, bo] = qref_offsets(op, w, len)?;
+        let mut y = self.tensor(op, x.rows, w.rows)?;
+        let (rows, cols, bits, group, t) = (
+            w.rows as i32,
+            w.cols as i32,
+            w.bits as i32,
+            w.group_size as i32,
+            x.rows as i32,
+        );
+        launch!(
+            self,
+            op,
+            "qmatmul",
+            warps(w.rows, x.rows),
+            buf,
+            &wo,
+            &so,
+            &bo,
+            &rows,
+            &cols,
+            &bits,
+            &group,
+            &x.buf,
+            &t,
+            &mut y.buf
+        )?;
+        Ok(y)
+    }
+
+    fn rms_norm_impl(
+        &self,
+        op: &'static str,
+        x: &mut CudaTensor,
+        dim: usize,
+        norm: Norm,
+        eps: f32,
+    ) -> OpResult<()> {
+        check(op, dim > 0 && x.cols.is_multiple_of(dim), || {
+            format!("pieces of {dim} in rows of {}", x.cols)
+        })?;
+        let (mode, w_off, c) = match norm {
+            Norm::NoScale => (0i32, 0u64, 1.0f32),
+            Norm::Weight(w) => (1, self.vref(op, w, dim)?, 1.0),
+            Norm::OnePlusWeight(w) => (2, self.vref(op, w, dim)?, 1.0),
+            Norm::Scaled(c) => (3, 0, c),
+        };
+        let d = dim as i32;
+        launch!(
+            self,
+            op,
+            "rms_norm",
+            blocks(x.len() / dim, 256),
+            &mut x.buf,
+            &d,
+            &mode,
+            &self.resident,
+            &w_off,
+            &c,
+            &eps
+        )
+    }
+}
+
+/// The byte offsets of a matrix's weights, scales and biases, checked to lie in a buffer of
+/// `len` bytes at even offsets (the kernels read u16s).
+fn qref_offsets(op: &'static str, w: &QRef, len: usize) -> OpResult<[u64; 3]> {
+    let r = w.byte_ranges();
+    check(
+        op,
+        r.iter().all(|&(o, l)| o.is_multiple_of(2) && o + l <= len),
+        || format!("matrix ranges {r:?} do not lie 2-byte aligned in {len} bytes"),
+    )?;
+    Ok(r.map(|(o, _)| o as u64))
+}
+
+/// Loads the kernel module: a valid cache entry, else a fresh NVRTC compile (written back).
+fn load_kernels(
+    ctx: &Arc<CudaContext>,
+    target: &compile::Target,
+    cache: Option<PathBuf>,
+) -> Result<(Arc<CudaModule>, KernelOrigin), CudaError> {
+    let src = compile::source();
+    let entry = cache.map(|d| compile::entry_path(&d, &src, target));
+    if let Some(path) = &entry {
+        if let Some(image) = compile::read_entry(path) {
+            // A checksummed entry the driver still refuses (e.g. written by a broken
+            // compiler) is recompiled below.
+            if let Ok(m) = ctx.load_module(Ptx::from_binary(image)) {
+                return Ok((m, KernelOrigin::Cached(path.clone())));
+            }
+        }
+    }
+    let image = compile::compile_cubin(&src, &target.arch)?;
+    let m = ctx
+        .load_module(Ptx::from_binary(image.clone()))
+        .map_err(driver("cuModuleLoadData (freshly compiled kernels)"))?;
+    let written = entry.filter(|p| compile::write_entry(p, &image).is_ok());
+    Ok((m, KernelOrigin::Compiled(written)))
+}
+
+impl Backend for CudaBackend {
+    type Tensor = CudaTensor;
+    type Kv = CudaKv;
+    type State = CudaState;
+
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+
+    fn upload(&self, data: &[f32], cols: usize) -> OpResult<CudaTensor> {
+        check(
+            "upload",
+            cols > 0 && data.len().is_multiple_of(cols),
+            || format!("{} values do not fill rows of {cols}", data.len()),
+        )?;
+        Ok(CudaTensor {
+            buf: self.to_device("upload", data)?,
+            rows: data.len() / cols,
+            cols,
+        })
+    }
+
+    fn zeros(&self, rows: usize, cols: usize) -> OpResult<CudaTensor> {
+        check("zeros", cols > 0, || "zero columns".into())?;
+        self.tensor("zeros", rows, cols)
+    }
+
+    fn copy(&self, x: &CudaTensor) -> OpResult<CudaTensor> {
+        Ok(CudaTensor {
+            buf: self
+                .stream
+                .clone_dtod(&x.buf)
+                .map_err(|e| self.dev("copy", e))?,
+            rows: x.rows,
+            cols: x.cols,
+        })
+    }
+
+    fn read(&self, x: &CudaTensor) -> OpResult<Vec<f32>> {
+        self.to_host("read", &x.buf)
+    }
+
+    fn all_finite(&self, x: &CudaTensor) -> OpResult<bool> {
+        let op = "all_finite";
+        let mut flag = self
+            .stream
+            .alloc_zeros::<i32>(1)
+            .map_err(|e| self.dev(op, e))?;
+        let n = x.len() as u64;
+        launch!(
+            self,
+            op,
+            "all_finite",
+            elems(x.len()),
+            &x.buf,
+            &n,
+            &mut flag
+        )?;
+        Ok(self.to_host(op, &flag)?[0] == 0)
+    }
+
+    fn gather_rows(&self, x: &CudaTensor, rows: &[usize]) -> OpResult<CudaTensor> {
+        let op = "gather_rows";
+        check(op, rows.iter().all(|&r| r < x.rows), || {
+            format!("a row index is outside {} rows", x.rows)
+        })?;
+        let idx: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+        let idx = self.to_device(op, &idx)?;
+        let mut out = self.tensor(op, rows.len(), x.cols)?;
+        let (cols, n) = (x.cols as u64, rows.len() as u64);
+        launch!(
+            self,
+            op,
+            "gather_rows",
+            elems(out.len()),
+            &x.buf,
+            &cols,
+            &idx,
+            &n,
+            &mut out.buf
+        )?;
+        Ok(out)
+    }
+
+    fn split(&self, x: &CudaTensor, group: usize, parts: &[usize]) -> OpResult<Vec<CudaTensor>> {
+        let op = "split";
+        check(
+            op,
+            group > 0 && parts.iter().sum::<usize>() == group && x.cols.is_multiple_of(group),
+            || format!("parts {parts:?} of groups of {group} in rows of {}", x.cols),
+        )?;
+        let n_groups = (x.len() / group) as u64;
+        let per_row = x.cols / group;
+        let mut out = Vec::with_capacity(parts.len());
+        let mut off = 0usize;
+        for &p in parts {
+            let mut t = self.tensor(op, x.rows, per_row * p)?;
+            let (g, o, pp) = (group as i32, off as i32, p as i32);
+            launch!(
+                self,
+                op,
+                "split_part",
+                elems(t.len()),
+                &x.buf,
+                &n_groups,
+                &g,
+                &o,
+                &pp,
+                &mut t.buf
+            )?;
+            out.push(t);
+            off += p;
+        }
+        Ok(out)
+    }
+
+    fn embed(&self, table: &QRef, ids: &[u32], scale: Option<f32>) -> OpResult<CudaTensor> {
+        let op = "embed";
+        check(op, ids.iter().all(|&i| (i as usize) < table.rows), || {
+            format!("a token id is outside the table's {} rows", table.rows)
+        })?;
+        let [wo, so, bo] = qref_offsets(op, table, self.resident.len())?;
+        let d_ids = self.to_device(op, ids)?;
+        let mut out = self.tensor(op, ids.len(), table.cols)?;
+        let (cols, bits, group) = (
+            table.cols as i32,
+            table.bits as i32,
+            table.group_size as i32,
+        );
+        let (n, s) = (ids.len() as u64, scale.unwrap_or(1.0));
+        launch!(
+            self,
+            op,
+            "qembed",
+            elems(out.len()),
+            &self.resident,
+            &wo,
+            &so,
+            &bo,
+            &cols,
+            &bits,
+            &group,
+            &d_ids,
+            &n,
+            &s,
+            &mut out.buf
+        )?;
+        Ok(out)
+    }
+
+    fn matmul(&self, ws: &[&QRef], src: Weights, x: &CudaTensor) -> OpResult<Vec<CudaTensor>> {
+        self.with_weights("matmul", src, |buf, len| {
+            ws.iter()
+                .map(|w| self.qmatmul("matmul", w, buf, len, x))
+                .collect()
+        })
+    }
+
+    fn glu_mlp(&self, mlp: &Mlp, act: Act, src: Weights, x: &CudaTensor) -> OpResult<CudaTensor> {
+        let op = "glu_mlp";
+        check(
+            op,
+            mlp.gate_proj.cols == x.cols
+                && mlp.up_proj.cols == x.cols
+                && mlp.up_proj.rows == mlp.gate_proj.rows
+                && mlp.down_proj.cols == mlp.gate_proj.rows,
+            || format!("projections do not chain from {} columns", x.cols),
+        )?;
+        self.with_weights(op, src, |buf, len| {
+            let mut g = self.qmatmul(op, &mlp.gate_proj, buf, len, x)?;
+            let u = self.qmatmul(op, &mlp.up_proj, buf, len, x)?;
+            let (code, limit) = match act {
+                Act::GeluTanh => (0i32, 0.0f32),
+                Act::Silu => (1, 0.0),
+                Act::SiluClamped(l) => (2, l),
+            };
+            let n = g.len() as u64;
+            launch!(
+                self,
+                op,
+                "glu_act",
+                elems(g.len()),
+                &mut g.buf,
+                &u.buf,
+                &n,
+                &code,
+                &limit
+            )?;
+            self.qmatmul(op, &mlp.down_proj, buf, len, &g)
+        })
+    }
+
+    fn head_argmax(&self, w: &QRef, x: &CudaTensor) -> OpResult<(u32, f32)> {
+        let op = "head_argmax";
+        check(op, x.rows == 1 && x.cols == w.cols, || {
+            format!(
+                "expected one row of {}, got [{}, {}]",
+                w.cols, x.rows, x.cols
+            )
+        })?;
+        let logits = self.qmatmul(op, w, &self.resident, self.resident.len(), x)?;
+        let mut out = self
+            .stream
+            .alloc_zeros::<u32>(2)
+            .map_err(|e| self.dev(op, e))?;
+        let n = w.rows as i32;
+        launch!(
+            self,
+            op,
+            "argmax",
+            blocks(1, 1024),
+            &logits.buf,
+            &n,
+            &mut out
+        )?;
+        let r = self.to_host(op, &out)?;
+        Ok(if r[0] == u32::MAX {
+            (0, f32::NAN)
+        } else {
+            (r[0], f32::from_bits(r[1]))
+        })
+    }
+
+    fn rms_norm(&self, x: &mut CudaTensor, dim: usize, norm: Norm, eps: f32) -> OpResult<()> {
+        self.rms_norm_impl("rms_norm", x, dim, norm, eps)
+    }
+
+    fn rms_norm_gated(
+        &self,
+        x: &mut CudaTensor,
+        dim: usize,
+        w: &VRef,
+        z: &CudaTensor,
+        eps: f32,
+    ) -> OpResult<()> {
+        let op = "rms_norm_gated";
+        same_shape(op, x, z)?;
+        self.rms_norm_impl(op, x, dim, Norm::Weight(w), eps)?;
+        let n = x.len() as u64;
+        launch!(self, op, "mul_silu", elems(x.len()), &mut x.buf, &z.buf, &n)
+    }
+
+    fn unary(&self, x: &mut CudaTensor, op: Unary) -> OpResult<()> {
+        let (code, a, b) = match op {
+            Unary::Scale(c) => (0i32, c, 0.0f32),
+            Unary::Softcap(c) => (1, c, 0.0),
+            Unary::Clamp(lo, hi) => (2, lo, hi),
+            Unary::Silu => (3, 0.0, 0.0),
+            Unary::GeluTanh => (4, 0.0, 0.0),
+            Unary::Sigmoid => (5, 0.0, 0.0),
+        };
+        let n = x.len() as u64;
+        launch!(
+            self,
+            "unary",
+            "unary",
+            elems(x.len()),
+            &mut x.buf,
+            &n,
+            &code,
+            &a,
+            &b
+        )
+    }
+
+    fn mul_cols(&self, x: &mut CudaTensor, w: &VRef, c: f32) -> OpResult<()> {
+        let op = "mul_cols";
+        let off = self.vref(op, w, x.cols)?;
+        let (n, cols) = (x.len() as u64, x.cols as u64);
+        launch!(
+            self,
+            op,
+            "mul_cols",
+            elems(x.len()),
+            &mut x.buf,
+            &n,
+            &cols,
+            &self.resident,
+            &off,
+            &c
+        )
+    }
+
+    fn mul_sigmoid(&self, x: &mut CudaTensor, g: &CudaTensor) -> OpResult<()> {
+        let op = "mul_sigmoid";
+        same_shape(op, x, g)?;
+        let n = x.len() as u64;
+        launch!(
+            self,
+            op,
+            "mul_sigmoid",
+            elems(x.len()),
+            &mut x.buf,
+            &g.buf,
+            &n
+        )
+    }
+
+    fn mul_rows_sigmoid(&self, x: &mut CudaTensor, g: &CudaTensor) -> OpResult<()> {
+        let op = "mul_rows_sigmoid";
+        check(op, g.cols == 1 && g.rows == x.rows, || {
+            format!("gate [{}, {}] for {} rows", g.rows, g.cols, x.rows)
+        })?;
+        let (n, cols) = (x.len() as u64, x.cols as u64);
+        launch!(
+            self,
+            op,
+            "mul_rows_sigmoid",
+            elems(x.len()),
+            &mut x.buf,
+            &g.buf,
+            &n,
+            &cols
+        )
+    }
+
+    fn add(&self, x: &mut CudaTensor, y: &CudaTensor, s: f32) -> OpResult<()> {
+        let op = "add";
+        same_shape(op, x, y)?;
+        let n = x.len() as u64;
+        launch!(
+            self,
+            op,
+            "add_scaled",
+            elems(x.len()),
+            &mut x.buf,
+            &y.buf,
+            &n,
+            &s
+        )
+    }
+
+    fn scatter_add(
+        &self,
+        acc: &mut CudaTensor,
+        y: &CudaTensor,
+        rows: &[(usize, f32)],
+    ) -> OpResult<()> {
+        let op = "scatter_add";
+        let (h, n) = (acc.cols, acc.rows);
+        check(
+            op,
+            y.cols == h && y.rows == rows.len() && rows.iter().all(|&(r, _)| r < n),
+            || format!("[{}, {}] rows into [{n}, {h}]", y.rows, y.cols),
+        )?;
+        if rows.is_empty() {
+            return Ok(());
+        }
+        let idx: Vec<u32> = rows.iter().map(|&(r, _)| r as u32).collect();
+        let wts: Vec<f32> = rows.iter().map(|&(_, w)| w).collect();
+        let (idx, wts) = (self.to_device(op, &idx)?, self.to_device(op, &wts)?);
+        let (np, cols) = (rows.len() as u64, h as u64);
+        launch!(
+            self,
+            op,
+            "scatter_add",
+            elems(h),
+            &mut acc.buf,
+            &y.buf,
+            &idx,
+            &wts,
+            &np,
+            &cols
+        )
+    }
+
+    fn new_kv(
+        &self,
+        rows: usize,
+        ring: bool,
+        n_kv_heads: usize,
+        head_dim: usize,
+        dtype: KvDtype,
+    ) -> OpResult<CudaKv> {
+        let op = "new_kv";
+        let n = rows * n_kv_heads * head_dim;
+        let store = || -> OpResult<Store> {
+            Ok(match dtype {
+                KvDtype::F16 => {
+                    Store::F16(self.stream.alloc_zeros(n).map_err(|e| self.dev(op, e))?)
+                }
+                KvDtype::F32 => Store::F32(self.zeros_f32(op, n)?),
+            })
+        };
+        Ok(CudaKv {
+            rows,
+            ring,
+            n_kv_heads,
+            head_dim,
+            k: store()?,
+            v: store()?,
+        })
+    }
+
+    fn rope(&self, x: &mut CudaTensor, rope: &Rope, head_dim: usize, pos0: usize) -> OpResult<()> {
+        let op = "rope";
+        check(
+            op,
+            head_dim > 0
+                && x.cols.is_multiple_of(head_dim)
+                && rope.rotated <= head_dim
+                && rope.inv_freq.len() == rope.rotated / 2,
+            || {
+                format!(
+                    "heads of {head_dim} (rotating {}, {} frequencies) in rows of {}",
+                    rope.rotated,
+                    rope.inv_freq.len(),
+                    x.cols
+                )
+            },
+        )?;
+        if rope.inv_freq.is_empty() {
+            return Ok(());
+        }
+        let freq = self.constant(op, &rope.inv_freq)?;
+        let style = match rope.style {
+            RopeStyle::NeoX => 0i32,
+            RopeStyle::Interleaved => 1,
+        };
+        let (t, cols, hd, rot, p0) = (
+            x.rows as u64,
+            x.cols as i32,
+            head_dim as i32,
+            rope.rotated as i32,
+            pos0 as i32,
+        );
+        let n = x.rows * (x.cols / head_dim) * (rope.rotated / 2);
+        launch!(
+            self,
+            op,
+            "rope",
+            elems(n),
+            &mut x.buf,
+            &t,
+            &cols,
+            &hd,
+            &rot,
+            &style,
+            &*freq,
+            &p0,
+            &rope.mscale
+        )
+    }
+
+    fn kv_write(
+        &self,
+        kv: &mut CudaKv,
+        pos0: usize,
+        k: &CudaTensor,
+        v: &CudaTensor,
+    ) -> OpResult<()> {
+        let op = "kv_write";
+        same_shape(op, k, v)?;
+        let w = kv.width();
+        check(op, k.cols == w, || {
+            format!("rows of {} into a KV row of {w}", k.cols)
+        })?;
+        check(op, kv.ring || pos0 + k.rows <= kv.rows, || {
+            format!(
+                "positions {pos0}..{} beyond the {}-row KV cache",
+                pos0 + k.rows,
+                kv.rows
+            )
+        })?;
+        let (t, wi, rows, ring, p0) = (
+            k.rows as i32,
+            w as i32,
+            kv.rows as i32,
+            kv.ring as i32,
+            pos0 as i32,
+        );
+        let (kernel, ks, vs) = self.kv_ptrs(kv, "kv_write_f16", "kv_write_f32");
+        launch!(
+            self,
+            op,
+            kernel,
+            elems(k.len()),
+            &ks,
+            &vs,
+            &k.buf,
+            &v.buf,
+            &t,
+            &wi,
+            &rows,
+            &ring,
+            &p0
+        )
+    }
+
+    fn attention(
+        &self,
+        q: &CudaTensor,
+        kv: &CudaKv,
+        pos0: usize,
+        s: &AttnShape,
+    ) -> OpResult<CudaTensor> {
+        let op = "attention";
+        check(
+            op,
+            q.cols == s.n_heads * s.head_dim
+                && s.n_kv_heads > 0
+                && s.n_heads.is_multiple_of(s.n_kv_heads)
+                && kv.width() == s.n_kv_heads * s.head_dim
+                && s.head_dim <= ATTN_MAX_HEAD_DIM
+                && s.sinks.as_ref().is_none_or(|v| v.len() == s.n_heads),
+            || {
+                format!(
+                    "q rows of {} for {} heads of {} (at most {ATTN_MAX_HEAD_DIM}) over KV rows of {}",
+                    q.cols,
+                    s.n_heads,
+                    s.head_dim,
+                    kv.width()
+                )
+            },
+        )?;
+        check(
+            op,
+            if kv.ring {
+                s.window.is_some()
+            } else {
+                pos0 + q.rows <= kv.rows
+            },
+            || {
+                format!(
+                    "positions {pos0}..{} over a {}-row {} KV cache (window {:?})",
+                    pos0 + q.rows,
+                    kv.rows,
+                    if kv.ring { "ring" } else { "linear" },
+                    s.window
+                )
+            },
+        )?;
+        let sinks = match &s.sinks {
+            Some(v) => Some(self.constant(op, v)?),
+            None => None,
+        };
+        let sp = sinks.as_deref().map_or(0, |b| self.addr(b));
+        let mut out = self.tensor(op, q.rows, q.cols)?;
+        let (t, nh, nkv, d, rows, ring, p0, win) = (
+            q.rows as i32,
+            s.n_heads as i32,
+            s.n_kv_heads as i32,
+            s.head_dim as i32,
+            kv.rows as i32,
+            kv.ring as i32,
+            pos0 as i32,
+            s.window.unwrap_or(0) as i32,
+        );
+        let (kernel, ks, vs) = self.kv_ptrs(kv, "attention_f16", "attention_f32");
+        launch!(
+            self,
+            op,
+            kernel,
+            warps(q.rows * s.n_heads, 1),
+            &q.buf,
+            &ks,
+            &vs,
+            &t,
+            &nh,
+            &nkv,
+            &d,
+            &rows,
+            &ring,
+            &p0,
+            &win,
+            &s.scale,
+            &sp,
+            &mut out.buf
+        )?;
+        Ok(out)
+    }
+
+    fn new_state(&self, len: usize) -> OpResult<CudaState> {
+        Ok(CudaState {
+            buf: self.zeros_f32("new_state", len)?,
+        })
+    }
+
+    fn zero_state(&self, s: &mut CudaState) -> OpResult<()> {
+        self.stream
+            .memset_zeros(&mut s.buf)
+            .map_err(|e| self.dev("zero_state", e))
+    }
+
+    fn state_bytes(&self, s: &CudaState) -> usize {
+        4 * s.buf.len()
+    }
+
+    fn conv1d_silu(
+        &self,
+        x: &CudaTensor,
+        state: &mut CudaState,
+        w: &CudaTensor,
+        kernel: usize,
+    ) -> OpResult<CudaTensor> {
+        let op = "conv1d_silu";
+        let c = x.cols;
+        check(
+            op,
+            kernel >= 2 && w.len() == c * kernel && state.buf.len() == (kernel - 1) * c,
+            || format!("kernel {kernel} over {c} channels"),
+        )?;
+        let mut out = self.tensor(op, x.rows, c)?;
+        let (t, ci, ki) = (x.rows as i32, c as i32, kernel as i32);
+        launch!(
+            self,
+            op,
+            "conv1d_silu",
+            elems(c),
+            &x.buf,
+            &mut state.buf,
+            &w.buf,
+            &t,
+            &ci,
+            &ki,
+            &mut out.buf
+        )?;
+        Ok(out)
+    }
+
+    fn delta_gates(
+        &self,
+        b: &CudaTensor,
+        alpha: &CudaTensor,
+        a: &CudaTensor,
+        dt_bias: &CudaTensor,
+    ) -> OpResult<(CudaTensor, CudaTensor)> {
+        let op = "delta_gates";
+        same_shape(op, b, alpha)?;
+        let nv = b.cols;
+        check(op, a.len() == nv && dt_bias.len() == nv, || {
+            format!("a / dt_bias for {nv} heads")
+        })?;
+        let mut beta = self.tensor(op, b.rows, nv)?;
+        let mut decay = self.tensor(op, b.rows, nv)?;
+        let (n, nvi) = (b.len() as u64, nv as i32);
+        launch!(
+            self,
+            op,
+            "delta_gates",
+            elems(b.len()),
+            &b.buf,
+            &alpha.buf,
+            &a.buf,
+            &dt_bias.buf,
+            &n,
+            &nvi,
+            &mut beta.buf,
+            &mut decay.buf
+        )?;
+        Ok((beta, decay))
+    }
+
+    fn gated_delta_rule(
+        &self,
+        q: &CudaTensor,
+        k: &CudaTensor,
+        v: &CudaTensor,
+        decay: &CudaTensor,
+        beta: &CudaTensor,
+        state: &mut CudaState,
+        s: &DeltaShape,
+    ) -> OpResult<CudaTensor> {
+        let op = "gated_delta_rule";
+        let (nk, nv, dk, dv) = (s.n_k_heads, s.n_v_heads, s.head_k_dim, s.head_v_dim);
+        same_shape(op, q, k)?;
+        same_shape(op, decay, beta)?;
+        check(
+            op,
+            q.cols == nk * dk
+                && v.cols == nv * dv
+                && decay.cols == nv
+                && nk > 0
+                && nv.is_multiple_of(nk)
+                && state.buf.len() == nv * dv * dk
+                && q.rows == v.rows
+                && q.rows == decay.rows,
+            || format!("operands do not fit {s:?}"),
+        )?;
+        let mut out = self.tensor(op, q.rows, nv * dv)?;
+        let (t, nki, nvi, dki, dvi) = (q.rows as i32, nk as i32, nv as i32, dk as i32, dv as i32);
+        launch!(
+            self,
+            op,
+            "gated_delta_rule",
+            blocks(nv, 128),
+            &q.buf,
+            &k.buf,
+            &v.buf,
+            &decay.buf,
+            &beta.buf,
+            &mut state.buf,
+            &t,
+            &nki,
+            &nvi,
+            &dki,
+            &dvi,
+            &mut out.buf
+        )?;
+        Ok(out)
+    }
+
+    fn route(&self, logits: &CudaTensor, spec: &RouterSpec) -> OpResult<Routes> {
+        let op = "route";
+        let (t, n_exp, k) = (logits.rows, logits.cols, spec.top_k);
+        check(op, k > 0 && k <= n_exp && k <= ROUTE_MAX_K, || {
+            format!("top-{k} of {n_exp} experts (at most {ROUTE_MAX_K})")
+        })?;
+        let pes = match spec.per_expert_scale {
+            Some(p) => Some(self.vref(op, p, n_exp)?),
+            None => None,
+        };
+        let (scoring, norm) = match spec.scoring {
+            Scoring::SoftmaxOfTopK => (0i32, 0i32),
+            Scoring::TopKOfSoftmax { norm_topk_prob } => (1, norm_topk_prob as i32),
+        };
+        let mut ids = self
+            .stream
+            .alloc_zeros::<u32>(t * k)
+            .map_err(|e| self.dev(op, e))?;
+        let mut wts = self.zeros_f32(op, t * k)?;
+        let mut margins = self.zeros_f32(op, t.max(1))?;
+        let (ti, ni, ki) = (t as i32, n_exp as i32, k as i32);
+        let (pes_off, has_pes, trace) = (pes.unwrap_or(0), pes.is_some() as i32, spec.trace as i32);
+        launch!(
+            self,
+            op,
+            "route",
+            LaunchConfig {
+                grid_dim: (t.div_ceil(128) as u32, 1, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            },
+            &logits.buf,
+            &ti,
+            &ni,
+            &ki,
+            &scoring,
+            &norm,
+            &self.resident,
+            &pes_off,
+            &has_pes,
+            &trace,
+            &mut ids,
+            &mut wts,
+            &mut margins
+        )?;
+        let ids = self.to_host(op, &ids)?;
+        let wts = self.to_host(op, &wts)?;
+        let mut experts: BTreeMap<usize, Vec<(usize, f32)>> = BTreeMap::new();
+        for (row, (ri, rw)) in ids.chunks_exact(k).zip(wts.chunks_exact(k)).enumerate() {
+            for (&e, &w) in ri.iter().zip(rw) {
+                experts.entry(e as usize).or_default().push((row, w));
+            }
+        }
+        let margins = if spec.trace {
+            let mut m = self.to_host(op, &margins)?;
+            m.truncate(t);
+            m
+        } else {
+            Vec::new()
+        };
+        Ok(Routes { experts, margins })
+    }
+}

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The CUDA backend's tests on a GPU machine: the op harness and model-sized shapes on device 0,
+# the kernel cache, the NVRTC compile. Needs the NVIDIA driver and libnvrtc (CUDA 13); NVRTC is
+# often outside the loader path, so the toolkit's usual folders are added when they exist.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+for d in /usr/local/cuda/targets/x86_64-linux/lib /usr/local/cuda/lib64; do
+  if [ -d "$d" ]; then export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"; fi
+done
+cargo test --release -p mference-cuda "$@" -- --nocapture
