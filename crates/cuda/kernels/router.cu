@@ -17,10 +17,13 @@ __device__ __forceinline__ bool before(int ka, int ia, int kb, int ib) {
 // scoring 0: top-k of the raw logits, softmax over the k chosen (Gemma 4).
 // scoring 1: softmax over all, top-k of the probabilities, divided by their sum when norm
 // (Qwen 3.6). Each weight is then multiplied by the BF16 per-expert scale at pes_off when
-// has_pes. margins[row] = (k-th largest raw logit) - (k+1-th) when trace. One thread per row.
+// has_pes. margins[row] = (k-th largest raw logit) - (k+1-th) when trace. With has_forced, the
+// ids are forced[row * k ..] (a replayed routing trace) instead of the top-k, weighted by the
+// same scoring. One thread per row.
 extern "C" __global__ void route(const float* logits, int t_rows, int n, int k, int scoring,
                                  int norm, const unsigned char* base, u64 pes_off, int has_pes,
-                                 int trace, u32* ids, float* weights, float* margins) {
+                                 int trace, const u32* forced, int has_forced, u32* ids,
+                                 float* weights, float* margins) {
     int row = blockIdx.x * blockDim.x + threadIdx.x;
     if (row >= t_rows) return;
     const float* lg = logits + (u64)row * n;
@@ -32,6 +35,10 @@ extern "C" __global__ void route(const float* logits, int t_rows, int n, int k, 
     int pick[ROUTE_MAX_K];
     int pk = 0, pi = -1;
     for (int j = 0; j < k; ++j) {
+        if (has_forced) {
+            pick[j] = (int)forced[(u64)row * k + j];
+            continue;
+        }
         int best = -1, bk = 0;
         for (int e = 0; e < n; ++e) {
             float p = scoring == 1 ? expf(lg[e] - m) / z : lg[e];

@@ -1275,6 +1275,25 @@ impl Backend for CudaBackend {
             Some(p) => Some(self.vref(op, p, n_exp)?),
             None => None,
         };
+        if let Some(f) = spec.forced {
+            check(
+                op,
+                f.len() == t * k
+                    && f.iter().all(|&e| e < n_exp)
+                    && f.chunks_exact(k)
+                        .all(|r| r.iter().enumerate().all(|(i, e)| !r[..i].contains(e))),
+                || format!("forced ids must be [{t}, {k}] distinct ids < {n_exp}"),
+            )?;
+        }
+        let forced_ids: Vec<u32> = match spec.forced {
+            Some(f) => f.iter().map(|&e| e as u32).collect(),
+            None => vec![0],
+        };
+        let forced = self
+            .stream
+            .clone_htod(&forced_ids)
+            .map_err(|e| self.dev(op, e))?;
+        let has_forced = spec.forced.is_some() as i32;
         let (scoring, norm) = match spec.scoring {
             Scoring::SoftmaxOfTopK => (0i32, 0i32),
             Scoring::TopKOfSoftmax { norm_topk_prob } => (1, norm_topk_prob as i32),
@@ -1306,6 +1325,8 @@ impl Backend for CudaBackend {
             &pes_off,
             &has_pes,
             &trace,
+            &forced,
+            &has_forced,
             &mut ids,
             &mut wts,
             &mut margins

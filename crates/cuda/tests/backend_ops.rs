@@ -273,6 +273,7 @@ fn model_sized_shapes_match_the_reference() {
         ),
     ] {
         let spec = RouterSpec {
+            forced: None,
             scoring,
             top_k: k,
             per_expert_scale: pes,
