@@ -15,11 +15,13 @@ use std::path::{Path, PathBuf};
 /// Integrity policy at load.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum VerifyPolicy {
-    /// Hash `manifest.json`, `model_weights.bin`, `layout.json` at open, and each layer file
-    /// on first use ([`Install::check_layer_file`]). The default.
+    /// Hash `manifest.json`, `model_weights.bin`, `layout.json` and every file under
+    /// `tokenizer/` (tokenizer, chat template, config) at open, and each layer file on first use
+    /// ([`Install::check_layer_file`]). The default.
     FullSha256,
-    /// Hash the same three files at open, require a receipt bound to this directory and
-    /// manifest, and check only the sizes of layer files.
+    /// Hash `manifest.json`, `model_weights.bin` and `layout.json` at open, require a receipt
+    /// bound to this directory and manifest, and check only the sizes of the layer files and the
+    /// `tokenizer/` files.
     TrustedReceipt,
 }
 
@@ -128,6 +130,18 @@ impl Install {
         }
         for rel in [WEIGHTS_FILE, LAYOUT_FILE] {
             check_sha(&dir, rel, &manifest.files[rel].sha256)?;
+        }
+        // The text side (tokenizer, chat template, config) is read from these files: under the
+        // default policy a same-size edit must not change tokenization silently.
+        if opts.policy == VerifyPolicy::FullSha256 {
+            let prefix = format!("{TOKENIZER_DIR}/");
+            for (rel, entry) in manifest
+                .files
+                .iter()
+                .filter(|(r, _)| r.starts_with(&prefix))
+            {
+                check_sha(&dir, rel, &entry.sha256)?;
+            }
         }
         let bound = opts.bound_dir.clone().unwrap_or_else(|| dir.clone());
         let receipt_path = dir.join(RECEIPT_FILE);

@@ -115,3 +115,31 @@ fn non_finite_weights_end_the_forward_pass_with_an_error() {
         );
     }
 }
+
+/// A same-size edit of a tokenizer file (the text side reads it) is refused at load under the
+/// default policy, naming the file; `trusted-receipt` checks its size only (documented).
+#[test]
+fn a_same_size_edit_of_tokenizer_json_is_refused_under_full_sha256() {
+    let (_w, inst) = fresh_install("tok");
+    let path = inst.join("tokenizer/tokenizer.json");
+    let mut bytes = std::fs::read(&path).unwrap();
+    let at = bytes
+        .iter()
+        .rposition(|&b| b == b'a')
+        .expect("an 'a' to change");
+    bytes[at] = b'b';
+    std::fs::write(&path, bytes).unwrap();
+    let msg = err_text(load(&inst, &opts(128, 512)));
+    assert!(
+        msg.contains("tokenizer/tokenizer.json") && msg.contains("SHA-256"),
+        "{msg}"
+    );
+    let trusted = mference_models::LoadOptions {
+        verify: mference_format::VerifyPolicy::TrustedReceipt,
+        ..opts(128, 512)
+    };
+    assert!(
+        load(&inst, &trusted).is_ok(),
+        "trusted-receipt checks sizes only"
+    );
+}
