@@ -68,6 +68,9 @@ pub struct BenchArgs {
     /// Kernel table: auto, scalar, avx2, avx512, or avx512vnni (int8 prefill).
     #[arg(long, default_value = "auto")]
     pub kernels: String,
+    /// Where the ops run: cpu, cuda, cuda:N, or auto.
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
     /// Replay this recorded expert routing (`.npy`, uint8 [tokens, layers, top_k], e.g.
     /// assets/traces/gemma4-26b-a4b-routing.npy) as the routers' choice: realistic cache hit rates
     /// on synthetic checkpoints, whose random routers pick near-uniformly.
@@ -137,7 +140,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             "slots": first["slots"], "threads": first["threads"], "direct_io": a.direct_io,
             "prefill_chunk": a.prefill_chunk, "ctx": a.ctx, "gen": a.gen, "decode": a.decode,
             "repeats": a.repeats, "warmup": a.warmup, "kernels": first["kernels"],
-            "routing": first["routing"],
+            "routing": first["routing"], "device": first["device"],
         },
         "summary": summary,
         "runs": runs,
@@ -221,6 +224,7 @@ fn spawn_child(exe: &std::path::Path, a: &BenchArgs, n: usize) -> Result<Value> 
         .args(["--decode", &a.decode])
         .args(["--verify", &a.verify])
         .args(["--kernels", &a.kernels])
+        .args(["--device", &a.device])
         .args(["--child", &n.to_string()]);
     if let Some(t) = &a.routing_trace {
         cmd.arg("--routing-trace").arg(t);
@@ -305,6 +309,7 @@ fn child(a: &BenchArgs, n: usize) -> Result<Value> {
         threads: a.threads,
         kv_cache: "f16".into(),
         kernels: a.kernels.clone(),
+        device: a.device.clone(),
     };
     let mut opts = load_options(&margs, chunk, a.ctx)?;
     opts.routing_trace = a.routing_trace.clone();
@@ -402,6 +407,7 @@ fn child(a: &BenchArgs, n: usize) -> Result<Value> {
         "decode": a.decode,
         "kernels": model.engine().kernels.name(),
         "routing": model.engine().routing(),
+        "device": model.engine().device,
     }))
 }
 
@@ -440,7 +446,7 @@ fn median_row(name: &str, runs: &[Value]) -> Value {
 fn print_table(doc: &Value) {
     let s = &doc["settings"];
     println!(
-        "model {}  slots {}  threads {}  direct-io {}  prefill-chunk {}  ctx {}  gen {}  decode {}  kernels {}  routing {}  (medians of {} run(s))",
+        "model {}  slots {}  threads {}  direct-io {}  prefill-chunk {}  ctx {}  gen {}  decode {}  kernels {}  routing {}  device {}  (medians of {} run(s))",
         doc["model"].as_str().unwrap_or(""),
         s["slots"].as_str().map_or(s["slots"].to_string(), str::to_string),
         s["threads"],
@@ -451,6 +457,7 @@ fn print_table(doc: &Value) {
         s["decode"].as_str().unwrap_or(""),
         s["kernels"].as_str().unwrap_or(""),
         s["routing"].as_str().unwrap_or(""),
+        s["device"].as_str().unwrap_or(""),
         s["repeats"]
     );
     println!(

@@ -173,11 +173,12 @@ pub fn logits(a: LogitsArgs) -> Result<()> {
     }
     mference_install::journal::write_atomic(&a.out, &npy_bytes(ids.len(), vocab, &rows))?;
     eprintln!(
-        "[wrote {}: {} x {vocab} float32 logits, mode {}, kernels {}, {:.2}s]",
+        "[wrote {}: {} x {vocab} float32 logits, mode {}, kernels {}, device {}, {:.2}s]",
         a.out.display(),
         ids.len(),
         a.mode,
         model.engine().kernels.name(),
+        model.engine().device,
         t0.elapsed().as_secs_f64()
     );
     Ok(())

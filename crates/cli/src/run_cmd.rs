@@ -42,6 +42,11 @@ pub struct ModelArgs {
     /// the bundled models; decode unchanged).
     #[arg(long, default_value = "auto")]
     pub kernels: String,
+    /// Where the ops run: cpu, cuda, cuda:N, or auto (the first CUDA device when a driver and
+    /// NVRTC are present, else the CPU). The CUDA backend is a first slice: every op on the GPU,
+    /// expert blobs copied to it per use (no GPU expert cache yet).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
 }
 
 /// `mference run`.
@@ -360,6 +365,7 @@ pub(crate) fn load_options(
         verify,
         kernels: kernels(&m.kernels)?,
         kv_dtype: KvDtype::parse(&m.kv_cache).map_err(anyhow::Error::msg)?,
+        device: mference_models::Device::parse(&m.device).map_err(anyhow::Error::msg)?,
         ..Default::default()
     };
     if let Some(t) = m.threads {
@@ -572,11 +578,10 @@ pub fn run(a: RunArgs) -> Result<()> {
     )?;
     if !a.quiet {
         eprintln!(
-            "[loaded {} (tokenizer, checks, weights) in {:.2}s, kernels {}, {} threads]",
+            "[loaded {} (tokenizer, checks, weights) in {:.2}s, device {}]",
             a.model.model.display(),
             t0.elapsed().as_secs_f64(),
-            model.engine().kernels.name(),
-            model.engine().threads
+            model.engine().device,
         );
     }
     let stdout = std::io::stdout();
@@ -735,13 +740,14 @@ pub fn perplexity(a: PerplexityArgs) -> Result<()> {
     }
     println!("perplexity: {:.4}", (nll / count as f64).exp());
     eprintln!(
-        "[{} chunks of {}, {} scored tokens, mean NLL {:.6}, {:.1}s, kernels {}]",
+        "[{} chunks of {}, {} scored tokens, mean NLL {:.6}, {:.1}s, kernels {}, device {}]",
         chunks,
         a.ctx,
         count,
         nll / count as f64,
         t0.elapsed().as_secs_f64(),
-        model.engine().kernels.name()
+        model.engine().kernels.name(),
+        model.engine().device
     );
     Ok(())
 }

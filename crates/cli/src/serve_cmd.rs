@@ -86,6 +86,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     let t0 = Instant::now();
     let model = mference_models::load(&a.model.model, &opts)?;
     let loaded = t0.elapsed().as_secs_f64();
+    eprintln!("[model on {}]", model.engine().device);
     let cfg = ServerConfig {
         model_id: model_id.clone(),
         queue_limit: a.queue_limit,

@@ -245,3 +245,62 @@ fn bad_ids_modes_and_outputs_are_refused_and_nothing_is_written() {
         "is a checkpoint, not an install",
     );
 }
+
+/// `--device`: a bad value is refused; `auto` always runs and names its backend; `cuda` either
+/// runs on a GPU and says so, or fails naming what is missing (CI has no GPU) — never a silent CPU.
+#[test]
+fn the_device_flag_names_its_backend_and_never_falls_back_silently() {
+    let work = tempfile::tempdir().unwrap();
+    let ids = write_ids(work.path(), &[2, 651, 1178, 563]);
+    let out = work.path().join("l.npy");
+    let args = |device: &'static str| -> Vec<String> {
+        [
+            "logits",
+            "--model",
+            demo_install().to_str().unwrap(),
+            "--ids",
+            ids.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+            "--device",
+            device,
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
+    };
+    fn refs(v: &[String]) -> Vec<&str> {
+        v.iter().map(String::as_str).collect()
+    }
+    let argv = |d| args(d);
+    run_refused(
+        BIN,
+        &refs(&argv("gpu")),
+        "allowed values are cpu, cuda, cuda:N, auto",
+    );
+    let auto = run_ok(BIN, &refs(&argv("auto")));
+    let said = String::from_utf8_lossy(&auto.stderr).into_owned();
+    assert!(
+        said.contains("device cpu ") || said.contains("device cuda:0 "),
+        "{said}"
+    );
+    let cuda = std::process::Command::new(BIN)
+        .args(refs(&argv("cuda")))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&cuda.stderr).into_owned();
+    if cuda.status.success() {
+        assert!(err.contains("device cuda:0"), "{err}");
+    } else {
+        assert!(
+            err.contains("no CUDA driver")
+                || err.contains("no NVRTC")
+                || err.contains("no CUDA device"),
+            "{err}"
+        );
+        assert!(
+            said.contains("device cpu "),
+            "auto without CUDA runs on the CPU: {said}"
+        );
+    }
+}

@@ -63,6 +63,17 @@ pub enum CudaError {
     Compile { arch: String, log: String },
 }
 
+impl CudaError {
+    /// Whether CUDA is simply not there (no driver, no NVRTC, no device), as opposed to failing:
+    /// `--device auto` then runs on the CPU.
+    pub fn is_unavailable(&self) -> bool {
+        matches!(
+            self,
+            Self::NoDriver | Self::NoNvrtc | Self::NoDevice { count: 0, .. }
+        )
+    }
+}
+
 fn driver(what: &'static str) -> impl FnOnce(DriverError) -> CudaError {
     move |err| CudaError::Driver { what, err }
 }

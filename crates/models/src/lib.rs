@@ -31,6 +31,8 @@ pub enum ModelError {
     Op(#[from] OpError),
     #[error("config: {0}")]
     Config(String),
+    #[error("device: {0}")]
+    Device(String),
     #[error("unsupported family '{0}' (this build runs: gemma4, qwen3_5_moe)")]
     Family(String),
     #[error("input: {0}")]
@@ -206,6 +208,35 @@ pub(crate) fn check_ids(tokens: &[u32], vocab: usize) -> Result<(), ModelError> 
     }
 }
 
+/// Where the model's ops run (`--device`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Device {
+    #[default]
+    Cpu,
+    /// CUDA device `n` (`cuda` = `cuda:0`).
+    Cuda(usize),
+    /// The first CUDA device when a driver and NVRTC are present, else the CPU.
+    Auto,
+}
+
+impl Device {
+    /// Parses `cpu|cuda|cuda:N|auto`.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s {
+            "cpu" => Ok(Self::Cpu),
+            "cuda" => Ok(Self::Cuda(0)),
+            "auto" => Ok(Self::Auto),
+            _ => s
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(Self::Cuda)
+                .ok_or_else(|| {
+                    format!("invalid device '{s}': allowed values are cpu, cuda, cuda:N, auto")
+                }),
+        }
+    }
+}
+
 /// Settings fixed at load.
 #[derive(Clone, Debug)]
 pub struct LoadOptions {
@@ -227,6 +258,8 @@ pub struct LoadOptions {
     /// choice of experts (benchmarks on synthetic checkpoints, whose random routers pick
     /// near-uniformly); the weights still come from the router's scores of those experts.
     pub routing_trace: Option<std::path::PathBuf>,
+    /// Where the ops run.
+    pub device: Device,
     /// Force a kernel variant by name (`scalar`, `avx2`, `avx512`); `None` = best available.
     pub kernels: Option<String>,
 }
@@ -246,6 +279,7 @@ impl Default for LoadOptions {
             kv_dtype: KvDtype::F16,
             trace_router: false,
             routing_trace: None,
+            device: Device::Cpu,
         }
     }
 }
@@ -289,6 +323,8 @@ pub struct Engine {
     pub kernels: &'static Kernels,
     /// Worker threads of the backend (the caller included).
     pub threads: usize,
+    /// The backend the model runs on, as it names itself (`cpu avx512 x2`, `cuda:0 NVIDIA H200 sm_90`).
+    pub device: String,
     pub io: Arc<IoPool>,
     pub slots: CacheSlots,
     pub direct_io: bool,
@@ -419,6 +455,7 @@ impl Engine {
             index,
             kernels,
             threads: opts.threads.max(1),
+            device: String::new(),
             io: IoPool::new(4),
             slots: opts.slots,
             direct_io: opts.direct_io,
@@ -494,17 +531,53 @@ pub fn load(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn Model>, ModelError
         .and_then(|v| v.as_str())
         .unwrap_or("")
         .to_string();
-    match model_type.as_str() {
-        "gemma4" | "gemma4_text" => {
-            let cfg = gemma4::Config::from_config_json(&install.config_json)?;
-            let engine = Engine::new(install, opts)?;
+    if !matches!(
+        model_type.as_str(),
+        "gemma4" | "gemma4_text" | "qwen3_5_moe" | "qwen3_5_moe_text"
+    ) {
+        return Err(ModelError::Family(model_type));
+    }
+    let engine = Engine::new(install, opts)?;
+    let cuda = |n: usize, engine: &Engine| {
+        mference_cuda::CudaBackend::new(n, engine.map.clone())
+            .map_err(|e| ModelError::Device(format!("cuda:{n}: {e}")))
+    };
+    match opts.device {
+        Device::Cpu => {
             let be = engine.cpu_backend();
+            load_family(&model_type, engine, be, opts)
+        }
+        Device::Cuda(n) => {
+            let be = cuda(n, &engine)?;
+            load_family(&model_type, engine, be, opts)
+        }
+        Device::Auto => match mference_cuda::CudaBackend::new(0, engine.map.clone()) {
+            Ok(be) => load_family(&model_type, engine, be, opts),
+            Err(e) if e.is_unavailable() => {
+                let be = engine.cpu_backend();
+                load_family(&model_type, engine, be, opts)
+            }
+            Err(e) => Err(ModelError::Device(format!("cuda:0: {e}"))),
+        },
+    }
+}
+
+/// The family registry: `model_type` → the family's loader, on backend `be`.
+fn load_family<B: Backend + 'static>(
+    model_type: &str,
+    mut engine: Engine,
+    be: B,
+    opts: &LoadOptions,
+) -> Result<Box<dyn Model>, ModelError> {
+    engine.device = be.name();
+    let config = &engine.install.config_json;
+    match model_type {
+        "gemma4" | "gemma4_text" => {
+            let cfg = gemma4::Config::from_config_json(config)?;
             Ok(Box::new(gemma4::Gemma4::load(engine, be, cfg, opts)?))
         }
         "qwen3_5_moe" | "qwen3_5_moe_text" => {
-            let cfg = qwen3_5_moe::Config::from_config_json(&install.config_json)?;
-            let engine = Engine::new(install, opts)?;
-            let be = engine.cpu_backend();
+            let cfg = qwen3_5_moe::Config::from_config_json(config)?;
             Ok(Box::new(qwen3_5_moe::Qwen35Moe::load(
                 engine, be, cfg, opts,
             )?))
