@@ -740,14 +740,14 @@ pub fn perplexity(a: PerplexityArgs) -> Result<()> {
     }
     println!("perplexity: {:.4}", (nll / count as f64).exp());
     eprintln!(
-        "[{} chunks of {}, {} scored tokens, mean NLL {:.6}, {:.1}s, kernels {}, device {}]",
+        "[{} chunks of {}, {} scored tokens, mean NLL {:.6}, {:.1}s, device {}, kernels {}]",
         chunks,
         a.ctx,
         count,
         nll / count as f64,
         t0.elapsed().as_secs_f64(),
-        model.engine().kernels.name(),
-        model.engine().device
+        model.engine().device,
+        model.engine().kernels.name()
     );
     Ok(())
 }
