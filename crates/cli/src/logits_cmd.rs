@@ -124,15 +124,40 @@ pub fn logits(a: LogitsArgs) -> Result<()> {
             );
         }
     }
-    if let Some(parent) = a.out.parent().filter(|p| !p.as_os_str().is_empty()) {
-        if !parent.is_dir() {
+    let out_dir = match a.out.parent().filter(|p| !p.as_os_str().is_empty()) {
+        Some(parent) => parent.to_path_buf(),
+        None => PathBuf::from("."),
+    };
+    if !out_dir.is_dir() {
+        bail!(
+            "--out {}: {} is not a directory",
+            a.out.display(),
+            out_dir.display()
+        );
+    }
+    // The output replaces a regular file or nothing: never a device, a directory or a symlink.
+    if let Ok(m) = std::fs::symlink_metadata(&a.out) {
+        if !m.file_type().is_file() {
             bail!(
-                "--out {}: {} is not a directory",
-                a.out.display(),
-                parent.display()
+                "--out {} exists and is not a regular file (a directory, device or symlink): \
+                 choose a new path",
+                a.out.display()
             );
         }
     }
+    // A temporary file of its own in the output's directory, made before any compute (so an
+    // unwritable directory fails now), removed if anything fails, renamed into place at the end.
+    let mut tmp = tempfile::Builder::new()
+        .prefix(".mference-logits-")
+        .suffix(".tmp")
+        .tempfile_in(&out_dir)
+        .map_err(|e| {
+            anyhow::anyhow!(
+                "--out {}: cannot write in {}: {e}",
+                a.out.display(),
+                dir.display()
+            )
+        })?;
     let chunk = match mode {
         Mode::Prefill => ids.len(),
         Mode::Decode => 1,
@@ -171,7 +196,17 @@ pub fn logits(a: LogitsArgs) -> Result<()> {
             ids.len()
         );
     }
-    mference_install::journal::write_atomic(&a.out, &npy_bytes(ids.len(), vocab, &rows))?;
+    {
+        use std::io::Write;
+        let f = tmp.as_file_mut();
+        use std::os::unix::fs::PermissionsExt;
+        f.write_all(&npy_bytes(ids.len(), vocab, &rows))
+            .and_then(|_| f.set_permissions(std::fs::Permissions::from_mode(0o644)))
+            .and_then(|_| f.sync_all())
+            .map_err(|e| anyhow::anyhow!("writing {}: {e}", a.out.display()))?;
+    }
+    tmp.persist(&a.out)
+        .map_err(|e| anyhow::anyhow!("cannot rename into {}: {}", a.out.display(), e.error))?;
     eprintln!(
         "[wrote {}: {} x {vocab} float32 logits, mode {}, kernels {}, device {}, {:.2}s]",
         a.out.display(),

@@ -244,6 +244,39 @@ fn bad_ids_modes_and_outputs_are_refused_and_nothing_is_written() {
         ],
         "is a checkpoint, not an install",
     );
+    // An existing directory, device or symlink at --out is refused and left as it was; a
+    // successful write leaves no temporary file and a readable .npy.
+    let adir = work.path().join("adir");
+    std::fs::create_dir(&adir).unwrap();
+    let link = work.path().join("link.npy");
+    std::os::unix::fs::symlink(work.path().join("target.npy"), &link).unwrap();
+    for target in [adir.as_path(), link.as_path(), Path::new("/dev/null")] {
+        let t = target.to_str().unwrap();
+        run_refused(
+            BIN,
+            &["logits", "--model", m, "--ids", i, "--out", t],
+            "is not a regular file",
+        );
+    }
+    assert!(
+        adir.is_dir()
+            && std::fs::symlink_metadata(&link)
+                .unwrap()
+                .file_type()
+                .is_symlink()
+    );
+    run_ok(BIN, &["logits", "--model", m, "--ids", i, "--out", o]);
+    let left: Vec<_> = std::fs::read_dir(work.path())
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".tmp"))
+        .collect();
+    assert!(left.is_empty(), "temporary files left: {left:?}");
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(
+        std::fs::metadata(&out).unwrap().permissions().mode() & 0o777,
+        0o644
+    );
 }
 
 /// `--device`: a bad value is refused; `auto` always runs and names its backend; `cuda` either

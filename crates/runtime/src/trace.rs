@@ -78,11 +78,25 @@ impl RoutingTrace {
             .checked_mul(layers)
             .and_then(|v| v.checked_mul(top_k))
             .ok_or("shape overflows")?;
-        if n == 0 || data.len() != n {
+        if n == 0 {
+            return Err(format!("shape {dims:?} holds no ids"));
+        }
+        if data.len() != n {
             return Err(format!(
                 "shape {dims:?} needs {n} bytes of ids, the file has {}",
                 data.len()
             ));
+        }
+        // A router picks distinct experts; a repeat would count one expert twice.
+        for (i, row) in data.chunks_exact(top_k).enumerate() {
+            if let Some(j) = (1..top_k).find(|&j| row[..j].contains(&row[j])) {
+                return Err(format!(
+                    "token {} layer {} names expert {} twice",
+                    i / layers,
+                    i % layers,
+                    row[j]
+                ));
+            }
         }
         Ok(Self {
             ids: data.to_vec(),
