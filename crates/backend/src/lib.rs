@@ -421,3 +421,25 @@ pub fn check(op: &'static str, ok: bool, why: impl FnOnce() -> String) -> OpResu
         Err(OpError::Shape { op, why: why() })
     }
 }
+
+/// The operand check of [`RouterSpec::forced`] shared by the backends: `[rows, top_k]` ids, each
+/// below `n_exp`, distinct within a row.
+pub fn check_forced(
+    op: &'static str,
+    spec: &RouterSpec,
+    rows: usize,
+    n_exp: usize,
+) -> OpResult<()> {
+    let Some(f) = spec.forced else {
+        return Ok(());
+    };
+    let k = spec.top_k;
+    check(
+        op,
+        f.len() == rows * k
+            && f.iter().all(|&e| e < n_exp)
+            && f.chunks_exact(k)
+                .all(|r| r.iter().enumerate().all(|(i, e)| !r[..i].contains(e))),
+        || format!("forced ids must be [{rows}, {k}] distinct ids < {n_exp}"),
+    )
+}

@@ -30,8 +30,8 @@ use cudarc::driver::{
 use cudarc::nvrtc::Ptx;
 use mference_backend::cpu::ResidentBytes;
 use mference_backend::{
-    check, Act, AttnShape, Backend, DeltaShape, KvDtype, KvState, Mlp, Norm, OpError, OpResult,
-    QRef, Rope, RopeStyle, RouterSpec, Routes, Scoring, Tensor, Unary, VRef, Weights,
+    check, check_forced, Act, AttnShape, Backend, DeltaShape, KvDtype, KvState, Mlp, Norm, OpError,
+    OpResult, QRef, Rope, RopeStyle, RouterSpec, Routes, Scoring, Tensor, Unary, VRef, Weights,
 };
 
 /// Why the CUDA backend could not start. Each names what is missing and what to do.
@@ -1286,16 +1286,7 @@ impl Backend for CudaBackend {
             Some(p) => Some(self.vref(op, p, n_exp)?),
             None => None,
         };
-        if let Some(f) = spec.forced {
-            check(
-                op,
-                f.len() == t * k
-                    && f.iter().all(|&e| e < n_exp)
-                    && f.chunks_exact(k)
-                        .all(|r| r.iter().enumerate().all(|(i, e)| !r[..i].contains(e))),
-                || format!("forced ids must be [{t}, {k}] distinct ids < {n_exp}"),
-            )?;
-        }
+        check_forced(op, spec, t, n_exp)?;
         let forced_ids: Vec<u32> = match spec.forced {
             Some(f) => f.iter().map(|&e| e as u32).collect(),
             None => vec![0],

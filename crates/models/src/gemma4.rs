@@ -180,12 +180,7 @@ impl<B: Backend> Gemma4<B> {
         let v = |name: String, n: usize| VRef::resident(idx, &name, n);
         let n_exp = cfg.num_experts.unwrap_or(0);
         let stride = engine.install.layout.expert_stride as usize;
-        if engine.install.layout.experts_per_layer != n_exp {
-            return Err(ModelError::Config(format!(
-                "layout.json has {} experts per layer, config.json {n_exp}",
-                engine.install.layout.experts_per_layer
-            )));
-        }
+        engine.check_moe(cfg.num_hidden_layers, n_exp, cfg.top_k_experts.unwrap_or(0))?;
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for l in 0..cfg.num_hidden_layers {
             let sliding = cfg.is_sliding(l);
@@ -208,14 +203,7 @@ impl<B: Backend> Gemma4<B> {
             };
             let rotated = (head_dim as f64 * rp.partial_rotary_factor.unwrap_or(1.0)) as usize;
             let b = format!("{P}.layers.{l}");
-            let blob = engine
-                .install
-                .layout
-                .layer(l)
-                .and_then(|ll| ll.blob.as_ref())
-                .ok_or_else(|| {
-                    ModelError::Config(format!("layout.json has no experts for MoE layer {l}"))
-                })?;
+            let blob = engine.expert_blob(l)?;
             let ex =
                 |part: &str, t| QRef::expert(&format!("{b}.experts.switch_glu.{part}"), t, stride);
             let layer = Layer {
@@ -284,14 +272,6 @@ impl<B: Backend> Gemma4<B> {
                 be.new_kv(rows, l.sliding, l.n_kv_heads, l.head_dim, opts.kv_dtype)
             })
             .collect::<Result<_, _>>()?;
-        if opts.slots.count(n_exp) < cfg.top_k_experts.unwrap_or(0) {
-            return Err(ModelError::Config(format!(
-                "{} expert cache slots cannot hold the {} experts one token routes to",
-                opts.slots.count(n_exp),
-                cfg.top_k_experts.unwrap_or(0)
-            )));
-        }
-        engine.check_routing(cfg.num_hidden_layers, n_exp, cfg.top_k_experts.unwrap_or(0))?;
         let streamers = Streamers::new(cfg.num_hidden_layers);
         Ok(Self {
             cfg,

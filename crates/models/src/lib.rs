@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use mference_backend::cpu::CpuBackend;
 use mference_backend::{Backend, Norm, OpError, QRef, Tensor, Unary, VRef, WeightError, Weights};
-use mference_format::{Install, ResidentIndex, VerifyPolicy};
+use mference_format::{ExpertBlobLayout, Install, ResidentIndex, VerifyPolicy};
 use mference_kernels::Kernels;
 use mference_runtime::streamer::IoPool;
 use mference_runtime::{
@@ -378,13 +378,22 @@ impl Engine {
         }
     }
 
-    /// Refuses a routing trace recorded for another shape (layers, experts, experts per token).
-    pub fn check_routing(
-        &self,
-        layers: usize,
-        experts: usize,
-        top_k: usize,
-    ) -> Result<(), ModelError> {
+    /// The MoE checks every family makes at load, before anything is allocated: layout.json holds
+    /// `experts` experts per layer, the slot cache can hold the `top_k` experts of one token, and a
+    /// routing trace (if any) was recorded for `layers` layers, `experts` experts and `top_k`.
+    pub fn check_moe(&self, layers: usize, experts: usize, top_k: usize) -> Result<(), ModelError> {
+        let per_layer = self.install.layout.experts_per_layer;
+        if per_layer != experts {
+            return Err(ModelError::Config(format!(
+                "layout.json has {per_layer} experts per layer, config.json {experts}"
+            )));
+        }
+        if self.slots.count(experts) < top_k {
+            return Err(ModelError::Config(format!(
+                "{} expert cache slots cannot hold the {top_k} experts one token routes to",
+                self.slots.count(experts)
+            )));
+        }
         let Some(t) = &self.routing else {
             return Ok(());
         };
@@ -400,6 +409,17 @@ impl Engine {
             )));
         }
         Ok(())
+    }
+
+    /// Where the expert tensors of MoE layer `layer` sit inside each expert blob (layout.json).
+    pub fn expert_blob(&self, layer: usize) -> Result<&ExpertBlobLayout, ModelError> {
+        self.install
+            .layout
+            .layer(layer)
+            .and_then(|l| l.blob.as_ref())
+            .ok_or_else(|| {
+                ModelError::Config(format!("layout.json has no experts for MoE layer {layer}"))
+            })
     }
 
     /// The CPU backend over this install's resident bytes.

@@ -281,12 +281,7 @@ impl<B: Backend> Qwen35Moe<B> {
             cfg.shared_expert_intermediate_size,
         );
         let stride = engine.install.layout.expert_stride as usize;
-        if engine.install.layout.experts_per_layer != n_exp {
-            return Err(ModelError::Config(format!(
-                "layout.json has {} experts per layer, config.json {n_exp}",
-                engine.install.layout.experts_per_layer
-            )));
-        }
+        engine.check_moe(cfg.num_hidden_layers, n_exp, cfg.num_experts_per_tok)?;
         // A quantized Linear `base` that must be [rows, cols].
         let q = |base: String, rows: usize, cols: usize| -> Result<QRef, ModelError> {
             let r = QRef::resident(idx, map.len(), &base)?;
@@ -346,14 +341,7 @@ impl<B: Backend> Qwen35Moe<B> {
                     n_full - 1,
                 )
             };
-            let blob = engine
-                .install
-                .layout
-                .layer(l)
-                .and_then(|ll| ll.blob.as_ref())
-                .ok_or_else(|| {
-                    ModelError::Config(format!("layout.json has no experts for MoE layer {l}"))
-                })?;
+            let blob = engine.expert_blob(l)?;
             let ex = |part: &str, t, rows, cols| -> Result<QRef, ModelError> {
                 let name = format!("{b}.mlp.switch_mlp.{part}");
                 let r = QRef::expert(&name, t, stride)?;
@@ -392,13 +380,6 @@ impl<B: Backend> Qwen35Moe<B> {
                 "partial_rotary_factor {factor} gives {rotated} rotated dims of {hd}"
             )));
         }
-        if opts.slots.count(n_exp) < cfg.num_experts_per_tok {
-            return Err(ModelError::Config(format!(
-                "{} expert cache slots cannot hold the {} experts one token routes to",
-                opts.slots.count(n_exp),
-                cfg.num_experts_per_tok
-            )));
-        }
         let kv = (0..n_full)
             .map(|_| be.new_kv(opts.max_context, false, nkv, hd, opts.kv_dtype))
             .collect::<Result<_, _>>()?;
@@ -412,7 +393,6 @@ impl<B: Backend> Qwen35Moe<B> {
                 false => None,
             });
         }
-        engine.check_routing(cfg.num_hidden_layers, n_exp, cfg.num_experts_per_tok)?;
         let streamers = Streamers::new(cfg.num_hidden_layers);
         Ok(Self {
             rope: Rope::neox(rotated, theta),

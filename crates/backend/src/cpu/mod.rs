@@ -13,8 +13,8 @@ use mference_kernels::{Kernels, MatJob, PreparedX, QMatrix, ThreadPool};
 use mference_runtime::{KvDtype, KvLayer};
 
 use crate::{
-    check, Act, AttnShape, Backend, DeltaShape, Mlp, Norm, OpResult, QRef, Rope, RouterSpec,
-    Routes, Scoring, Tensor, Unary, VRef, Weights,
+    check, check_forced, Act, AttnShape, Backend, DeltaShape, Mlp, Norm, OpResult, QRef, Rope,
+    RouterSpec, Routes, Scoring, Tensor, Unary, VRef, Weights,
 };
 
 /// Resident bytes the backend reads weights from (the mapped `model_weights.bin`, or any buffer
@@ -561,21 +561,7 @@ impl Backend for CpuBackend {
             spec.per_expert_scale.is_none_or(|s| s.len == n_exp),
             || format!("per_expert_scale length for {n_exp} experts"),
         )?;
-        if let Some(f) = spec.forced {
-            check(
-                "route",
-                f.len() == logits.rows() * k
-                    && f.iter().all(|&e| e < n_exp)
-                    && f.chunks_exact(k)
-                        .all(|r| r.iter().enumerate().all(|(i, e)| !r[..i].contains(e))),
-                || {
-                    format!(
-                        "forced ids must be [{}, {k}] distinct ids < {n_exp}",
-                        logits.rows()
-                    )
-                },
-            )?;
-        }
+        check_forced("route", spec, logits.rows(), n_exp)?;
         let pick = |row: usize, scores: &[f32]| match spec.forced {
             Some(f) => f[row * k..(row + 1) * k].to_vec(),
             None => ops::top_k(scores, k),
