@@ -83,10 +83,25 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         .clone()
         .unwrap_or_else(|| mference_server::default_model_id(text.family).to_string());
     let opts = load_options(&a.model, a.prefill_chunk, max_context)?;
+    // The port first: one in use fails now, not after the load.
+    let listener = mference_server::bind(SocketAddr::new(ip, a.port))?;
     let t0 = Instant::now();
     let model = mference_models::load(&a.model.model, &opts)?;
+    // Every expert file is checked (under the verify policy) before the ready line, so a damaged
+    // install fails here instead of failing every request.
+    let install = &model.engine().install;
+    let files = install
+        .check_layer_files()
+        .with_context(|| format!("checking the expert files of {}", a.model.model.display()))?;
     let loaded = t0.elapsed().as_secs_f64();
-    eprintln!("[model on {}]", model.engine().device);
+    eprintln!(
+        "[model on {}; {files} expert layer files checked: {}]",
+        model.engine().device,
+        match install.policy() {
+            mference_format::VerifyPolicy::FullSha256 => "sha256",
+            mference_format::VerifyPolicy::TrustedReceipt => "sizes (trusted-receipt)",
+        }
+    );
     let cfg = ServerConfig {
         model_id: model_id.clone(),
         queue_limit: a.queue_limit,
@@ -94,7 +109,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         heartbeat: Duration::from_secs(5),
         stop_on_signals: true,
     };
-    let server = mference_server::start(model, text, cfg, SocketAddr::new(ip, a.port))?;
+    let server = mference_server::start_on(model, text, cfg, listener)?;
     eprintln!(
         "MferenceServer ready on http://{} model={model_id} context={} queue={} prompt-cache={} (loaded in {loaded:.2}s)",
         server.local_addr(),

@@ -334,3 +334,48 @@ fn serve_shuts_down_gracefully_on_sigterm_and_sigint() {
         );
     }
 }
+
+/// `serve` checks what a load can check before it says it is ready: a port in use fails before
+/// the model loads, and a damaged expert file fails the start (it used to print the ready line,
+/// answer `/health` ok and then fail every request).
+#[test]
+fn serve_refuses_a_busy_port_and_a_damaged_layer_file_before_its_ready_line() {
+    let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = busy.local_addr().unwrap().port().to_string();
+    let model = demo_install().to_str().unwrap();
+    let t0 = std::time::Instant::now();
+    refused(
+        &["serve", "--model", model, "--port", &port],
+        "cannot listen on",
+    );
+    assert!(
+        t0.elapsed() < Duration::from_secs(20),
+        "the busy port was found only after {:?}",
+        t0.elapsed()
+    );
+    drop(busy);
+
+    let work = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let copy = work.path().join("damaged.gturbo");
+    let ok = Command::new("cp")
+        .args(["-r", model, copy.to_str().unwrap()])
+        .status()
+        .unwrap();
+    assert!(ok.success());
+    let layer = copy.join("packed_experts/layer_03.bin");
+    let mut bytes = std::fs::read(&layer).unwrap();
+    let at = bytes.len() / 2;
+    bytes[at] ^= 0x10;
+    std::fs::write(&layer, bytes).unwrap();
+    let out = Command::new(BIN)
+        .args(["serve", "--model", copy.to_str().unwrap(), "--port", "0"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(!err.contains("ready on"), "{err}");
+    assert!(
+        err.contains("layer_03.bin") && err.contains("SHA-256"),
+        "{err}"
+    );
+}

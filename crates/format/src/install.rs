@@ -50,6 +50,8 @@ pub struct Install {
     /// Lower-case hex SHA-256 of `manifest.json`.
     pub manifest_sha256: String,
     policy: VerifyPolicy,
+    /// Layers whose file passed [`Install::check_layer_file`] (checked once per open install).
+    checked_layers: std::sync::Arc<std::sync::Mutex<std::collections::BTreeSet<usize>>>,
 }
 
 fn size_of(path: &Path) -> Result<u64, FormatError> {
@@ -203,6 +205,7 @@ impl Install {
             receipt,
             manifest_sha256,
             policy: opts.policy,
+            checked_layers: Default::default(),
         })
     }
 
@@ -225,7 +228,39 @@ impl Install {
     /// ([`VerifyPolicy::FullSha256`]) or the size recorded in the manifest and receipt
     /// ([`VerifyPolicy::TrustedReceipt`]). Errors: [`FormatError::NoSuchLayer`] for a
     /// dense or out-of-range layer, missing file, size or SHA mismatch.
+    /// A layer that passed once is not checked again.
     pub fn check_layer_file(&self, layer: usize) -> Result<(), FormatError> {
+        let checked = || {
+            self.checked_layers
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+        };
+        if checked().contains(&layer) {
+            return Ok(());
+        }
+        self.check_layer_file_now(layer)?;
+        checked().insert(layer);
+        Ok(())
+    }
+
+    /// [`Install::check_layer_file`] for every layer that has an expert file, in layer order;
+    /// returns how many files were checked. A long-running process (`serve`) calls it before it
+    /// says it is ready, so a damaged file fails the start instead of every request.
+    pub fn check_layer_files(&self) -> Result<usize, FormatError> {
+        let layers: Vec<usize> = self
+            .layout
+            .layers
+            .iter()
+            .filter(|l| l.blob.is_some())
+            .map(|l| l.layer)
+            .collect();
+        for &l in &layers {
+            self.check_layer_file(l)?;
+        }
+        Ok(layers.len())
+    }
+
+    fn check_layer_file_now(&self, layer: usize) -> Result<(), FormatError> {
         let rel = crate::layer_file_name(layer);
         let entry = self
             .manifest

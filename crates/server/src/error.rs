@@ -17,6 +17,14 @@ pub struct ApiError {
     pub param: Option<String>,
     /// A short machine-readable code, e.g. `context_length_exceeded`.
     pub code: Option<&'static str>,
+    /// The model's raw output, for an error about what the model wrote (`malformed_tool_call`),
+    /// returned as `error.raw_output` so the caller can see it.
+    pub raw_output: Option<String>,
+    /// `false`: sending the same request again cannot help (the header `x-should-retry: false`,
+    /// which the official OpenAI clients obey, goes with the status).
+    pub retryable: bool,
+    /// Already written to the server log (by the generation thread's completion line).
+    pub(crate) logged: bool,
 }
 
 impl ApiError {
@@ -39,12 +47,23 @@ impl ApiError {
             message: message.into(),
             param: None,
             code: None,
+            raw_output: None,
+            retryable: true,
+            logged: false,
         }
     }
 
     /// Sets the machine-readable code.
     pub fn with_code(mut self, code: &'static str) -> Self {
         self.code = Some(code);
+        self
+    }
+
+    /// Attaches the model's raw output and marks the error as not worth retrying: the same
+    /// request would make the model write the same thing.
+    pub fn with_raw_output(mut self, raw: impl Into<String>) -> Self {
+        self.raw_output = Some(raw.into());
+        self.retryable = false;
         self
     }
 
@@ -62,19 +81,28 @@ impl ApiError {
 
     /// The OpenAI error object, `{"error": {...}}`.
     pub fn body(&self) -> serde_json::Value {
-        serde_json::json!({
-            "error": {
-                "message": self.message,
-                "type": self.kind(),
-                "param": self.param,
-                "code": self.code,
-            }
-        })
+        let mut e = serde_json::json!({
+            "message": self.message,
+            "type": self.kind(),
+            "param": self.param,
+            "code": self.code,
+        });
+        if let Some(raw) = &self.raw_output {
+            e["raw_output"] = raw.as_str().into();
+        }
+        serde_json::json!({ "error": e })
     }
 }
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status, axum::Json(self.body())).into_response()
+        let mut r = (self.status, axum::Json(self.body())).into_response();
+        if !self.retryable {
+            r.headers_mut().insert(
+                "x-should-retry",
+                axum::http::HeaderValue::from_static("false"),
+            );
+        }
+        r
     }
 }

@@ -34,6 +34,9 @@ pub(crate) struct AppState {
     pub started: u64,
     /// Becomes `true` when the server starts shutting down (see [`stopping`]).
     pub stop: watch::Receiver<bool>,
+    /// Set by the generation thread when the model can no longer serve (a damaged or
+    /// unreadable install file): `/health` reports it.
+    pub broken: Arc<std::sync::Mutex<Option<String>>>,
 }
 
 /// Resolves once the server has begun shutting down, or its [`crate::Server`] is gone.
@@ -65,8 +68,17 @@ pub(crate) fn router(state: Shared) -> Router {
         .with_state(state)
 }
 
-async fn health() -> Json<Value> {
-    Json(json!({"status": "ok"}))
+/// `{"status": "ok"}`, or 503 `{"status": "error", "error": …}` once a request found that the
+/// model cannot serve (a layer file that fails its check, a read error).
+async fn health(State(st): State<Shared>) -> (StatusCode, Json<Value>) {
+    let broken = st.broken.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    match broken {
+        None => (StatusCode::OK, Json(json!({"status": "ok"}))),
+        Some(e) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"status": "error", "error": e})),
+        ),
+    }
 }
 
 fn model_object(st: &AppState) -> Value {
@@ -173,6 +185,9 @@ async fn read_json(req: Request) -> Result<Value, ApiError> {
 }
 
 fn log_rejected(id: &str, received: Instant, e: &ApiError) {
+    if e.logged {
+        return;
+    }
     eprintln!(
         "{} request {id} rejected in {:.3}s status={} ({})",
         timestamp(),

@@ -300,8 +300,27 @@ pub fn start(
     cfg: ServerConfig,
     addr: SocketAddr,
 ) -> Result<Server, ServerError> {
-    let listener =
-        std::net::TcpListener::bind(addr).map_err(|source| ServerError::Bind { addr, source })?;
+    let listener = bind(addr)?;
+    start_on(model, text, cfg, listener)
+}
+
+/// Binds `addr` for [`start_on`]: `serve` binds before its long model load, so a port in use
+/// fails at once. Errors: [`ServerError::Bind`].
+pub fn bind(addr: SocketAddr) -> Result<std::net::TcpListener, ServerError> {
+    std::net::TcpListener::bind(addr).map_err(|source| ServerError::Bind { addr, source })
+}
+
+/// [`start`] on a listener bound by [`bind`].
+pub fn start_on(
+    model: Box<dyn Model>,
+    text: TextSide,
+    cfg: ServerConfig,
+    listener: std::net::TcpListener,
+) -> Result<Server, ServerError> {
+    let addr = listener.local_addr().map_err(|source| ServerError::Bind {
+        addr: SocketAddr::from(([0, 0, 0, 0], 0)),
+        source,
+    })?;
     let local = listener
         .local_addr()
         .map_err(|source| ServerError::Bind { addr, source })?;
@@ -325,9 +344,15 @@ pub fn start(
     };
     let max_context = model.engine().max_context;
     let text = Arc::new(text);
-    let (jobs, _worker) =
-        worker::spawn(model, Arc::clone(&text), cfg.prompt_cache, cfg.queue_limit)
-            .map_err(ServerError::Runtime)?;
+    let broken = Arc::new(std::sync::Mutex::new(None));
+    let (jobs, _worker) = worker::spawn(
+        model,
+        Arc::clone(&text),
+        cfg.prompt_cache,
+        cfg.queue_limit,
+        Arc::clone(&broken),
+    )
+    .map_err(ServerError::Runtime)?;
     let (stop, stop_rx) = tokio::sync::watch::channel(false);
     let stop = Arc::new(stop);
     let state = Arc::new(http::AppState {
@@ -336,6 +361,7 @@ pub fn start(
         text,
         jobs,
         heartbeat: cfg.heartbeat,
+        broken,
         started: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())

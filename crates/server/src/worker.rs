@@ -109,6 +109,11 @@ struct Worker {
     stop_ids: Vec<u32>,
     /// The family's assistant-turn opener ([`mference_text::Family::turn_open_token`]) as one token id.
     turn_open: Option<u32>,
+    /// The family's tool-call marker as one token id: a call opens with this token; the same
+    /// characters spelled out by other tokens are prose.
+    tool_marker_id: Option<u32>,
+    /// Shared with `/health`: why the model cannot serve, once a request has found out.
+    broken: Arc<std::sync::Mutex<Option<String>>>,
 }
 
 /// Starts the generation thread. The queue holds up to `queue_limit` waiting jobs besides the
@@ -118,10 +123,15 @@ pub(crate) fn spawn(
     text: Arc<TextSide>,
     cache_mode: PromptCacheMode,
     queue_limit: usize,
+    broken: Arc<std::sync::Mutex<Option<String>>>,
 ) -> std::io::Result<(mpsc::Sender<Job>, std::thread::JoinHandle<()>)> {
     let (tx, mut rx) = mpsc::channel::<Job>(queue_limit.max(1));
     let stop_ids = stop_token_ids(text.family, &text.tokenizer);
     let turn_open = match text.tokenizer.encode(text.family.turn_open_token(), false) {
+        Ok(ids) if ids.len() == 1 => Some(ids[0]),
+        _ => None,
+    };
+    let tool_marker_id = match text.tokenizer.encode(tool_marker(text.family), false) {
         Ok(ids) if ids.len() == 1 => Some(ids[0]),
         _ => None,
     };
@@ -132,6 +142,8 @@ pub(crate) fn spawn(
         kv_ids: Vec::new(),
         stop_ids,
         turn_open,
+        tool_marker_id,
+        broken,
     };
     let handle = std::thread::Builder::new()
         .name("mference-generate".into())
@@ -190,14 +202,14 @@ impl ToolGate {
         let Some(marker) = self.marker else {
             return s.to_string();
         };
+        self.held.push_str(s);
         if self.in_call {
             return String::new();
         }
-        self.held.push_str(s);
         if let Some(i) = self.held.find(marker) {
             let out = self.held[..i].to_string();
             self.in_call = true;
-            self.held.clear();
+            self.held.drain(..i);
             return out;
         }
         let n = self.held.len();
@@ -208,12 +220,20 @@ impl ToolGate {
         self.held.drain(..n - keep).collect()
     }
 
+    /// What is left to show at the end when the held text is a tool call.
     fn finish(&mut self) -> String {
         if self.in_call {
             String::new()
         } else {
             std::mem::take(&mut self.held)
         }
+    }
+
+    /// Everything held back, for output whose held text turned out not to be a tool call (cut
+    /// by `max_tokens` or a stop string, or a marker written as prose).
+    fn release(&mut self) -> String {
+        self.in_call = false;
+        std::mem::take(&mut self.held)
     }
 }
 
@@ -222,12 +242,20 @@ fn common_prefix(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
-fn model_error(e: ModelError) -> ApiError {
+fn model_error(e: &ModelError) -> ApiError {
     let status = match e {
         ModelError::ContextFull { .. } | ModelError::Input(_) => StatusCode::BAD_REQUEST,
         _ => StatusCode::INTERNAL_SERVER_ERROR,
     };
     ApiError::new(status, format!("generation failed: {e}"))
+}
+
+/// Errors after which no request can succeed: the install failed a check or cannot be read.
+fn cannot_serve(e: &ModelError) -> bool {
+    matches!(
+        e,
+        ModelError::Format(_) | ModelError::Runtime(_) | ModelError::Map { .. }
+    )
 }
 
 impl Worker {
@@ -261,7 +289,10 @@ impl Worker {
         );
         let _ = job.events.send(match result {
             Ok(d) => Event::Done(d),
-            Err(e) => Event::Error(e),
+            Err(mut e) => {
+                e.logged = true;
+                Event::Error(e)
+            }
         });
     }
 
@@ -275,7 +306,11 @@ impl Worker {
             }
             Err(e) => {
                 self.reset();
-                Err(model_error(e))
+                if cannot_serve(&e) {
+                    *self.broken.lock().unwrap_or_else(|p| p.into_inner()) =
+                        Some(format!("the model cannot serve: {e}"));
+                }
+                Err(model_error(&e))
             }
         }
     }
@@ -419,43 +454,31 @@ impl Worker {
                 tool_calls: Vec::new(),
             });
         }
+        let mut visible = String::new();
         if !stops.stopped() {
             let (tail, _) = stops.push(&detok.finish());
             let tail = tail + &stops.finish();
             raw.push_str(&tail);
-            let mut visible = gate.push(&tail);
-            visible.push_str(&gate.finish());
-            if !visible.is_empty() || !pending.is_empty() {
-                let _ = job.events.send(Event::Delta {
-                    text: visible,
-                    logprobs: std::mem::take(&mut pending),
-                });
-            }
-        } else {
-            let visible = gate.finish();
-            if !visible.is_empty() || !pending.is_empty() {
-                let _ = job.events.send(Event::Delta {
-                    text: visible,
-                    logprobs: std::mem::take(&mut pending),
-                });
-            }
+            visible = gate.push(&tail);
         }
-        match &job.tools {
+        // A stop string or max_tokens cut the output: it ends as `stop` / `length`, whatever it
+        // was in the middle of.
+        let cut = stops.stopped() || finish == Finish::Length;
+        let generated = &history[job.prompt.len()..];
+        let marker_token = self.tool_marker_id.is_some_and(|m| generated.contains(&m));
+        let parsed = job
+            .tools
+            .as_ref()
+            .map(|tools| parse_tool_calls_with_tools(text.family, &raw, Some(tools)));
+        let done = match parsed {
             None => Ok(Done {
                 finish,
                 usage: *usage,
                 content: raw,
                 tool_calls: Vec::new(),
             }),
-            Some(tools) => {
-                let parsed = parse_tool_calls_with_tools(text.family, &raw, Some(tools))
-                    .map_err(|e| {
-                        ApiError::new(
-                            StatusCode::INTERNAL_SERVER_ERROR,
-                            format!("the model wrote a tool call that does not parse, so the reply was rejected: {e}"),
-                        )
-                        .with_code("malformed_tool_call")
-                    })?;
+            Some(Ok(parsed)) => {
+                visible.push_str(&gate.finish());
                 let finish = if parsed.tool_calls.is_empty() {
                     finish
                 } else {
@@ -468,7 +491,39 @@ impl Worker {
                     tool_calls: parsed.tool_calls,
                 })
             }
+            // A call cut short, or the marker's characters written as prose (not the marker
+            // token): text, not an error.
+            Some(Err(_)) if cut || !marker_token => {
+                visible.push_str(&gate.release());
+                Ok(Done {
+                    finish,
+                    usage: *usage,
+                    content: raw,
+                    tool_calls: Vec::new(),
+                })
+            }
+            Some(Err(e)) => Err(ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!(
+                    "the model wrote a tool call that does not parse, so the reply was rejected \
+                     (its raw text is in error.raw_output): {e}"
+                ),
+            )
+            .with_code("malformed_tool_call")
+            .with_raw_output(raw)),
+        };
+        if done.is_ok() {
+            if job.tools.is_none() {
+                visible.push_str(&gate.finish());
+            }
+            if !visible.is_empty() || !pending.is_empty() {
+                let _ = job.events.send(Event::Delta {
+                    text: visible,
+                    logprobs: std::mem::take(&mut pending),
+                });
+            }
         }
+        done
     }
 }
 
@@ -545,6 +600,17 @@ mod tests {
         assert_eq!(g.push("y"), "<|toy");
         assert_eq!(g.push("<"), "");
         assert_eq!(g.finish(), "<");
+        // Not a call after all: everything held from the marker on comes back once.
+        let mut g = ToolGate {
+            marker: Some("<|tool_call>"),
+            held: String::new(),
+            in_call: false,
+        };
+        assert_eq!(g.push("See <|tool_"), "See ");
+        assert_eq!(g.push("call>call:f{"), "");
+        assert_eq!(g.push("x"), "");
+        assert_eq!(g.release(), "<|tool_call>call:f{x");
+        assert_eq!(g.release(), "");
     }
 
     #[test]

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use common::*;
 use mference_server::PromptCacheMode;
-use mference_testkit::http::{get, open_stream, post, post_stream, raw_request, Sse};
+use mference_testkit::http::{get, open_stream, post, post_header, post_stream, raw_request, Sse};
 use mference_testkit::{
     demo_install, demo_source, mlx_greedy, ref_logits, reference_chat_prompt, reference_text_prompt,
 };
@@ -431,6 +431,57 @@ fn tool_calls_round_trip_and_fail_closed() {
         st.raw
     );
     assert!(!st.raw.contains("tool_calls\":[{"), "{}", st.raw);
+    // ... with the model's text attached, and a status the official clients do not retry.
+    let (s, b, retry) = post_header(a, "/v1/chat/completions", &body, "x-should-retry");
+    assert_eq!(s, 500, "{b}");
+    assert_eq!(retry.as_deref(), Some("false"), "{b}");
+    assert_eq!(
+        b["error"]["raw_output"], "<|tool_call>call:get_weather{city:<|\"|>London}",
+        "{b}"
+    );
+
+    // A call cut by max_tokens or a stop string is not an error: finish_reason length / stop,
+    // the text as written.
+    *script.lock().unwrap() =
+        "<|tool_call>call:get_weather{city:<|\"|>London<|\"|>,days:3}<tool_call|>".into();
+    let mut cut = body.clone();
+    cut["max_tokens"] = json!(4);
+    let (s, r) = post(a, "/v1/chat/completions", &cut);
+    assert_eq!(s, 200, "{r}");
+    assert_eq!(r["choices"][0]["finish_reason"], "length", "{r}");
+    let content = r["choices"][0]["message"]["content"].as_str().unwrap();
+    assert!(content.starts_with("<|tool_call>call"), "{r}");
+    assert!(
+        r["choices"][0]["message"].get("tool_calls").is_none(),
+        "{r}"
+    );
+    cut["stream"] = json!(true);
+    let st = post_stream(a, "/v1/chat/completions", &cut);
+    assert_eq!(st.status, 200);
+    assert_eq!(st.text(), content, "{}", st.raw);
+    assert!(st
+        .chunks()
+        .iter()
+        .any(|c| c["choices"][0]["finish_reason"] == "length"));
+    let mut stop = body.clone();
+    stop["stop"] = json!(["London"]);
+    let (s, r) = post(a, "/v1/chat/completions", &stop);
+    assert_eq!(s, 200, "{r}");
+    assert_eq!(r["choices"][0]["finish_reason"], "stop", "{r}");
+    assert_eq!(
+        r["choices"][0]["message"]["content"], "<|tool_call>call:get_weather{city:<|\"|>",
+        "{r}"
+    );
+
+    // The marker's characters spelled by ordinary tokens are prose, not a call.
+    *script.lock().unwrap() = "Gemma calls tools with <|tool\u{1}_call> markers.".into();
+    let (s, r) = post(a, "/v1/chat/completions", &body);
+    assert_eq!(s, 200, "{r}");
+    assert_eq!(r["choices"][0]["finish_reason"], "stop", "{r}");
+    assert_eq!(
+        r["choices"][0]["message"]["content"], "Gemma calls tools with <|tool_call> markers.",
+        "{r}"
+    );
     srv.shutdown();
 }
 
@@ -508,4 +559,44 @@ fn shutdown_ends_open_streams_in_band_and_answers_waiting_requests_503() {
         std::net::TcpStream::connect(a).is_err(),
         "the port still accepts connections after the shutdown"
     );
+}
+
+/// A layer file damaged under a running server: the request fails (logged once) and `/health`
+/// stops saying ok.
+#[test]
+fn health_reports_a_model_that_cannot_serve() {
+    let work = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let copy = work.path().join("copy.gturbo");
+    let ok = std::process::Command::new("cp")
+        .args([
+            "-r",
+            demo_install().to_str().unwrap(),
+            copy.to_str().unwrap(),
+        ])
+        .status()
+        .unwrap();
+    assert!(ok.success());
+    let srv = start_with(Opts::default(), |ctx| {
+        let m = load_model_from(&copy, ctx);
+        // After the load, before the first request (`serve` checks the files before its ready
+        // line; this is a file damaged later).
+        let layer = copy.join("packed_experts/layer_01.bin");
+        let mut bytes = std::fs::read(&layer).unwrap();
+        bytes[100] ^= 1;
+        std::fs::write(&layer, bytes).unwrap();
+        m
+    });
+    let a = srv.local_addr();
+    assert_eq!(get(a, "/health"), (200, json!({"status": "ok"})));
+    let (s, b) = post(
+        a,
+        "/v1/completions",
+        &json!({"model": MODEL_ID, "prompt": "Hello", "max_tokens": 4}),
+    );
+    assert_error(s, &b, 500, "damaged layer file");
+    let (s, h) = get(a, "/health");
+    assert_eq!(s, 503, "{h}");
+    assert_eq!(h["status"], "error", "{h}");
+    assert!(h["error"].as_str().unwrap().contains("layer_01.bin"), "{h}");
+    srv.shutdown();
 }

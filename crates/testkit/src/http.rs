@@ -37,6 +37,27 @@ pub fn post(addr: SocketAddr, path: &str, body: &Value) -> (u16, Value) {
     status_and_json(r)
 }
 
+/// [`post`], plus the value of the response header `header` (if sent).
+pub fn post_header(
+    addr: SocketAddr,
+    path: &str,
+    body: &Value,
+    header: &str,
+) -> (u16, Value, Option<String>) {
+    let r = agent()
+        .post(format!("http://{addr}{path}"))
+        .header("content-type", "application/json")
+        .send(body.to_string())
+        .unwrap();
+    let h = r
+        .headers()
+        .get(header)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+    let (s, b) = status_and_json(r);
+    (s, b, h)
+}
+
 /// GETs `path`; returns the status and the body as JSON (a JSON string when it is not JSON).
 pub fn get(addr: SocketAddr, path: &str) -> (u16, Value) {
     status_and_json(agent().get(format!("http://{addr}{path}")).call().unwrap())

@@ -17,8 +17,13 @@ use mference_testkit::demo_install;
 pub const MODEL_ID: &str = "demo";
 
 pub fn load_model(max_context: usize) -> Box<dyn Model> {
+    load_model_from(demo_install(), max_context)
+}
+
+/// [`load_model`] from another install directory.
+pub fn load_model_from(dir: &std::path::Path, max_context: usize) -> Box<dyn Model> {
     mference_models::load(
-        demo_install(),
+        dir,
         &LoadOptions {
             slots: CacheSlots::Resident,
             threads: 1,
@@ -56,8 +61,13 @@ impl Default for Opts {
 }
 
 pub fn start(o: Opts) -> Server {
+    start_with(o, load_model)
+}
+
+/// [`start`] with the model from `load(max_context)`.
+pub fn start_with(o: Opts, load: impl FnOnce(usize) -> Box<dyn Model>) -> Server {
     let text = TextSide::load(demo_install()).unwrap();
-    let mut model = load_model(o.max_context);
+    let mut model = load(o.max_context);
     if let Some(script) = o.tool_script {
         model = Box::new(ToolCaller::new(model, &text, script));
     }
@@ -82,7 +92,8 @@ pub fn start(o: Opts) -> Server {
 /// and truncation are the real ones), but after a prefill whose sequence declares a tool
 /// (`<|tool>`) and ends with the generation prompt (`<|turn>model\n<|channel>thought\n<channel|>`),
 /// the next tokens are forced to the tokens of `script` followed by `<|tool_response>` (the stop
-/// token Gemma writes after its calls). Everything after the model — sampling, detokenizing,
+/// token Gemma writes after its calls; `\u{1}` in the script splits it into separately encoded
+/// pieces). Everything after the model — sampling, detokenizing,
 /// tool-call parsing, the OpenAI shapes — is the server's real code.
 pub struct ToolCaller {
     inner: Box<dyn Model>,
@@ -137,10 +148,12 @@ impl Model for ToolCaller {
         if self.forcing.is_none() || tokens.len() > 1 {
             self.forcing = None;
             if self.seq.contains(&self.tool_decl) && self.seq.ends_with(&self.gen_prompt) {
-                let mut ids = self
-                    .tok
-                    .encode(&self.script.lock().unwrap(), false)
-                    .unwrap();
+                // `\u{1}` splits the script into pieces encoded separately (to spell a
+                // marker with ordinary tokens instead of the marker token).
+                let mut ids: Vec<u32> = Vec::new();
+                for piece in self.script.lock().unwrap().split('\u{1}') {
+                    ids.extend(self.tok.encode(piece, false).unwrap());
+                }
                 ids.push(self.stop);
                 self.forcing = Some((ids, 0));
             }
@@ -162,6 +175,8 @@ impl Model for ToolCaller {
         let ok = self.inner.truncate(n);
         if ok {
             self.seq.truncate(n);
+            // A rewound sequence starts its forced reply again (a cut reply left it midway).
+            self.forcing = None;
         }
         ok
     }
