@@ -22,8 +22,14 @@ done < <(grep -E '^\| `[^`]+` \| [0-9,]+ \| `[0-9a-f]{64}` \|' "$src/README.md" 
 
 cargo build --release --quiet -p mference-cli
 bin="${CARGO_TARGET_DIR:-target}/release/mference"
-if [ ! -d "$out" ]; then
+if [ -d "$out" ] && ! "$bin" verify "$out" >/dev/null 2>&1; then
+    # A damaged or unfinished demo install (a killed first run, an edited file): make it again.
+    echo "demo: $out does not verify; reinstalling it" >&2
+    "$bin" discard "$out" >/dev/null 2>&1 || true
+    "$bin" install "$src" --output "$out" --overwrite
+elif [ ! -d "$out" ]; then
     mkdir -p work
+    "$bin" discard "$out" >/dev/null 2>&1 || true
     "$bin" install "$src" --output "$out"
 fi
 # 64 new tokens unless the caller chose another --max-new.

@@ -157,7 +157,7 @@ def main() -> None:
         "All numbers: mlx-lm's own model classes, bf16 parameters cast to float32 after load (the stored "
         "4-bit/8-bit weights are used exactly), CPU.",
         "perplexity_llama_ctx512_8192: tools/ref/perplexity.py default protocol (llama-perplexity: chunks "
-        "of ctx consecutive tokens of a BOS-free stream, first token replaced by BOS iff the tokenizer adds "
+        "of ctx consecutive tokens of a stream that starts with BOS iff the tokenizer adds it, first token replaced by BOS iff the tokenizer adds "
         "BOS, positions ctx/2 .. ctx-2 scored against the next token).",
         "Greedy: argmax with mlx-lm's KV cache (prompt in one pass). Chat prompts are rendered by the "
         "folder's chat template through the transformers tokenizer (add_generation_prompt=True) and "

@@ -5,7 +5,8 @@
 
 Protocol "llama" (default) = llama.cpp tools/perplexity/perplexity.cpp `perplexity()` (ppl_stride 0):
   1. Tokenize the whole text with the model folder's tokenizer.json (HF `tokenizers`,
-     add_special_tokens=False: no BOS inside the stream), keep the first --max-tokens tokens.
+     add_special_tokens=False), put BOS in front when the vocabulary adds one (see below), keep the
+     first --max-tokens tokens.
   2. n_chunk = len(tokens) // ctx consecutive, non-overlapping chunks tokens[i*ctx:(i+1)*ctx]
      (llama.cpp requires len(tokens) >= 2*ctx).
   3. If the vocabulary adds BOS (tokenizer_config.json add_bos_token, i.e. llama.cpp's
@@ -14,9 +15,9 @@ Protocol "llama" (default) = llama.cpp tools/perplexity/perplexity.cpp `perplexi
      j = first .. ctx-2 are scored against token j+1 of the chunk: ctx - first - 1 predictions per
      chunk (255 for ctx 512).
   5. PPL = exp(sum NLL / count), NLL = -log_softmax(logits)[target] in float32, summed in float64.
-Difference from llama.cpp: llama.cpp tokenizes with add_special=true, so for a BOS-adding vocab its
-stream starts with BOS and every later chunk boundary is shifted by one token. Here the stream has no
-BOS (the mference convention); pass --stream-bos to get llama.cpp's stream exactly.
+As llama.cpp (common_tokenize with add_special=true), for a BOS-adding vocab the stream starts with
+BOS (before the --max-tokens cut), which shifts every later chunk boundary by one token; pass
+--no-stream-bos for a stream without it. `mference perplexity` does the same (--no-stream-bos too).
 
 Protocol "shared" = the protocol behind the perplexities in shared/models/*/README.md
 (shared/corpora/README.md): Gemma: chunks of ctx-1 text tokens, each fed as [BOS] + chunk and every
@@ -78,8 +79,10 @@ def main() -> None:
     ap.add_argument("--protocol", choices=["llama", "shared"], default="llama")
     ap.add_argument("--bos", choices=["auto", "yes", "no"], default="auto",
                     help="set chunk-initial BOS: auto = iff tokenizer_config.json add_bos_token")
-    ap.add_argument("--stream-bos", action="store_true",
-                    help="llama protocol: start the token stream with BOS, like llama.cpp's add_special=true")
+    ap.add_argument("--no-stream-bos", dest="stream_bos", action="store_false",
+                    help="llama protocol: no BOS at the head of the stream (mference before this change); "
+                         "by default the stream starts with BOS when the vocabulary adds one, like "
+                         "llama.cpp's common_tokenize(add_special=true)")
     ap.add_argument("--json-out", help="write the result (and per-chunk NLL) as JSON here")
     args = ap.parse_args()
 

@@ -134,11 +134,19 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         .map(|(name, _)| median_row(name, &runs))
         .collect();
     let first = &runs[0];
+    // The chunk each prompt really ran with (`auto` picks one per prompt length).
+    let effective: serde_json::Map<String, Value> = prompts
+        .iter()
+        .filter_map(|(name, _)| {
+            let r = runs.iter().find(|r| r["prompt"] == json!(name))?;
+            Some((name.clone(), r["prefill_chunk"].clone()))
+        })
+        .collect();
     let doc = json!({
         "model": a.model.display().to_string(),
         "settings": {
             "slots": first["slots"], "threads": first["threads"], "direct_io": a.direct_io,
-            "prefill_chunk": a.prefill_chunk, "ctx": a.ctx, "gen": a.gen, "decode": a.decode,
+            "prefill_chunk": a.prefill_chunk, "prefill_chunk_effective": effective, "ctx": a.ctx, "gen": a.gen, "decode": a.decode,
             "repeats": a.repeats, "warmup": a.warmup, "kernels": first["kernels"],
             "routing": first["routing"], "device": first["device"],
         },
@@ -178,6 +186,7 @@ fn validate(a: &BenchArgs) -> Result<()> {
         bail!("--threads must be at least 1");
     }
     crate::run_cmd::kernels(&a.kernels)?;
+    crate::run_cmd::slots_flag(&a.slots)?;
     for (_, n) in parse_prompts(&a.prompts)? {
         if n + a.gen > a.ctx {
             bail!(
@@ -445,13 +454,20 @@ fn median_row(name: &str, runs: &[Value]) -> Value {
 
 fn print_table(doc: &Value) {
     let s = &doc["settings"];
+    let mut chunk = s["prefill_chunk"].as_str().unwrap_or("").to_string();
+    if let Some(eff) = s["prefill_chunk_effective"].as_object() {
+        let each: Vec<String> = eff.iter().map(|(p, c)| format!("{p} {c}")).collect();
+        if chunk == "auto" && !each.is_empty() {
+            chunk = format!("auto ({})", each.join(", "));
+        }
+    }
     println!(
         "model {}  slots {}  threads {}  direct-io {}  prefill-chunk {}  ctx {}  gen {}  decode {}  kernels {}  routing {}  device {}  (medians of {} run(s))",
         doc["model"].as_str().unwrap_or(""),
         s["slots"].as_str().map_or(s["slots"].to_string(), str::to_string),
         s["threads"],
         s["direct_io"],
-        s["prefill_chunk"].as_str().unwrap_or(""),
+        chunk,
         s["ctx"],
         s["gen"],
         s["decode"].as_str().unwrap_or(""),

@@ -101,11 +101,20 @@ pub fn install(a: InstallArgs) -> anyhow::Result<()> {
                 format!("unknown --model {name}; choose one of {}", names.join(", "))
             })?;
             if a.model.is_none() {
-                // The original's default; say so, since a forgotten SOURCE starts a download.
+                // The original's default; say so, since a forgotten SOURCE starts a download,
+                // and at a terminal ask first (a pipe or script gets the default as before).
                 eprintln!(
                     "no SOURCE directory given: installing the default preset --model {name} ({} @ {}) over HTTP",
                     p.repo, p.revision
                 );
+                if !a.dry_run && std::io::IsTerminal::is_terminal(&std::io::stdin()) {
+                    eprint!("download it now? [y/N] ");
+                    let mut answer = String::new();
+                    std::io::stdin().read_line(&mut answer)?;
+                    if !matches!(answer.trim(), "y" | "Y" | "yes") {
+                        bail!("nothing installed: give a checkpoint directory, or --model NAME (one of {}) to download a preset", presets::PRESETS.iter().map(|p| p.name).collect::<Vec<_>>().join(", "));
+                    }
+                }
             }
             opts.pin = Some(Pin {
                 index_sha256: p.index_sha256.into(),
@@ -141,7 +150,10 @@ fn print_report(r: &InstallReport) {
         println!("source revision:   {}", r.source_revision);
         println!("range requests:    {}", r.ranges_total);
         println!("source bytes:      {}", r.source_bytes);
-        println!("output bytes:      {}", r.output_bytes);
+        println!(
+            "output bytes:      {} (layout.json not counted)",
+            r.output_bytes
+        );
         println!("resident entries:  {}", r.resident_entries);
         println!(
             "expert layers:     {} (stride {} bytes)",
@@ -169,7 +181,7 @@ fn print_report(r: &InstallReport) {
 pub fn verify(a: VerifyArgs) -> anyhow::Result<()> {
     let s = state::verify(&a.dir)?;
     println!(
-        "Verified {} files ({} bytes); wrote verified-install.json",
+        "Verified manifest.json and the {} files it lists ({} bytes); wrote verified-install.json",
         s.files, s.bytes
     );
     Ok(())
@@ -212,6 +224,16 @@ pub fn inspect(a: InspectArgs) -> anyhow::Result<()> {
     }
     let hint = r.partial_hint.as_deref().unwrap_or_default();
     match (&r.journal, r.partial) {
+        (Some(j), _) if r.running => {
+            let done: u64 = j.completed_ranges.iter().map(|c| c.source_bytes).sum();
+            println!(
+                "partial: an install from {}@{} is running now (another process holds its install lock): {} ranges done, {} of {} source bytes",
+                j.repo_id, j.requested_revision, j.completed_ranges.len(), done, j.total_source_bytes
+            );
+        }
+        (None, true) if r.running => {
+            println!("partial: an install is running now (another process holds its lock)")
+        }
         (Some(j), _) => {
             let done: u64 = j.completed_ranges.iter().map(|c| c.source_bytes).sum();
             println!(

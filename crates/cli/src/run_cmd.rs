@@ -10,7 +10,7 @@ use clap::Args;
 use mference_format::VerifyPolicy;
 use mference_kernels::Kernels;
 use mference_models::generate::{generate, StopReason};
-use mference_models::{LoadOptions, Logits, Model, Want};
+use mference_models::{LoadOptions, Logits, Model, PrefixCache, Want};
 use mference_runtime::{CacheSlots, KvDtype, Sampler, SamplerConfig};
 use mference_text::{
     stop_token_ids, ChatTemplate, Family, StopStrings, StreamingDetokenizer, Tokenizer,
@@ -108,9 +108,13 @@ pub struct PerplexityArgs {
     /// Tokens per chunk (the first is replaced by BOS; the second half is scored).
     #[arg(long, default_value_t = 512)]
     pub ctx: usize,
-    /// Score only the first N tokens of the file.
+    /// Score only the first N tokens of the stream (BOS included).
     #[arg(long)]
     pub max_tokens: Option<usize>,
+    /// Tokenize without a leading BOS (the stream llama-perplexity sees has one when the
+    /// vocabulary adds BOS; chunk-initial BOS is set either way).
+    #[arg(long)]
+    pub no_stream_bos: bool,
 }
 
 const CHUNKS: [usize; 8] = [32, 64, 128, 256, 512, 1024, 2048, 4096];
@@ -207,9 +211,9 @@ fn validate_sampling(a: &RunArgs) -> Result<()> {
     if a.temperature > 0.0 && a.top_k == 0 && a.top_p < 1.0 {
         bail!("--top-p {} requires --top-k between 1 and 256; to turn both truncations off pass --top-k 0 --top-p 1", a.top_p);
     }
-    if a.repetition_penalty <= 0.0 {
+    if !(a.repetition_penalty > 0.0 && a.repetition_penalty.is_finite()) {
         bail!(
-            "--repetition-penalty must be > 0, got {}",
+            "--repetition-penalty must be a finite number > 0, got {}",
             a.repetition_penalty
         );
     }
@@ -227,9 +231,7 @@ fn validate_sampling(a: &RunArgs) -> Result<()> {
 
 /// Checks the model flags' values before anything is read from disk.
 pub(crate) fn validate_model_args(m: &ModelArgs) -> Result<()> {
-    if m.expert_cache_slots != "auto" {
-        CacheSlots::parse(&m.expert_cache_slots).map_err(anyhow::Error::msg)?;
-    }
+    slots_flag(&m.expert_cache_slots)?;
     KvDtype::parse(&m.kv_cache).map_err(anyhow::Error::msg)?;
     if !matches!(m.verify.as_str(), "full-sha256" | "trusted-receipt") {
         bail!(
@@ -241,6 +243,14 @@ pub(crate) fn validate_model_args(m: &ModelArgs) -> Result<()> {
         bail!("--threads must be at least 1");
     }
     kernels(&m.kernels)?;
+    Ok(())
+}
+
+/// Checks an `--expert-cache-slots` / `--slots` value: `auto` or one [`CacheSlots::parse`] takes.
+pub(crate) fn slots_flag(s: &str) -> Result<()> {
+    if s != "auto" && CacheSlots::parse(s).is_err() {
+        bail!("invalid expert cache slots '{s}': allowed values are 8, 16, 24, 32, 64, 96, 128, resident, auto");
+    }
     Ok(())
 }
 
@@ -430,6 +440,7 @@ fn render(text: &Text, messages: &[serde_json::Value]) -> Result<Vec<u32>> {
 /// Generates and streams one reply; returns the reply text.
 fn reply(
     model: &mut dyn Model,
+    cache: &mut PrefixCache,
     text: &Text,
     prompt: &[u32],
     a: &RunArgs,
@@ -448,16 +459,29 @@ fn reply(
     let mut full = String::new();
     let mut io_err = None;
     let mut ids = Vec::new();
-    let (reason, stats) = generate(model, prompt, &mut sampler, a.max_new, &stop_ids, |id| {
-        ids.push(id);
-        let (emit, stopped) = stops.push(&detok.push(id));
-        full.push_str(&emit);
-        if let Err(e) = out.write_all(emit.as_bytes()).and_then(|_| out.flush()) {
-            io_err = Some(e);
-            return false;
-        }
-        !stopped
-    })?;
+    let turn_open = match text.tok.encode(text.family.turn_open_token(), false) {
+        Ok(ids) if ids.len() == 1 => Some(ids[0]),
+        _ => None,
+    };
+    let (reason, stats) = generate(
+        model,
+        cache,
+        prompt,
+        turn_open,
+        &mut sampler,
+        a.max_new,
+        &stop_ids,
+        |id| {
+            ids.push(id);
+            let (emit, stopped) = stops.push(&detok.push(id));
+            full.push_str(&emit);
+            if let Err(e) = out.write_all(emit.as_bytes()).and_then(|_| out.flush()) {
+                io_err = Some(e);
+                return false;
+            }
+            !stopped
+        },
+    )?;
     if let Some(e) = io_err {
         return Err(e.into());
     }
@@ -488,9 +512,14 @@ fn reply(
         } else {
             0.0
         };
+        let cached = if stats.cached_tokens > 0 {
+            format!(" cached={}tok", stats.cached_tokens)
+        } else {
+            String::new()
+        };
         eprintln!(
-            "\n[stop={stop} prefill={}tok/{:.2}s new={}tok decode={:.2}s tok/s={:.3}]",
-            stats.prompt_tokens,
+            "\n[stop={stop} prefill={}tok/{:.2}s{cached} new={}tok decode={:.2}s tok/s={:.3}]",
+            stats.prompt_tokens - stats.cached_tokens,
             stats.prefill.as_secs_f64(),
             stats.new_tokens,
             dec,
@@ -587,7 +616,15 @@ pub fn run(a: RunArgs) -> Result<()> {
     let stdout = std::io::stdout();
     match prompt {
         Some(p) => {
-            reply(model.as_mut(), &text, &p, &a, &mut stdout.lock())?;
+            let mut cache = PrefixCache::new();
+            reply(
+                model.as_mut(),
+                &mut cache,
+                &text,
+                &p,
+                &a,
+                &mut stdout.lock(),
+            )?;
             println!();
         }
         None => chat(model.as_mut(), &text, &a)?,
@@ -595,8 +632,10 @@ pub fn run(a: RunArgs) -> Result<()> {
     Ok(())
 }
 
-/// Interactive chat: the whole conversation is re-rendered and re-prefilled each turn.
+/// Interactive chat: the whole conversation is re-rendered each turn, and only what the model
+/// does not hold yet (the new messages) is prefilled, as `serve` does.
 fn chat(model: &mut dyn Model, text: &Text, a: &RunArgs) -> Result<()> {
+    let mut cache = PrefixCache::new();
     let system = (!a.system.is_empty())
         .then(|| serde_json::json!({"role": "system", "content": a.system.join("\n")}));
     let mut turns: Vec<serde_json::Value> = Vec::new();
@@ -615,6 +654,7 @@ fn chat(model: &mut dyn Model, text: &Text, a: &RunArgs) -> Result<()> {
             "/quit" | "/exit" => return Ok(()),
             "/clear" => {
                 turns.clear();
+                cache.clear(model);
                 eprintln!("[conversation cleared]");
                 continue;
             }
@@ -660,8 +700,15 @@ fn chat(model: &mut dyn Model, text: &Text, a: &RunArgs) -> Result<()> {
             turns.pop();
             continue;
         }
-        model.truncate(0);
-        let out = reply(model, text, &prompt, a, &mut std::io::stdout().lock())?;
+        // The conversation so far is still in the model: only the new part is prefilled.
+        let out = reply(
+            model,
+            &mut cache,
+            text,
+            &prompt,
+            a,
+            &mut std::io::stdout().lock(),
+        )?;
         println!();
         turns.push(serde_json::json!({"role": "assistant", "content": out}));
     }
@@ -688,7 +735,19 @@ pub fn perplexity(a: PerplexityArgs) -> Result<()> {
     }
     let body = std::fs::read_to_string(&a.file)
         .with_context(|| format!("reading {}", a.file.display()))?;
-    let mut ids = text.tok.encode(&body, false)?;
+    if let Some(m) = a.max_tokens {
+        if m < a.ctx {
+            bail!(
+                "--max-tokens {m} is less than one --ctx {} chunk: raise --max-tokens or lower --ctx",
+                a.ctx
+            );
+        }
+    }
+    // llama-perplexity's stream: `common_tokenize(text, add_special = true)`, so BOS first when
+    // the vocabulary adds one; then every chunk's first token becomes BOS.
+    let bos = text.tok.bos_id();
+    let mut ids: Vec<u32> = bos.filter(|_| !a.no_stream_bos).into_iter().collect();
+    ids.extend(text.tok.encode(&body, false)?);
     if let Some(m) = a.max_tokens {
         ids.truncate(m);
     }
@@ -701,7 +760,6 @@ pub fn perplexity(a: PerplexityArgs) -> Result<()> {
             a.ctx
         );
     }
-    let bos = text.tok.bos_id();
     let mut model = mference_models::load(
         &a.model.model,
         &load_options(&a.model, a.ctx.clamp(32, 512).next_power_of_two(), a.ctx)?,

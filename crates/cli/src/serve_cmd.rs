@@ -37,9 +37,10 @@ pub struct ServeArgs {
     /// off or single-prefix (reuse the KV of the previous prompt's shared prefix).
     #[arg(long, default_value = "single-prefix")]
     pub prompt_cache_mode: String,
-    /// Prefill chunk rows: 32, 64, 128, 256, 512, 1024, 2048 or 4096.
-    #[arg(long, default_value_t = 128)]
-    pub prefill_chunk: usize,
+    /// Prefill chunk rows: 32, 64, 128, 256, 512, 1024, 2048, 4096 or auto (128 here: request
+    /// lengths are not known in advance).
+    #[arg(long, default_value = "auto")]
+    pub prefill_chunk: String,
 }
 
 /// `mference serve`: validate, load the model, then open the port and print the ready line; on
@@ -55,9 +56,12 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     if a.queue_limit == 0 {
         bail!("--queue-limit must be at least 1");
     }
-    if ![32, 64, 128, 256, 512, 1024, 2048, 4096].contains(&a.prefill_chunk) {
-        bail!("invalid --prefill-chunk {}: allowed values are 32, 64, 128, 256, 512, 1024, 2048, 4096", a.prefill_chunk);
+    let prefill_chunk = crate::run_cmd::parse_prefill_chunk(&a.prefill_chunk, None)?;
+    if a.model_id.as_deref().is_some_and(|m| m.trim().is_empty()) {
+        bail!("--model-id must not be empty (leave it out for the family's id)");
     }
+    crate::run_cmd::validate_model_args(&a.model)?;
+    crate::run_cmd::check_install_dir(&a.model.model)?;
     let bind = BindMode::parse(&a.bind).map_err(anyhow::Error::msg)?;
     let cache = PromptCacheMode::parse(&a.prompt_cache_mode).map_err(anyhow::Error::msg)?;
     // Resolve the address first: a tailnet failure should not wait for a model load.
@@ -82,7 +86,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         .model_id
         .clone()
         .unwrap_or_else(|| mference_server::default_model_id(text.family).to_string());
-    let opts = load_options(&a.model, a.prefill_chunk, max_context)?;
+    let opts = load_options(&a.model, prefill_chunk, max_context)?;
     // The port first: one in use fails now, not after the load.
     let listener = mference_server::bind(SocketAddr::new(ip, a.port))?;
     let t0 = Instant::now();

@@ -35,6 +35,11 @@ fn bench_runs_each_prompt_in_a_fresh_process_and_reports_sane_json() {
     ]);
     let stdout = String::from_utf8(out.stdout).unwrap();
     assert!(stdout.contains("decode/s"), "no table in:\n{stdout}");
+    // The header names the chunk each prompt ran with, not just "auto".
+    assert!(
+        stdout.contains("prefill-chunk auto (short 64, 24 32)"),
+        "no effective prefill chunk in:\n{stdout}"
+    );
     let doc: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&json_path).unwrap()).unwrap();
     let last_line: serde_json::Value =

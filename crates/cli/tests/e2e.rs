@@ -142,7 +142,7 @@ fn bad_flags_are_rejected_with_the_allowed_values() {
         ),
         (
             &["--expert-cache-slots", "7"],
-            "allowed values are 8, 16, 24, 32, 64, 96, 128, resident",
+            "allowed values are 8, 16, 24, 32, 64, 96, 128, resident, auto",
         ),
         (
             &["--prefill-chunk", "100"],
@@ -176,6 +176,60 @@ fn bad_flags_are_rejected_with_the_allowed_values() {
         over,
     );
     refused(&["serve", "--model", model, "--max-context", "8192"], over);
+
+    // Rough edges a new user hit (issue 16 item 8).
+    let file = text.to_str().unwrap();
+    for bad in ["nan", "inf"] {
+        refused(
+            &[
+                "run",
+                "--model",
+                model,
+                "--prompt",
+                "x",
+                "--repetition-penalty",
+                bad,
+            ],
+            "--repetition-penalty must be a finite number > 0",
+        );
+    }
+    let cases: [(&[&str], &str); 6] = [
+        (
+            &["bench", "--model", model, "--slots", "12"],
+            "allowed values are 8, 16, 24, 32, 64, 96, 128, resident, auto",
+        ),
+        (
+            &["serve", "--model", model, "--model-id", ""],
+            "--model-id must not be empty",
+        ),
+        (
+            &["serve", "--model", "/nonexistent.gturbo"],
+            "is not an mference install",
+        ),
+        (
+            &["serve", "--model", model, "--prefill-chunk", "100"],
+            "allowed values are 32, 64, 128, 256, 512, 1024, 2048, 4096, auto",
+        ),
+        (
+            &[
+                "perplexity",
+                "--model",
+                model,
+                "--file",
+                file,
+                "--max-tokens",
+                "100",
+            ],
+            "--max-tokens 100 is less than one --ctx 512 chunk",
+        ),
+        (
+            &["serve", "--model", model, "--expert-cache-slots", "7"],
+            "resident, auto",
+        ),
+    ];
+    for (args, msg) in cases {
+        refused(args, msg);
+    }
 }
 
 /// `run --chat` on the demo install, greedy, with `input` typed in; it must exit 0.
@@ -185,24 +239,126 @@ fn chat_session(
     max_context: usize,
     input: &str,
 ) -> std::process::Output {
-    run_ok_with_stdin(
+    chat_session_with(system, max_new, max_context, input, &[])
+}
+
+fn chat_session_with(
+    system: &str,
+    max_new: usize,
+    max_context: usize,
+    input: &str,
+    extra: &[&str],
+) -> std::process::Output {
+    let mut args: Vec<String> = [
+        "run",
+        "--model",
+        demo_install().to_str().unwrap(),
+        "--chat",
+        "--system",
+        system,
+        "--temperature",
+        "0",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    args.extend([
+        "--max-new".into(),
+        max_new.to_string(),
+        "--max-context".into(),
+        max_context.to_string(),
+    ]);
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    run_ok_with_stdin(BIN, &args, input)
+}
+
+/// A follow-up turn of `run --chat` prefills only the new messages (the conversation so far is
+/// still in the KV cache), and its reply equals a cold `run --messages-file` of the same
+/// conversation: the same prompt ids and the same greedy ids.
+#[test]
+fn chat_reuses_the_conversation_and_answers_as_a_cold_run() {
+    // 4 new tokens: one-line replies here, so stdout splits into them.
+    let out = chat_session_with(
+        "You are terse.",
+        4,
+        512,
+        "Hello there.\nHow are you?\n/quit\n",
+        &["--show-ids"],
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let ids: Vec<serde_json::Value> = err
+        .lines()
+        .filter_map(|l| l.find("{\"prompt\"").map(|at| &l[at..]))
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(ids.len(), 2, "{err}");
+    let stats: Vec<&str> = err.lines().filter(|l| l.starts_with("[stop=")).collect();
+    assert!(!stats[0].contains("cached="), "{err}");
+    let cached: usize = stats[1]
+        .split(" cached=")
+        .nth(1)
+        .and_then(|t| t.split("tok").next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("the second turn reused nothing: {err}"));
+    // Everything the model held that the second prompt starts with (the first turn's prompt and
+    // reply, up to where the template renders the history differently).
+    let held: Vec<&serde_json::Value> = ids[0]["prompt"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .chain(ids[0]["generated"].as_array().unwrap())
+        .collect();
+    let shared = held
+        .iter()
+        .zip(ids[1]["prompt"].as_array().unwrap())
+        .take_while(|(a, b)| **a == *b)
+        .count();
+    assert!(
+        shared > 0 && cached == shared,
+        "cached {cached}, shared {shared}: {err}"
+    );
+    // The cold run: the same conversation in a messages file.
+    let replies: Vec<&str> = stdout.lines().collect();
+    assert_eq!(replies.len(), 2, "a reply spans lines: {stdout:?}");
+    let work = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let msgs = work.path().join("chat.json");
+    std::fs::write(
+        &msgs,
+        json!([
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "Hello there."},
+            {"role": "assistant", "content": replies[0]},
+            {"role": "user", "content": "How are you?"},
+        ])
+        .to_string(),
+    )
+    .unwrap();
+    let cold = run_ok(
         BIN,
         &[
             "run",
             "--model",
             demo_install().to_str().unwrap(),
-            "--chat",
-            "--system",
-            system,
+            "--messages-file",
+            msgs.to_str().unwrap(),
             "--temperature",
             "0",
             "--max-new",
-            &max_new.to_string(),
+            "4",
             "--max-context",
-            &max_context.to_string(),
+            "512",
+            "--show-ids",
         ],
-        input,
-    )
+    );
+    let cold_err = String::from_utf8_lossy(&cold.stderr);
+    let cold_ids: serde_json::Value = cold_err
+        .lines()
+        .find_map(|l| l.find("{\"prompt\"").map(|at| &l[at..]))
+        .map(|l| serde_json::from_str(l).unwrap())
+        .unwrap();
+    assert_eq!(cold_ids, ids[1], "chat turn 2 vs cold run");
 }
 
 #[test]
@@ -277,6 +433,8 @@ fn serve_shuts_down_gracefully_on_sigterm_and_sigint() {
                 "demo",
                 "--max-context",
                 "4096",
+                "--prefill-chunk",
+                "auto",
             ],
             Duration::from_secs(120),
         );
@@ -378,4 +536,45 @@ fn serve_refuses_a_busy_port_and_a_damaged_layer_file_before_its_ready_line() {
         err.contains("layer_03.bin") && err.contains("SHA-256"),
         "{err}"
     );
+}
+
+/// One install has one size: `install`, `inspect` and `verify` report the bytes of the files the
+/// manifest lists, and no lock file stays next to the finished install.
+#[test]
+fn install_inspect_and_verify_report_the_same_size() {
+    let work = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let out = work.path().join("size.gturbo");
+    let src = repo().join("assets/models/gemma4-tiny");
+    let o = run_ok(
+        BIN,
+        &[
+            "install",
+            src.to_str().unwrap(),
+            "--output",
+            out.to_str().unwrap(),
+        ],
+    );
+    let bytes_in = |text: &str, after: &str| -> u64 {
+        let at = text
+            .find(after)
+            .unwrap_or_else(|| panic!("no {after:?} in {text}"))
+            + after.len();
+        text[at..]
+            .chars()
+            .take_while(char::is_ascii_digit)
+            .collect::<String>()
+            .parse()
+            .unwrap()
+    };
+    let installed = bytes_in(&String::from_utf8_lossy(&o.stdout), " (");
+    let o = run_ok(BIN, &["inspect", out.to_str().unwrap()]);
+    let inspected = bytes_in(&String::from_utf8_lossy(&o.stdout), "sizes:   ");
+    let o = run_ok(BIN, &["verify", out.to_str().unwrap()]);
+    let verified = bytes_in(&String::from_utf8_lossy(&o.stdout), "files it lists (");
+    assert_eq!((installed, inspected), (verified, verified));
+    let names: Vec<String> = std::fs::read_dir(work.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(names, ["size.gturbo"]);
 }

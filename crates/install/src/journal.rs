@@ -33,6 +33,10 @@ pub struct Journal {
     pub plan_fingerprint: String,
     pub total_source_bytes: u64,
     pub completed_ranges: Vec<CompletedRange>,
+    /// The source's base URL when it is not the hub (`--base-url`), for the resume hint; absent
+    /// in journals that predate it and for the hub.
+    #[serde(rename = "baseURL", default, skip_serializing_if = "Option::is_none")]
+    pub base_url: Option<String>,
 }
 
 impl Journal {

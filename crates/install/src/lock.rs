@@ -1,7 +1,7 @@
-//! The advisory install lock `<out>.install.lock` (`flock(LOCK_EX|LOCK_NB)`). The lock file
-//! is kept only next to a complete install (as after a successful install); released
-//! anywhere else it is removed, so a failed install or a discard leaves no lock file behind.
-//! One left by a killed process is harmless: `flock` locks die with their process.
+//! The advisory install lock `<out>.install.lock` (`flock(LOCK_EX|LOCK_NB)`). The holder
+//! removes the file when it releases the lock, so a finished, failed or discarded install leaves
+//! no lock file behind. One left by a killed process is harmless: `flock` locks die with their
+//! process.
 
 use crate::run::OutPaths;
 use crate::InstallError;
@@ -13,7 +13,6 @@ use std::path::{Path, PathBuf};
 pub struct InstallLock {
     file: std::fs::File,
     pub path: PathBuf,
-    out: PathBuf,
 }
 
 impl InstallLock {
@@ -40,11 +39,25 @@ impl InstallLock {
                 return Ok(InstallLock {
                     file,
                     path: path.clone(),
-                    out: paths.out.clone(),
                 });
             }
         }
         Err(InstallError::Busy { lock: path.clone() })
+    }
+}
+
+/// Whether another process holds the lock of `paths.out` now (an install running), probed
+/// without creating the lock file or taking the lock from anyone.
+pub fn held_elsewhere(paths: &OutPaths) -> bool {
+    let Ok(file) = std::fs::File::open(&paths.lock) else {
+        return false;
+    };
+    match flock(&file, FlockOperation::NonBlockingLockShared) {
+        Err(e) => e == rustix::io::Errno::WOULDBLOCK,
+        Ok(()) => {
+            let _ = flock(&file, FlockOperation::Unlock);
+            false
+        }
     }
 }
 
@@ -69,9 +82,7 @@ impl Drop for InstallLock {
     fn drop(&mut self) {
         // Removed while still held: whoever opened it meanwhile sees the path change and
         // retries. A failure to remove leaves a harmless file.
-        if !self.out.exists() {
-            let _ = std::fs::remove_file(&self.path);
-        }
+        let _ = std::fs::remove_file(&self.path);
         let _ = flock(&self.file, FlockOperation::Unlock);
     }
 }

@@ -75,6 +75,9 @@ pub struct InstallReport {
     pub source_bytes: u64,
     /// Source bytes fetched by this run.
     pub fetched_bytes: u64,
+    /// The install's size: the bytes of the files its manifest lists (what `inspect` and
+    /// `verify` report); for a dry run the planned weights, expert and tokenizer files
+    /// (`layout.json` not counted).
     pub output_bytes: u64,
     pub resident_entries: usize,
     pub expert_layers: usize,
@@ -224,7 +227,7 @@ fn install_locked(
         ranges_reused: 0,
         source_bytes: plan.source_bytes(),
         fetched_bytes: 0,
-        output_bytes: plan.output_bytes(),
+        output_bytes: plan.output_bytes() + ck.sidecars.iter().map(|(_, s)| s).sum::<u64>(),
         resident_entries: plan.resident.entries.len(),
         expert_layers: plan.expert_layers(),
         expert_stride: plan.layout.expert_stride,
@@ -245,6 +248,7 @@ fn install_locked(
         plan_fingerprint: plan.fingerprint.clone(),
         total_source_bytes: plan.source_bytes(),
         completed_ranges: Vec::new(),
+        base_url: sid.base_url.clone(),
     };
     let (has_partial, has_journal) = (paths.partial.exists(), paths.journal.exists());
     if opts.resume && promoted_with_journal(paths) {
@@ -354,7 +358,7 @@ fn install_locked(
     drop(dests);
 
     progress.stage("hashing output files and writing manifest and receipt");
-    finalize(&ck, &plan, &sid, opts, paths)?;
+    report.output_bytes = finalize(&ck, &plan, &sid, opts, paths)?;
     progress.stage(&format!("promoting {}", paths.out.display()));
     promote(paths, opts.overwrite)?;
     std::fs::remove_file(&paths.journal)
@@ -566,7 +570,7 @@ fn finalize(
     sid: &crate::source::SourceId,
     opts: &InstallOptions,
     paths: &OutPaths,
-) -> Result<(), InstallError> {
+) -> Result<u64, InstallError> {
     let mut rels: Vec<String> = plan.dest_files.iter().map(|(r, _)| r.clone()).collect();
     rels.push(LAYOUT_FILE.to_string());
     rels.extend(
@@ -621,10 +625,8 @@ fn finalize(
             expect_family: Some(plan.family),
         },
     )?;
-    for l in opened.layout.layers.iter().filter(|l| l.blob.is_some()) {
-        opened.check_layer_file(l.layer)?;
-    }
-    Ok(())
+    opened.check_layer_files()?;
+    Ok(manifest.files.values().map(|f| f.size).sum())
 }
 
 /// Write `verified-install.json` into `dir`, bound to `bound` (the final install path).

@@ -14,9 +14,9 @@ use std::path::{Path, PathBuf};
 /// Result of [`verify`].
 #[derive(Clone, Debug)]
 pub struct VerifySummary {
-    /// Files hashed, manifest included.
+    /// Files the manifest lists, all hashed (the manifest itself is hashed too, not counted).
     pub files: usize,
-    /// Bytes hashed.
+    /// Their bytes: the install's size, as `inspect` and `install` report it.
     pub bytes: u64,
 }
 
@@ -38,7 +38,7 @@ pub fn verify(dir: &Path) -> Result<VerifySummary, InstallError> {
     let dir = std::fs::canonicalize(dir).map_err(|e| InstallError::io("cannot open", dir, e))?;
     let mbytes = read_capped(&dir.join(MANIFEST_FILE), MANIFEST_FILE, MANIFEST_MAX_BYTES)?;
     let manifest = Manifest::parse(&mbytes)?;
-    let mut bytes = mbytes.len() as u64;
+    let mut bytes = 0u64;
     for (rel, want) in &manifest.files {
         let (size, sha) = sha256_file(&dir.join(rel)).map_err(|e| match e {
             FormatError::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
@@ -75,12 +75,13 @@ pub fn verify(dir: &Path) -> Result<VerifySummary, InstallError> {
             repo_id: r.source_repo_id.clone()?,
             revision: r.source_revision.clone().unwrap_or_default(),
             resolved_commit: String::new(),
+            base_url: None,
         })
     });
     write_receipt(&dir, &dir, &manifest, &mbytes, sid.as_ref())?;
     debug_assert_eq!(sha256_hex(&mbytes).len(), 64);
     Ok(VerifySummary {
-        files: manifest.files.len() + 1,
+        files: manifest.files.len(),
         bytes,
     })
 }
@@ -88,6 +89,9 @@ pub fn verify(dir: &Path) -> Result<VerifySummary, InstallError> {
 /// What [`inspect`] found at an output path.
 #[derive(Clone, Debug)]
 pub struct InspectReport {
+    /// Another process holds the install lock: the partial install is being written now, not
+    /// interrupted.
+    pub running: bool,
     pub out: PathBuf,
     /// The manifest of a complete install, if present and parseable.
     pub manifest: Option<Manifest>,
@@ -130,7 +134,9 @@ pub fn inspect(out: &Path) -> Result<InspectReport, InstallError> {
         .map(|m| m.files.values().map(|f| f.size).sum())
         .unwrap_or(0);
     let partial_hint = (partial || journal.is_some()).then(|| resume_hint(&paths));
+    let running = crate::lock::held_elsewhere(&paths);
     Ok(InspectReport {
+        running,
         out: paths.out,
         manifest,
         installed_bytes,
@@ -158,8 +164,13 @@ pub fn resume_hint(paths: &OutPaths) -> String {
             },
         },
     };
+    let base = journal
+        .as_ref()
+        .and_then(|j| j.base_url.as_deref())
+        .map(|b| format!(" --base-url {b}"))
+        .unwrap_or_default();
     let out = paths.out.display();
-    format!("continue it with `mference install {source} --output {out} --resume` or remove it with `mference discard {out}`")
+    format!("continue it with `mference install {source}{base} --output {out} --resume` or remove it with `mference discard {out}`")
 }
 
 /// Remove a saved partial install and its journal, under the install lock, and the lock file

@@ -207,8 +207,11 @@ fn a_second_installer_is_refused_as_busy_and_touches_nothing() {
         paths.lock.exists(),
         "a refused installer removed the held lock"
     );
-    // Released with no install next to it, the lock file goes, and the next one takes a new one.
+    // `inspect` sees a running install (not an interrupted one) through the held lock.
+    assert!(mference_install::lock::held_elsewhere(&paths));
+    // Released, the lock file goes, and the next one takes a new one.
     drop(held);
+    assert!(!mference_install::lock::held_elsewhere(&paths));
     assert!(
         !paths.lock.exists(),
         "the released lock file was left behind"
@@ -251,9 +254,9 @@ fn a_lock_file_left_by_a_killed_installer_is_never_busy_and_never_outlives_the_i
         ..opts()
     };
     mference_install::install_local(&common::asset("gemma4-tiny"), &out, &resume).unwrap();
-    assert_eq!(leftovers(), ["s.gturbo", "s.gturbo.install.lock"]);
+    assert_eq!(leftovers(), ["s.gturbo"]);
     assert!(!mference_install::state::discard(&out).unwrap());
-    assert_eq!(leftovers(), ["s.gturbo", "s.gturbo.install.lock"]);
+    assert_eq!(leftovers(), ["s.gturbo"]);
 }
 
 #[test]
@@ -278,10 +281,12 @@ fn a_fresh_install_over_a_saved_partial_refuses_and_discard_clears_it() {
     let insp = mference_install::state::inspect(&out).unwrap();
     assert!(insp.partial && insp.journal.as_ref().unwrap().completed_ranges.len() == 1);
     // verify names the interrupted install and what to run, for `<out>` and `<out>.partial`.
+    // The journal recorded the mirror's base URL, so the hint can name it.
     let resume = format!(
-        "mference install --repo {} --revision {} --output {} --resume",
+        "mference install --repo {} --revision {} --base-url {} --output {} --resume",
         common::REPO,
         common::REV,
+        srv.base,
         paths.out.display()
     );
     let discard = format!("mference discard {}", paths.out.display());

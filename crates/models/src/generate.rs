@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use mference_runtime::Sampler;
 
-use crate::{Logits, Model, ModelError, Want};
+use crate::{Logits, Model, ModelError, PrefixCache, Want};
 
 /// Why generation ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -24,20 +24,26 @@ pub enum StopReason {
 #[derive(Clone, Debug, Default)]
 pub struct GenStats {
     pub prompt_tokens: usize,
+    /// Prompt tokens whose state came from the retained prefix (not prefilled again).
+    pub cached_tokens: usize,
     pub prefill: Duration,
     pub new_tokens: usize,
     pub decode: Duration,
 }
 
-/// Prefills `prompt` (after any cached prefix already in the model) and samples up to `max_new`
-/// tokens. `on_token(id)` sees every generated token that is not a stop token and returns `false`
-/// to stop. Returns the stop reason and stats.
+/// Prefills `prompt` after the part of it `cache` already holds ([`PrefixCache::reuse`]; for a
+/// recurrent model with a checkpoint before the last `turn_open` token) and samples up to
+/// `max_new` tokens. `on_token(id)` sees every generated token that is not a stop token and
+/// returns `false` to stop. Returns the stop reason and stats.
 ///
 /// Errors: the model's (context overflow during prefill is an error; during decode it ends
 /// generation with [`StopReason::Context`]).
+#[allow(clippy::too_many_arguments)]
 pub fn generate(
     model: &mut dyn Model,
+    cache: &mut PrefixCache,
     prompt: &[u32],
+    turn_open: Option<u32>,
     sampler: &mut Sampler,
     max_new: usize,
     stop_ids: &[u32],
@@ -51,7 +57,8 @@ pub fn generate(
     let want = if greedy { Want::Argmax } else { Want::Last };
     let mut history: Vec<u32> = prompt.to_vec();
     let t0 = Instant::now();
-    let mut out = model.forward(prompt, want)?;
+    stats.cached_tokens = cache.reuse(model, prompt);
+    let mut out = cache.prefill(model, prompt, stats.cached_tokens, turn_open, want)?;
     stats.prefill = t0.elapsed();
     let t1 = Instant::now();
     let mut reason = StopReason::MaxNew;
@@ -80,7 +87,7 @@ pub fn generate(
             reason = StopReason::Context;
             break;
         }
-        out = model.forward(&[next], want)?;
+        out = cache.forward(model, &[next], want)?;
     }
     stats.decode = t1.elapsed();
     Ok((reason, stats))

@@ -4,6 +4,7 @@
 
 pub mod gemma4;
 pub mod generate;
+pub mod prefix;
 pub mod qwen3_5_moe;
 
 use std::path::Path;
@@ -17,6 +18,8 @@ use mference_runtime::streamer::IoPool;
 use mference_runtime::{
     CacheSlots, ExpertStreamer, KvDtype, RoutingTrace, RuntimeError, StreamerStats,
 };
+
+pub use prefix::PrefixCache;
 
 /// Errors from loading or running a model.
 #[derive(Debug, thiserror::Error)]

@@ -274,6 +274,14 @@ pub(crate) fn parse_chat(
             ));
         }
     }
+    for legacy in ["functions", "function_call"] {
+        if field(o, legacy).is_some() {
+            return Err(ApiError::param(
+                legacy,
+                format!("`{legacy}` (the legacy function-calling API) is not supported; send `tools` (and `tool_choice`)"),
+            ));
+        }
+    }
     if boolean(o, "parallel_tool_calls")? == Some(false) {
         return Err(ApiError::param(
             "parallel_tool_calls",

@@ -9,7 +9,7 @@ use axum::http::StatusCode;
 use serde_json::Value;
 use tokio::sync::mpsc;
 
-use mference_models::{Logits, Model, ModelError, Want};
+use mference_models::{Logits, Model, ModelError, PrefixCache, Want};
 use mference_runtime::{Sampler, SamplerConfig};
 use mference_text::{
     parse_tool_calls_with_tools, stop_token_ids, Family, StopStrings, StreamingDetokenizer,
@@ -104,8 +104,8 @@ struct Worker {
     model: Box<dyn Model>,
     text: Arc<TextSide>,
     cache_mode: PromptCacheMode,
-    /// Exactly the token ids whose K/V the model holds at positions `0..kv_ids.len()`.
-    kv_ids: Vec<u32>,
+    /// The token ids the model's state holds (the retained conversation prefix).
+    cache: PrefixCache,
     stop_ids: Vec<u32>,
     /// The family's assistant-turn opener ([`mference_text::Family::turn_open_token`]) as one token id.
     turn_open: Option<u32>,
@@ -139,7 +139,7 @@ pub(crate) fn spawn(
         model,
         text,
         cache_mode,
-        kv_ids: Vec::new(),
+        cache: PrefixCache::new(),
         stop_ids,
         turn_open,
         tool_marker_id,
@@ -237,11 +237,6 @@ impl ToolGate {
     }
 }
 
-/// Length of the common prefix of two id lists.
-fn common_prefix(a: &[u32], b: &[u32]) -> usize {
-    a.iter().zip(b).take_while(|(x, y)| x == y).count()
-}
-
 fn model_error(e: &ModelError) -> ApiError {
     let status = match e {
         ModelError::ContextFull { .. } | ModelError::Input(_) => StatusCode::BAD_REQUEST,
@@ -296,45 +291,22 @@ impl Worker {
         });
     }
 
-    /// Runs `tokens` through the model, keeping `kv_ids` equal to what the KV cache holds; after
-    /// a failure the cache state is unknown, so it is dropped.
+    /// The outcome of a forward pass as the API sees it; an error after which no request can
+    /// succeed also goes to `/health`.
+    fn api(&self, r: Result<Logits, ModelError>) -> Result<Logits, ApiError> {
+        r.map_err(|e| {
+            if cannot_serve(&e) {
+                *self.broken.lock().unwrap_or_else(|p| p.into_inner()) =
+                    Some(format!("the model cannot serve: {e}"));
+            }
+            model_error(&e)
+        })
+    }
+
+    /// Runs `tokens` through the model, recording them in the prefix cache.
     fn forward(&mut self, tokens: &[u32], want: Want) -> Result<Logits, ApiError> {
-        match self.model.forward(tokens, want) {
-            Ok(l) => {
-                self.kv_ids.extend_from_slice(tokens);
-                Ok(l)
-            }
-            Err(e) => {
-                self.reset();
-                if cannot_serve(&e) {
-                    *self.broken.lock().unwrap_or_else(|p| p.into_inner()) =
-                        Some(format!("the model cannot serve: {e}"));
-                }
-                Err(model_error(&e))
-            }
-        }
-    }
-
-    fn reset(&mut self) {
-        self.kv_ids.clear();
-        // Position 0 is always a valid cut (nothing of the prefix is needed).
-        let ok = self.model.truncate(0);
-        debug_assert!(ok, "the KV cache refused to clear");
-    }
-
-    /// Cuts the KV cache to the longest prefix it shares with `prompt` (at least one prompt
-    /// token is left to run, for the logits); returns how many prompt tokens are reused.
-    fn reuse_prefix(&mut self, prompt: &[u32]) -> usize {
-        if self.cache_mode == PromptCacheMode::SinglePrefix {
-            let keep = common_prefix(&self.kv_ids, prompt).min(prompt.len().saturating_sub(1));
-            let keep = self.model.rewind_point(keep);
-            if keep > 0 && self.model.truncate(keep) {
-                self.kv_ids.truncate(keep);
-                return keep;
-            }
-        }
-        self.reset();
-        0
+        let r = self.cache.forward(self.model.as_mut(), tokens, want);
+        self.api(r)
     }
 
     fn generate(&mut self, job: &Job, usage: &mut Usage) -> Result<Done, ApiError> {
@@ -362,21 +334,22 @@ impl Worker {
             ))
             .with_code("context_length_exceeded"));
         }
-        usage.cached = self.reuse_prefix(&job.prompt);
-        let mut start = usage.cached;
-        if self.cache_mode == PromptCacheMode::SinglePrefix && self.model.is_recurrent() {
-            // A recurrent state can only be rewound to a checkpoint: keep one from just before the
-            // assistant's turn opens, where this conversation's next request departs from it.
-            let open = self.turn_open;
-            if let Some(cut) = job.prompt.iter().rposition(|&t| Some(t) == open) {
-                if cut > start {
-                    self.forward(&job.prompt[start..cut], Want::None)?;
-                    self.model.checkpoint();
-                    start = cut;
-                }
+        usage.cached = match self.cache_mode {
+            PromptCacheMode::SinglePrefix => self.cache.reuse(self.model.as_mut(), &job.prompt),
+            _ => {
+                self.cache.clear(self.model.as_mut());
+                0
             }
-        }
-        let mut out = self.forward(&job.prompt[start..], want)?;
+        };
+        // With the prompt cache on, a recurrent model keeps a checkpoint where the next request
+        // of this conversation departs.
+        let open = (self.cache_mode == PromptCacheMode::SinglePrefix)
+            .then_some(self.turn_open)
+            .flatten();
+        let r = self
+            .cache
+            .prefill(self.model.as_mut(), &job.prompt, usage.cached, open, want);
+        let mut out = self.api(r)?;
 
         let mut history = job.prompt.clone();
         let mut detok = StreamingDetokenizer::new(tok);

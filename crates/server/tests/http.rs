@@ -99,6 +99,11 @@ fn endpoints_and_error_statuses() {
             "tool_choice",
         ),
         (json!({"parallel_tool_calls": false}), "parallel_tool_calls"),
+        (
+            json!({"functions": [{"name": "f", "parameters": {}}]}),
+            "functions",
+        ),
+        (json!({"function_call": "auto"}), "function_call"),
         (json!({"temperature": 3}), "temperature"),
         (json!({"top_k": -1}), "top_k"),
         (json!({"top_k": 257}), "top_k"),

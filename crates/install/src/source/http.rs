@@ -278,6 +278,8 @@ impl Source for HttpSource {
                 .expect("lock")
                 .clone()
                 .unwrap_or_else(|| self.cfg.revision.clone()),
+            base_url: (self.cfg.base_url.trim_end_matches('/') != HttpConfig::default().base_url)
+                .then(|| self.cfg.base_url.clone()),
         }
     }
 

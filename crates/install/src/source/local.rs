@@ -69,6 +69,7 @@ impl Source for LocalSource {
             repo_id: format!("local:{}", self.dir.display()),
             revision: "local".into(),
             resolved_commit: "local".into(),
+            base_url: None,
         }
     }
 

@@ -16,6 +16,9 @@ pub struct SourceId {
     pub revision: String,
     /// Resolved commit (40 hex) when known, else the revision.
     pub resolved_commit: String,
+    /// The HTTP base URL when it is not `https://huggingface.co` (a mirror, `--base-url`), so a
+    /// resume hint can name it; `None` for the hub and for a directory.
+    pub base_url: Option<String>,
 }
 
 /// A checkpoint source. `rel` is a file path inside the checkpoint (e.g. `config.json`).
