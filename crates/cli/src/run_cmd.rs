@@ -2,6 +2,8 @@
 
 use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
@@ -445,6 +447,7 @@ fn reply(
     prompt: &[u32],
     a: &RunArgs,
     out: &mut impl Write,
+    cancel: &AtomicBool,
 ) -> Result<String> {
     let mut sampler = Sampler::new(SamplerConfig {
         temperature: a.temperature,
@@ -479,7 +482,7 @@ fn reply(
                 io_err = Some(e);
                 return false;
             }
-            !stopped
+            !stopped && !cancel.load(Ordering::Relaxed)
         },
     )?;
     if let Some(e) = io_err {
@@ -501,6 +504,7 @@ fn reply(
     let stop = match reason {
         StopReason::StopToken(id) if Some(id) == text.tok.eos_id() => "eos",
         StopReason::StopToken(_) => "endOfTurn",
+        StopReason::Caller if cancel.load(Ordering::Relaxed) => "interrupted",
         StopReason::Caller => "stopString",
         StopReason::MaxNew => "maxNew",
         StopReason::Context => "context",
@@ -617,6 +621,7 @@ pub fn run(a: RunArgs) -> Result<()> {
     match prompt {
         Some(p) => {
             let mut cache = PrefixCache::new();
+            let never = AtomicBool::new(false);
             reply(
                 model.as_mut(),
                 &mut cache,
@@ -624,6 +629,7 @@ pub fn run(a: RunArgs) -> Result<()> {
                 &p,
                 &a,
                 &mut stdout.lock(),
+                &never,
             )?;
             println!();
         }
@@ -636,18 +642,23 @@ pub fn run(a: RunArgs) -> Result<()> {
 /// does not hold yet (the new messages) is prefilled, as `serve` does.
 fn chat(model: &mut dyn Model, text: &Text, a: &RunArgs) -> Result<()> {
     let mut cache = PrefixCache::new();
+    let interrupt = Interrupt::install()?;
     let system = (!a.system.is_empty())
         .then(|| serde_json::json!({"role": "system", "content": a.system.join("\n")}));
     let mut turns: Vec<serde_json::Value> = Vec::new();
     let stdin = std::io::stdin();
-    let mut line = String::new();
+    let mut bytes = Vec::new();
     loop {
         eprint!("> ");
-        line.clear();
-        if stdin.lock().read_line(&mut line)? == 0 {
+        bytes.clear();
+        if stdin.lock().read_until(b'\n', &mut bytes)? == 0 {
             eprintln!(); // end of input: leave the terminal on a fresh line
             return Ok(());
         }
+        let Ok(line) = std::str::from_utf8(&bytes) else {
+            eprintln!("[that line is not valid UTF-8 text; nothing was sent, type it again]");
+            continue;
+        };
         let input = line.trim_end_matches(['\n', '\r']);
         match input.trim() {
             "" => continue,
@@ -701,6 +712,8 @@ fn chat(model: &mut dyn Model, text: &Text, a: &RunArgs) -> Result<()> {
             continue;
         }
         // The conversation so far is still in the model: only the new part is prefilled.
+        interrupt.hit.store(false, Ordering::Relaxed);
+        interrupt.generating.store(true, Ordering::Relaxed);
         let out = reply(
             model,
             &mut cache,
@@ -708,9 +721,49 @@ fn chat(model: &mut dyn Model, text: &Text, a: &RunArgs) -> Result<()> {
             &prompt,
             a,
             &mut std::io::stdout().lock(),
-        )?;
+            &interrupt.hit,
+        );
+        interrupt.generating.store(false, Ordering::Relaxed);
+        let out = out?;
         println!();
         turns.push(serde_json::json!({"role": "assistant", "content": out}));
+    }
+}
+
+/// Ctrl-C in `run --chat`: during a reply it stops the reply (the text so far stays in the
+/// conversation) and the session goes on; at the prompt it ends the session (exit 130).
+struct Interrupt {
+    generating: Arc<AtomicBool>,
+    hit: Arc<AtomicBool>,
+}
+
+impl Interrupt {
+    fn install() -> Result<Interrupt> {
+        let generating = Arc::new(AtomicBool::new(false));
+        let hit = Arc::new(AtomicBool::new(false));
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        let mut sigint = {
+            let _guard = rt.enter();
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())?
+        };
+        let (g, h) = (Arc::clone(&generating), Arc::clone(&hit));
+        std::thread::Builder::new()
+            .name("mference-sigint".into())
+            .spawn(move || {
+                rt.block_on(async move {
+                    while sigint.recv().await.is_some() {
+                        if g.load(Ordering::Relaxed) {
+                            h.store(true, Ordering::Relaxed);
+                        } else {
+                            eprintln!();
+                            std::process::exit(130);
+                        }
+                    }
+                })
+            })?;
+        Ok(Interrupt { generating, hit })
     }
 }
 

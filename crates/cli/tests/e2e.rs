@@ -578,3 +578,72 @@ fn install_inspect_and_verify_report_the_same_size() {
         .collect();
     assert_eq!(names, ["size.gturbo"]);
 }
+
+/// `run --chat` stays up through bad input: a line of invalid UTF-8 is refused and the session
+/// goes on; Ctrl-C (SIGINT) during a reply stops that reply and returns to the prompt, where the
+/// conversation (with the cut reply) is still there.
+#[test]
+fn chat_survives_invalid_utf8_and_ctrl_c_during_a_reply() {
+    use std::io::{Read, Write};
+    use std::process::Stdio;
+    use std::sync::{Arc, Mutex};
+    let mut child = Command::new(BIN)
+        .args([
+            "run",
+            "--model",
+            demo_install().to_str().unwrap(),
+            "--chat",
+            "--temperature",
+            "0",
+            "--max-new",
+            "3000",
+            "--max-context",
+            "4096",
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    // Greedy on this line runs for thousands of tokens without an end of turn.
+    stdin
+        .write_all(b"\xff\xfe\nIt is a truth universally acknowledged, that\n")
+        .unwrap();
+    stdin.flush().unwrap();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let mut stdout = child.stdout.take().unwrap();
+    let sink = Arc::clone(&seen);
+    let reader = std::thread::spawn(move || {
+        let mut buf = [0u8; 4096];
+        while let Ok(n) = stdout.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+            sink.lock().unwrap().extend_from_slice(&buf[..n]);
+        }
+    });
+    let t0 = std::time::Instant::now();
+    while seen.lock().unwrap().len() < 16 {
+        assert!(t0.elapsed() < Duration::from_secs(120), "no reply began");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let st = Command::new("kill")
+        .args(["-s", "INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(st.success());
+    stdin.write_all(b"/history\n/quit\n").unwrap();
+    drop(stdin);
+    let out = child.wait_with_output().unwrap();
+    reader.join().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{:?}: {err}", out.status);
+    assert!(err.contains("not valid UTF-8"), "{err}");
+    assert!(err.contains("[stop=interrupted"), "{err}");
+    assert!(
+        err.contains("user: It is a truth universally acknowledged, that")
+            && err.contains("assistant: "),
+        "/history after the interrupt: {err}"
+    );
+}
