@@ -576,6 +576,14 @@ fn rope_ops<B: Backend>(h: &mut Harness<B>, rng: &mut Rng) {
     }
 }
 
+/// `x` as the KV cache stores it.
+fn kv_rounded(dtype: KvDtype, x: &[f32]) -> Vec<f32> {
+    match dtype {
+        KvDtype::F16 => x.iter().map(|&a| half::f16::from_f32(a).to_f32()).collect(),
+        KvDtype::F32 => x.to_vec(),
+    }
+}
+
 fn attention_ops<B: Backend>(h: &mut Harness<B>, rng: &mut Rng) {
     // (dtype, ring rows / window, GQA heads, sinks)
     let cases = [
@@ -607,18 +615,20 @@ fn attention_ops<B: Backend>(h: &mut Harness<B>, rng: &mut Rng) {
         };
         let (mut hk, mut hv) = (Vec::new(), Vec::new());
         let mut pos0 = 0;
-        for t in chunks {
+        // A copy taken after the second chunk, with the host rows it holds.
+        let mut snap = None;
+        for (i, t) in chunks.into_iter().enumerate() {
+            if i == 2 {
+                let r = h.be.kv_clone(&kv);
+                snap = h
+                    .ok("kv_clone", r)
+                    .map(|c| (c, pos0, hk.clone(), hv.clone()));
+            }
             let k = rng.vec(t * nkv * d, 2.0);
             let v = rng.vec(t * nkv * d, 1.0);
             let q = rng.vec(t * nh * d, 2.0);
-            let round = |x: &[f32]| -> Vec<f32> {
-                match dtype {
-                    KvDtype::F16 => x.iter().map(|&a| half::f16::from_f32(a).to_f32()).collect(),
-                    KvDtype::F32 => x.to_vec(),
-                }
-            };
-            hk.extend(round(&k));
-            hv.extend(round(&v));
+            hk.extend(kv_rounded(dtype, &k));
+            hv.extend(kv_rounded(dtype, &v));
             let (Some(kt), Some(vt), Some(qt)) =
                 (h.up(&k, nkv * d), h.up(&v, nkv * d), h.up(&q, nh * d))
             else {
@@ -642,6 +652,39 @@ fn attention_ops<B: Backend>(h: &mut Harness<B>, rng: &mut Rng) {
                 }
             }
             pos0 += t;
+        }
+        // The copy still holds the state at its position, untouched by the later writes: a
+        // row written there attends over exactly the rows the cache had then.
+        if let Some((mut c, p, mut sk, mut sv)) = snap {
+            let (k, v, q) = (
+                rng.vec(nkv * d, 2.0),
+                rng.vec(nkv * d, 1.0),
+                rng.vec(nh * d, 2.0),
+            );
+            sk.extend(kv_rounded(dtype, &k));
+            sv.extend(kv_rounded(dtype, &v));
+            let (Some(kt), Some(vt), Some(qt)) =
+                (h.up(&k, nkv * d), h.up(&v, nkv * d), h.up(&q, nh * d))
+            else {
+                return;
+            };
+            let r = h.be.kv_write(&mut c, p, &kt, &vt);
+            if h.ok("kv_write", r).is_none() {
+                return;
+            }
+            let r = h.be.attention(&qt, &c, p, &shape);
+            if let Some(o) = h.ok("attention", r) {
+                let want = refr::attention(&q, &sk, &sv, p, &shape);
+                let budget = if dtype == KvDtype::F16 {
+                    F16_KV_REL
+                } else {
+                    EXACT_REL
+                };
+                if let Some(got) = h.read(&o) {
+                    let name = format!("kv_clone {dtype:?} window {window:?} at {p}");
+                    h.expect_close(&name, &got, &want, budget);
+                }
+            }
         }
     }
 }

@@ -48,17 +48,22 @@ impl<K: KvState> KvCache<K> {
     /// Keeps the first `n` positions (for a retained prefix). Ring layers can only be truncated
     /// when no row of the kept prefix has been overwritten; `n == 0` (keep nothing) always works.
     pub fn truncate(&mut self, n: usize) -> bool {
-        let ok = n == 0
-            || self
-                .layers
-                .iter()
-                .all(|l| !l.is_ring() || self.len <= l.rows());
-        if ok && n <= self.len {
+        if self.can_truncate(n) {
             self.len = n;
             true
         } else {
             false
         }
+    }
+
+    /// Whether [`KvCache::truncate`] to `n` would succeed.
+    pub fn can_truncate(&self, n: usize) -> bool {
+        n <= self.len
+            && (n == 0
+                || self
+                    .layers
+                    .iter()
+                    .all(|l| !l.is_ring() || self.len <= l.rows()))
     }
 }
 

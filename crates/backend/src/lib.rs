@@ -338,6 +338,12 @@ pub trait Backend: Send + Sync + Sized {
     ) -> OpResult<()> {
         Err(self.missing("kv_write"))
     }
+    /// An independent copy of `kv` (rows and contents), for a checkpoint of a sliding-window
+    /// ring that later writes would overwrite.
+    fn kv_clone(&self, kv: &Self::Kv) -> OpResult<Self::Kv> {
+        let _ = kv;
+        Err(self.missing("kv_clone"))
+    }
     /// Causal attention of `q` (`[T, n_heads·head_dim]`, positions `pos0..`) over `kv`, which
     /// already holds those positions: `softmax(q·kᵀ·scale) v` per head, GQA by
     /// `n_heads / n_kv_heads`. Returns `[T, n_heads·head_dim]`.

@@ -1018,6 +1018,28 @@ impl Backend for CudaBackend {
         )
     }
 
+    fn kv_clone(&self, kv: &CudaKv) -> OpResult<CudaKv> {
+        let op = "kv_clone";
+        let copy = |s: &Store| -> OpResult<Store> {
+            Ok(match s {
+                Store::F16(x) => {
+                    Store::F16(self.stream.clone_dtod(x).map_err(|e| self.dev(op, e))?)
+                }
+                Store::F32(x) => {
+                    Store::F32(self.stream.clone_dtod(x).map_err(|e| self.dev(op, e))?)
+                }
+            })
+        };
+        Ok(CudaKv {
+            rows: kv.rows,
+            ring: kv.ring,
+            n_kv_heads: kv.n_kv_heads,
+            head_dim: kv.head_dim,
+            k: copy(&kv.k)?,
+            v: copy(&kv.v)?,
+        })
+    }
+
     fn kv_write(
         &self,
         kv: &mut CudaKv,

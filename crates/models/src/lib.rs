@@ -299,8 +299,9 @@ pub trait Model: Send {
     /// recurrent state keeps one snapshot of it, replacing the previous one). A model whose whole
     /// state is its KV cache can be cut anywhere and does nothing.
     fn checkpoint(&mut self) {}
-    /// Whether part of the state is recurrent, so the cache can only be cut at 0, at the end or at
-    /// a checkpoint: a caller that wants to rewind later runs its input in two pieces and calls
+    /// Whether part of the state is recurrent or a sliding-window ring, so the cache can only be
+    /// cut at 0, at the end or at a checkpoint once it has moved on (a ring that has wrapped): a
+    /// caller that wants to rewind later runs its input in two pieces and calls
     /// [`Model::checkpoint`] between them.
     fn is_recurrent(&self) -> bool {
         false

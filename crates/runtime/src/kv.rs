@@ -30,6 +30,7 @@ impl KvDtype {
 }
 
 /// Rows of K or V.
+#[derive(Clone)]
 enum Store {
     F16(Vec<f16>),
     F32(Vec<f32>),
@@ -91,6 +92,7 @@ impl Store {
 }
 
 /// One layer's K and V rows, each row `[n_kv_heads, head_dim]`.
+#[derive(Clone)]
 pub struct KvLayer {
     rows: usize,
     ring: bool,

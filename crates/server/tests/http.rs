@@ -293,7 +293,7 @@ fn prefix_reuse_matches_a_cold_run() {
         json!({"role": "user", "content": "Tell me about the sea."}),
     ];
     // Long user turns push the conversation past the 256-row sliding-window ring, where the
-    // prefix can no longer be cut and the server must fall back to a full prefill.
+    // prefix can be cut only at the checkpoint taken before the assistant's turn opened.
     let turns = [
         "And then?",
         "What did the captain say?",
@@ -332,6 +332,13 @@ fn prefix_reuse_matches_a_cold_run() {
             "turn {t}: too little reused: {reused:?}"
         );
     }
+    // Turn 4 follows a prompt that wrapped the ring: it rewinds to the checkpoint of the rings
+    // before turn 3's assistant opener (it used to reuse nothing).
+    let opener = tok.encode("<|turn>model\n", false).unwrap().len() as u64;
+    assert!(
+        reused[3].0 > 256 && reused[4].1 >= reused[3].0 - tail - opener,
+        "turn 4: too little reused after the ring wrapped: {reused:?}"
+    );
     warm.shutdown();
     cold.shutdown();
 }

@@ -403,6 +403,10 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn kv_clone(&self, kv: &KvLayer) -> OpResult<KvLayer> {
+        Ok(kv.clone())
+    }
+
     fn kv_write(
         &self,
         kv: &mut KvLayer,
