@@ -93,14 +93,20 @@ impl SafetensorsHeader {
             };
             let elems = shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
             let expect = elems.and_then(|n| n.checked_mul(dtype.size_bytes()));
-            if expect != Some(e - b) {
-                return Err(err(format!(
-                    "tensor {name}: shape {shape:?} {dtype} needs {expect:?} bytes, data_offsets span {}",
+            match expect {
+                None => {
+                    return Err(err(format!(
+                        "tensor {name}: shape {shape:?} {dtype} has more bytes than 64 bits count"
+                    )))
+                }
+                Some(n) if n != e - b => return Err(err(format!(
+                    "tensor {name}: shape {shape:?} {dtype} needs {n} bytes, data_offsets span {}",
                     e - b
-                )));
+                ))),
+                Some(_) => {}
             }
             if let Some(fs) = file_size {
-                if data_start + e > fs {
+                if data_start.checked_add(e).is_none_or(|end| end > fs) {
                     return Err(err(format!("tensor {name} ends past the end of the file")));
                 }
             }

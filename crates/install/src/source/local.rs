@@ -29,13 +29,24 @@ impl LocalSource {
         })
     }
 
+    /// The file `rel` names, after pointer files. A symlink is followed (the Hugging Face cache
+    /// links snapshot files into `blobs/`), but only to a regular file: a device or a pipe
+    /// would give endless bytes or block forever.
     fn path(&self, rel: &str) -> Result<PathBuf, InstallError> {
         if rel.starts_with('/') || rel.split('/').any(|c| c == "..") {
             return Err(InstallError::SourceInvalid {
                 detail: format!("file name \"{rel}\" escapes the checkpoint directory"),
             });
         }
-        Ok(resolve_pointer(&self.dir.join(rel)))
+        let p = resolve_pointer(&self.dir.join(rel));
+        match std::fs::metadata(&p) {
+            Ok(m) if !m.is_file() => Err(InstallError::SourceInvalid {
+                detail: format!(
+                    "{rel} is not a regular file (a directory, device or pipe): refusing to read it"
+                ),
+            }),
+            _ => Ok(p),
+        }
     }
 }
 
