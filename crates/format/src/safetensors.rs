@@ -99,10 +99,12 @@ impl SafetensorsHeader {
                         "tensor {name}: shape {shape:?} {dtype} has more bytes than 64 bits count"
                     )))
                 }
-                Some(n) if n != e - b => return Err(err(format!(
+                Some(n) if n != e - b => {
+                    return Err(err(format!(
                     "tensor {name}: shape {shape:?} {dtype} needs {n} bytes, data_offsets span {}",
                     e - b
-                ))),
+                )))
+                }
                 Some(_) => {}
             }
             if let Some(fs) = file_size {

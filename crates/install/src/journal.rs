@@ -43,11 +43,15 @@ impl Journal {
     /// Read a journal. Errors: unreadable, too large, not a schema-1 journal.
     pub fn load(path: &Path) -> Result<Journal, InstallError> {
         let bytes = mference_format::hash::read_capped(path, "resume journal", JOURNAL_MAX_BYTES)?;
-        let j: Journal =
-            serde_json::from_slice(&bytes).map_err(|e| InstallError::StateCorrupt {
-                out: path.to_path_buf(),
-                detail: format!("the journal is not valid: {e}"),
-            })?;
+        Self::parse(&bytes, path)
+    }
+
+    /// [`Journal::load`] of bytes already read from `path` (named in errors).
+    pub fn parse(bytes: &[u8], path: &Path) -> Result<Journal, InstallError> {
+        let j: Journal = serde_json::from_slice(bytes).map_err(|e| InstallError::StateCorrupt {
+            out: path.to_path_buf(),
+            detail: format!("the journal is not valid: {e}"),
+        })?;
         if j.schema != 1 {
             return Err(InstallError::StateCorrupt {
                 out: path.to_path_buf(),

@@ -20,6 +20,8 @@
 
 mod api;
 mod error;
+#[doc(hidden)]
+pub mod fuzz;
 mod http;
 mod messages;
 mod worker;
