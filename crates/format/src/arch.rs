@@ -55,6 +55,7 @@ impl Family {
         Ok(match mt {
             "gemma4" | "gemma4_text" => Family::Gemma4,
             "qwen3_5_moe" | "qwen3_5_moe_text" => Family::Qwen36,
+            "deepseek_v4" => Family::DeepseekV4Flash,
             _ => {
                 return Err(FormatError::UnknownArchitecture {
                     model_type: mt.to_string(),
@@ -177,6 +178,7 @@ impl ArchInfo {
         match family {
             Family::Gemma4 => Self::gemma4(&c),
             Family::Qwen36 => Self::qwen36(&c),
+            Family::DeepseekV4Flash => Self::deepseek_v4(&c),
             other => Err(FormatError::UnknownArchitecture {
                 model_type: other.to_string(),
             }),
@@ -294,6 +296,120 @@ impl ArchInfo {
         a.linear_key_head_dim = c.u("linear_key_head_dim")?;
         a.linear_value_head_dim = c.u("linear_value_head_dim")?;
         a.linear_conv_kernel_size = c.u("linear_conv_kernel_dim")?;
+        a.check_layers()?;
+        Ok(a)
+    }
+
+    /// DeepSeek-V4 (`reference/architectures.md` §4.1, `family-oracles.md` §1.5): a flat config;
+    /// the attention schedule comes from `layer_types` or the legacy `compress_ratios` (0 sliding,
+    /// 4 CSA, 128 HCA; truncated to `num_hidden_layers`, so the published list with its trailing
+    /// MTP entry works). Neither present is refused: transformers' default is the V4-Pro schedule,
+    /// not Flash's. The DeepSeek-specific keys are kept in `extra` as written.
+    fn deepseek_v4(c: &Cfg) -> Result<ArchInfo, FormatError> {
+        let layers = c.u("num_hidden_layers")?;
+        let mask: Vec<u8> = if c.0.contains_key("layer_types") {
+            c.layer_types()?
+                .iter()
+                .map(|t| match t.as_str() {
+                    "sliding_attention" => Ok(0),
+                    "compressed_sparse_attention" => Ok(3),
+                    "heavily_compressed_attention" => Ok(4),
+                    other => Err(cfg_err(format!("unknown layer_types entry \"{other}\""))),
+                })
+                .collect::<Result<_, _>>()?
+        } else {
+            let ratios =
+                c.0.get("compress_ratios")
+                    .and_then(|v| v.as_array())
+                    .ok_or_else(|| {
+                        cfg_err("deepseek_v4 needs \"layer_types\" or \"compress_ratios\"")
+                    })?;
+            if (ratios.len() as u64) < layers {
+                return Err(cfg_err(format!(
+                    "compress_ratios has {} entries, num_hidden_layers is {layers}",
+                    ratios.len()
+                )));
+            }
+            ratios[..layers as usize]
+                .iter()
+                .map(|r| match r.as_u64() {
+                    Some(0) => Ok(0),
+                    Some(4) => Ok(3),
+                    Some(128) => Ok(4),
+                    _ => Err(cfg_err(format!(
+                        "compress_ratios entry {r} is not 0, 4 or 128"
+                    ))),
+                })
+                .collect::<Result<_, _>>()?
+        };
+        let head_dim = c.u("head_dim")?;
+        let rope_dims = c.u("qk_rope_head_dim")?;
+        let moe = c.u("moe_intermediate_size")?;
+        let mut extra = BTreeMap::new();
+        for k in [
+            "q_lora_rank",
+            "qk_rope_head_dim",
+            "o_groups",
+            "o_lora_rank",
+            "index_n_heads",
+            "index_head_dim",
+            "index_topk",
+            "hc_mult",
+            "hc_sinkhorn_iters",
+            "hc_eps",
+            "num_hash_layers",
+            "n_shared_experts",
+            "routed_scaling_factor",
+            "swiglu_limit",
+            "scoring_func",
+            "compress_rope_theta",
+            "rope_scaling",
+        ] {
+            if let Some(v) = c.0.get(k) {
+                extra.insert(k.to_string(), v.clone());
+            }
+        }
+        let a = ArchInfo {
+            hidden_size: c.u("hidden_size")?,
+            ffn_intermediate: moe
+                * c.0
+                    .get("n_shared_experts")
+                    .and_then(|v| v.as_u64())
+                    .unwrap_or(1),
+            moe_intermediate_size: moe,
+            num_heads: c.u("num_attention_heads")?,
+            num_kv_heads: c.u("num_key_value_heads")?,
+            num_full_kv_heads: c.u("num_key_value_heads")?,
+            head_dim,
+            full_head_dim: head_dim,
+            vocab_size: c.u("vocab_size")?,
+            sliding_window: c.u("sliding_window")?,
+            final_logit_softcap: 0.0,
+            rope_theta: c.f("rope_theta")?,
+            full_rope_theta: c.f("compress_rope_theta")?,
+            partial_rotary_factor: rope_dims as f64 / head_dim as f64,
+            num_layers: layers,
+            num_experts: c.u("n_routed_experts")?,
+            top_k_experts: c.u("num_experts_per_tok")?,
+            tie_word_embeddings: c.b("tie_word_embeddings", false),
+            attention_k_eq_v: true,
+            hidden_activation: c.s("hidden_act", "silu"),
+            full_attention_layer_mask: mask,
+            family: Family::DeepseekV4Flash,
+            attn_output_gate: false,
+            attention_scale: 1.0 / (head_dim as f64).sqrt(),
+            embedding_scaled_by_sqrt_hidden: false,
+            router_scaled: false,
+            ffn_sandwich_norms: false,
+            shared_expert_gated: false,
+            rope_neox_subdim: false,
+            linear_num_k_heads: 0,
+            linear_num_v_heads: 0,
+            linear_key_head_dim: 0,
+            linear_value_head_dim: 0,
+            linear_conv_kernel_size: 0,
+            extra,
+        };
         a.check_layers()?;
         Ok(a)
     }
