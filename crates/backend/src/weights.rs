@@ -111,6 +111,25 @@ impl QRef {
         Ok(q)
     }
 
+    /// Rows `r0..r0 + n` of this matrix (rows are contiguous in the packed weights, scales and
+    /// biases alike). Panics when the rows are out of range (a caller's bug).
+    pub fn rows_range(&self, r0: usize, n: usize) -> QRef {
+        assert!(
+            n > 0 && r0 + n <= self.rows,
+            "rows {r0}..{} of {}",
+            r0 + n,
+            self.rows
+        );
+        let part = |(o, l): (usize, usize)| (o + l / self.rows * r0, l / self.rows * n);
+        QRef {
+            w: part(self.w),
+            s: part(self.s),
+            b: part(self.b),
+            rows: n,
+            ..*self
+        }
+    }
+
     /// A resident quantized tensor named `<base>.weight` in the index.
     pub fn resident(
         index: &ResidentIndex,
@@ -215,6 +234,50 @@ impl VRef {
     /// All elements as f32 (for small vectors read once per step).
     pub fn to_vec(&self, buf: &[u8]) -> Vec<f32> {
         (0..self.len).map(|i| self.get(buf, i)).collect()
+    }
+}
+
+/// An F32 vector located in the mapped resident file (DeepSeek-V4's `e_score_correction_bias`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FRef {
+    off: usize,
+    pub len: usize,
+}
+
+impl FRef {
+    /// `len` F32 values at byte offset `off` of the resident buffer.
+    pub fn at(off: usize, len: usize) -> Self {
+        Self { off, len }
+    }
+
+    /// A resident F32 tensor named `name` with `len` elements.
+    pub fn resident(index: &ResidentIndex, name: &str, len: usize) -> Result<Self, WeightError> {
+        let e = entry(index, name)?;
+        if e.dtype != Dtype::F32 || e.is_quantized() || e.size_bytes as usize != len * 4 {
+            return Err(WeightError {
+                name: name.into(),
+                why: format!(
+                    "expected {len} F32 values, found {:?} of {} bytes",
+                    e.dtype, e.size_bytes
+                ),
+            });
+        }
+        Ok(Self {
+            off: e.file_offset as usize,
+            len,
+        })
+    }
+
+    /// Byte offset of element 0 in the resident buffer.
+    pub fn offset(&self) -> usize {
+        self.off
+    }
+
+    /// Element `i`.
+    #[inline]
+    pub fn get(&self, buf: &[u8], i: usize) -> f32 {
+        let o = self.off + 4 * i;
+        f32::from_le_bytes([buf[o], buf[o + 1], buf[o + 2], buf[o + 3]])
     }
 }
 
