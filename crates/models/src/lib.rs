@@ -2,6 +2,7 @@
 //! against the op layer (`mference-backend`), sharing the [`Engine`] (install, mapped resident
 //! weights, settings) and the per-layer expert streamers.
 
+pub mod deepseek_v4;
 pub mod gemma4;
 pub mod generate;
 pub mod qwen3_5_moe;
@@ -553,7 +554,7 @@ pub fn load(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn Model>, ModelError
         .to_string();
     if !matches!(
         model_type.as_str(),
-        "gemma4" | "gemma4_text" | "qwen3_5_moe" | "qwen3_5_moe_text"
+        "gemma4" | "gemma4_text" | "qwen3_5_moe" | "qwen3_5_moe_text" | "deepseek_v4"
     ) {
         return Err(ModelError::Family(model_type));
     }
@@ -599,6 +600,12 @@ fn load_family<B: Backend + 'static>(
         "qwen3_5_moe" | "qwen3_5_moe_text" => {
             let cfg = qwen3_5_moe::Config::from_config_json(config)?;
             Ok(Box::new(qwen3_5_moe::Qwen35Moe::load(
+                engine, be, cfg, opts,
+            )?))
+        }
+        "deepseek_v4" => {
+            let cfg = deepseek_v4::Config::from_config_json(config)?;
+            Ok(Box::new(deepseek_v4::DeepseekV4::load(
                 engine, be, cfg, opts,
             )?))
         }
