@@ -318,7 +318,13 @@ pub struct DeepseekV4<B: Backend> {
     states: Vec<(Option<CompressorState<B>>, Option<CompressorState<B>>)>,
     streamers: Streamers,
     max_context: usize,
+    /// [`LoadOptions::shadow_prefetch`].
+    shadow_prefetch: bool,
 }
+
+/// Speculative reads started per layer by the shadow prefetch (the original system's sweep of
+/// 1/2/3/4/6 peaked at 2, `reference/family-oracles.md` §5.1).
+const SHADOW_BUDGET: usize = 2;
 
 /// Interleaved RoPE on the trailing `rope.rotated` dims of a `head_dim` head: the leading pairs
 /// get frequency 0 (cos 1, sin 0: unchanged); `inverse` rotates by `−pos` (HF's `(cos, −sin)`).
@@ -514,6 +520,7 @@ impl<B: Backend> DeepseekV4<B> {
             hc_head: hyper("model.hc_head".into(), hc)?,
             streamers: Streamers::new(cfg.num_hidden_layers),
             max_context: opts.max_context,
+            shadow_prefetch: opts.shadow_prefetch,
             cfg,
             engine,
             be,
@@ -575,6 +582,19 @@ impl<B: Backend> DeepseekV4<B> {
                 (li, pos0),
             )?;
             x = be.hc_post(&x, &moe_out, &post, &comb)?;
+            // Shadow prefetch (decode): the next layer's router on this layer's FFN input; its
+            // reads overlap the next layer's attention.
+            if let (true, 1, Some(next)) = (self.shadow_prefetch, t, self.layers.get(li + 1)) {
+                let routes = route(cfg, be, next, &u, tokens, &self.engine, (li + 1, pos0))?;
+                let mut guess: Vec<(usize, f32)> = routes
+                    .experts
+                    .iter()
+                    .map(|(&e, rows)| (e, rows[0].1))
+                    .collect();
+                guess.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+                let ids: Vec<usize> = guess.iter().take(SHADOW_BUDGET).map(|g| g.0).collect();
+                self.streamers.get(li + 1, &self.engine)?.prefetch(&ids);
+            }
         }
         self.kv.len = pos0 + t;
 
@@ -810,6 +830,26 @@ fn sparse_moe<B: Backend>(
     engine: &Engine,
     (li, pos0): (usize, usize),
 ) -> Result<B::Tensor, ModelError> {
+    let routes = route(cfg, be, layer, u, tokens, engine, (li, pos0))?;
+    let act = Act::SiluClamped(cfg.swiglu_limit);
+    let ((), moe_out) =
+        moe::routed_experts(be, streamer, &layer.switch_mlp, act, u, &routes, || {
+            let shared = be.glu_mlp(&layer.shared_experts, act, Resident, u)?;
+            Ok::<_, ModelError>(((), shared))
+        })?;
+    Ok(moe_out)
+}
+
+/// Layer `li`'s router over the rows of `u`: the expert ids and weights.
+fn route<B: Backend>(
+    cfg: &Config,
+    be: &B,
+    layer: &Layer<B>,
+    u: &B::Tensor,
+    tokens: &[u32],
+    engine: &Engine,
+    (li, pos0): (usize, usize),
+) -> Result<mference_backend::Routes, ModelError> {
     let k = cfg.num_experts_per_tok;
     let router_logits = be.linear(u, &layer.gate)?; // [T, num_experts]
     let (bias, hashed) = match &layer.routing {
@@ -842,13 +882,7 @@ fn sparse_moe<B: Backend>(
             forced: forced.as_deref(),
         },
     )?;
-    let act = Act::SiluClamped(cfg.swiglu_limit);
-    let ((), moe_out) =
-        moe::routed_experts(be, streamer, &layer.switch_mlp, act, u, &routes, || {
-            let shared = be.glu_mlp(&layer.shared_experts, act, Resident, u)?;
-            Ok::<_, ModelError>(((), shared))
-        })?;
-    Ok(moe_out)
+    Ok(routes)
 }
 
 fn check(name: &str, got: (usize, usize), want: (usize, usize)) -> Result<(), ModelError> {

@@ -261,6 +261,11 @@ pub struct LoadOptions {
     pub routing_trace: Option<std::path::PathBuf>,
     /// Where the ops run.
     pub device: Device,
+    /// DeepSeek-V4's shadow prefetch in decode: layer L+1's router applied to layer L's FFN input
+    /// starts reads of its two heaviest predicted experts (hash layers: from the token id) that
+    /// layer L+1 joins only if it routes to them. Results are identical either way; other families
+    /// ignore it.
+    pub shadow_prefetch: bool,
     /// Force a kernel variant by name (`scalar`, `avx2`, `avx512`); `None` = best available.
     pub kernels: Option<String>,
 }
@@ -281,6 +286,7 @@ impl Default for LoadOptions {
             trace_router: false,
             routing_trace: None,
             device: Device::Cpu,
+            shadow_prefetch: true,
         }
     }
 }

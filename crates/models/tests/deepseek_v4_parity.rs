@@ -212,6 +212,50 @@ fn case_b_truncating_indexer_matches_the_reference_in_every_mode() {
     run_case("B");
 }
 
+/// Decode with the shadow prefetch (the default) and without it gives the same bytes, with pread
+/// and with O_DIRECT; with it, speculative reads happen and some are used.
+#[test]
+fn shadow_prefetch_changes_no_output() {
+    let dir = case_dir("A");
+    let inst = install("A");
+    let ids = json_ids(&dir.join("prompt_ids.json"));
+    let run = |shadow: bool, direct_io: bool| {
+        let o = LoadOptions {
+            slots: CacheSlots::Fixed(8),
+            shadow_prefetch: shadow,
+            direct_io,
+            ..opts(64, KvDtype::F32)
+        };
+        let mut m = load(&inst, &o).expect("load");
+        let mut all = Vec::new();
+        for &t in &ids[..120] {
+            match m.forward(&[t], Want::Last).expect("forward") {
+                Logits::Rows(r) => all.extend(r),
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+        let mut st = mference_runtime::StreamerStats::default();
+        for s in m.expert_stats() {
+            st.add(&s);
+        }
+        (all, st)
+    };
+    let (off, st_off) = run(false, false);
+    assert_eq!(st_off.prefetch_reads, 0);
+    for dio in [false, true] {
+        let (on, st) = run(true, dio);
+        eprintln!(
+            "shadow prefetch (O_DIRECT {dio}): {} reads, {} used; hits {} / misses {} (off: {} / {})",
+            st.prefetch_reads, st.prefetch_used, st.hits, st.misses, st_off.hits, st_off.misses
+        );
+        assert!(st.prefetch_reads > 0 && st.prefetch_used > 0, "{st:?}");
+        assert!(
+            on.iter().zip(&off).all(|(a, b)| a.to_bits() == b.to_bits()),
+            "shadow prefetch (O_DIRECT {dio}) changed the logits"
+        );
+    }
+}
+
 /// Slot counts (8, 16 = every expert, resident) and pread vs O_DIRECT give the same bytes.
 #[test]
 fn outputs_are_bit_identical_across_slots_and_io() {
