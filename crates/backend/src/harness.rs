@@ -778,6 +778,36 @@ fn recurrent_ops<B: Backend>(h: &mut Harness<B>, rng: &mut Rng) {
     }
 }
 
+/// A router's readback against the reference's per-row `(expert, weight)` pairs (ids exactly,
+/// weights within 1e-6).
+fn check_routes<B: Backend>(
+    h: &mut Harness<B>,
+    name: &str,
+    routes: &crate::Routes,
+    want: &[Vec<(usize, f32)>],
+) {
+    let mut got: Vec<Vec<(usize, f32)>> = vec![Vec::new(); want.len()];
+    for (&e, rows) in &routes.experts {
+        for &(row, wt) in rows {
+            got[row].push((e, wt));
+        }
+    }
+    for (row, (g, wnt)) in got.iter().zip(want).enumerate() {
+        let ids_g: Vec<usize> = g.iter().map(|p| p.0).collect();
+        let ids_w: Vec<usize> = wnt.iter().map(|p| p.0).collect();
+        if ids_g != ids_w {
+            h.fail(
+                name,
+                format!("row {row}: experts {ids_g:?}, reference {ids_w:?}"),
+            );
+            continue;
+        }
+        let gw: Vec<f32> = g.iter().map(|p| p.1).collect();
+        let ww: Vec<f32> = wnt.iter().map(|p| p.1).collect();
+        h.expect_close(name, &gw, &ww, 1e-6);
+    }
+}
+
 fn router_ops<B: Backend>(h: &mut Harness<B>, rng: &mut Rng, w: &TestWeights) {
     let buf = h.buf;
     let n_exp = 16;
@@ -830,28 +860,8 @@ fn router_ops<B: Backend>(h: &mut Harness<B>, rng: &mut Rng, w: &TestWeights) {
         let Some(routes) = h.ok("route", r) else {
             continue;
         };
-        let want = refr::route(&logits, n_exp, &spec, buf);
-        let mut got: Vec<Vec<(usize, f32)>> = vec![Vec::new(); t];
-        for (&e, rows) in &routes.experts {
-            for &(row, wt) in rows {
-                got[row].push((e, wt));
-            }
-        }
         let name = format!("route {scoring:?} top-{k} forced {}", forced.is_some());
-        for (row, (g, wnt)) in got.iter().zip(&want).enumerate() {
-            let ids_g: Vec<usize> = g.iter().map(|p| p.0).collect();
-            let ids_w: Vec<usize> = wnt.iter().map(|p| p.0).collect();
-            if ids_g != ids_w {
-                h.fail(
-                    &name,
-                    format!("row {row}: experts {ids_g:?}, reference {ids_w:?}"),
-                );
-                continue;
-            }
-            let gw: Vec<f32> = g.iter().map(|p| p.1).collect();
-            let ww: Vec<f32> = wnt.iter().map(|p| p.1).collect();
-            h.expect_close(&name, &gw, &ww, 1e-6);
-        }
+        check_routes(h, &name, &routes, &refr::route(&logits, n_exp, &spec, buf));
         // Margins: the k-th minus the (k+1)-th largest raw logit.
         let want_m: Vec<f32> = logits
             .chunks_exact(n_exp)
@@ -1109,31 +1119,11 @@ fn dsv4_ops<B: Backend>(h: &mut Harness<B>, rng: &mut Rng, w: &TestWeights) {
         let Some(routes) = h.ok("route", r) else {
             continue;
         };
-        let want = refr::route(&logits, n_exp, &spec, buf);
-        let mut got: Vec<Vec<(usize, f32)>> = vec![Vec::new(); t];
-        for (&e, rows) in &routes.experts {
-            for &(row, wt) in rows {
-                got[row].push((e, wt));
-            }
-        }
         let name = format!(
             "route sqrt-softplus bias {} forced {}",
             bias.is_some(),
             forced.is_some()
         );
-        for (row, (g, wnt)) in got.iter().zip(&want).enumerate() {
-            let ids_g: Vec<usize> = g.iter().map(|p| p.0).collect();
-            let ids_w: Vec<usize> = wnt.iter().map(|p| p.0).collect();
-            if ids_g != ids_w {
-                h.fail(
-                    &name,
-                    format!("row {row}: experts {ids_g:?}, reference {ids_w:?}"),
-                );
-                continue;
-            }
-            let gw: Vec<f32> = g.iter().map(|p| p.1).collect();
-            let ww: Vec<f32> = wnt.iter().map(|p| p.1).collect();
-            h.expect_close(&name, &gw, &ww, 1e-6);
-        }
+        check_routes(h, &name, &routes, &refr::route(&logits, n_exp, &spec, buf));
     }
 }

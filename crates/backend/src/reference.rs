@@ -142,44 +142,8 @@ pub fn rope(x: &[f32], cols: usize, rope: &Rope, head_dim: usize, pos0: usize) -
 /// Causal attention of `q` (`[T, n_heads·head_dim]`, positions `pos0..`) over the full history
 /// `k`, `v` (`[pos0 + T, n_kv_heads·head_dim]`, position order).
 pub fn attention(q: &[f32], k: &[f32], v: &[f32], pos0: usize, s: &AttnShape) -> Vec<f32> {
-    let (nh, nkv, d) = (s.n_heads, s.n_kv_heads, s.head_dim);
-    let t = q.len() / (nh * d);
-    let mut out = vec![0.0f32; q.len()];
-    for r in 0..t {
-        let p = pos0 + r;
-        let lo = s.window.map_or(0, |w| (p + 1).saturating_sub(w));
-        for h in 0..nh {
-            let kvh = h / (nh / nkv);
-            let qh = &q[(r * nh + h) * d..(r * nh + h + 1) * d];
-            let scores: Vec<f64> = (lo..=p)
-                .map(|j| {
-                    let kr = &k[(j * nkv + kvh) * d..(j * nkv + kvh + 1) * d];
-                    qh.iter()
-                        .zip(kr)
-                        .map(|(&a, &b)| a as f64 * b as f64)
-                        .sum::<f64>()
-                        * s.scale as f64
-                })
-                .collect();
-            let sink = s.sinks.as_ref().map(|v| v[h] as f64);
-            let m = scores
-                .iter()
-                .copied()
-                .chain(sink)
-                .fold(f64::NEG_INFINITY, f64::max);
-            let z: f64 = scores.iter().map(|x| (x - m).exp()).sum::<f64>()
-                + sink.map_or(0.0, |sv| (sv - m).exp());
-            let o = &mut out[(r * nh + h) * d..(r * nh + h + 1) * d];
-            for (i, oi) in o.iter_mut().enumerate() {
-                *oi = scores
-                    .iter()
-                    .zip(lo..=p)
-                    .map(|(sc, j)| (sc - m).exp() / z * v[(j * nkv + kvh) * d + i] as f64)
-                    .sum::<f64>() as f32;
-            }
-        }
-    }
-    out
+    let t = q.len() / (s.n_heads * s.head_dim);
+    attention_sparse(q, k, v, pos0, s, &[], &vec![Vec::new(); t])
 }
 
 /// Depthwise causal conv then SiLU; returns the output and the new state.

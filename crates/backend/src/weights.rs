@@ -203,18 +203,8 @@ impl VRef {
 
     /// A resident BF16 tensor named `name` with `len` elements.
     pub fn resident(index: &ResidentIndex, name: &str, len: usize) -> Result<Self, WeightError> {
-        let e = entry(index, name)?;
-        if e.dtype != Dtype::BF16 || e.size_bytes as usize != len * 2 {
-            return Err(WeightError {
-                name: name.into(),
-                why: format!(
-                    "expected {len} BF16 values, found {:?} of {} bytes",
-                    e.dtype, e.size_bytes
-                ),
-            });
-        }
         Ok(Self {
-            off: e.file_offset as usize,
+            off: dense_offset(index, name, len, Dtype::BF16)?,
             len,
         })
     }
@@ -252,18 +242,8 @@ impl FRef {
 
     /// A resident F32 tensor named `name` with `len` elements.
     pub fn resident(index: &ResidentIndex, name: &str, len: usize) -> Result<Self, WeightError> {
-        let e = entry(index, name)?;
-        if e.dtype != Dtype::F32 || e.is_quantized() || e.size_bytes as usize != len * 4 {
-            return Err(WeightError {
-                name: name.into(),
-                why: format!(
-                    "expected {len} F32 values, found {:?} of {} bytes",
-                    e.dtype, e.size_bytes
-                ),
-            });
-        }
         Ok(Self {
-            off: e.file_offset as usize,
+            off: dense_offset(index, name, len, Dtype::F32)?,
             len,
         })
     }
@@ -320,6 +300,26 @@ pub fn f32_vector(
             .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
             .collect(),
     })
+}
+
+/// Byte offset of the unquantized resident tensor `name`, which must hold `len` values of `dtype`.
+fn dense_offset(
+    index: &ResidentIndex,
+    name: &str,
+    len: usize,
+    dtype: Dtype,
+) -> Result<usize, WeightError> {
+    let e = entry(index, name)?;
+    if e.dtype != dtype || e.is_quantized() || e.size_bytes != len as u64 * dtype.size_bytes() {
+        return Err(WeightError {
+            name: name.into(),
+            why: format!(
+                "expected {len} {dtype} values, found {:?} of {} bytes",
+                e.dtype, e.size_bytes
+            ),
+        });
+    }
+    Ok(e.file_offset as usize)
 }
 
 fn entry<'a>(index: &'a ResidentIndex, name: &str) -> Result<&'a IndexEntry, WeightError> {

@@ -33,14 +33,12 @@ pub fn linear(pool: &ThreadPool, k: &Kernels, x: &[f32], w: &[f32], c: usize) ->
     y
 }
 
+/// `pre`, and `(post, comb)` for a site that mixes the streams.
+type HcWeights = (Vec<f32>, Option<(Vec<f32>, Vec<f32>)>);
+
 /// The mHC entry of one row: `mixes` (`f · rms(x)`, `rows_f` values) → `pre`, and with
 /// `rows_f = (2 + n)·n` also `post` and the Sinkhorn-normalised comb matrix.
-pub fn hc_weights(
-    mixes: &[f32],
-    base: &[f32],
-    scale: &[f32],
-    s: &HcSpec,
-) -> (Vec<f32>, Option<(Vec<f32>, Vec<f32>)>) {
+pub fn hc_weights(mixes: &[f32], base: &[f32], scale: &[f32], s: &HcSpec) -> HcWeights {
     let n = s.streams;
     let pre: Vec<f32> = (0..n)
         .map(|j| sigmoid(mixes[j] * scale[0] + base[j]) + s.hc_eps)

@@ -53,6 +53,12 @@ struct Layer<B: Backend> {
     switch_mlp: Mlp,
 }
 
+/// One layer's compressed-KV state: its compressor's and (CSA) its indexer's.
+struct LayerState<B: Backend> {
+    compressor: Option<CompressorState<B>>,
+    indexer: Option<CompressorState<B>>,
+}
+
 /// A loaded DeepSeek-V4 model with its sliding rings, compressed caches and expert streamers (one
 /// sequence) on backend `B`.
 pub struct DeepseekV4<B: Backend> {
@@ -68,7 +74,7 @@ pub struct DeepseekV4<B: Backend> {
     /// The sliding K = V ring of every layer.
     kv: KvCache<B::Kv>,
     /// Per layer: the compressor's and the indexer's state.
-    states: Vec<(Option<CompressorState<B>>, Option<CompressorState<B>>)>,
+    states: Vec<LayerState<B>>,
     streamers: Streamers,
     max_context: usize,
     /// [`LoadOptions::shadow_prefetch`].
@@ -242,14 +248,15 @@ impl<B: Backend> DeepseekV4<B> {
         let states = layers
             .iter()
             .map(|l| {
-                Ok((
-                    l.attn.compressor.as_ref().map(state).transpose()?,
-                    l.attn
+                Ok(LayerState {
+                    compressor: l.attn.compressor.as_ref().map(state).transpose()?,
+                    indexer: l
+                        .attn
                         .indexer
                         .as_ref()
                         .map(|i| state(&i.compressor))
                         .transpose()?,
-                ))
+                })
             })
             .collect::<Result<_, ModelError>>()?;
         Ok(Self {
@@ -299,8 +306,9 @@ impl<B: Backend> DeepseekV4<B> {
             let (post, comb) = pc.expect("an mHC site with post and comb");
             let mut a = collapsed;
             be.rms_norm(&mut a, h, Norm::Weight(&layer.attn_norm), eps)?;
-            let (cs, is) = &mut self.states[li];
+            let st = &mut self.states[li];
             let kv = &mut self.kv.layers[li];
+            let (cs, is) = (&mut st.compressor, &mut st.indexer);
             let attn_out = attention(cfg, be, layer, &self.ropes, kv, cs, is, &a, pos0)?;
             x = be.hc_post(&x, &attn_out, &post, &comb)?;
 
@@ -381,7 +389,12 @@ impl<B: Backend + 'static> crate::Model for DeepseekV4<B> {
             return false;
         }
         self.kv.clear();
-        for st in self.states.iter_mut().flat_map(|(a, b)| [a, b]).flatten() {
+        for st in self
+            .states
+            .iter_mut()
+            .flat_map(|s| [&mut s.compressor, &mut s.indexer])
+            .flatten()
+        {
             st.count = 0;
             st.pending = 0;
             st.prior = None;
@@ -418,7 +431,7 @@ impl<B: Backend + 'static> crate::Model for DeepseekV4<B> {
         let floats: usize = self
             .states
             .iter()
-            .flat_map(|(a, b)| [a, b])
+            .flat_map(|s| [&s.compressor, &s.indexer])
             .flatten()
             .map(|s| {
                 let t = |x: &B::Tensor| x.rows() * x.cols();
