@@ -624,3 +624,48 @@ fn merr(detail: impl Into<String>) -> FormatError {
         detail: detail.into(),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dsv4(extra: Value) -> Value {
+        let mut c = json!({
+            "model_type": "deepseek_v4", "hidden_size": 256, "moe_intermediate_size": 64,
+            "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 128, "vocab_size": 1024,
+            "num_hidden_layers": 4, "n_routed_experts": 16, "num_experts_per_tok": 6,
+            "sliding_window": 32, "rope_theta": 10000.0, "compress_rope_theta": 160000.0,
+            "qk_rope_head_dim": 16, "q_lora_rank": 128
+        });
+        c.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        c
+    }
+
+    #[test]
+    fn deepseek_v4_schedule_comes_from_compress_ratios_or_layer_types() {
+        // The published list has one more (MTP) entry than layers.
+        let a =
+            ArchInfo::from_config(&dsv4(json!({"compress_ratios": [0, 4, 128, 4, 0]}))).unwrap();
+        assert_eq!(a.family, Family::DeepseekV4Flash);
+        assert_eq!(a.full_attention_layer_mask, vec![0, 3, 4, 3]);
+        assert_eq!(a.num_experts, 16);
+        assert_eq!(a.partial_rotary_factor, 0.125);
+        assert_eq!(a.extra["q_lora_rank"], json!(128));
+        let types = json!({"layer_types": ["sliding_attention", "compressed_sparse_attention",
+            "heavily_compressed_attention", "sliding_attention"]});
+        let b = ArchInfo::from_config(&dsv4(types)).unwrap();
+        assert_eq!(b.full_attention_layer_mask, vec![0, 3, 4, 0]);
+        // The arch block round-trips through the manifest JSON.
+        assert_eq!(ArchInfo::from_json(&a.to_json()).unwrap(), a);
+        // No schedule (transformers would default to V4-Pro's), a short list, an unknown rate.
+        for bad in [
+            json!({}),
+            json!({"compress_ratios": [0, 4, 128]}),
+            json!({"compress_ratios": [0, 4, 8, 4]}),
+        ] {
+            assert!(ArchInfo::from_config(&dsv4(bad.clone())).is_err(), "{bad}");
+        }
+    }
+}
