@@ -21,6 +21,12 @@ fn fixture() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../assets/fixtures/deepseek_v4/A")
 }
 
+/// `mference install SRC --output OUT --quiet`, which must succeed.
+fn install(src: &Path, out: &Path) {
+    let (s, o) = (src.to_str().unwrap(), out.to_str().unwrap());
+    run_ok(BIN, &["install", s, "--output", o, "--quiet"]);
+}
+
 fn argmax(r: &[f32]) -> usize {
     (0..r.len())
         .max_by(|&a, &b| r[a].total_cmp(&r[b]).then(b.cmp(&a)))
@@ -75,16 +81,7 @@ fn logits(inst: &Path, out: &Path, mode: &str) -> Vec<f32> {
 fn install_inspect_logits_and_bench_on_the_fixture() {
     let work = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let inst = work.path().join("dsv4.gturbo");
-    let src = fixture().join("checkpoint");
-    run_ok(
-        BIN,
-        &[
-            "install",
-            src.to_str().unwrap(),
-            "--output",
-            inst.to_str().unwrap(),
-        ],
-    );
+    install(&fixture().join("checkpoint"), &inst);
     let o = run_ok(BIN, &["inspect", inst.to_str().unwrap()]);
     let text = String::from_utf8_lossy(&o.stdout).to_string() + &String::from_utf8_lossy(&o.stderr);
     assert!(
@@ -176,7 +173,7 @@ fn widened_fixture(dir: &Path, vocab: usize) {
         );
     }
     let mut h = serde_json::to_vec(&Value::Object(out_header)).unwrap();
-    while h.len() % 8 != 0 {
+    while !h.len().is_multiple_of(8) {
         h.push(b' ');
     }
     let mut file = (h.len() as u64).to_le_bytes().to_vec();
@@ -223,16 +220,7 @@ fn run_and_serve_with_the_deepseek_tokenizer_and_chat_template() {
     let src = work.path().join("wide");
     widened_fixture(&src, 129_280);
     let inst = work.path().join("wide.gturbo");
-    run_ok(
-        BIN,
-        &[
-            "install",
-            src.to_str().unwrap(),
-            "--output",
-            inst.to_str().unwrap(),
-            "--quiet",
-        ],
-    );
+    install(&src, &inst);
     let m = inst.to_str().unwrap();
     let base = [
         "run",

@@ -570,6 +570,18 @@ mod tests {
         f
     }
 
+    /// 8 slots over `f` with `io_threads` readers, pread.
+    fn open8(
+        f: &tempfile::NamedTempFile,
+        experts: usize,
+        stride: usize,
+        io_threads: usize,
+    ) -> ExpertStreamer {
+        let io = IoPool::new(io_threads);
+        let slots = CacheSlots::Fixed(8);
+        ExpertStreamer::open(f.path(), experts, stride as u64, slots, false, io).unwrap()
+    }
+
     fn expected(e: usize, stride: usize) -> Vec<u8> {
         (0..stride).map(|i| (e * 31 + i * 7) as u8).collect()
     }
@@ -578,16 +590,7 @@ mod tests {
     fn slots_hold_the_right_bytes_under_churn() {
         let (experts, stride) = (12, 16384);
         let f = layer_file(experts, stride);
-        let io = IoPool::new(3);
-        let mut s = ExpertStreamer::open(
-            f.path(),
-            experts,
-            stride as u64,
-            CacheSlots::Fixed(8),
-            false,
-            io,
-        )
-        .unwrap();
+        let mut s = open8(&f, experts, stride, 3);
         let mut rng = 12345u64;
         for _ in 0..200 {
             let mut req = Vec::new();
@@ -624,16 +627,7 @@ mod tests {
     fn prefetched_slots_hold_the_right_bytes() {
         let (experts, stride) = (12, 16384);
         let f = layer_file(experts, stride);
-        let io = IoPool::new(2);
-        let mut s = ExpertStreamer::open(
-            f.path(),
-            experts,
-            stride as u64,
-            CacheSlots::Fixed(8),
-            false,
-            io,
-        )
-        .unwrap();
+        let mut s = open8(&f, experts, stride, 2);
         let mut rng = 99u64;
         let mut next = || {
             rng = rng
