@@ -29,7 +29,7 @@ use std::collections::BTreeMap;
 pub use kv::{KvCache, KvState};
 pub use mference_runtime::KvDtype;
 pub use rope::{Rope, RopeStyle, Yarn};
-pub use weights::{f32_vector, Mlp, QRef, VRef, WeightError};
+pub use weights::{f32_vector, FRef, Mlp, QRef, VRef, WeightError};
 
 /// A backend failed an op: it lacks the op, or the op's operands do not fit together.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -141,6 +141,28 @@ pub enum Scoring {
     /// Softmax over every expert, then the top-k, renormalised to sum 1 when `norm_topk_prob`
     /// (Qwen 3.6, Maple).
     TopKOfSoftmax { norm_topk_prob: bool },
+    /// DeepSeek-V4 (`noaux_tc`, `scoring_func: sqrtsoftplus`): scores `s = sqrt(softplus(logit))`;
+    /// the top-k of `s + correction_bias` (the bias steers selection only, ties to the lower id);
+    /// weights `s[i] / (Σ_chosen s + 1e-20) · routed_scaling_factor`. Forced ids (hash layers'
+    /// `tid2eid[token]`) take the same weights.
+    SqrtSoftplus {
+        routed_scaling_factor: f32,
+        /// `ffn.gate.e_score_correction_bias` `[num_experts]` (F32, resident).
+        correction_bias: Option<FRef>,
+    },
+}
+
+/// The sizes of one manifold-constrained hyper-connection site (DeepSeek-V4's mHC,
+/// `reference/architectures.md` §4.2): `streams` residual streams of width `dim`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct HcSpec {
+    pub streams: usize,
+    /// Sinkhorn-Knopp iterations of the comb matrix (`hc_sinkhorn_iters`).
+    pub sinkhorn_iters: usize,
+    /// `hc_eps`: added to `pre` and to the comb matrix and its normalisers.
+    pub hc_eps: f32,
+    /// The eps of the weightless RMSNorm over the flattened streams (`rms_norm_eps`).
+    pub norm_eps: f32,
 }
 
 /// A router: scoring rule, experts per token and an optional per-expert weight multiplier.
@@ -407,6 +429,116 @@ pub trait Backend: Send + Sync + Sized {
         shape: &DeltaShape,
     ) -> OpResult<Self::Tensor> {
         Err(self.missing("gated_delta_rule"))
+    }
+
+    // ---- DeepSeek-V4: dense products, row writes, hyper-connections, compressed attention ----
+
+    /// `Y[T, w.rows] = X[T, w.cols] · Wᵀ` with an f32 weight held by the backend (`w` uploaded
+    /// once at load: an unquantized router, a hyper-connection projection).
+    fn linear(&self, x: &Self::Tensor, w: &Self::Tensor) -> OpResult<Self::Tensor> {
+        Err(self.missing("linear"))
+    }
+    /// `dst[row0 + r] ← src[r]` for every row of `src` (same column count; the rows must fit).
+    fn set_rows(&self, dst: &mut Self::Tensor, row0: usize, src: &Self::Tensor) -> OpResult<()> {
+        Err(self.missing("set_rows"))
+    }
+    /// Rotates every `head_dim` head of row `r` of `x` by position `positions[r]` (compressed
+    /// entries sit at `rate · w`, not at consecutive positions).
+    fn rope_at(
+        &self,
+        x: &mut Self::Tensor,
+        rope: &Rope,
+        head_dim: usize,
+        positions: &[usize],
+    ) -> OpResult<()> {
+        Err(self.missing("rope_at"))
+    }
+    /// `Y[T, G·R] = X[T, G·C] · blockdiag(W_0 … W_{G-1})ᵀ` where `w` is `[G·R, C]` and group `g`
+    /// takes rows `g·R..` of `w` and columns `g·C..` of `x` (DeepSeek-V4's grouped `wo_a`).
+    fn matmul_grouped(
+        &self,
+        w: &QRef,
+        groups: usize,
+        src: Weights,
+        x: &Self::Tensor,
+    ) -> OpResult<Self::Tensor> {
+        Err(self.missing("matmul_grouped"))
+    }
+    /// The entry of an mHC site over `x` (`[T, n·D]`, `n = spec.streams`): `m = f · rms(x)`
+    /// (weightless RMSNorm over all `n·D`, `f` `[rows_f, n·D]`), then `pre = σ(m_pre·scale₀ +
+    /// base_pre) + hc_eps` and the collapsed block input `Σ_j pre_j x_j` `[T, D]`. With
+    /// `rows_f = (2 + n)·n` also `post = 2σ(m_post·scale₁ + base_post)` `[T, n]` and the comb
+    /// matrix `[T, n·n]` (row-major `C[j][k]`): `softmax_k(m_comb·scale₂ + base_comb) + hc_eps`,
+    /// column-normalised, then `sinkhorn_iters − 1` rounds of row- then column-normalisation, each
+    /// denominator `+ hc_eps`. With `rows_f = n` (the final `hc_head`) only the collapse.
+    #[allow(clippy::type_complexity)]
+    fn hc_pre(
+        &self,
+        x: &Self::Tensor,
+        f: &Self::Tensor,
+        base: &[f32],
+        scale: &[f32],
+        spec: &HcSpec,
+    ) -> OpResult<(Self::Tensor, Option<(Self::Tensor, Self::Tensor)>)> {
+        Err(self.missing("hc_pre"))
+    }
+    /// The exit of an mHC site: `x'_k = post_k · out + Σ_j C[j][k] · x_j` for `x` `[T, n·D]`,
+    /// `out` `[T, D]`, `post` `[T, n]`, `comb` `[T, n·n]`. Returns `[T, n·D]`.
+    fn hc_post(
+        &self,
+        x: &Self::Tensor,
+        out: &Self::Tensor,
+        post: &Self::Tensor,
+        comb: &Self::Tensor,
+    ) -> OpResult<Self::Tensor> {
+        Err(self.missing("hc_post"))
+    }
+    /// Softmax-gated pooling of `rate`-row windows (DeepSeek-V4's KV compressor): `kv`, `gate`
+    /// `[W·rate, c·D]` (`c = 2` with `overlap`, else 1), `ape` `[rate, c·D]` added to the gate rows
+    /// of each window. Without overlap entry `w = Σ_i softmax_i(g_i) ⊙ kv_i` over the window's rows,
+    /// per channel. With overlap the `2·rate` slots of entry `w` are the first `D` columns (Ca) of
+    /// window `w − 1` and the last `D` (Cb) of window `w`; window 0's Ca slots come from `prior`
+    /// (`(kv, gate + ape)` of the previous window's Ca, `[rate, D]` each) or take no weight.
+    /// Returns `[W, D]`.
+    fn compress_pool(
+        &self,
+        kv: &Self::Tensor,
+        gate: &Self::Tensor,
+        ape: &Self::Tensor,
+        rate: usize,
+        overlap: bool,
+        prior: Option<(&Self::Tensor, &Self::Tensor)>,
+    ) -> OpResult<Self::Tensor> {
+        Err(self.missing("compress_pool"))
+    }
+    /// [`Backend::attention`] over `kv` with more keys: row `r` of `q` also attends to the rows
+    /// `visible[r]` of `entries` (`[N, n_kv_heads·head_dim]`, K = V), one softmax over both sets
+    /// (and the sink). Returns `[T, n_heads·head_dim]`.
+    fn attention_sparse(
+        &self,
+        q: &Self::Tensor,
+        kv: &Self::Kv,
+        pos0: usize,
+        shape: &AttnShape,
+        entries: &Self::Tensor,
+        visible: &[Vec<usize>],
+    ) -> OpResult<Self::Tensor> {
+        Err(self.missing("attention_sparse"))
+    }
+    /// The Lightning indexer's selection, read back: for row `r` the scores of entries
+    /// `0..visible[r]` of `keys` (`[N, head_dim]`) are `Σ_h weights[r, h] · relu(q[r, h] · key)`
+    /// (`q` `[T, n_heads·head_dim]`, `weights` `[T, n_heads]`, scaling folded in by the caller); the
+    /// `min(top_k, visible[r])` best are kept (ties to the lower entry), returned ascending.
+    fn index_top_k(
+        &self,
+        q: &Self::Tensor,
+        keys: &Self::Tensor,
+        weights: &Self::Tensor,
+        n_heads: usize,
+        visible: &[usize],
+        top_k: usize,
+    ) -> OpResult<Vec<Vec<usize>>> {
+        Err(self.missing("index_top_k"))
     }
 
     // ---- router ----------------------------------------------------------------------------

@@ -111,6 +111,25 @@ impl QRef {
         Ok(q)
     }
 
+    /// Rows `r0..r0 + n` of this matrix (rows are contiguous in the packed weights, scales and
+    /// biases alike). Panics when the rows are out of range (a caller's bug).
+    pub fn rows_range(&self, r0: usize, n: usize) -> QRef {
+        assert!(
+            n > 0 && r0 + n <= self.rows,
+            "rows {r0}..{} of {}",
+            r0 + n,
+            self.rows
+        );
+        let part = |(o, l): (usize, usize)| (o + l / self.rows * r0, l / self.rows * n);
+        QRef {
+            w: part(self.w),
+            s: part(self.s),
+            b: part(self.b),
+            rows: n,
+            ..*self
+        }
+    }
+
     /// A resident quantized tensor named `<base>.weight` in the index.
     pub fn resident(
         index: &ResidentIndex,
@@ -184,18 +203,8 @@ impl VRef {
 
     /// A resident BF16 tensor named `name` with `len` elements.
     pub fn resident(index: &ResidentIndex, name: &str, len: usize) -> Result<Self, WeightError> {
-        let e = entry(index, name)?;
-        if e.dtype != Dtype::BF16 || e.size_bytes as usize != len * 2 {
-            return Err(WeightError {
-                name: name.into(),
-                why: format!(
-                    "expected {len} BF16 values, found {:?} of {} bytes",
-                    e.dtype, e.size_bytes
-                ),
-            });
-        }
         Ok(Self {
-            off: e.file_offset as usize,
+            off: dense_offset(index, name, len, Dtype::BF16)?,
             len,
         })
     }
@@ -215,6 +224,40 @@ impl VRef {
     /// All elements as f32 (for small vectors read once per step).
     pub fn to_vec(&self, buf: &[u8]) -> Vec<f32> {
         (0..self.len).map(|i| self.get(buf, i)).collect()
+    }
+}
+
+/// An F32 vector located in the mapped resident file (DeepSeek-V4's `e_score_correction_bias`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FRef {
+    off: usize,
+    pub len: usize,
+}
+
+impl FRef {
+    /// `len` F32 values at byte offset `off` of the resident buffer.
+    pub fn at(off: usize, len: usize) -> Self {
+        Self { off, len }
+    }
+
+    /// A resident F32 tensor named `name` with `len` elements.
+    pub fn resident(index: &ResidentIndex, name: &str, len: usize) -> Result<Self, WeightError> {
+        Ok(Self {
+            off: dense_offset(index, name, len, Dtype::F32)?,
+            len,
+        })
+    }
+
+    /// Byte offset of element 0 in the resident buffer.
+    pub fn offset(&self) -> usize {
+        self.off
+    }
+
+    /// Element `i`.
+    #[inline]
+    pub fn get(&self, buf: &[u8], i: usize) -> f32 {
+        let o = self.off + 4 * i;
+        f32::from_le_bytes([buf[o], buf[o + 1], buf[o + 2], buf[o + 3]])
     }
 }
 
@@ -257,6 +300,26 @@ pub fn f32_vector(
             .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
             .collect(),
     })
+}
+
+/// Byte offset of the unquantized resident tensor `name`, which must hold `len` values of `dtype`.
+fn dense_offset(
+    index: &ResidentIndex,
+    name: &str,
+    len: usize,
+    dtype: Dtype,
+) -> Result<usize, WeightError> {
+    let e = entry(index, name)?;
+    if e.dtype != dtype || e.is_quantized() || e.size_bytes != len as u64 * dtype.size_bytes() {
+        return Err(WeightError {
+            name: name.into(),
+            why: format!(
+                "expected {len} {dtype} values, found {:?} of {} bytes",
+                e.dtype, e.size_bytes
+            ),
+        });
+    }
+    Ok(e.file_offset as usize)
 }
 
 fn entry<'a>(index: &'a ResidentIndex, name: &str) -> Result<&'a IndexEntry, WeightError> {

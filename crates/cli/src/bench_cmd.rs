@@ -76,6 +76,10 @@ pub struct BenchArgs {
     /// on synthetic checkpoints, whose random routers pick near-uniformly.
     #[arg(long)]
     pub routing_trace: Option<PathBuf>,
+    /// DeepSeek-V4's shadow prefetch of the next layer's predicted experts in decode: on or off
+    /// (other families have none; the output is the same either way).
+    #[arg(long, default_value = "on", value_parser = ["on", "off"])]
+    pub shadow_prefetch: String,
     /// Also write the JSON document to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -234,6 +238,7 @@ fn spawn_child(exe: &std::path::Path, a: &BenchArgs, n: usize) -> Result<Value> 
         .args(["--verify", &a.verify])
         .args(["--kernels", &a.kernels])
         .args(["--device", &a.device])
+        .args(["--shadow-prefetch", &a.shadow_prefetch])
         .args(["--child", &n.to_string()]);
     if let Some(t) = &a.routing_trace {
         cmd.arg("--routing-trace").arg(t);
@@ -322,6 +327,7 @@ fn child(a: &BenchArgs, n: usize) -> Result<Value> {
     };
     let mut opts = load_options(&margs, chunk, a.ctx)?;
     opts.routing_trace = a.routing_trace.clone();
+    opts.shadow_prefetch = a.shadow_prefetch == "on";
     let slots = match opts.slots {
         mference_runtime::CacheSlots::Fixed(k) => json!(k),
         mference_runtime::CacheSlots::Resident => json!("resident"),
@@ -406,6 +412,9 @@ fn child(a: &BenchArgs, n: usize) -> Result<Value> {
         "bytes_per_token": per(dec_bytes as f64),
         "read_wait_per_token_s": per(dec_wait),
         "compute_per_token_s": per(decode_s - dec_wait),
+        "shadow_prefetch": opts.shadow_prefetch,
+        "prefetch_reads_per_token": per((total.prefetch_reads - after_prefill.prefetch_reads) as f64),
+        "prefetch_used_per_token": per((total.prefetch_used - after_prefill.prefetch_used) as f64),
         "finite": finite,
         "generated": generated,
         "slots": slots,

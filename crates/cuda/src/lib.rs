@@ -1321,6 +1321,7 @@ impl Backend for CudaBackend {
         let (scoring, norm) = match spec.scoring {
             Scoring::SoftmaxOfTopK => (0i32, 0i32),
             Scoring::TopKOfSoftmax { norm_topk_prob } => (1, norm_topk_prob as i32),
+            Scoring::SqrtSoftplus { .. } => return Err(self.missing("route (sqrt-softplus)")),
         };
         let mut ids = self
             .stream

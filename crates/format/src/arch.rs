@@ -55,6 +55,7 @@ impl Family {
         Ok(match mt {
             "gemma4" | "gemma4_text" => Family::Gemma4,
             "qwen3_5_moe" | "qwen3_5_moe_text" => Family::Qwen36,
+            "deepseek_v4" => Family::DeepseekV4Flash,
             _ => {
                 return Err(FormatError::UnknownArchitecture {
                     model_type: mt.to_string(),
@@ -177,6 +178,7 @@ impl ArchInfo {
         match family {
             Family::Gemma4 => Self::gemma4(&c),
             Family::Qwen36 => Self::qwen36(&c),
+            Family::DeepseekV4Flash => Self::deepseek_v4(&c),
             other => Err(FormatError::UnknownArchitecture {
                 model_type: other.to_string(),
             }),
@@ -294,6 +296,120 @@ impl ArchInfo {
         a.linear_key_head_dim = c.u("linear_key_head_dim")?;
         a.linear_value_head_dim = c.u("linear_value_head_dim")?;
         a.linear_conv_kernel_size = c.u("linear_conv_kernel_dim")?;
+        a.check_layers()?;
+        Ok(a)
+    }
+
+    /// DeepSeek-V4 (`reference/architectures.md` §4.1, `family-oracles.md` §1.5): a flat config;
+    /// the attention schedule comes from `layer_types` or the legacy `compress_ratios` (0 sliding,
+    /// 4 CSA, 128 HCA; truncated to `num_hidden_layers`, so the published list with its trailing
+    /// MTP entry works). Neither present is refused: transformers' default is the V4-Pro schedule,
+    /// not Flash's. The DeepSeek-specific keys are kept in `extra` as written.
+    fn deepseek_v4(c: &Cfg) -> Result<ArchInfo, FormatError> {
+        let layers = c.u("num_hidden_layers")?;
+        let mask: Vec<u8> = if c.0.contains_key("layer_types") {
+            c.layer_types()?
+                .iter()
+                .map(|t| match t.as_str() {
+                    "sliding_attention" => Ok(0),
+                    "compressed_sparse_attention" => Ok(3),
+                    "heavily_compressed_attention" => Ok(4),
+                    other => Err(cfg_err(format!("unknown layer_types entry \"{other}\""))),
+                })
+                .collect::<Result<_, _>>()?
+        } else {
+            let ratios =
+                c.0.get("compress_ratios")
+                    .and_then(|v| v.as_array())
+                    .ok_or_else(|| {
+                        cfg_err("deepseek_v4 needs \"layer_types\" or \"compress_ratios\"")
+                    })?;
+            if (ratios.len() as u64) < layers {
+                return Err(cfg_err(format!(
+                    "compress_ratios has {} entries, num_hidden_layers is {layers}",
+                    ratios.len()
+                )));
+            }
+            ratios[..layers as usize]
+                .iter()
+                .map(|r| match r.as_u64() {
+                    Some(0) => Ok(0),
+                    Some(4) => Ok(3),
+                    Some(128) => Ok(4),
+                    _ => Err(cfg_err(format!(
+                        "compress_ratios entry {r} is not 0, 4 or 128"
+                    ))),
+                })
+                .collect::<Result<_, _>>()?
+        };
+        let head_dim = c.u("head_dim")?;
+        let rope_dims = c.u("qk_rope_head_dim")?;
+        let moe = c.u("moe_intermediate_size")?;
+        let mut extra = BTreeMap::new();
+        for k in [
+            "q_lora_rank",
+            "qk_rope_head_dim",
+            "o_groups",
+            "o_lora_rank",
+            "index_n_heads",
+            "index_head_dim",
+            "index_topk",
+            "hc_mult",
+            "hc_sinkhorn_iters",
+            "hc_eps",
+            "num_hash_layers",
+            "n_shared_experts",
+            "routed_scaling_factor",
+            "swiglu_limit",
+            "scoring_func",
+            "compress_rope_theta",
+            "rope_scaling",
+        ] {
+            if let Some(v) = c.0.get(k) {
+                extra.insert(k.to_string(), v.clone());
+            }
+        }
+        let a = ArchInfo {
+            hidden_size: c.u("hidden_size")?,
+            ffn_intermediate: moe
+                * c.0
+                    .get("n_shared_experts")
+                    .and_then(|v| v.as_u64())
+                    .unwrap_or(1),
+            moe_intermediate_size: moe,
+            num_heads: c.u("num_attention_heads")?,
+            num_kv_heads: c.u("num_key_value_heads")?,
+            num_full_kv_heads: c.u("num_key_value_heads")?,
+            head_dim,
+            full_head_dim: head_dim,
+            vocab_size: c.u("vocab_size")?,
+            sliding_window: c.u("sliding_window")?,
+            final_logit_softcap: 0.0,
+            rope_theta: c.f("rope_theta")?,
+            full_rope_theta: c.f("compress_rope_theta")?,
+            partial_rotary_factor: rope_dims as f64 / head_dim as f64,
+            num_layers: layers,
+            num_experts: c.u("n_routed_experts")?,
+            top_k_experts: c.u("num_experts_per_tok")?,
+            tie_word_embeddings: c.b("tie_word_embeddings", false),
+            attention_k_eq_v: true,
+            hidden_activation: c.s("hidden_act", "silu"),
+            full_attention_layer_mask: mask,
+            family: Family::DeepseekV4Flash,
+            attn_output_gate: false,
+            attention_scale: 1.0 / (head_dim as f64).sqrt(),
+            embedding_scaled_by_sqrt_hidden: false,
+            router_scaled: false,
+            ffn_sandwich_norms: false,
+            shared_expert_gated: false,
+            rope_neox_subdim: false,
+            linear_num_k_heads: 0,
+            linear_num_v_heads: 0,
+            linear_key_head_dim: 0,
+            linear_value_head_dim: 0,
+            linear_conv_kernel_size: 0,
+            extra,
+        };
         a.check_layers()?;
         Ok(a)
     }
@@ -506,5 +622,50 @@ impl ArchInfo {
 fn merr(detail: impl Into<String>) -> FormatError {
     FormatError::ManifestInvalid {
         detail: detail.into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dsv4(extra: Value) -> Value {
+        let mut c = json!({
+            "model_type": "deepseek_v4", "hidden_size": 256, "moe_intermediate_size": 64,
+            "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 128, "vocab_size": 1024,
+            "num_hidden_layers": 4, "n_routed_experts": 16, "num_experts_per_tok": 6,
+            "sliding_window": 32, "rope_theta": 10000.0, "compress_rope_theta": 160000.0,
+            "qk_rope_head_dim": 16, "q_lora_rank": 128
+        });
+        c.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        c
+    }
+
+    #[test]
+    fn deepseek_v4_schedule_comes_from_compress_ratios_or_layer_types() {
+        // The published list has one more (MTP) entry than layers.
+        let a =
+            ArchInfo::from_config(&dsv4(json!({"compress_ratios": [0, 4, 128, 4, 0]}))).unwrap();
+        assert_eq!(a.family, Family::DeepseekV4Flash);
+        assert_eq!(a.full_attention_layer_mask, vec![0, 3, 4, 3]);
+        assert_eq!(a.num_experts, 16);
+        assert_eq!(a.partial_rotary_factor, 0.125);
+        assert_eq!(a.extra["q_lora_rank"], json!(128));
+        let types = json!({"layer_types": ["sliding_attention", "compressed_sparse_attention",
+            "heavily_compressed_attention", "sliding_attention"]});
+        let b = ArchInfo::from_config(&dsv4(types)).unwrap();
+        assert_eq!(b.full_attention_layer_mask, vec![0, 3, 4, 0]);
+        // The arch block round-trips through the manifest JSON.
+        assert_eq!(ArchInfo::from_json(&a.to_json()).unwrap(), a);
+        // No schedule (transformers would default to V4-Pro's), a short list, an unknown rate.
+        for bad in [
+            json!({}),
+            json!({"compress_ratios": [0, 4, 128]}),
+            json!({"compress_ratios": [0, 4, 8, 4]}),
+        ] {
+            assert!(ArchInfo::from_config(&dsv4(bad.clone())).is_err(), "{bad}");
+        }
     }
 }

@@ -158,19 +158,64 @@ const QWEN_SLOTS: &[&str] = &[
     ".post_attention_layernorm.weight",
 ];
 
+/// DeepSeek-V4's per-layer slot order (`reference/family-oracles.md` §2.2 names).
+const DSV4_SLOTS: &[&str] = &[
+    ".attn.wq_a.weight",
+    ".attn.q_norm.weight",
+    ".attn.wq_b.weight",
+    ".attn.wkv.weight",
+    ".attn.kv_norm.weight",
+    ".attn.attn_sink",
+    ".attn.wo_a.weight",
+    ".attn.wo_b.weight",
+    ".attn.compressor.wkv.weight",
+    ".attn.compressor.wgate.weight",
+    ".attn.compressor.norm.weight",
+    ".attn.compressor.ape",
+    ".attn.indexer.compressor.wkv.weight",
+    ".attn.indexer.compressor.wgate.weight",
+    ".attn.indexer.compressor.norm.weight",
+    ".attn.indexer.compressor.ape",
+    ".attn.indexer.wq_b.weight",
+    ".attn.indexer.weights_proj.weight",
+    ".attn_norm.weight",
+    ".ffn_norm.weight",
+    ".attn_hc.fn",
+    ".attn_hc.base",
+    ".attn_hc.scale",
+    ".ffn_hc.fn",
+    ".ffn_hc.base",
+    ".ffn_hc.scale",
+    ".ffn.gate.weight",
+    ".ffn.gate.e_score_correction_bias",
+    ".ffn.gate.tid2eid",
+    ".ffn.shared_experts.gate_proj.weight",
+    ".ffn.shared_experts.up_proj.weight",
+    ".ffn.shared_experts.down_proj.weight",
+];
+
+/// Whether `name` has a prefix the family's checkpoints use: `language_model.` (Gemma 4, Qwen
+/// 3.6: the multimodal wrappers) or `model.` / `lm_head.` (DeepSeek-V4's flat text checkpoint).
+fn known_prefix(family: Family, name: &str) -> bool {
+    match family {
+        Family::DeepseekV4Flash => name.starts_with("model.") || name.starts_with("lm_head."),
+        _ => name.starts_with("language_model."),
+    }
+}
+
 /// Deterministic resident order: embedding, then per layer in a fixed per-family slot
 /// order, then other top-level tensors, the final norm and the head.
 fn order_key(family: Family, n: &str) -> (u8, usize, usize, String) {
-    match n {
-        "language_model.model.embed_tokens.weight" => return (0, 0, 0, n.into()),
-        "language_model.model.norm.weight" => return (3, 0, 0, n.into()),
-        "language_model.lm_head.weight" => return (4, 0, 0, n.into()),
+    match n.strip_prefix("language_model.").unwrap_or(n) {
+        "model.embed_tokens.weight" => return (0, 0, 0, n.into()),
+        "model.norm.weight" => return (3, 0, 0, n.into()),
+        "lm_head.weight" => return (4, 0, 0, n.into()),
         _ => {}
     }
-    let slots = if family == Family::Qwen36 {
-        QWEN_SLOTS
-    } else {
-        GEMMA_SLOTS
+    let slots = match family {
+        Family::Qwen36 => QWEN_SLOTS,
+        Family::DeepseekV4Flash => DSV4_SLOTS,
+        _ => GEMMA_SLOTS,
     };
     match layer_index(n) {
         Some(l) => {
@@ -184,6 +229,7 @@ fn order_key(family: Family, n: &str) -> (u8, usize, usize, String) {
 fn routed_container(family: Family) -> &'static str {
     match family {
         Family::Qwen36 => ".mlp.switch_mlp.",
+        Family::DeepseekV4Flash => ".ffn.switch_mlp.",
         _ => ".experts.switch_glu.",
     }
 }
@@ -199,7 +245,11 @@ fn check_against_config(name: &str, shape: &[u64], a: &ArchInfo) -> Result<(), I
     let want: Option<Vec<u64>> =
         if name.ends_with("model.embed_tokens.weight") || name.ends_with("lm_head.weight") {
             Some(vec![a.vocab_size, a.hidden_size])
-        } else if name.ends_with("model.norm.weight") || name.ends_with(".input_layernorm.weight") {
+        } else if name.ends_with("model.norm.weight")
+            || name.ends_with(".input_layernorm.weight")
+            || name.ends_with(".attn_norm.weight")
+            || name.ends_with(".ffn_norm.weight")
+        {
             Some(vec![a.hidden_size])
         } else {
             None
@@ -260,7 +310,7 @@ pub fn build(ck: &Checkpoint, max_range_bytes: u64) -> Result<Plan, InstallError
             companions += 1;
             continue;
         }
-        if !name.starts_with("language_model.") {
+        if !known_prefix(family, name) {
             return Err(invalid(format!(
                 "tensor {name} has an unknown prefix for {family}"
             )));
@@ -690,6 +740,13 @@ fn quant_slots(family: Family, q: &QuantConfig, reg: &Resolved) -> QuantSlots {
             ]),
             router: find(&[".mlp.gate.weight"]),
             shared_expert: find(&[".mlp.shared_expert.gate_proj.weight"]),
+            routed_expert: routed,
+        },
+        Family::DeepseekV4Flash => QuantSlots {
+            embedding: find(&["model.embed_tokens.weight"]),
+            attention: find(&[".attn.wq_a.weight"]),
+            router: find(&[".ffn.gate.weight"]),
+            shared_expert: find(&[".ffn.shared_experts.gate_proj.weight"]),
             routed_expert: routed,
         },
         _ => QuantSlots {

@@ -7,16 +7,22 @@ use mference_format::{Install, ResidentIndex, VerifyPolicy};
 use std::collections::HashSet;
 
 fn check_byte_identity(model: &str) {
+    check_byte_identity_at(&common::asset(model), true);
+}
+
+/// Installs the checkpoint at `src` and compares every tensor with its source bytes;
+/// `with_tokenizer`: the checkpoint ships tokenizer files that the install must carry.
+fn check_byte_identity_at(src_dir: &std::path::Path, with_tokenizer: bool) -> Install {
+    let src_path = src_dir;
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("m.gturbo");
-    let report =
-        mference_install::install_local(&common::asset(model), &out, &common::quiet()).unwrap();
+    let report = mference_install::install_local(src_path, &out, &common::quiet()).unwrap();
     assert!(report.ranges_fetched > 0);
 
     let inst = Install::open(&out, VerifyPolicy::FullSha256).unwrap();
     let weights = std::fs::read(inst.weights_path()).unwrap();
     let index = ResidentIndex::parse(&weights).unwrap();
-    let src_bytes = std::fs::read(common::asset(model).join("model.safetensors")).unwrap();
+    let src_bytes = std::fs::read(src_path.join("model.safetensors")).unwrap();
     let src = safetensors::SafeTensors::deserialize(&src_bytes).unwrap();
     let experts = inst.manifest.experts_per_layer as u64;
     let stride = inst.layout.expert_stride;
@@ -70,18 +76,80 @@ fn check_byte_identity(model: &str) {
         inst.check_layer_file(l.layer).unwrap();
     }
     // The install is self-describing: config copied, tokenizer resolved from the pointer file.
-    let tok = std::fs::metadata(inst.dir.join("tokenizer/tokenizer.json")).unwrap();
-    assert!(
-        tok.len() > 1024,
-        "tokenizer.json should be the real tokenizer, not the pointer"
-    );
+    if with_tokenizer {
+        let tok = std::fs::metadata(inst.dir.join("tokenizer/tokenizer.json")).unwrap();
+        assert!(
+            tok.len() > 1024,
+            "tokenizer.json should be the real tokenizer, not the pointer"
+        );
+    }
     assert_eq!(
         inst.config_json,
         serde_json::from_slice::<serde_json::Value>(
-            &std::fs::read(common::asset(model).join("config.json")).unwrap()
+            &std::fs::read(src_path.join("config.json")).unwrap()
         )
         .unwrap()
     );
+    // Keep the directory alive for the caller's further checks.
+    std::mem::forget(tmp);
+    inst
+}
+
+/// A DeepSeek-V4 fixture checkpoint (`assets/fixtures/deepseek_v4/<case>/checkpoint`, the
+/// mlx-community/DeepSeek-V4-Flash-2bit-DQ layout at tiny sizes).
+fn dsv4_fixture(case: &str) -> std::path::PathBuf {
+    std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../assets/fixtures/deepseek_v4")
+        .join(case)
+        .join("checkpoint")
+}
+
+/// Mixed 2-bit g32 / g64 routed experts, BF16 router, F32 correction bias and hyper-connection
+/// tensors, I64 `tid2eid`, 2-D `wo_a`: every byte lands unchanged, the expert stride is the one
+/// global stride padded to the widest blob (g32 gate layers), and the narrower g64-gate layer's
+/// blob is laid out at that same stride.
+fn check_dsv4(case: &str) {
+    let inst = check_byte_identity_at(&dsv4_fixture(case), false);
+    let m = &inst.manifest;
+    assert_eq!(m.arch.family, mference_format::Family::DeepseekV4Flash);
+    assert_eq!(m.arch.full_attention_layer_mask, vec![0, 0, 3, 4, 3, 4, 3]);
+    let used: Vec<u64> = inst
+        .layout
+        .layers
+        .iter()
+        .map(|l| l.blob.as_ref().unwrap().used_bytes())
+        .collect();
+    let widest = *used.iter().max().unwrap();
+    assert!(
+        used[6] < widest,
+        "layer 6 (g64 gate) should be narrower: {used:?}"
+    );
+    assert_eq!(
+        inst.layout.expert_stride,
+        mference_format::round_up_to_page(widest)
+    );
+    let blob = inst.layout.layers[0].blob.as_ref().unwrap();
+    assert_eq!(blob.gate[0].bits, Some(2));
+    let index = ResidentIndex::parse(&std::fs::read(inst.weights_path()).unwrap()).unwrap();
+    let dtype = |n: &str| index.get(n).unwrap().dtype;
+    use mference_format::Dtype;
+    assert_eq!(dtype("model.layers.0.ffn.gate.tid2eid"), Dtype::I64);
+    assert_eq!(
+        dtype("model.layers.3.ffn.gate.e_score_correction_bias"),
+        Dtype::F32
+    );
+    assert_eq!(dtype("model.layers.3.ffn.gate.weight"), Dtype::BF16);
+    assert_eq!(dtype("model.layers.0.attn.wo_a.weight"), Dtype::U32);
+}
+
+#[test]
+fn deepseek_v4_fixture_a_round_trips_byte_for_byte() {
+    check_dsv4("A");
+}
+
+#[test]
+fn deepseek_v4_fixture_b_round_trips_byte_for_byte() {
+    check_dsv4("B");
 }
 
 #[test]

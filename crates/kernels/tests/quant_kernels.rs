@@ -231,6 +231,19 @@ fn gemm_of_a_long_batch_matches_scalar() {
         },
         &pools(),
     );
+    // DeepSeek-V4-Flash's routed down_proj rows: 2-bit, group 64, input 2048.
+    check(
+        &Case {
+            seed: 101,
+            rows: 17,
+            cols: 2048,
+            bits: 2,
+            gs: 64,
+            offset: 2,
+            n: 37,
+        },
+        &pools(),
+    );
 }
 
 #[test]

@@ -2,6 +2,7 @@
 //! against the op layer (`mference-backend`), sharing the [`Engine`] (install, mapped resident
 //! weights, settings) and the per-layer expert streamers.
 
+pub mod deepseek_v4;
 pub mod gemma4;
 pub mod generate;
 pub mod prefix;
@@ -263,6 +264,11 @@ pub struct LoadOptions {
     pub routing_trace: Option<std::path::PathBuf>,
     /// Where the ops run.
     pub device: Device,
+    /// DeepSeek-V4's shadow prefetch in decode: layer L+1's router applied to layer L's FFN input
+    /// starts reads of its two heaviest predicted experts (hash layers: from the token id) that
+    /// layer L+1 joins only if it routes to them. Results are identical either way; other families
+    /// ignore it.
+    pub shadow_prefetch: bool,
     /// Force a kernel variant by name (`scalar`, `avx2`, `avx512`); `None` = best available.
     pub kernels: Option<String>,
 }
@@ -283,6 +289,7 @@ impl Default for LoadOptions {
             trace_router: false,
             routing_trace: None,
             device: Device::Cpu,
+            shadow_prefetch: true,
         }
     }
 }
@@ -557,7 +564,7 @@ pub fn load(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn Model>, ModelError
         .to_string();
     if !matches!(
         model_type.as_str(),
-        "gemma4" | "gemma4_text" | "qwen3_5_moe" | "qwen3_5_moe_text"
+        "gemma4" | "gemma4_text" | "qwen3_5_moe" | "qwen3_5_moe_text" | "deepseek_v4"
     ) {
         return Err(ModelError::Family(model_type));
     }
@@ -603,6 +610,12 @@ fn load_family<B: Backend + 'static>(
         "qwen3_5_moe" | "qwen3_5_moe_text" => {
             let cfg = qwen3_5_moe::Config::from_config_json(config)?;
             Ok(Box::new(qwen3_5_moe::Qwen35Moe::load(
+                engine, be, cfg, opts,
+            )?))
+        }
+        "deepseek_v4" => {
+            let cfg = deepseek_v4::Config::from_config_json(config)?;
+            Ok(Box::new(deepseek_v4::DeepseekV4::load(
                 engine, be, cfg, opts,
             )?))
         }

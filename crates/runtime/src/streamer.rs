@@ -58,6 +58,10 @@ pub struct StreamerStats {
     pub bytes_read: u64,
     /// Time the compute thread spent blocked waiting for expert reads.
     pub read_wait: Duration,
+    /// Speculative reads started by [`ExpertStreamer::prefetch`] (their bytes are in `bytes_read`).
+    pub prefetch_reads: u64,
+    /// Prefetched experts later routed to (each also counted as a hit).
+    pub prefetch_used: u64,
 }
 
 impl StreamerStats {
@@ -67,6 +71,8 @@ impl StreamerStats {
         self.misses += o.misses;
         self.bytes_read += o.bytes_read;
         self.read_wait += o.read_wait;
+        self.prefetch_reads += o.prefetch_reads;
+        self.prefetch_used += o.prefetch_used;
     }
 }
 
@@ -154,6 +160,12 @@ pub struct ExpertStreamer {
     last_used: Vec<u64>,
     clock: u64,
     pending: Option<Arc<Batch>>,
+    /// Speculative reads in flight ([`ExpertStreamer::prefetch`]) and the slots they write.
+    prefetching: Option<(Arc<Batch>, Vec<usize>)>,
+    /// slot → a speculative read is landing there: neither handed out nor reused until settled.
+    landing: Vec<bool>,
+    /// slot → holds a prefetched expert no request has used yet.
+    prefetched: Vec<bool>,
     stats: StreamerStats,
 }
 
@@ -232,6 +244,9 @@ impl ExpertStreamer {
             last_used: vec![0; experts],
             clock: 0,
             pending: None,
+            prefetching: None,
+            landing: vec![false; n],
+            prefetched: vec![false; n],
             stats: StreamerStats::default(),
         })
     }
@@ -252,11 +267,34 @@ impl ExpertStreamer {
     /// Errors when the request plus the already pinned slots exceed the slot count: callers tile their
     /// requests (prefill uses tiles of at most half the slots).
     pub fn acquire(&mut self, experts: &[usize]) -> Result<Vec<(usize, bool)>, RuntimeError> {
-        let free_or_unpinned = self.pinned.iter().filter(|p| !**p).count();
-        let needed = experts
-            .iter()
-            .filter(|&&e| self.slot_of[e] < 0 || !self.pinned[self.slot_of[e] as usize])
-            .count();
+        // Speculative reads: settle the landed ones; join them only when this request needs one
+        // of their experts or their slots.
+        self.settle_prefetch(false);
+        if self.prefetching.is_some()
+            && experts.iter().any(|&e| {
+                e < self.experts && self.slot_of[e] >= 0 && self.landing[self.slot_of[e] as usize]
+            })
+        {
+            self.settle_prefetch(true);
+        }
+        let needed = |s: &Self| {
+            experts
+                .iter()
+                .filter(|&&e| {
+                    e >= s.experts || s.slot_of[e] < 0 || !s.pinned[s.slot_of[e] as usize]
+                })
+                .count()
+        };
+        let usable = |s: &Self| {
+            (0..s.pinned.len())
+                .filter(|&i| !s.pinned[i] && !s.landing[i])
+                .count()
+        };
+        if needed(self) > usable(self) {
+            self.settle_prefetch(true);
+        }
+        let free_or_unpinned = usable(self);
+        let needed = needed(self);
         if needed > free_or_unpinned {
             return Err(RuntimeError::Invalid(format!(
                 "request for {} experts exceeds the {} unpinned slots",
@@ -310,6 +348,9 @@ impl ExpertStreamer {
             let s = self.slot_of[e];
             if s >= 0 {
                 self.stats.hits += 1;
+                if std::mem::take(&mut self.prefetched[s as usize]) {
+                    self.stats.prefetch_used += 1;
+                }
                 out.push((s as usize, true));
                 continue;
             }
@@ -318,6 +359,7 @@ impl ExpertStreamer {
             if old >= 0 {
                 self.slot_of[old as usize] = -1;
             }
+            self.prefetched[slot] = false;
             self.expert_in[slot] = e as i32;
             self.slot_of[e] = slot as i16;
             self.pinned[slot] = true;
@@ -383,6 +425,95 @@ impl ExpertStreamer {
         Ok(())
     }
 
+    /// Starts speculative reads of the uncached `experts` (in order, as free or evictable slots
+    /// allow) without waiting and without pinning: a later [`acquire`](Self::acquire) that requests
+    /// one of them waits for it (the join) and counts a hit; one never requested costs nothing but
+    /// its slot. Never blocks: while an earlier speculative batch is still landing, or in resident
+    /// mode without O_DIRECT (the mapping needs no reads), it starts nothing. Returns the number of
+    /// reads started. Cached bytes are the file's bytes either way, so results do not change.
+    pub fn prefetch(&mut self, experts: &[usize]) -> usize {
+        if self.mapped.is_some() {
+            return 0;
+        }
+        self.settle_prefetch(false);
+        if self.prefetching.is_some() {
+            return 0;
+        }
+        let mut jobs = Vec::new();
+        for &e in experts {
+            if e >= self.experts || self.slot_of[e] >= 0 || jobs.iter().any(|&(x, _)| x == e) {
+                continue;
+            }
+            let Some(slot) = self.victim() else { break };
+            let old = self.expert_in[slot];
+            if old >= 0 {
+                self.slot_of[old as usize] = -1;
+            }
+            self.expert_in[slot] = e as i32;
+            self.slot_of[e] = slot as i16;
+            self.landing[slot] = true;
+            self.prefetched[slot] = true;
+            jobs.push((e, slot));
+        }
+        if jobs.is_empty() {
+            return 0;
+        }
+        let b = Arc::new(Batch {
+            remaining: Mutex::new(jobs.len()),
+            done: Condvar::new(),
+            error: Mutex::new(None),
+        });
+        let base = self.slab.as_mut_ptr() as usize;
+        for &(e, slot) in &jobs {
+            self.io.submit(Job {
+                file: Arc::clone(&self.file),
+                offset: (e * self.stride) as u64,
+                len: self.stride,
+                dst: base + slot * self.stride,
+                expert: e,
+                batch: Arc::clone(&b),
+            });
+        }
+        self.stats.prefetch_reads += jobs.len() as u64;
+        self.stats.bytes_read += (jobs.len() * self.stride) as u64;
+        self.prefetching = Some((b, jobs.iter().map(|&(_, s)| s).collect()));
+        jobs.len()
+    }
+
+    /// Retires the speculative batch once it has landed (`join`: waits for it first, counted as
+    /// read wait). A failed speculative read leaves its expert uncached, so a request reads it
+    /// again and reports the error there.
+    fn settle_prefetch(&mut self, join: bool) {
+        let Some((b, _)) = &self.prefetching else {
+            return;
+        };
+        let t0 = Instant::now();
+        let mut left = b.remaining.lock().expect("io batch poisoned");
+        if *left > 0 && !join {
+            return;
+        }
+        while *left > 0 {
+            left = b.done.wait(left).expect("io batch poisoned");
+        }
+        drop(left);
+        if join {
+            self.stats.read_wait += t0.elapsed();
+        }
+        let (b, slots) = self.prefetching.take().expect("checked above");
+        for s in slots {
+            self.landing[s] = false;
+        }
+        let failed = b.error.lock().expect("io error poisoned").take();
+        if let Some((expert, _)) = failed {
+            let slot = self.slot_of[expert];
+            if slot >= 0 {
+                self.expert_in[slot as usize] = -1;
+                self.prefetched[slot as usize] = false;
+                self.slot_of[expert] = -1;
+            }
+        }
+    }
+
     /// Unpins the slots of `experts` (their bytes stay cached).
     pub fn release(&mut self, experts: &[usize]) {
         for &e in experts {
@@ -408,7 +539,7 @@ impl ExpertStreamer {
             return Some(s);
         }
         (0..self.expert_in.len())
-            .filter(|&s| !self.pinned[s])
+            .filter(|&s| !self.pinned[s] && !self.landing[s])
             .min_by_key(|&s| {
                 let e = self.expert_in[s] as usize;
                 (self.use_count[e], self.last_used[e])
@@ -420,6 +551,7 @@ impl Drop for ExpertStreamer {
     fn drop(&mut self) {
         // Reads in flight write into the slab: let them land before it is unmapped.
         let _ = self.wait();
+        self.settle_prefetch(true);
     }
 }
 
@@ -438,6 +570,18 @@ mod tests {
         f
     }
 
+    /// 8 slots over `f` with `io_threads` readers, pread.
+    fn open8(
+        f: &tempfile::NamedTempFile,
+        experts: usize,
+        stride: usize,
+        io_threads: usize,
+    ) -> ExpertStreamer {
+        let io = IoPool::new(io_threads);
+        let slots = CacheSlots::Fixed(8);
+        ExpertStreamer::open(f.path(), experts, stride as u64, slots, false, io).unwrap()
+    }
+
     fn expected(e: usize, stride: usize) -> Vec<u8> {
         (0..stride).map(|i| (e * 31 + i * 7) as u8).collect()
     }
@@ -446,16 +590,7 @@ mod tests {
     fn slots_hold_the_right_bytes_under_churn() {
         let (experts, stride) = (12, 16384);
         let f = layer_file(experts, stride);
-        let io = IoPool::new(3);
-        let mut s = ExpertStreamer::open(
-            f.path(),
-            experts,
-            stride as u64,
-            CacheSlots::Fixed(8),
-            false,
-            io,
-        )
-        .unwrap();
+        let mut s = open8(&f, experts, stride, 3);
         let mut rng = 12345u64;
         for _ in 0..200 {
             let mut req = Vec::new();
@@ -483,6 +618,55 @@ mod tests {
         assert_eq!(st.hits + st.misses, 800);
         assert!(st.misses >= 8 && st.hits > 0);
         assert_eq!(st.bytes_read, st.misses * stride as u64);
+    }
+
+    /// Speculative reads interleaved with real requests (right and wrong guesses, some landing while
+    /// the next request runs): every blob handed out holds its expert's bytes, used guesses count as
+    /// hits, and nothing is read twice for one guess.
+    #[test]
+    fn prefetched_slots_hold_the_right_bytes() {
+        let (experts, stride) = (12, 16384);
+        let f = layer_file(experts, stride);
+        let mut s = open8(&f, experts, stride, 2);
+        let mut rng = 99u64;
+        let mut next = || {
+            rng = rng
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (rng >> 33) as usize % experts
+        };
+        let mut started = 0;
+        for step in 0..300 {
+            let mut req = Vec::new();
+            while req.len() < 4 {
+                let e = next();
+                if !req.contains(&e) {
+                    req.push(e);
+                }
+            }
+            let slots = s.acquire(&req).unwrap();
+            s.wait().unwrap();
+            for (&e, &(slot, _)) in req.iter().zip(&slots) {
+                assert_eq!(
+                    s.blob(slot),
+                    &expected(e, stride)[..],
+                    "step {step} expert {e}"
+                );
+            }
+            s.release(&req);
+            // Guess two experts of the next request (often wrong).
+            started += s.prefetch(&[next(), next()]);
+        }
+        let st = s.stats();
+        assert_eq!(st.hits + st.misses, 1200);
+        assert_eq!(st.prefetch_reads, started as u64);
+        assert!(
+            st.prefetch_reads > 0 && st.prefetch_used > 0 && st.prefetch_used <= st.prefetch_reads
+        );
+        assert_eq!(
+            st.bytes_read,
+            (st.misses + st.prefetch_reads) * stride as u64
+        );
     }
 
     #[test]

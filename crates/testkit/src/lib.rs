@@ -10,6 +10,7 @@
 //!
 //! Each test file keeps only its scenarios.
 
+pub mod dsv4;
 pub mod http;
 mod process;
 

@@ -3,6 +3,7 @@
 //! [`mference_runtime::KvLayer`], recurrent state in `Vec<f32>`. Resident weights are read in place
 //! from the mapped `model_weights.bin`; expert weights from the streamer's slot blobs.
 
+mod dsv4;
 pub mod ops;
 
 use std::collections::BTreeMap;
@@ -13,8 +14,8 @@ use mference_kernels::{Kernels, MatJob, PreparedX, QMatrix, ThreadPool};
 use mference_runtime::{KvDtype, KvLayer};
 
 use crate::{
-    check, check_forced, Act, AttnShape, Backend, DeltaShape, Mlp, Norm, OpResult, QRef, Rope,
-    RouterSpec, Routes, Scoring, Tensor, Unary, VRef, Weights,
+    check, check_forced, Act, AttnShape, Backend, DeltaShape, HcSpec, Mlp, Norm, OpResult, QRef,
+    Rope, RouterSpec, Routes, Scoring, Tensor, Unary, VRef, Weights,
 };
 
 /// Resident bytes the backend reads weights from (the mapped `model_weights.bin`, or any buffer
@@ -554,6 +555,307 @@ impl Backend for CpuBackend {
         Ok(CpuTensor::new(out, nv * dv))
     }
 
+    fn linear(&self, x: &CpuTensor, w: &CpuTensor) -> OpResult<CpuTensor> {
+        check("linear", x.cols == w.cols, || {
+            format!(
+                "rows of {} against a weight [{}, {}]",
+                x.cols,
+                w.rows(),
+                w.cols
+            )
+        })?;
+        let y = dsv4::linear(&self.pool, self.kernels, &x.data, &w.data, x.cols);
+        Ok(CpuTensor::new(y, w.rows()))
+    }
+
+    fn set_rows(&self, dst: &mut CpuTensor, row0: usize, src: &CpuTensor) -> OpResult<()> {
+        check(
+            "set_rows",
+            dst.cols == src.cols && row0 + src.rows() <= dst.rows(),
+            || {
+                format!(
+                    "[{}, {}] at row {row0} of [{}, {}]",
+                    src.rows(),
+                    src.cols,
+                    dst.rows(),
+                    dst.cols
+                )
+            },
+        )?;
+        let c = dst.cols;
+        dst.data[row0 * c..row0 * c + src.data.len()].copy_from_slice(&src.data);
+        Ok(())
+    }
+
+    fn rope_at(
+        &self,
+        x: &mut CpuTensor,
+        rope: &Rope,
+        head_dim: usize,
+        positions: &[usize],
+    ) -> OpResult<()> {
+        check(
+            "rope_at",
+            x.cols.is_multiple_of(head_dim)
+                && rope.rotated <= head_dim
+                && positions.len() == x.rows(),
+            || {
+                format!(
+                    "{} positions for {} rows of {}",
+                    positions.len(),
+                    x.rows(),
+                    x.cols
+                )
+            },
+        )?;
+        let c = x.cols;
+        for (row, &p) in x.data.chunks_exact_mut(c).zip(positions) {
+            rope.apply(row, head_dim, p);
+        }
+        Ok(())
+    }
+
+    fn matmul_grouped(
+        &self,
+        w: &QRef,
+        groups: usize,
+        src: Weights,
+        x: &CpuTensor,
+    ) -> OpResult<CpuTensor> {
+        check(
+            "matmul_grouped",
+            groups > 0 && w.rows.is_multiple_of(groups) && x.cols == groups * w.cols,
+            || {
+                format!(
+                    "{groups} groups of [{}, {}] over rows of {}",
+                    w.rows, w.cols, x.cols
+                )
+            },
+        )?;
+        let (t, c, r) = (x.rows(), w.cols, w.rows / groups);
+        let buf = self.buf(src);
+        let mut y = vec![0.0f32; t * groups * r];
+        for g in 0..groups {
+            let xg: Vec<f32> = x
+                .data
+                .chunks_exact(x.cols)
+                .flat_map(|row| row[g * c..(g + 1) * c].iter().copied())
+                .collect();
+            let m = w.rows_range(g * r, r).mat(buf);
+            let yg = self.products(&[m], &xg, t).pop().expect("one product");
+            for (row, yr) in yg.chunks_exact(r).enumerate() {
+                let at = row * groups * r + g * r;
+                y[at..at + r].copy_from_slice(yr);
+            }
+        }
+        Ok(CpuTensor::new(y, groups * r))
+    }
+
+    fn hc_pre(
+        &self,
+        x: &CpuTensor,
+        f: &CpuTensor,
+        base: &[f32],
+        scale: &[f32],
+        spec: &HcSpec,
+    ) -> OpResult<(CpuTensor, Option<(CpuTensor, CpuTensor)>)> {
+        let n = spec.streams;
+        let m = f.rows();
+        check(
+            "hc_pre",
+            n > 0
+                && x.cols.is_multiple_of(n)
+                && f.cols == x.cols
+                && (m == n || m == (2 + n) * n)
+                && base.len() == m
+                && scale.len() == if m == n { 1 } else { 3 },
+            || {
+                format!(
+                    "{n} streams of rows of {}, projection [{m}, {}]",
+                    x.cols, f.cols
+                )
+            },
+        )?;
+        let d = x.cols / n;
+        let (t, c) = (x.rows(), x.cols);
+        let normed: Vec<f32> = x
+            .data
+            .chunks_exact(c)
+            .flat_map(|r| dsv4::rms(r, spec.norm_eps))
+            .collect();
+        let mixes = dsv4::linear(&self.pool, self.kernels, &normed, &f.data, c);
+        let mut collapsed = vec![0.0f32; t * d];
+        let (mut post, mut comb) = (Vec::new(), Vec::new());
+        for r in 0..t {
+            let (pre, pc) = dsv4::hc_weights(&mixes[r * m..(r + 1) * m], base, scale, spec);
+            let o = &mut collapsed[r * d..(r + 1) * d];
+            for (j, &pj) in pre.iter().enumerate() {
+                let xj = &x.data[r * c + j * d..r * c + (j + 1) * d];
+                o.iter_mut().zip(xj).for_each(|(a, &b)| *a += pj * b);
+            }
+            if let Some((p, cm)) = pc {
+                post.extend(p);
+                comb.extend(cm);
+            }
+        }
+        let rest = (m != n).then(|| (CpuTensor::new(post, n), CpuTensor::new(comb, n * n)));
+        Ok((CpuTensor::new(collapsed, d), rest))
+    }
+
+    fn hc_post(
+        &self,
+        x: &CpuTensor,
+        out: &CpuTensor,
+        post: &CpuTensor,
+        comb: &CpuTensor,
+    ) -> OpResult<CpuTensor> {
+        let n = post.cols;
+        let (t, d) = (out.rows(), out.cols);
+        check(
+            "hc_post",
+            x.cols == n * d
+                && x.rows() == t
+                && post.rows() == t
+                && comb.cols == n * n
+                && comb.rows() == t,
+            || {
+                format!(
+                    "streams [{t}, {}] for an output [{t}, {d}] and {n} streams",
+                    x.cols
+                )
+            },
+        )?;
+        let mut y = vec![0.0f32; t * n * d];
+        for r in 0..t {
+            let xr = &x.data[r * n * d..(r + 1) * n * d];
+            let (pr, cr) = (
+                &post.data[r * n..(r + 1) * n],
+                &comb.data[r * n * n..(r + 1) * n * n],
+            );
+            let orow = &out.data[r * d..(r + 1) * d];
+            for kk in 0..n {
+                let yk = &mut y[(r * n + kk) * d..(r * n + kk + 1) * d];
+                for (i, v) in yk.iter_mut().enumerate() {
+                    let mix: f32 = (0..n).map(|j| cr[j * n + kk] * xr[j * d + i]).sum();
+                    *v = pr[kk] * orow[i] + mix;
+                }
+            }
+        }
+        Ok(CpuTensor::new(y, n * d))
+    }
+
+    fn compress_pool(
+        &self,
+        kv: &CpuTensor,
+        gate: &CpuTensor,
+        ape: &CpuTensor,
+        rate: usize,
+        overlap: bool,
+        prior: Option<(&CpuTensor, &CpuTensor)>,
+    ) -> OpResult<CpuTensor> {
+        same_shape("compress_pool", kv, gate)?;
+        let w = kv.cols;
+        let d = if overlap { w / 2 } else { w };
+        check(
+            "compress_pool",
+            rate > 0
+                && kv.rows().is_multiple_of(rate)
+                && (!overlap || w.is_multiple_of(2))
+                && ape.cols == w
+                && ape.rows() == rate
+                && prior.is_none_or(|(k, g)| {
+                    overlap && k.cols == d && g.cols == d && k.rows() == rate && g.rows() == rate
+                }),
+            || format!("windows of {rate} rows of {w} (overlap {overlap})"),
+        )?;
+        let out = dsv4::compress_pool(
+            &kv.data,
+            &gate.data,
+            &ape.data,
+            rate,
+            w,
+            overlap,
+            prior.map(|(k, g)| (&k.data[..], &g.data[..])),
+        );
+        Ok(CpuTensor::new(out, d))
+    }
+
+    fn attention_sparse(
+        &self,
+        q: &CpuTensor,
+        kv: &KvLayer,
+        pos0: usize,
+        s: &AttnShape,
+        entries: &CpuTensor,
+        visible: &[Vec<usize>],
+    ) -> OpResult<CpuTensor> {
+        check(
+            "attention_sparse",
+            q.cols == s.n_heads * s.head_dim
+                && s.n_kv_heads > 0
+                && s.n_heads.is_multiple_of(s.n_kv_heads)
+                && kv.row_stride() == s.n_kv_heads * s.head_dim
+                && entries.cols == kv.row_stride()
+                && visible.len() == q.rows()
+                && visible.iter().flatten().all(|&e| e < entries.rows())
+                && s.sinks.as_ref().is_none_or(|v| v.len() == s.n_heads),
+            || {
+                format!(
+                    "q rows of {} for {} heads of {}, {} entries of {}",
+                    q.cols,
+                    s.n_heads,
+                    s.head_dim,
+                    entries.rows(),
+                    entries.cols
+                )
+            },
+        )?;
+        let mut out = vec![0.0f32; q.data.len()];
+        dsv4::attention_sparse(
+            &self.pool,
+            self.kernels,
+            &q.data,
+            kv,
+            pos0,
+            s,
+            &entries.data,
+            visible,
+            &mut out,
+        );
+        Ok(CpuTensor::new(out, q.cols))
+    }
+
+    fn index_top_k(
+        &self,
+        q: &CpuTensor,
+        keys: &CpuTensor,
+        weights: &CpuTensor,
+        n_heads: usize,
+        visible: &[usize],
+        top_k: usize,
+    ) -> OpResult<Vec<Vec<usize>>> {
+        let d = keys.cols;
+        check(
+            "index_top_k",
+            q.cols == n_heads * d
+                && weights.cols == n_heads
+                && weights.rows() == q.rows()
+                && visible.len() == q.rows()
+                && visible.iter().all(|&n| n <= keys.rows()),
+            || format!("{n_heads} heads of {d} over {} keys", keys.rows()),
+        )?;
+        Ok(dsv4::index_top_k(
+            self.kernels,
+            &q.data,
+            &keys.data,
+            &weights.data,
+            n_heads,
+            d,
+            visible,
+            top_k,
+        ))
+    }
+
     fn route(&self, logits: &CpuTensor, spec: &RouterSpec) -> OpResult<Routes> {
         let n_exp = logits.cols;
         let k = spec.top_k;
@@ -566,6 +868,15 @@ impl Backend for CpuBackend {
             || format!("per_expert_scale length for {n_exp} experts"),
         )?;
         check_forced("route", spec, logits.rows(), n_exp)?;
+        if let Scoring::SqrtSoftplus {
+            correction_bias: Some(b),
+            ..
+        } = spec.scoring
+        {
+            check("route", b.len == n_exp, || {
+                format!("correction bias length {} for {n_exp} experts", b.len)
+            })?;
+        }
         let pick = |row: usize, scores: &[f32]| match spec.forced {
             Some(f) => f[row * k..(row + 1) * k].to_vec(),
             None => ops::top_k(scores, k),
@@ -595,6 +906,26 @@ impl Backend for CpuBackend {
                         1.0
                     };
                     idx.into_iter().map(|e| (e, p[e] / z)).collect()
+                }
+                Scoring::SqrtSoftplus {
+                    routed_scaling_factor,
+                    correction_bias,
+                } => {
+                    p.clear();
+                    p.extend(lg.iter().map(|&x| ops::softplus(x).sqrt()));
+                    let idx = match (spec.forced, correction_bias) {
+                        (None, Some(b)) => {
+                            let biased: Vec<f32> = (0..n_exp)
+                                .map(|e| p[e] + b.get(&self.resident, e))
+                                .collect();
+                            ops::top_k(&biased, k)
+                        }
+                        _ => pick(row, &p),
+                    };
+                    let z: f32 = idx.iter().map(|&e| p[e]).sum::<f32>() + 1e-20;
+                    idx.into_iter()
+                        .map(|e| (e, p[e] / z * routed_scaling_factor))
+                        .collect()
                 }
             };
             for (e, w) in chosen {

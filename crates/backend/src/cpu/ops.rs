@@ -191,7 +191,7 @@ pub fn attention(
 }
 
 /// Softmax of `v` with one extra logit `sink` in the denominator (its probability is dropped).
-fn softmax_with_sink(v: &mut [f32], sink: f32) {
+pub(crate) fn softmax_with_sink(v: &mut [f32], sink: f32) {
     let m = v.iter().copied().fold(sink, f32::max);
     let mut z = (sink - m).exp();
     for x in v.iter_mut() {

@@ -1,0 +1,231 @@
+//! CPU bodies of DeepSeek-V4's ops (`Backend::{linear, hc_pre, hc_post, compress_pool,
+//! attention_sparse, index_top_k}`): plain f32 loops over host slices, the dot products through the
+//! kernel table, (row, head) items spread over the worker pool where the work is per query.
+
+use std::sync::Mutex;
+
+use mference_kernels::{Kernels, ThreadPool};
+use mference_runtime::{KvLayer, KvRow};
+
+use super::ops::{sigmoid, softmax};
+use crate::{AttnShape, HcSpec};
+
+/// `y[T, n] = x[T, c] · wᵀ` for `w` `[n, c]`.
+pub fn linear(pool: &ThreadPool, k: &Kernels, x: &[f32], w: &[f32], c: usize) -> Vec<f32> {
+    let (t, n) = (x.len() / c, w.len() / c);
+    let mut y = vec![0.0f32; t * n];
+    let threads = pool.threads().min(t).max(1);
+    let per = t.div_ceil(threads);
+    let pieces: Vec<Mutex<Option<&mut [f32]>>> =
+        y.chunks_mut(per * n).map(|p| Mutex::new(Some(p))).collect();
+    pool.run(|tid, _| {
+        let Some(piece) = pieces.get(tid).and_then(|m| m.lock().ok()?.take()) else {
+            return;
+        };
+        for (j, yr) in piece.chunks_exact_mut(n).enumerate() {
+            let r = tid * per + j;
+            let xr = &x[r * c..(r + 1) * c];
+            for (o, wr) in yr.iter_mut().zip(w.chunks_exact(c)) {
+                *o = k.dot_f32(xr, wr);
+            }
+        }
+    });
+    y
+}
+
+/// `pre`, and `(post, comb)` for a site that mixes the streams.
+type HcWeights = (Vec<f32>, Option<(Vec<f32>, Vec<f32>)>);
+
+/// The mHC entry of one row: `mixes` (`f · rms(x)`, `rows_f` values) → `pre`, and with
+/// `rows_f = (2 + n)·n` also `post` and the Sinkhorn-normalised comb matrix.
+pub fn hc_weights(mixes: &[f32], base: &[f32], scale: &[f32], s: &HcSpec) -> HcWeights {
+    let n = s.streams;
+    let pre: Vec<f32> = (0..n)
+        .map(|j| sigmoid(mixes[j] * scale[0] + base[j]) + s.hc_eps)
+        .collect();
+    if mixes.len() == n {
+        return (pre, None);
+    }
+    let post: Vec<f32> = (0..n)
+        .map(|j| 2.0 * sigmoid(mixes[n + j] * scale[1] + base[n + j]))
+        .collect();
+    let mut c: Vec<f32> = (0..n * n)
+        .map(|i| mixes[2 * n + i] * scale[2] + base[2 * n + i])
+        .collect();
+    for row in c.chunks_exact_mut(n) {
+        softmax(row);
+        row.iter_mut().for_each(|v| *v += s.hc_eps);
+    }
+    let cols = |c: &mut [f32]| {
+        for k in 0..n {
+            let z: f32 = (0..n).map(|j| c[j * n + k]).sum::<f32>() + s.hc_eps;
+            (0..n).for_each(|j| c[j * n + k] /= z);
+        }
+    };
+    cols(&mut c);
+    for _ in 1..s.sinkhorn_iters {
+        for row in c.chunks_exact_mut(n) {
+            let z: f32 = row.iter().sum::<f32>() + s.hc_eps;
+            row.iter_mut().for_each(|v| *v /= z);
+        }
+        cols(&mut c);
+    }
+    (pre, Some((post, c)))
+}
+
+/// The weightless RMSNorm of one row (f32, as the reference computes it).
+pub fn rms(x: &[f32], eps: f32) -> Vec<f32> {
+    let ms = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
+    let r = 1.0 / (ms + eps).sqrt();
+    x.iter().map(|v| v * r).collect()
+}
+
+/// Softmax-gated pooling (see `Backend::compress_pool`); `prior` is `(kv, gate)` `[rate, d]`.
+pub fn compress_pool(
+    kv: &[f32],
+    gate: &[f32],
+    ape: &[f32],
+    rate: usize,
+    width: usize,
+    overlap: bool,
+    prior: Option<(&[f32], &[f32])>,
+) -> Vec<f32> {
+    let d = if overlap { width / 2 } else { width };
+    let n_win = kv.len() / (rate * width);
+    let mut out = vec![0.0f32; n_win * d];
+    // Slots of entry w, channel c: (kv, gate with ape) pairs.
+    let mut slots: Vec<(f32, f32)> = Vec::with_capacity(2 * rate);
+    for w in 0..n_win {
+        for c in 0..d {
+            slots.clear();
+            if overlap {
+                for i in 0..rate {
+                    if w > 0 {
+                        let r = (w - 1) * rate + i;
+                        slots.push((kv[r * width + c], gate[r * width + c] + ape[i * width + c]));
+                    } else if let Some((pk, pg)) = prior {
+                        slots.push((pk[i * d + c], pg[i * d + c]));
+                    }
+                }
+            }
+            let off = if overlap { d } else { 0 };
+            for i in 0..rate {
+                let r = w * rate + i;
+                slots.push((
+                    kv[r * width + off + c],
+                    gate[r * width + off + c] + ape[i * width + off + c],
+                ));
+            }
+            let m = slots.iter().fold(f32::NEG_INFINITY, |m, s| m.max(s.1));
+            let z: f32 = slots.iter().map(|s| (s.1 - m).exp()).sum();
+            out[w * d + c] = slots.iter().map(|s| s.0 * ((s.1 - m).exp() / z)).sum();
+        }
+    }
+    out
+}
+
+/// Sliding-window attention over `kv` plus the `visible` rows of `entries`, one softmax.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_sparse(
+    pool: &ThreadPool,
+    k: &Kernels,
+    q: &[f32],
+    kv: &KvLayer,
+    pos0: usize,
+    s: &AttnShape,
+    entries: &[f32],
+    visible: &[Vec<usize>],
+    out: &mut [f32],
+) {
+    let d = s.head_dim;
+    let items = q.len() / d;
+    let group = s.n_heads / s.n_kv_heads;
+    let ew = s.n_kv_heads * d;
+    let threads = pool.threads().min(items).max(1);
+    let per = items.div_ceil(threads);
+    let pieces: Vec<Mutex<Option<&mut [f32]>>> = out
+        .chunks_mut(per * d)
+        .map(|c| Mutex::new(Some(c)))
+        .collect();
+    pool.run(|tid, _| {
+        let Some(piece) = pieces.get(tid).and_then(|m| m.lock().ok()?.take()) else {
+            return;
+        };
+        let mut scores = Vec::new();
+        let mut one = [0.0f32];
+        for (j, o) in piece.chunks_exact_mut(d).enumerate() {
+            let item = tid * per + j;
+            let (row, head) = (item / s.n_heads, item % s.n_heads);
+            let kvh = head / group;
+            let p = pos0 + row;
+            let lo = s.window.map_or(0, |w| (p + 1).saturating_sub(w));
+            let qh = &q[item * d..(item + 1) * d];
+            scores.clear();
+            for pos in lo..=p {
+                scores.push(match kv.k(pos, kvh) {
+                    KvRow::F32(r) => k.dot_f32(qh, &r[..d]),
+                    KvRow::F16(r) => {
+                        k.dots_f16(qh, r, d, &mut one);
+                        one[0]
+                    }
+                });
+            }
+            let sel = &visible[row];
+            for &e in sel {
+                scores.push(k.dot_f32(qh, &entries[e * ew + kvh * d..e * ew + (kvh + 1) * d]));
+            }
+            scores.iter_mut().for_each(|x| *x *= s.scale);
+            match &s.sinks {
+                None => softmax(&mut scores),
+                Some(sinks) => super::ops::softmax_with_sink(&mut scores, sinks[head]),
+            }
+            o.fill(0.0);
+            for (i, pos) in (lo..=p).enumerate() {
+                match kv.v(pos, kvh) {
+                    KvRow::F32(r) => k.axpy(scores[i], &r[..d], o),
+                    KvRow::F16(r) => k.axpy_f16(scores[i], &r[..d], o),
+                }
+            }
+            let n_win = p + 1 - lo;
+            for (i, &e) in sel.iter().enumerate() {
+                let r = &entries[e * ew + kvh * d..e * ew + (kvh + 1) * d];
+                k.axpy(scores[n_win + i], r, o);
+            }
+        }
+    });
+}
+
+/// The indexer's top-k per row (see `Backend::index_top_k`).
+#[allow(clippy::too_many_arguments)]
+pub fn index_top_k(
+    k: &Kernels,
+    q: &[f32],
+    keys: &[f32],
+    weights: &[f32],
+    n_heads: usize,
+    d: usize,
+    visible: &[usize],
+    top_k: usize,
+) -> Vec<Vec<usize>> {
+    visible
+        .iter()
+        .enumerate()
+        .map(|(r, &n)| {
+            let qr = &q[r * n_heads * d..(r + 1) * n_heads * d];
+            let wr = &weights[r * n_heads..(r + 1) * n_heads];
+            let scores: Vec<f32> = (0..n)
+                .map(|e| {
+                    let key = &keys[e * d..(e + 1) * d];
+                    (0..n_heads)
+                        .map(|h| wr[h] * k.dot_f32(&qr[h * d..(h + 1) * d], key).max(0.0))
+                        .sum()
+                })
+                .collect();
+            let mut order: Vec<usize> = (0..n).collect();
+            order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
+            order.truncate(top_k.min(n));
+            order.sort_unstable();
+            order
+        })
+        .collect()
+}
