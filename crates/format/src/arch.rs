@@ -55,6 +55,7 @@ impl Family {
         Ok(match mt {
             "gemma4" | "gemma4_text" => Family::Gemma4,
             "qwen3_5_moe" | "qwen3_5_moe_text" => Family::Qwen36,
+            "maple" => Family::Maple,
             _ => {
                 return Err(FormatError::UnknownArchitecture {
                     model_type: mt.to_string(),
@@ -177,6 +178,7 @@ impl ArchInfo {
         match family {
             Family::Gemma4 => Self::gemma4(&c),
             Family::Qwen36 => Self::qwen36(&c),
+            Family::Maple => Self::maple(&c),
             other => Err(FormatError::UnknownArchitecture {
                 model_type: other.to_string(),
             }),
@@ -294,6 +296,42 @@ impl ArchInfo {
         a.linear_key_head_dim = c.u("linear_key_head_dim")?;
         a.linear_value_head_dim = c.u("linear_value_head_dim")?;
         a.linear_conv_kernel_size = c.u("linear_conv_kernel_dim")?;
+        a.check_layers()?;
+        Ok(a)
+    }
+
+    /// Maple Preview (`reference/architectures.md` §6): 3 sliding layers with partial NeoX RoPE,
+    /// then 1 full layer without positional encoding; every layer routed (no dense or shared
+    /// expert). `fullRopeTheta` is 0: the full layers rotate nothing.
+    fn maple(c: &Cfg) -> Result<ArchInfo, FormatError> {
+        let mut a = Self::base(c, Family::Maple)?;
+        a.full_attention_layer_mask = c
+            .layer_types()?
+            .iter()
+            .map(|t| match t.as_str() {
+                "sliding_attention" => Ok(0),
+                "full_attention" => Ok(1),
+                other => Err(cfg_err(format!("unknown layer_types entry \"{other}\""))),
+            })
+            .collect::<Result<_, _>>()?;
+        if !c.b("nope_on_global_attention", true) {
+            return Err(cfg_err(
+                "maple: nope_on_global_attention false (RoPE on full layers) is not supported",
+            ));
+        }
+        a.ffn_intermediate = c.u("intermediate_size")?;
+        a.num_full_kv_heads = a.num_kv_heads;
+        a.full_head_dim = a.head_dim;
+        a.sliding_window = c.u("sliding_window")?;
+        a.rope_theta = c.f("rope_theta")?;
+        a.partial_rotary_factor = c.f("partial_rotary_factor")?;
+        a.top_k_experts = c.u("num_experts_per_tok")?;
+        a.hidden_activation = c.s("hidden_act", "silu");
+        a.attention_scale = 1.0 / (a.head_dim as f64).sqrt();
+        a.embedding_scaled_by_sqrt_hidden = false;
+        a.router_scaled = false;
+        a.ffn_sandwich_norms = false;
+        a.rope_neox_subdim = true;
         a.check_layers()?;
         Ok(a)
     }
