@@ -12,8 +12,8 @@ use tokio::sync::mpsc;
 use mference_models::{Logits, Model, ModelError, Want};
 use mference_runtime::{Sampler, SamplerConfig};
 use mference_text::{
-    parse_tool_calls_with_tools, stop_token_ids, Family, StopStrings, StreamingDetokenizer,
-    ToolCall,
+    parse_tool_calls_with_tools, stop_token_ids, Family, ReasoningGate, StopStrings,
+    StreamingDetokenizer, ToolCall,
 };
 
 use crate::api::Sampling;
@@ -172,7 +172,7 @@ pub(crate) fn timestamp() -> String {
 fn tool_marker(family: Family) -> &'static str {
     match family {
         Family::Gemma4 => "<|tool_call>",
-        Family::Qwen36 => "<tool_call>",
+        Family::Qwen36 | Family::Maple => "<tool_call>",
         Family::DeepSeekV4 => "<｜DSML｜tool_calls>",
     }
 }
@@ -351,6 +351,8 @@ impl Worker {
             held: String::new(),
             in_call: false,
         };
+        // Maple's prompt leaves `<think>` open: its reasoning is neither streamed nor returned.
+        let mut think = ReasoningGate::new(text.family);
         let mut raw = String::new();
         let mut pending: Vec<TokenLogprob> = Vec::new();
         let finish;
@@ -381,6 +383,7 @@ impl Worker {
             usage.completion += 1;
             history.push(next);
             let (emit, stopped) = stops.push(&detok.push(next));
+            let emit = think.push(&emit);
             raw.push_str(&emit);
             let visible = gate.push(&emit);
             if !visible.is_empty() {
@@ -421,7 +424,7 @@ impl Worker {
         }
         if !stops.stopped() {
             let (tail, _) = stops.push(&detok.finish());
-            let tail = tail + &stops.finish();
+            let tail = think.push(&(tail + &stops.finish()));
             raw.push_str(&tail);
             let mut visible = gate.push(&tail);
             visible.push_str(&gate.finish());
