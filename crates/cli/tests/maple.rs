@@ -1,8 +1,9 @@
-//! Maple through the binary: `mference install` of the fixture checkpoint
-//! `assets/fixtures/maple/A` combined with the real Maple tokenizer, config and template
-//! (`assets/tokenizers/maple`), then `run`, `bench` and `serve` on it. The fixture's vocabulary is
-//! 1,024 ids, so its text is gibberish and anything that encodes to a larger id (every ChatML
-//! special token) is refused with a clear error; raw prompts of small ids run.
+//! Maple through the binary: `mference install` of a fixture checkpoint
+//! (`assets/fixtures/maple/{A,B}`) combined with the real Maple tokenizer, config and template
+//! (`assets/tokenizers/maple`), then `run`, `bench` and `serve` on it, with and without
+//! `--flash-head`. The fixtures' vocabulary is 1,024 ids, so their text is gibberish and anything
+//! that encodes to a larger id (every ChatML special token) is refused with a clear error; raw
+//! prompts of small ids run.
 
 use std::path::Path;
 use std::time::Duration;
@@ -13,17 +14,17 @@ use serde_json::json;
 
 const BIN: &str = env!("CARGO_BIN_EXE_mference");
 
-/// The fixture checkpoint plus the tokenizer files, installed at `<work>/maple.gturbo`.
-fn install(work: &Path) -> String {
+/// Fixture `case`'s checkpoint plus the tokenizer files, installed at `<work>/maple.gturbo`.
+fn install(work: &Path, case: &str) -> String {
     let src = work.join("src");
     std::fs::create_dir(&src).unwrap();
-    let ck = repo().join("assets/fixtures/maple/A/checkpoint");
-    for f in [
-        "config.json",
-        "model.safetensors",
-        "model.safetensors.index.json",
-    ] {
-        std::fs::copy(ck.join(f), src.join(f)).unwrap();
+    let ck = repo()
+        .join("assets/fixtures/maple")
+        .join(case)
+        .join("checkpoint");
+    for f in std::fs::read_dir(&ck).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, src.join(f.file_name().unwrap())).unwrap();
     }
     let tok = repo().join("assets/tokenizers/maple");
     for f in [
@@ -34,95 +35,68 @@ fn install(work: &Path) -> String {
         std::fs::copy(tok.join(f), src.join(f)).unwrap();
     }
     let out = work.join("maple.gturbo");
-    run_ok(
-        BIN,
-        &[
-            "install",
-            src.to_str().unwrap(),
-            "--output",
-            out.to_str().unwrap(),
-            "--quiet",
-        ],
-    );
-    out.to_str().unwrap().to_string()
+    let (s, o) = (src.to_str().unwrap(), out.to_str().unwrap());
+    run_ok(BIN, &["install", s, "--output", o, "--quiet"]);
+    o.to_string()
 }
 
-#[test]
-fn maple_fixture_with_its_tokenizer_runs_benches_and_serves() {
+/// `args` then `extra`, as a `run_ok` argument list.
+fn with<'a>(args: &[&'a str], extra: &[&'a str]) -> Vec<&'a str> {
+    args.iter().chain(extra).copied().collect()
+}
+
+fn check_case(case: &str, extra: &[&str]) {
     let work = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let model = install(work.path());
+    let model = install(work.path(), case);
+    let m = model.as_str();
 
     // run: a raw prompt of small ids generates; a chat is refused naming the id.
-    let out = run_ok(
-        BIN,
-        &[
-            "run",
-            "--model",
-            &model,
-            "--prompt",
-            "a b c d",
-            "--max-new",
-            "8",
-        ],
-    );
+    let run = ["run", "--model", m, "--prompt", "a b c d", "--max-new", "8"];
+    let out = run_ok(BIN, &with(&run, extra));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("new=8tok"), "{err}");
     let msgs = work.path().join("msgs.json");
     std::fs::write(&msgs, r#"[{"role": "user", "content": "hi"}]"#).unwrap();
-    run_refused(
-        BIN,
-        &[
-            "run",
-            "--model",
-            &model,
-            "--messages-file",
-            msgs.to_str().unwrap(),
-            "--max-new",
-            "4",
-        ],
-        "outside the vocabulary (1024)",
-    );
+    let chat = [
+        "run",
+        "--model",
+        m,
+        "--messages-file",
+        msgs.to_str().unwrap(),
+        "--max-new",
+        "4",
+    ];
+    run_refused(BIN, &with(&chat, extra), "outside the vocabulary (1024)");
 
     // bench: finite results for two prompt lengths.
     let json_out = work.path().join("bench.json");
-    run_ok(
-        BIN,
-        &[
-            "bench",
-            "--model",
-            &model,
-            "--prompts",
-            "64,200",
-            "--gen",
-            "8",
-            "--repeats",
-            "1",
-            "--warmup",
-            "0",
-            "--ctx",
-            "512",
-            "--json",
-            json_out.to_str().unwrap(),
-        ],
-    );
+    let bench = [
+        "bench",
+        "--model",
+        m,
+        "--prompts",
+        "64,200",
+        "--gen",
+        "8",
+        "--repeats",
+        "1",
+        "--warmup",
+        "0",
+        "--ctx",
+        "512",
+        "--json",
+        json_out.to_str().unwrap(),
+    ];
+    run_ok(BIN, &with(&bench, extra));
     let b: serde_json::Value = serde_json::from_slice(&std::fs::read(&json_out).unwrap()).unwrap();
     let summary = b["summary"].as_array().unwrap();
     assert_eq!(summary.len(), 2);
     assert!(summary.iter().all(|s| s["finite"] == true), "{b}");
+    assert_eq!(b["settings"]["flash_head"], !extra.is_empty(), "{b}");
 
     // serve: completions generate; a chat is a 400 that names the vocabulary.
-    let srv = ServeProcess::start(
-        BIN,
-        &[
-            "--model",
-            &model,
-            "--model-id",
-            "maple",
-            "--max-context",
-            "4096",
-        ],
-        Duration::from_secs(60),
-    );
+    let serve = ["--model", m, "--model-id", "maple", "--max-context", "4096"];
+    let srv = ServeProcess::start(BIN, &with(&serve, extra), Duration::from_secs(60));
     let (status, body) = post(
         srv.addr(),
         "/v1/completions",
@@ -142,4 +116,15 @@ fn maple_fixture_with_its_tokenizer_runs_benches_and_serves() {
             .is_some_and(|m| m.contains("outside the vocabulary")),
         "{body}"
     );
+}
+
+#[test]
+fn maple_fixture_with_its_tokenizer_runs_benches_and_serves() {
+    check_case("A", &[]);
+}
+
+/// The same with `--flash-head` on every command (fixture B carries the FlashHead tensors).
+#[test]
+fn maple_flash_head_runs_benches_and_serves() {
+    check_case("B", &["--flash-head"]);
 }

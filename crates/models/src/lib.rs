@@ -263,6 +263,9 @@ pub struct LoadOptions {
     pub device: Device,
     /// Force a kernel variant by name (`scalar`, `avx2`, `avx512`); `None` = best available.
     pub kernels: Option<String>,
+    /// Maple only: FlashHead (approximate head from centroid scoring) for single-token decode
+    /// (`--flash-head`); prefill and every other call keep the exact head.
+    pub flash_head: bool,
 }
 
 impl Default for LoadOptions {
@@ -281,6 +284,7 @@ impl Default for LoadOptions {
             trace_router: false,
             routing_trace: None,
             device: Device::Cpu,
+            flash_head: false,
         }
     }
 }
@@ -557,6 +561,11 @@ pub fn load(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn Model>, ModelError
         "gemma4" | "gemma4_text" | "qwen3_5_moe" | "qwen3_5_moe_text" | "maple"
     ) {
         return Err(ModelError::Family(model_type));
+    }
+    if opts.flash_head && model_type != "maple" {
+        return Err(ModelError::Config(format!(
+            "--flash-head is a Maple option; this install is {model_type}"
+        )));
     }
     let engine = Engine::new(install, opts)?;
     let cuda = |n: usize, engine: &Engine| {

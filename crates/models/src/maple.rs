@@ -14,7 +14,8 @@ use serde::Deserialize;
 
 use mference_backend::Weights::Resident;
 use mference_backend::{
-    moe, Act, AttnShape, Backend, KvCache, Mlp, Norm, QRef, Rope, RouterSpec, Scoring, VRef,
+    moe, Act, AttnShape, Backend, KvCache, Mlp, Norm, QRef, Rope, RouterSpec, Scoring, Tensor,
+    VRef, WeightError,
 };
 
 use crate::{check_ids, one, ChunkWant, Engine, LoadOptions, Logits, ModelError, Streamers, Want};
@@ -58,10 +59,27 @@ pub struct Config {
     pub use_bias: bool,
     #[serde(default = "yes")]
     pub nope_on_global_attention: bool,
-    /// FlashHead metadata (`mlx_lm.ternary --flash-head`); its tensors are installed but this
-    /// runtime always runs the exact head.
+    /// FlashHead metadata (`mlx_lm.ternary --flash-head`), used only with
+    /// [`LoadOptions::flash_head`].
     #[serde(default)]
-    pub flash_head: Option<serde_json::Value>,
+    pub flash_head: Option<FlashHeadConfig>,
+}
+
+/// `config.json -> flash_head` (`maple.py` `FlashHead`; defaults as there).
+#[derive(Clone, Debug, Deserialize)]
+pub struct FlashHeadConfig {
+    pub n_clusters: usize,
+    pub cluster_size: usize,
+    #[serde(default = "default_probes")]
+    pub n_probes: usize,
+    #[serde(default)]
+    pub force_tokens: Vec<u32>,
+    #[serde(default)]
+    pub scaled_centroids: bool,
+}
+
+fn default_probes() -> usize {
+    512
 }
 
 fn default_eps() -> f32 {
@@ -172,6 +190,157 @@ pub struct Maple<B: Backend> {
     rope: Rope,
     kv: KvCache<B::Kv>,
     streamers: Streamers,
+    /// The approximate head for single-token decode (`--flash-head`).
+    flash: Option<FlashHead>,
+    /// Whether the current `forward` call is one token (FlashHead's condition, as `maple.py`'s
+    /// `L == 1`).
+    single: bool,
+}
+
+/// FlashHead (`maple.py` `FlashHead`; `reference/family-oracles.md` §2.5): score the
+/// `n_clusters` centroids (`lm_head_flash.centroids`, scaled by their cluster's largest row norm),
+/// take the `n_probes` best clusters, compute exact logits only for their tokens (the
+/// cluster-ordered head `lm_head_flash.head`, rows of `lm_head` permuted by `token_map`) and for
+/// the forced tokens (rows of `lm_head`); every other logit is −∞.
+struct FlashHead {
+    centroids: QRef,
+    /// `lm_head_flash.head` cluster by cluster, `[cluster_size, hidden]` each.
+    clusters: Vec<QRef>,
+    /// `token_map[c]`: the token ids of cluster `c`.
+    token_map: Vec<Vec<u32>>,
+    /// Forced token ids and their `lm_head` rows.
+    forced: Vec<(u32, QRef)>,
+    n_probes: usize,
+}
+
+impl FlashHead {
+    fn load(engine: &Engine, cfg: &Config, lm_head: &QRef) -> Result<Self, ModelError> {
+        let f = cfg.flash_head.as_ref().ok_or_else(|| {
+            ModelError::Config(
+                "--flash-head: this checkpoint has no FlashHead (config.json flash_head)".into(),
+            )
+        })?;
+        if !f.scaled_centroids {
+            return Err(ModelError::Config(
+                "--flash-head: the FlashHead metadata predates scaled centroids".into(),
+            ));
+        }
+        let (idx, map) = (&engine.index, &engine.map[..]);
+        let (nc, cs, h) = (f.n_clusters, f.cluster_size, cfg.hidden_size);
+        let centroids = QRef::resident(idx, map.len(), "lm_head_flash.centroids")?;
+        check(
+            "lm_head_flash.centroids",
+            (centroids.rows, centroids.cols),
+            (nc, h),
+        )?;
+        let name = "lm_head_flash.head.weight";
+        let e = idx.get(name).ok_or_else(|| WeightError {
+            name: name.into(),
+            why: "missing: --flash-head needs the cluster-ordered head copy".into(),
+        })?;
+        if e.logical_shape() != [nc as u64, cs as u64, h as u64] || !e.is_quantized() {
+            return Err(WeightError {
+                name: name.into(),
+                why: format!(
+                    "expected quantized [{nc}, {cs}, {h}], got {:?}",
+                    e.logical_shape()
+                ),
+            }
+            .into());
+        }
+        let part = |off: u64, size: u64, c: usize| {
+            let per = size as usize / nc;
+            (off as usize + c * per, per)
+        };
+        let clusters = (0..nc)
+            .map(|c| {
+                QRef::from_parts(
+                    name,
+                    cs,
+                    h,
+                    part(e.file_offset, e.size_bytes, c),
+                    part(e.scale_offset, e.scale_size, c),
+                    part(e.bias_offset, e.bias_size, c),
+                    map.len(),
+                )
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let tm = idx
+            .get("lm_head_flash.token_map")
+            .ok_or_else(|| WeightError {
+                name: "lm_head_flash.token_map".into(),
+                why: "missing from model_weights.bin".into(),
+            })?;
+        let ids: Vec<u32> = tm
+            .weight_bytes(map)
+            .chunks_exact(4)
+            .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]) as u32)
+            .collect();
+        if tm.dtype != mference_format::Dtype::I32
+            || ids.len() != nc * cs
+            || ids.iter().any(|&i| i as usize >= cfg.vocab_size)
+        {
+            return Err(WeightError {
+                name: "lm_head_flash.token_map".into(),
+                why: format!(
+                    "expected I32 [{nc}, {cs}] token ids below {}",
+                    cfg.vocab_size
+                ),
+            }
+            .into());
+        }
+        // One row of lm_head: its share of the head's weights, scales and biases.
+        let [w, sc, bi] = lm_head.byte_ranges();
+        let row = |id: u32| {
+            let at = |(off, len): (usize, usize)| {
+                let per = len / cfg.vocab_size;
+                (off + id as usize * per, per)
+            };
+            QRef::from_parts("lm_head", 1, h, at(w), at(sc), at(bi), map.len())
+        };
+        let forced = f
+            .force_tokens
+            .iter()
+            .filter(|&&id| (id as usize) < cfg.vocab_size)
+            .map(|&id| Ok((id, row(id)?)))
+            .collect::<Result<Vec<_>, WeightError>>()?;
+        Ok(Self {
+            centroids,
+            clusters,
+            token_map: ids.chunks(cs).map(<[u32]>::to_vec).collect(),
+            forced,
+            n_probes: f.n_probes.min(nc),
+        })
+    }
+
+    /// Logits of the one row `xf` (already normed): exact for the probed clusters' tokens and the
+    /// forced tokens, −∞ elsewhere (`[vocab]`).
+    fn logits<B: Backend>(
+        &self,
+        be: &B,
+        xf: &B::Tensor,
+        vocab: usize,
+    ) -> Result<Vec<f32>, ModelError> {
+        let scores = be.read(&one(be.matmul(&[&self.centroids], Resident, xf)?))?;
+        let mut order: Vec<usize> = (0..scores.len()).collect();
+        order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
+        let probed = &order[..self.n_probes];
+        let mut mats: Vec<&QRef> = probed.iter().map(|&c| &self.clusters[c]).collect();
+        mats.extend(self.forced.iter().map(|(_, q)| q));
+        let ys = be.matmul(&mats, Resident, xf)?;
+        let mut full = vec![f32::NEG_INFINITY; vocab];
+        for (i, y) in ys.iter().enumerate() {
+            let vals = be.read(y)?;
+            let ids: &[u32] = match probed.get(i) {
+                Some(&c) => &self.token_map[c],
+                None => std::slice::from_ref(&self.forced[i - probed.len()].0),
+            };
+            for (&id, &v) in ids.iter().zip(&vals) {
+                full[id as usize] = v;
+            }
+        }
+        Ok(full)
+    }
 }
 
 impl<B: Backend> Maple<B> {
@@ -250,7 +419,13 @@ impl<B: Backend> Maple<B> {
                 be.new_kv(rows, l.sliding, nkv, hd, opts.kv_dtype)
             })
             .collect::<Result<_, _>>()?;
+        let flash = match opts.flash_head {
+            true => Some(FlashHead::load(&engine, &cfg, &lm_head)?),
+            false => None,
+        };
         Ok(Self {
+            flash,
+            single: false,
             rope: Rope::neox(cfg.rotated_dims(), cfg.rope_theta),
             streamers: Streamers::new(cfg.num_hidden_layers),
             cfg,
@@ -354,8 +529,57 @@ impl<B: Backend> Maple<B> {
             weight: &self.lm_head,
             softcap: None,
         };
-        crate::head(be, &x, pos0, want, &head)
+        match &self.flash {
+            Some(f) if self.single && t == 1 && want != ChunkWant::None => {
+                flash_head(be, &x, pos0, want, &head, f, cfg.vocab_size)
+            }
+            _ => crate::head(be, &x, pos0, want, &head),
+        }
     }
+}
+
+/// [`crate::head`] through FlashHead for one row: the final norm, then [`FlashHead::logits`];
+/// the greedy id is the first largest logit (ids outside the probed clusters are never chosen).
+///
+/// Errors: [`ModelError::NonFinite`] when the residual stream or a computed logit is NaN or ±∞.
+fn flash_head<B: Backend>(
+    be: &B,
+    x: &B::Tensor,
+    pos0: usize,
+    want: ChunkWant,
+    head: &crate::Head,
+    flash: &FlashHead,
+    vocab: usize,
+) -> Result<Logits, ModelError> {
+    let non_finite = |what| ModelError::NonFinite {
+        what,
+        first: pos0,
+        end: pos0 + 1,
+    };
+    if !be.all_finite(x)? {
+        return Err(non_finite("residual stream"));
+    }
+    let mut xf = be.copy(x)?;
+    be.rms_norm(&mut xf, x.cols(), Norm::Weight(head.norm), head.eps)?;
+    let logits = flash.logits(be, &xf, vocab)?;
+    if logits.iter().any(|v| v.is_nan() || *v == f32::INFINITY) {
+        return Err(non_finite("logits"));
+    }
+    Ok(match want {
+        ChunkWant::Argmax => Logits::Argmax(first_argmax(&logits) as u32),
+        _ => Logits::Rows(logits),
+    })
+}
+
+/// The index of the first largest value (mlx's `argmax`; −∞ entries never win over a finite one).
+fn first_argmax(v: &[f32]) -> usize {
+    let mut best = 0;
+    for (i, &x) in v.iter().enumerate() {
+        if x > v[best] {
+            best = i;
+        }
+    }
+    best
 }
 
 fn check(name: &str, got: (usize, usize), want: (usize, usize)) -> Result<(), ModelError> {
@@ -371,6 +595,7 @@ fn check(name: &str, got: (usize, usize), want: (usize, usize)) -> Result<(), Mo
 impl<B: Backend + 'static> crate::Model for Maple<B> {
     fn forward(&mut self, tokens: &[u32], want: Want) -> Result<Logits, ModelError> {
         let (chunk, max) = (self.engine.prefill_chunk, self.engine.max_context);
+        self.single = tokens.len() == 1;
         crate::run_chunked(tokens, self.kv.len, chunk, max, want, |c, w| {
             self.forward_chunk(c, w)
         })

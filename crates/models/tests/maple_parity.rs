@@ -154,3 +154,42 @@ fn maple_outputs_identical_across_slots_and_direct_io() {
     let c = case("A");
     assert_slot_invariance(&c.inst, &c.prompt[..200]);
 }
+
+/// FlashHead (`--flash-head`, opt-in): the first id from the prefill's exact head, then 31
+/// single-token FlashHead steps, equal to `maple.py`'s FlashHead ids (which differ from the exact
+/// greedy ids on this random model); multi-token calls keep the exact head.
+#[test]
+fn maple_b_flash_head_greedy_matches_the_reference() {
+    let c = case("B");
+    let want = ids(&fixture("B").join("greedy_ids_flashhead.json"));
+    for kv in [KvDtype::F32, KvDtype::F16] {
+        let o = LoadOptions {
+            flash_head: true,
+            kv_dtype: kv,
+            ..opts(128, 512)
+        };
+        let mut m = load(&c.inst, &o).unwrap();
+        let got = greedy(m.as_mut(), &c.prompt, want.len());
+        assert_eq!(
+            got, want,
+            "{kv:?}: FlashHead greedy ids differ from the reference"
+        );
+        assert_ne!(
+            got, c.greedy,
+            "the fixture's FlashHead ids differ from exact ones"
+        );
+    }
+    let o = LoadOptions {
+        flash_head: true,
+        ..exact(128)
+    };
+    let full = prefill_all(&c.inst, &c.prompt, &o);
+    check_exact("B prefill with --flash-head", &full, &c.prefill, c.vocab);
+    // A has no FlashHead tensors: refused at load, naming the option.
+    let a = case("A");
+    let err = load(&a.inst, &o)
+        .err()
+        .expect("A has no FlashHead")
+        .to_string();
+    assert!(err.contains("--flash-head"), "{err}");
+}
