@@ -546,3 +546,45 @@ fn merr(detail: impl Into<String>) -> FormatError {
         detail: detail.into(),
     }
 }
+
+#[cfg(test)]
+mod maple_tests {
+    use super::*;
+
+    fn fixture() -> Value {
+        serde_json::from_str(include_str!(
+            "../../../assets/fixtures/maple/A/checkpoint/config.json"
+        ))
+        .unwrap()
+    }
+
+    #[test]
+    fn maple_arch_comes_from_its_config() {
+        let c = fixture();
+        assert_eq!(Family::from_config(&c).unwrap(), Family::Maple);
+        let a = ArchInfo::from_config(&c).unwrap();
+        assert_eq!(a.full_attention_layer_mask, [0, 0, 0, 1, 0, 0, 0, 1]);
+        assert_eq!(
+            (a.num_experts, a.top_k_experts, a.sliding_window),
+            (16, 8, 32)
+        );
+        assert_eq!(
+            (a.rope_theta, a.full_rope_theta, a.partial_rotary_factor),
+            (1e4, 0.0, 0.5)
+        );
+        assert!(!a.embedding_scaled_by_sqrt_hidden && !a.router_scaled && a.rope_neox_subdim);
+        // The manifest form round-trips.
+        let back = ArchInfo::from_json(&a.to_json()).unwrap();
+        a.check_matches(&back, "round trip").unwrap();
+    }
+
+    #[test]
+    fn maple_rope_on_full_layers_or_an_unknown_layer_type_is_refused() {
+        let mut c = fixture();
+        c["nope_on_global_attention"] = false.into();
+        assert!(ArchInfo::from_config(&c).is_err());
+        let mut c = fixture();
+        c["layer_types"][0] = "linear_attention".into();
+        assert!(ArchInfo::from_config(&c).is_err());
+    }
+}

@@ -76,3 +76,31 @@ fn maple_tool_calls_in_its_template_syntax_parse() {
     assert_eq!(out.tool_calls[0].arguments["city"], "Paris");
     assert_eq!(out.content, "Checking.");
 }
+
+/// The three files are the pinned repo's (deepgrove/maple-preview-2bit-mlx@361db5da): their sha256
+/// are the ones the original records (NeelM0906/Mference `docs/MAPLE.md`, "Reference pins").
+#[test]
+fn maple_tokenizer_files_match_the_pinned_sha256() {
+    use sha2::{Digest, Sha256};
+    for (file, want) in [
+        (
+            "tokenizer.json",
+            "aeb13307a71acd8fe81861d94ad54ab689df773318809eed3cbe794b4492dae4",
+        ),
+        (
+            "tokenizer_config.json",
+            "bcab9fe0f4f56a0cffba7c916f943c376810d32c08f2cebf01f8b15849039d35",
+        ),
+        (
+            "chat_template.jinja",
+            "83e4c58ca602ade89b126cc75a036eb8bd06d373d4fd94b09d2277d609131089",
+        ),
+    ] {
+        let bytes = std::fs::read(tokenizer_dir("maple").join(file)).unwrap();
+        let got: String = Sha256::digest(&bytes)
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        assert_eq!(got, want, "{file}");
+    }
+}
