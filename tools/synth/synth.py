@@ -10,7 +10,8 @@ tens of MiB whatever the model size).
     # the same at any size: --config takes a config.json (e.g. a tiny asset's) instead of a preset
     .venv-bench/bin/python tools/synth/synth.py mlx --config assets/models/gemma4-tiny/config.json --out /tmp/t
 
-Presets: gemma4-26b (Gemma 4 26B-A4B), qwen36-35b (Qwen 3.6 35B-A3B); shapes from
+Presets: gemma4-26b (Gemma 4 26B-A4B), qwen36-35b (Qwen 3.6 35B-A3B), maple-preview (Maple
+Preview 2-bit, ternary + FlashHead; the GGUF writer does not cover it); shapes from
 reference/architectures.md §2.1 / §3.1 and reference/original-system.md §4.2 / §4.3.
 
 Values (why they keep activations finite through every layer):
@@ -87,7 +88,25 @@ def with_quant(cfg: dict, eight_bit: list) -> dict:
     return cfg
 
 
-PRESETS = {"gemma4-26b": gemma4_26b, "qwen36-35b": qwen36_35b}
+def maple_preview() -> dict:
+    """deepgrove/maple-preview-2bit-mlx (reference/architectures.md §6, family-oracles.md §2.5):
+    fixture A's config (the pinned repo's keys) at the real shapes, with the real FlashHead block."""
+    L = 24
+    cfg = json.loads((REPO / "assets/fixtures/maple/A/checkpoint/config.json").read_text())
+    cfg.update(vocab_size=151936, hidden_size=2048, intermediate_size=5120, num_hidden_layers=L,
+               num_attention_heads=16, num_key_value_heads=4, head_dim=128, num_experts=256,
+               num_experts_per_tok=8, moe_intermediate_size=512,
+               moe_shared_expert_intermediate_size=512, sliding_window=512,
+               max_position_embeddings=128000, eos_token_id=151645,
+               layer_types=["full_attention" if (i + 1) % 4 == 0 else "sliding_attention"
+                            for i in range(L)],
+               flash_head={"n_clusters": 4748, "cluster_size": 32, "n_probes": 512,
+                           "group_size": 64, "bits": 4, "head_group_size": 64, "head_bits": 4,
+                           "scaled_centroids": True, "force_tokens": [151645, 151668, 151643]})
+    return cfg
+
+
+PRESETS = {"gemma4-26b": gemma4_26b, "qwen36-35b": qwen36_35b, "maple-preview": maple_preview}
 
 # ------------------------------------------------------------------------------------------------
 # Tensor plans. A plan entry: (module_or_tensor_name, kind, shape, init) where kind is "q" (a
@@ -96,6 +115,8 @@ PRESETS = {"gemma4-26b": gemma4_26b, "qwen36-35b": qwen36_35b}
 
 
 def bits_of(cfg: dict, module: str) -> int:
+    if module.startswith("lm_head_flash."):
+        return cfg["flash_head"]["bits"]
     o = cfg["quantization"].get(module)
     return o["bits"] if isinstance(o, dict) else cfg["quantization"]["bits"]
 
@@ -174,8 +195,50 @@ def qwen36_plan(cfg: dict) -> list:
     return plan
 
 
+def maple_plan(cfg: dict) -> list:
+    """Maple: ternary ("t": 2-bit codes in {0,1,2} + a BF16 row_alpha per output row) attention and
+    experts, BF16 router, 4-bit g64 embedding and head, and the FlashHead tensors. The synthetic
+    FlashHead clusters are the vocabulary in order (token_map = arange), so the cluster-ordered head
+    copy is lm_head's bytes (same stream); the centroids are random: a speed fixture only."""
+    H, V = cfg["hidden_size"], cfg["vocab_size"]
+    E, Im = cfg["num_experts"], cfg["moe_intermediate_size"]
+    nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    plan = [("model.word_embeddings", "q", (V, H), dict(sigma=1.0)),
+            ("lm_head", "q", (V, H), dict(sigma=3.0 / np.sqrt(H))),
+            ("model.norm.weight", "BF16", (H,), {})]
+    f = cfg.get("flash_head")
+    if f:
+        nc, cs = f["n_clusters"], f["cluster_size"]
+        assert nc * cs == V, "the synthetic FlashHead clusters the vocabulary in order"
+        plan += [("lm_head_flash.centroids", "q", (nc, H), dict(sigma=3.0 / np.sqrt(H))),
+                 ("lm_head_flash.head", "q", (nc, cs, H), dict(sigma=3.0 / np.sqrt(H),
+                                                               stream="lm_head")),
+                 ("lm_head_flash.token_map", "I32", (nc, cs), dict(arange=True))]
+    for L in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{L}."
+        a = p + "self_attn."
+        plan += [(a + "q_proj", "t", (nh * hd, H), {}), (a + "k_proj", "t", (nkv * hd, H), {}),
+                 (a + "v_proj", "t", (nkv * hd, H), {}), (a + "o_proj", "t", (H, nh * hd), {}),
+                 (a + "q_norm.weight", "BF16", (hd,), {}), (a + "k_norm.weight", "BF16", (hd,), {}),
+                 (p + "mlp.gate.weight", "BF16", (E, H), dict(const=0.0, noise=1.0 / np.sqrt(H)))]
+        for n, shp in (("gate_proj", (E, Im, H)), ("up_proj", (E, Im, H)), ("down_proj", (E, H, Im))):
+            plan.append((f"{p}mlp.switch_mlp.{n}", "t", shp, {}))
+        plan += [(p + "input_layernorm.weight", "BF16", (H,), {}),
+                 (p + "post_attention_layernorm.weight", "BF16", (H,), {})]
+    return plan
+
+
+def ternary_codes(n_bytes: int, noise) -> np.ndarray:
+    """Packed 2-bit codes in {0, 1, 2} (a 3 becomes 1, i.e. weight 0): P(0) = P(2) = 1/4."""
+    b = noise.bytes(n_bytes)
+    both = (b & 0xAA) & ((b & 0x55) << 1)
+    return b & ~both
+
+
 def family(cfg: dict) -> str:
     mt = cfg["model_type"]
+    if mt == "maple":
+        return "maple"
     if mt.startswith("gemma4"):
         return "gemma4"
     if mt.startswith("qwen3_5_moe"):
@@ -184,7 +247,7 @@ def family(cfg: dict) -> str:
 
 
 def plan_of(cfg: dict) -> list:
-    return gemma4_plan(cfg) if family(cfg) == "gemma4" else qwen36_plan(cfg)
+    return {"gemma4": gemma4_plan, "qwen36": qwen36_plan, "maple": maple_plan}[family(cfg)](cfg)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -281,11 +344,32 @@ def mlx_tensors(plan: list, cfg: dict):
     writes them; writer(seed) yields byte chunks in order."""
     out = []
     for name, kind, shape, init in plan:
+        if kind == "t":
+            *lead, rows_out, cols = shape
+            nrows = int(np.prod(lead, dtype=np.int64)) * rows_out
+            # w = a·(q − 1) has std a/sqrt(2): a = sqrt(2)/sqrt(in) for unit gain.
+            alpha = np.sqrt(2.0 / cols)
+
+            def w(seed, nrows=nrows, cols=cols, name=name):
+                noise = Noise(np.random.default_rng(seed_of(seed, name + ".weight")))
+                for _, n in chunk_rows(nrows, cols // 4):
+                    yield ternary_codes(n * cols // 4, noise).tobytes()
+
+            def a(seed, nrows=nrows, alpha=alpha, name=name):
+                noise = Noise(np.random.default_rng(seed_of(seed, name + ".row_alpha")))
+                yield bf16_bytes(np.float32(alpha) * noise.uniform((nrows,), 0.75, 1.25)).tobytes()
+            out.append((f"{name}.weight", "U32", list(lead) + [rows_out, cols // 16],
+                        nrows * cols // 4, w))
+            out.append((f"{name}.row_alpha", "BF16", list(lead) + [rows_out], nrows * 2, a))
+            continue
         if kind != "q":
             dt = kind
-            nbytes = int(np.prod(shape)) * (4 if dt == "F32" else 2)
+            nbytes = int(np.prod(shape)) * (4 if dt in ("F32", "I32") else 2)
 
             def w(seed, shape=shape, init=init, dt=dt, name=name):
+                if dt == "I32":
+                    yield np.arange(int(np.prod(shape)), dtype="<i4").tobytes()
+                    return
                 v = small_values(shape, init, np.random.default_rng(seed_of(seed, name)))
                 yield (v.tobytes() if dt == "F32" else bf16_bytes(v).tobytes())
             out.append((name, dt, list(shape), nbytes, w))
@@ -296,11 +380,12 @@ def mlx_tensors(plan: list, cfg: dict):
             raise SystemExit(f"{name}: in dim {cols} is not a multiple of {GS}")
         nrows = int(np.prod(lead, dtype=np.int64)) * rows_out
         sigma = init.get("sigma", 1.0 / np.sqrt(cols))
+        stream = init.get("stream", name)
         # Codes and scales/biases come from separate streams, so each tensor is generated alone.
         for part, dt, last, per_row in (("weight", "U32", cols * bits // 32, cols * bits // 8),
                                         ("scales", "BF16", cols // GS, cols // GS * 2),
                                         ("biases", "BF16", cols // GS, cols // GS * 2)):
-            def w(seed, part=part, nrows=nrows, cols=cols, bits=bits, sigma=sigma, name=name):
+            def w(seed, part=part, nrows=nrows, cols=cols, bits=bits, sigma=sigma, name=stream):
                 if part == "weight":
                     noise = Noise(np.random.default_rng(seed_of(seed, name + ".weight")))
                     for _, n in chunk_rows(nrows, cols * bits // 8):
@@ -356,7 +441,8 @@ def write_mlx(cfg: dict, out: Path, seed: int, tokenizer: bool) -> None:
         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=4) + "\n")
     (tmp / "config.json").write_text(json.dumps(cfg, indent=4) + "\n")
     if tokenizer:
-        src = REPO / "assets/tokenizers" / ("gemma4" if family(cfg) == "gemma4" else "qwen3_6")
+        src = REPO / "assets/tokenizers" / {"gemma4": "gemma4", "qwen36": "qwen3_6",
+                                             "maple": "maple"}[family(cfg)]
         for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
             shutil.copyfile(src / f, tmp / f)
     (tmp / "synth.json").write_text(json.dumps({"argv": sys.argv[1:], "seed": seed,

@@ -287,6 +287,8 @@ pub struct TestWeights {
     grouped: QRef,
     /// An F32 per-expert selection bias of 16 experts.
     bias: FRef,
+    /// An unquantized BF16 router `[16, 256]`.
+    dense: VRef,
 }
 
 /// Random weights of every tested format (`bits` each with groups 32, 64, 128) in one resident
@@ -321,6 +323,7 @@ pub fn test_weights(rng: &mut Rng, bits: &[usize]) -> (Vec<u8>, TestWeights) {
         b.bytes.extend(rng.sym(0.3).to_le_bytes());
     }
     let bias = FRef::at(off, 16);
+    let dense = b.v(rng, 16 * 256, 0.0);
     (
         b.finish(),
         TestWeights {
@@ -332,6 +335,7 @@ pub fn test_weights(rng: &mut Rng, bits: &[usize]) -> (Vec<u8>, TestWeights) {
             pes,
             grouped,
             bias,
+            dense,
         },
     )
 }
@@ -370,6 +374,14 @@ fn products<B: Backend>(h: &mut Harness<B>, rng: &mut Rng, w: &TestWeights) {
                 let op = format!("matmul {bits}-bit g{gs} [{}, 256] x {t} rows", m.rows);
                 let budget = h.budget_q(t);
                 h.expect_close(&op, &got, &want, budget);
+            }
+        }
+        // An unquantized BF16 matrix (exact on every table: no int8 prefill for it).
+        let r = h.be.matmul_bf16(&w.dense, 16, &xt);
+        if let Some(y) = h.ok("matmul_bf16", r) {
+            let want = refr::matmul_bf16(&w.dense, buf, 16, &x);
+            if let Some(got) = h.read(&y) {
+                h.expect_close(&format!("matmul_bf16 x {t} rows"), &got, &want, EXACT_REL);
             }
         }
         // An expert blob: the same matrix read from a separate buffer at the same offsets.

@@ -263,6 +263,12 @@ pub trait Backend: Send + Sync + Sized {
     fn matmul(&self, ws: &[&QRef], src: Weights, x: &Self::Tensor) -> OpResult<Vec<Self::Tensor>> {
         Err(self.missing("matmul"))
     }
+    /// `Y[T, rows] = X[T, w.len / rows] · Wᵀ` for an unquantized resident BF16 matrix `w`
+    /// (`[rows, cols]` row-major), accumulated in f32: a router kept in BF16 and scored in fp32
+    /// (Maple's `mlp.gate.weight`, `router_dtype: fp32`).
+    fn matmul_bf16(&self, w: &VRef, rows: usize, x: &Self::Tensor) -> OpResult<Self::Tensor> {
+        Err(self.missing("matmul_bf16"))
+    }
     /// `down(act(gate(x)) ⊙ up(x))`, `[T, down.rows]`.
     fn glu_mlp(
         &self,

@@ -47,6 +47,22 @@ pub fn matmul(w: &QRef, buf: &[u8], x: &[f32]) -> Vec<f32> {
         .collect()
 }
 
+/// `Y[T, rows] = X[T, cols] · Wᵀ` for the BF16 matrix `w` (`[rows, cols]` row-major).
+pub fn matmul_bf16(w: &VRef, buf: &[u8], rows: usize, x: &[f32]) -> Vec<f32> {
+    let cols = w.len / rows;
+    x.chunks_exact(cols)
+        .flat_map(|xr| {
+            (0..rows)
+                .map(|r| {
+                    (0..cols)
+                        .map(|c| vget(w, buf, r * cols + c) * xr[c] as f64)
+                        .sum::<f64>() as f32
+                })
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
 /// `down(act(gate(x)) ⊙ up(x))`.
 pub fn glu_mlp(gate: &QRef, up: &QRef, down: &QRef, act: Act, buf: &[u8], x: &[f32]) -> Vec<f32> {
     let g = matmul(gate, buf, x);

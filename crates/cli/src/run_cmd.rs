@@ -49,6 +49,11 @@ pub struct ModelArgs {
     /// expert blobs copied to it per use (no GPU expert cache yet).
     #[arg(long, default_value = "cpu")]
     pub device: String,
+    /// Maple only: FlashHead in single-token decode (score the centroids, exact logits for the
+    /// probed clusters and the forced tokens, the rest -inf; approximate). Prefill keeps the exact
+    /// head.
+    #[arg(long)]
+    pub flash_head: bool,
 }
 
 /// `mference run`.
@@ -378,6 +383,7 @@ pub(crate) fn load_options(
         kernels: kernels(&m.kernels)?,
         kv_dtype: KvDtype::parse(&m.kv_cache).map_err(anyhow::Error::msg)?,
         device: mference_models::Device::parse(&m.device).map_err(anyhow::Error::msg)?,
+        flash_head: m.flash_head,
         ..Default::default()
     };
     if let Some(t) = m.threads {

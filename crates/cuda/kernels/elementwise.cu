@@ -49,6 +49,21 @@ extern "C" __global__ void mul_cols(float* x, u64 n, u64 cols, const unsigned ch
     FOR_EACH(i, n) { x[i] *= bf16_to_f32(w[i % cols]) * c; }
 }
 
+// y[t, r] = sum_c x[t, c] * w[r, c], w BF16 [rows, cols] at byte offset w_off of the resident
+// buffer, f32 accumulation (an unquantized router).
+extern "C" __global__ void matmul_bf16(const float* x, u64 t, u64 rows, u64 cols,
+                                       const unsigned char* base, u64 w_off, float* y) {
+    const u16* w = (const u16*)(base + w_off);
+    FOR_EACH(i, t * rows) {
+        u64 tt = i / rows, r = i % rows;
+        const float* xr = x + tt * cols;
+        const u16* wr = w + r * cols;
+        float acc = 0.0f;
+        for (u64 c = 0; c < cols; ++c) acc += xr[c] * bf16_to_f32(wr[c]);
+        y[i] = acc;
+    }
+}
+
 // x <- x * sigmoid(g).
 extern "C" __global__ void mul_sigmoid(float* x, const float* g, u64 n) {
     FOR_EACH(i, n) { x[i] *= sigmoid_f(g[i]); }

@@ -147,8 +147,9 @@ pub struct CudaState {
 }
 
 /// Every kernel of `kernels/`, loaded at startup (a missing one fails [`CudaBackend::new`]).
-const KERNELS: [&str; 24] = [
+const KERNELS: [&str; 25] = [
     "all_finite",
+    "matmul_bf16",
     "gather_rows",
     "split_part",
     "unary",
@@ -837,6 +838,27 @@ impl Backend for CudaBackend {
             &a,
             &b
         )
+    }
+
+    fn matmul_bf16(&self, w: &VRef, rows: usize, x: &CudaTensor) -> OpResult<CudaTensor> {
+        let op = "matmul_bf16";
+        let off = self.vref(op, w, rows * x.cols)?;
+        let mut out = self.tensor(op, x.rows(), rows)?;
+        let (t, r, c) = (x.rows() as u64, rows as u64, x.cols as u64);
+        launch!(
+            self,
+            op,
+            "matmul_bf16",
+            elems(out.len()),
+            &x.buf,
+            &t,
+            &r,
+            &c,
+            &self.resident,
+            &off,
+            &mut out.buf
+        )?;
+        Ok(out)
     }
 
     fn mul_cols(&self, x: &mut CudaTensor, w: &VRef, c: f32) -> OpResult<()> {

@@ -56,6 +56,7 @@ impl Family {
             "gemma4" | "gemma4_text" => Family::Gemma4,
             "qwen3_5_moe" | "qwen3_5_moe_text" => Family::Qwen36,
             "deepseek_v4" => Family::DeepseekV4Flash,
+            "maple" => Family::Maple,
             _ => {
                 return Err(FormatError::UnknownArchitecture {
                     model_type: mt.to_string(),
@@ -179,6 +180,7 @@ impl ArchInfo {
             Family::Gemma4 => Self::gemma4(&c),
             Family::Qwen36 => Self::qwen36(&c),
             Family::DeepseekV4Flash => Self::deepseek_v4(&c),
+            Family::Maple => Self::maple(&c),
             other => Err(FormatError::UnknownArchitecture {
                 model_type: other.to_string(),
             }),
@@ -410,6 +412,42 @@ impl ArchInfo {
             linear_conv_kernel_size: 0,
             extra,
         };
+        a.check_layers()?;
+        Ok(a)
+    }
+
+    /// Maple Preview (`reference/architectures.md` §6): 3 sliding layers with partial NeoX RoPE,
+    /// then 1 full layer without positional encoding; every layer routed (no dense or shared
+    /// expert). `fullRopeTheta` is 0: the full layers rotate nothing.
+    fn maple(c: &Cfg) -> Result<ArchInfo, FormatError> {
+        let mut a = Self::base(c, Family::Maple)?;
+        a.full_attention_layer_mask = c
+            .layer_types()?
+            .iter()
+            .map(|t| match t.as_str() {
+                "sliding_attention" => Ok(0),
+                "full_attention" => Ok(1),
+                other => Err(cfg_err(format!("unknown layer_types entry \"{other}\""))),
+            })
+            .collect::<Result<_, _>>()?;
+        if !c.b("nope_on_global_attention", true) {
+            return Err(cfg_err(
+                "maple: nope_on_global_attention false (RoPE on full layers) is not supported",
+            ));
+        }
+        a.ffn_intermediate = c.u("intermediate_size")?;
+        a.num_full_kv_heads = a.num_kv_heads;
+        a.full_head_dim = a.head_dim;
+        a.sliding_window = c.u("sliding_window")?;
+        a.rope_theta = c.f("rope_theta")?;
+        a.partial_rotary_factor = c.f("partial_rotary_factor")?;
+        a.top_k_experts = c.u("num_experts_per_tok")?;
+        a.hidden_activation = c.s("hidden_act", "silu");
+        a.attention_scale = 1.0 / (a.head_dim as f64).sqrt();
+        a.embedding_scaled_by_sqrt_hidden = false;
+        a.router_scaled = false;
+        a.ffn_sandwich_norms = false;
+        a.rope_neox_subdim = true;
         a.check_layers()?;
         Ok(a)
     }
@@ -667,5 +705,47 @@ mod tests {
         ] {
             assert!(ArchInfo::from_config(&dsv4(bad.clone())).is_err(), "{bad}");
         }
+    }
+}
+
+#[cfg(test)]
+mod maple_tests {
+    use super::*;
+
+    fn fixture() -> Value {
+        serde_json::from_str(include_str!(
+            "../../../assets/fixtures/maple/A/checkpoint/config.json"
+        ))
+        .unwrap()
+    }
+
+    #[test]
+    fn maple_arch_comes_from_its_config() {
+        let c = fixture();
+        assert_eq!(Family::from_config(&c).unwrap(), Family::Maple);
+        let a = ArchInfo::from_config(&c).unwrap();
+        assert_eq!(a.full_attention_layer_mask, [0, 0, 0, 1, 0, 0, 0, 1]);
+        assert_eq!(
+            (a.num_experts, a.top_k_experts, a.sliding_window),
+            (16, 8, 32)
+        );
+        assert_eq!(
+            (a.rope_theta, a.full_rope_theta, a.partial_rotary_factor),
+            (1e4, 0.0, 0.5)
+        );
+        assert!(!a.embedding_scaled_by_sqrt_hidden && !a.router_scaled && a.rope_neox_subdim);
+        // The manifest form round-trips.
+        let back = ArchInfo::from_json(&a.to_json()).unwrap();
+        a.check_matches(&back, "round trip").unwrap();
+    }
+
+    #[test]
+    fn maple_rope_on_full_layers_or_an_unknown_layer_type_is_refused() {
+        let mut c = fixture();
+        c["nope_on_global_attention"] = false.into();
+        assert!(ArchInfo::from_config(&c).is_err());
+        let mut c = fixture();
+        c["layer_types"][0] = "linear_attention".into();
+        assert!(ArchInfo::from_config(&c).is_err());
     }
 }

@@ -3,6 +3,7 @@
 use crate::plan::{CoalescedRange, RangeCopy, TILE_BYTES};
 use crate::InstallError;
 use sha2::{Digest, Sha256};
+use std::collections::HashMap;
 use std::fs::File;
 use std::io::Read;
 use std::os::unix::fs::FileExt;
@@ -16,9 +17,10 @@ pub struct Dests {
 
 /// Stream `range` from `reader` (which yields exactly `range.end - range.start` bytes) in
 /// tiles of at most [`TILE_BYTES`], writing each copy's bytes to its destination, then
-/// `fdatasync` the touched files. `tile` is the caller's reusable buffer. Returns the
-/// destination digest: SHA-256 of the copies' bytes in copy order. `on_bytes` is told how
-/// many source bytes were consumed after each tile.
+/// `fdatasync` the touched files. `tile` is the caller's reusable buffer. A copy with an
+/// [`Expand`](crate::plan::Expand) collects its source bytes (at most one tile) and writes their
+/// expansion once complete. Returns the destination digest: SHA-256 of the copies' destination
+/// bytes in copy order. `on_bytes` is told how many source bytes were consumed after each tile.
 pub fn run_range(
     range: &CoalescedRange,
     copies: &[RangeCopy],
@@ -32,6 +34,9 @@ pub fn run_range(
     let mut touched = vec![false; dests.files.len()];
     let mut pos = range.start;
     let mut first = 0usize;
+    // Source bytes of expanding copies not yet complete, by index in `copies`.
+    let mut pending: HashMap<usize, Vec<u8>> = HashMap::new();
+    let mut out = Vec::new();
     while pos < range.end {
         let n = ((range.end - pos) as usize).min(tile.len()).min(TILE_BYTES);
         reader
@@ -44,14 +49,24 @@ pub fn run_range(
         while first < copies.len() && copies[first].src + copies[first].len <= pos {
             first += 1;
         }
-        for c in &copies[first..] {
+        for (i, c) in copies.iter().enumerate().skip(first) {
             if c.src >= tile_end {
                 break;
             }
             let a = c.src.max(pos);
             let b = (c.src + c.len).min(tile_end);
-            let bytes = &tile[(a - pos) as usize..(b - pos) as usize];
-            let dst = c.dst + (a - c.src);
+            let mut bytes = &tile[(a - pos) as usize..(b - pos) as usize];
+            let mut dst = c.dst + (a - c.src);
+            if let Some(e) = c.expand {
+                let buf = pending.entry(i).or_default();
+                buf.extend_from_slice(bytes);
+                if b < c.src + c.len {
+                    continue;
+                }
+                out.clear();
+                crate::maple::expand_into(e, &pending.remove(&i).unwrap_or_default(), &mut out);
+                (bytes, dst) = (&out, c.dst);
+            }
             dests.files[c.dest]
                 .write_all_at(bytes, dst)
                 .map_err(|e| InstallError::io("cannot write", &dests.paths[c.dest], e))?;
@@ -82,8 +97,10 @@ pub fn digest_destinations(
     let mut h = Sha256::new();
     for c in &copies[range.copies.clone()] {
         let mut off = 0u64;
-        while off < c.len {
-            let n = ((c.len - off) as usize).min(tile.len()).min(TILE_BYTES);
+        while off < c.dst_len() {
+            let n = ((c.dst_len() - off) as usize)
+                .min(tile.len())
+                .min(TILE_BYTES);
             dests.files[c.dest]
                 .read_exact_at(&mut tile[..n], c.dst + off)
                 .map_err(|e| InstallError::io("cannot read back", &dests.paths[c.dest], e))?;

@@ -13,6 +13,7 @@ pub mod copy;
 mod error;
 pub mod journal;
 pub mod lock;
+pub mod maple;
 pub mod plan;
 pub mod presets;
 pub mod progress;

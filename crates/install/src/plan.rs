@@ -4,12 +4,12 @@
 //! into ranges of at most `max_range_bytes` (64 MiB by default, gap bytes included).
 
 use crate::checkpoint::Checkpoint;
-use crate::InstallError;
+use crate::{maple, InstallError};
 use mference_format::layout::{ExpertBlobLayout, ExpertTensor, LayerLayout, Layout};
 use mference_format::quant::logical_shape;
 use mference_format::{
     layer_file_name, round_up_to_page, ArchInfo, Dtype, Family, IndexEntry, QuantConfig, QuantSlot,
-    QuantSlots, ResidentIndex, TensorInfo, WEIGHTS_FILE,
+    QuantSlots, QuantSpec, ResidentIndex, TensorInfo, WEIGHTS_FILE,
 };
 use sha2::{Digest, Sha256};
 use std::collections::{BTreeMap, HashMap};
@@ -28,7 +28,7 @@ pub const EXCLUDED_PREFIXES: &[&str] = &[
 ];
 
 /// One copy: `len` bytes at `src` in shard `shard` go to `dst` in destination file `dest`
-/// (an index into [`Plan::dest_files`]).
+/// (an index into [`Plan::dest_files`]), unchanged or through a lossless [`Expand`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RangeCopy {
     pub shard: usize,
@@ -36,6 +36,26 @@ pub struct RangeCopy {
     pub len: u64,
     pub dest: usize,
     pub dst: u64,
+    pub expand: Option<Expand>,
+}
+
+impl RangeCopy {
+    /// Bytes written at `dst`: `len`, or `len × count` for an expansion.
+    pub fn dst_len(&self) -> u64 {
+        match self.expand {
+            None => self.len,
+            Some(e) => self.len * e.count as u64,
+        }
+    }
+}
+
+/// The installer's only byte rewrite (Maple's `row_alpha`, `docs/FORMAT.md`): each 2-byte BF16
+/// source value is written `count` times, its sign flipped when `negate`. A copy with an expansion
+/// covers whole values and is at most [`TILE_BYTES`] of source.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Expand {
+    pub count: u32,
+    pub negate: bool,
 }
 
 /// A coalesced source range `start..end` of one shard (read in one request) and the copies
@@ -194,11 +214,25 @@ const DSV4_SLOTS: &[&str] = &[
     ".ffn.shared_experts.down_proj.weight",
 ];
 
+const MAPLE_SLOTS: &[&str] = &[
+    ".self_attn.q_proj.weight",
+    ".self_attn.k_proj.weight",
+    ".self_attn.v_proj.weight",
+    ".self_attn.o_proj.weight",
+    ".self_attn.q_norm.weight",
+    ".self_attn.k_norm.weight",
+    ".mlp.gate.weight",
+    ".input_layernorm.weight",
+    ".post_attention_layernorm.weight",
+];
+
 /// Whether `name` has a prefix the family's checkpoints use: `language_model.` (Gemma 4, Qwen
-/// 3.6: the multimodal wrappers) or `model.` / `lm_head.` (DeepSeek-V4's flat text checkpoint).
+/// 3.6: the multimodal wrappers) or `model.` / `lm_head.` (DeepSeek-V4's and Maple's flat text
+/// checkpoints).
 fn known_prefix(family: Family, name: &str) -> bool {
     match family {
         Family::DeepseekV4Flash => name.starts_with("model.") || name.starts_with("lm_head."),
+        Family::Maple => maple::known_prefix(name),
         _ => name.starts_with("language_model."),
     }
 }
@@ -207,7 +241,7 @@ fn known_prefix(family: Family, name: &str) -> bool {
 /// order, then other top-level tensors, the final norm and the head.
 fn order_key(family: Family, n: &str) -> (u8, usize, usize, String) {
     match n.strip_prefix("language_model.").unwrap_or(n) {
-        "model.embed_tokens.weight" => return (0, 0, 0, n.into()),
+        "model.embed_tokens.weight" | "model.word_embeddings.weight" => return (0, 0, 0, n.into()),
         "model.norm.weight" => return (3, 0, 0, n.into()),
         "lm_head.weight" => return (4, 0, 0, n.into()),
         _ => {}
@@ -215,6 +249,7 @@ fn order_key(family: Family, n: &str) -> (u8, usize, usize, String) {
     let slots = match family {
         Family::Qwen36 => QWEN_SLOTS,
         Family::DeepseekV4Flash => DSV4_SLOTS,
+        Family::Maple => MAPLE_SLOTS,
         _ => GEMMA_SLOTS,
     };
     match layer_index(n) {
@@ -228,7 +263,7 @@ fn order_key(family: Family, n: &str) -> (u8, usize, usize, String) {
 
 fn routed_container(family: Family) -> &'static str {
     match family {
-        Family::Qwen36 => ".mlp.switch_mlp.",
+        Family::Qwen36 | Family::Maple => ".mlp.switch_mlp.",
         Family::DeepseekV4Flash => ".ffn.switch_mlp.",
         _ => ".experts.switch_glu.",
     }
@@ -242,18 +277,20 @@ fn role_of(name: &str) -> Option<usize> {
 
 /// Cross-check shapes that config.json determines.
 fn check_against_config(name: &str, shape: &[u64], a: &ArchInfo) -> Result<(), InstallError> {
-    let want: Option<Vec<u64>> =
-        if name.ends_with("model.embed_tokens.weight") || name.ends_with("lm_head.weight") {
-            Some(vec![a.vocab_size, a.hidden_size])
-        } else if name.ends_with("model.norm.weight")
-            || name.ends_with(".input_layernorm.weight")
-            || name.ends_with(".attn_norm.weight")
-            || name.ends_with(".ffn_norm.weight")
-        {
-            Some(vec![a.hidden_size])
-        } else {
-            None
-        };
+    let want: Option<Vec<u64>> = if name.ends_with("model.embed_tokens.weight")
+        || name == "model.word_embeddings.weight"
+        || name.ends_with("lm_head.weight")
+    {
+        Some(vec![a.vocab_size, a.hidden_size])
+    } else if name.ends_with("model.norm.weight")
+        || name.ends_with(".input_layernorm.weight")
+        || name.ends_with(".attn_norm.weight")
+        || name.ends_with(".ffn_norm.weight")
+    {
+        Some(vec![a.hidden_size])
+    } else {
+        None
+    };
     match want {
         Some(w) if w != shape => Err(shape_err(
             name,
@@ -287,6 +324,18 @@ pub fn build(ck: &Checkpoint, max_range_bytes: u64) -> Result<Plan, InstallError
     let family = Family::from_config(&ck.config)?;
     let arch = ArchInfo::from_config(&ck.config)?;
     let quant = QuantConfig::from_config(&ck.config)?;
+    // Modules whose spec is not in the quantization block (Maple's FlashHead).
+    let extra_specs = match family {
+        Family::Maple => maple::flash_specs(&ck.config)?,
+        _ => BTreeMap::new(),
+    };
+    let spec_for = |name: &str| {
+        let module = name.strip_suffix(".weight").unwrap_or(name);
+        extra_specs
+            .get(module)
+            .copied()
+            .unwrap_or_else(|| quant.spec_for(name))
+    };
     let mut map = HashMap::new();
     for (si, s) in ck.shards.iter().enumerate() {
         for t in &s.header.tensors {
@@ -306,7 +355,10 @@ pub fn build(ck: &Checkpoint, max_range_bytes: u64) -> Result<Plan, InstallError
             excluded.push(name.to_string());
             continue;
         }
-        if name.ends_with(".scales") || name.ends_with(".biases") {
+        if name.ends_with(".scales")
+            || name.ends_with(".biases")
+            || (family == Family::Maple && name.ends_with(maple::ROW_ALPHA))
+        {
             companions += 1;
             continue;
         }
@@ -355,16 +407,12 @@ pub fn build(ck: &Checkpoint, max_range_bytes: u64) -> Result<Plan, InstallError
         let quantized = w.dtype == Dtype::U32 && name.ends_with(".weight");
         if quantized {
             let base = &name[..name.len() - ".weight".len()];
-            let (ss, s) = reg.get(&format!("{base}.scales"))?;
-            let (bs, b) = reg.get(&format!("{base}.biases"))?;
-            consumed_companions += 2;
-            if s.dtype != Dtype::BF16 || b.dtype != Dtype::BF16 {
-                return Err(shape_err(
-                    name,
-                    format!("scales/biases are {}/{}, expected BF16", s.dtype, b.dtype),
-                ));
-            }
-            let logical = logical_shape(name, &w.shape, &s.shape, &b.shape, quant.spec_for(name))?;
+            let (logical, [sc, bi]) = companions_of(&reg, name, base, w, spec_for(name))?;
+            consumed_companions += if sc.shard == bi.shard && sc.start == bi.start {
+                1
+            } else {
+                2
+            };
             check_against_config(name, &logical, &arch)?;
             let shape = pad4(name, &logical)?;
             let e = IndexEntry {
@@ -374,24 +422,29 @@ pub fn build(ck: &Checkpoint, max_range_bytes: u64) -> Result<Plan, InstallError
                 size_bytes: w.size,
                 shape,
                 scale_offset: cursor + w.size,
-                scale_size: s.size,
-                bias_offset: cursor + w.size + s.size,
-                bias_size: b.size,
+                scale_size: sc.dst_len(),
+                bias_offset: cursor + w.size + sc.dst_len(),
+                bias_size: bi.dst_len(),
             };
-            for (sh, t, dst) in [
-                (si, w, e.file_offset),
-                (ss, s, e.scale_offset),
-                (bs, b, e.bias_offset),
-            ] {
+            copies.push(RangeCopy {
+                shard: si,
+                src: w.start,
+                len: w.size,
+                dest: 0,
+                dst: e.file_offset,
+                expand: None,
+            });
+            for (p, dst) in [(sc, e.scale_offset), (bi, e.bias_offset)] {
                 copies.push(RangeCopy {
-                    shard: sh,
-                    src: t.start,
-                    len: t.size,
+                    shard: p.shard,
+                    src: p.start,
+                    len: p.len,
                     dest: 0,
                     dst,
+                    expand: p.expand,
                 });
             }
-            cursor = e.bias_offset + b.size;
+            cursor = e.bias_offset + e.bias_size;
             entries.push(e);
         } else {
             check_against_config(name, &w.shape, &arch)?;
@@ -412,6 +465,7 @@ pub fn build(ck: &Checkpoint, max_range_bytes: u64) -> Result<Plan, InstallError
                 len: w.size,
                 dest: 0,
                 dst: cursor,
+                expand: None,
             });
             cursor += w.size;
             entries.push(e);
@@ -421,8 +475,8 @@ pub fn build(ck: &Checkpoint, max_range_bytes: u64) -> Result<Plan, InstallError
 
     // Expert layers.
     let experts = arch.num_experts;
-    // Per layer: the blob layout and its slices (shard, source start, per-expert size, blob offset).
-    type Slice = (usize, u64, u64, u64);
+    // Per layer: the blob layout and its slices (one expert's part, blob offset).
+    type Slice = (Part, u64);
     let mut blobs: BTreeMap<usize, (ExpertBlobLayout, Vec<Slice>)> = BTreeMap::new();
     for (&l, roles) in &routed {
         let mut cursor = 0u64;
@@ -442,14 +496,13 @@ pub fn build(ck: &Checkpoint, max_range_bytes: u64) -> Result<Plan, InstallError
                 ));
             }
             let base = name.strip_suffix(".weight").unwrap_or(name);
-            let (ss, s) = reg.get(&format!("{base}.scales"))?;
-            let (bs, b) = reg.get(&format!("{base}.biases"))?;
-            consumed_companions += 2;
-            if s.dtype != Dtype::BF16 || b.dtype != Dtype::BF16 {
-                return Err(shape_err(name, "routed scales/biases must be BF16".into()));
-            }
-            let spec = quant.spec_for(name);
-            let logical = logical_shape(name, &w.shape, &s.shape, &b.shape, spec)?;
+            let spec = spec_for(name);
+            let (logical, [sc, bi]) = companions_of(&reg, name, base, w, spec)?;
+            consumed_companions += if sc.start == bi.start && sc.shard == bi.shard {
+                1
+            } else {
+                2
+            };
             let (h, m) = (arch.hidden_size, arch.moe_intermediate_size);
             let want = if r == 2 {
                 [experts, h, m]
@@ -462,28 +515,35 @@ pub fn build(ck: &Checkpoint, max_range_bytes: u64) -> Result<Plan, InstallError
                     format!("logical shape {logical:?} but config.json implies {want:?}"),
                 ));
             }
-            for (k, (sh, t)) in [(si, w), (ss, s), (bs, b)].into_iter().enumerate() {
-                if t.size % experts != 0 {
+            let weights = Part {
+                shard: si,
+                start: w.start,
+                len: w.size,
+                expand: None,
+                shape: logical.clone(),
+            };
+            for (k, (p, tname)) in [(weights, name), (sc, name), (bi, name)]
+                .into_iter()
+                .enumerate()
+            {
+                if p.len % experts != 0 {
                     return Err(shape_err(
-                        &t.name,
-                        format!("{} bytes do not split into {experts} experts", t.size),
+                        tname,
+                        format!("{} bytes do not split into {experts} experts", p.len),
                     ));
                 }
-                let per = t.size / experts;
-                let shape = if k == 0 {
-                    logical[1..].to_vec()
-                } else {
-                    t.shape[1..].to_vec()
-                };
+                let per = p.len / experts;
+                let e = Part { len: per, ..p };
                 tensors.push(ExpertTensor {
                     offset: cursor,
-                    size: per,
-                    dtype: t.dtype,
-                    shape,
+                    size: e.dst_len(),
+                    dtype: if k == 0 { Dtype::U32 } else { Dtype::BF16 },
+                    shape: e.shape[1..].to_vec(),
                     bits: (k == 0).then_some(spec.bits),
                 });
-                slices.push((sh, t.start, per, cursor));
-                cursor += per;
+                let size = e.dst_len();
+                slices.push((e, cursor));
+                cursor += size;
             }
         }
         let mut it = tensors.into_iter();
@@ -499,7 +559,7 @@ pub fn build(ck: &Checkpoint, max_range_bytes: u64) -> Result<Plan, InstallError
     }
     if consumed_companions != companions {
         return Err(invalid(format!(
-            "{} .scales/.biases tensors have no packed U32 .weight to belong to",
+            "{} .scales/.biases/.row_alpha tensors have no packed U32 .weight to belong to",
             companions - consumed_companions
         )));
     }
@@ -521,13 +581,14 @@ pub fn build(ck: &Checkpoint, max_range_bytes: u64) -> Result<Plan, InstallError
                 let dest = dest_files.len();
                 dest_files.push((file.clone(), experts * stride));
                 for e in 0..experts {
-                    for &(shard, start, per, off) in &slices {
+                    for (p, off) in &slices {
                         copies.push(RangeCopy {
-                            shard,
-                            src: start + e * per,
-                            len: per,
+                            shard: p.shard,
+                            src: p.start + e * p.len,
+                            len: p.len,
                             dest,
                             dst: e * stride + off,
+                            expand: p.expand,
                         });
                     }
                 }
@@ -581,6 +642,73 @@ pub fn build(ck: &Checkpoint, max_range_bytes: u64) -> Result<Plan, InstallError
     })
 }
 
+/// The source of one piece of a quantized tensor (its weights, scales or biases): `len` bytes at
+/// `start` of shard `shard`, copied as they are or through `expand`; `shape` is the stored shape
+/// written to the install.
+#[derive(Clone, Debug)]
+struct Part {
+    shard: usize,
+    start: u64,
+    len: u64,
+    expand: Option<Expand>,
+    shape: Vec<u64>,
+}
+
+impl Part {
+    fn dst_len(&self) -> u64 {
+        match self.expand {
+            None => self.len,
+            Some(e) => self.len * e.count as u64,
+        }
+    }
+}
+
+/// The scales and biases of the packed weight `name` (`base.weight`, `w`) and its logical shape:
+/// `base.scales` / `base.biases` as stored, or (Maple) both made from `base.row_alpha`.
+fn companions_of(
+    reg: &Resolved,
+    name: &str,
+    base: &str,
+    w: &TensorInfo,
+    spec: QuantSpec,
+) -> Result<(Vec<u64>, [Part; 2]), InstallError> {
+    let alpha = format!("{base}{}", maple::ROW_ALPHA);
+    if !reg.map.contains_key(format!("{base}.scales").as_str())
+        && reg.map.contains_key(alpha.as_str())
+    {
+        let (sh, a) = reg.get(&alpha)?;
+        let (logical, groups) = maple::row_alpha_shape(name, w, a, spec)?;
+        let mut shape = a.shape.clone();
+        shape.push(groups as u64);
+        let part = |e: Expand| Part {
+            shard: sh,
+            start: a.start,
+            len: a.size,
+            expand: Some(e),
+            shape: shape.clone(),
+        };
+        let [s, b] = maple::scale_bias_expansions(groups);
+        return Ok((logical, [part(s), part(b)]));
+    }
+    let (ss, s) = reg.get(&format!("{base}.scales"))?;
+    let (bs, b) = reg.get(&format!("{base}.biases"))?;
+    if s.dtype != Dtype::BF16 || b.dtype != Dtype::BF16 {
+        return Err(shape_err(
+            name,
+            format!("scales/biases are {}/{}, expected BF16", s.dtype, b.dtype),
+        ));
+    }
+    let logical = logical_shape(name, &w.shape, &s.shape, &b.shape, spec)?;
+    let part = |shard: usize, t: &TensorInfo| Part {
+        shard,
+        start: t.start,
+        len: t.size,
+        expand: None,
+        shape: t.shape.clone(),
+    };
+    Ok((logical, [part(ss, s), part(bs, b)]))
+}
+
 fn pad4(name: &str, shape: &[u64]) -> Result<[u32; 4], InstallError> {
     if shape.len() > 4 {
         return Err(shape_err(name, format!("rank {} is above 4", shape.len())));
@@ -604,7 +732,7 @@ pub fn check_destinations(
     for c in copies {
         let end = c
             .dst
-            .checked_add(c.len)
+            .checked_add(c.dst_len())
             .ok_or_else(|| invalid("destination offset overflows"))?;
         if end > dest_files[c.dest].1 || (c.dest == 0 && c.dst < index_size) {
             return Err(invalid(format!(
@@ -626,31 +754,49 @@ pub fn check_destinations(
     Ok(())
 }
 
-/// Split copies at `max` bytes, sort by (shard, source offset), and merge while the span
-/// stays within `max`. Reorders `copies` so each range's copies are contiguous.
+/// Split copies at `max` bytes (an expansion at whole BF16 values and at most [`TILE_BYTES`]),
+/// sort by (shard, source offset), and merge while the span stays within `max`. Reorders
+/// `copies` so each range's copies are contiguous. Two copies may read the same source bytes
+/// only as a whole (a `row_alpha` feeding both scales and biases).
 pub fn coalesce(
     copies: &mut Vec<RangeCopy>,
     max: u64,
 ) -> Result<Vec<CoalescedRange>, InstallError> {
     let mut split = Vec::with_capacity(copies.len());
     for c in copies.iter() {
+        let (piece, per) = match c.expand {
+            None => (max, 1),
+            Some(e) if c.len.is_multiple_of(2) && max >= 2 => {
+                (max.min(TILE_BYTES as u64) & !1, e.count as u64)
+            }
+            Some(_) => {
+                return Err(InstallError::BadOption {
+                    detail: format!(
+                        "a row_alpha copy of {} bytes needs ranges of at least 2 bytes and whole \
+                         BF16 values",
+                        c.len
+                    ),
+                })
+            }
+        };
         let mut off = 0;
         while off < c.len {
-            let n = (c.len - off).min(max);
+            let n = (c.len - off).min(piece);
             split.push(RangeCopy {
                 src: c.src + off,
                 len: n,
-                dst: c.dst + off,
+                dst: c.dst + off * per,
                 ..*c
             });
             off += n;
         }
     }
-    split.sort_unstable_by_key(|c| (c.shard, c.src));
-    if let Some(w) = split
-        .windows(2)
-        .find(|w| w[0].shard == w[1].shard && w[0].src + w[0].len > w[1].src)
-    {
+    split.sort_unstable_by_key(|c| (c.shard, c.src, c.dest, c.dst));
+    if let Some(w) = split.windows(2).find(|w| {
+        w[0].shard == w[1].shard
+            && w[0].src + w[0].len > w[1].src
+            && (w[0].src, w[0].len) != (w[1].src, w[1].len)
+    }) {
         return Err(invalid(format!(
             "two copies read overlapping source bytes at {}",
             w[1].src
@@ -699,7 +845,15 @@ fn fingerprint(
             r.id, shard_files[r.shard], r.start, r.end
         ));
         for c in &copies[r.copies.clone()] {
-            h.update(format!(" {} {} {} {}\n", c.src, c.len, c.dest, c.dst));
+            h.update(format!(" {} {} {} {}", c.src, c.len, c.dest, c.dst));
+            if let Some(e) = c.expand {
+                h.update(format!(
+                    " expand {} {}",
+                    e.count,
+                    if e.negate { "-" } else { "+" }
+                ));
+            }
+            h.update("\n");
         }
     }
     Ok(mference_format::hash::hex(&h.finalize()))
@@ -749,6 +903,13 @@ fn quant_slots(family: Family, q: &QuantConfig, reg: &Resolved) -> QuantSlots {
             shared_expert: find(&[".ffn.shared_experts.gate_proj.weight"]),
             routed_expert: routed,
         },
+        Family::Maple => QuantSlots {
+            embedding: find(&["model.word_embeddings.weight"]),
+            attention: find(&[".self_attn.q_proj.weight"]),
+            router: find(&[".mlp.gate.weight"]),
+            shared_expert: find(&[".mlp.shared_expert.gate_proj.weight"]),
+            routed_expert: routed,
+        },
         _ => QuantSlots {
             embedding: find(&["model.embed_tokens.weight"]),
             attention: find(&[".self_attn.q_proj.weight"]),
@@ -770,6 +931,7 @@ mod tests {
             len,
             dest: 0,
             dst,
+            expand: None,
         }
     }
 

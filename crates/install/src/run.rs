@@ -343,7 +343,10 @@ fn install_locked(
         let digest = run_range(r, &plan.copies, &mut *reader, &dests, &mut tile, &mut |n| {
             progress.inc(n)
         })?;
-        let dest_bytes = plan.copies[r.copies.clone()].iter().map(|c| c.len).sum();
+        let dest_bytes = plan.copies[r.copies.clone()]
+            .iter()
+            .map(|c| c.dst_len())
+            .sum();
         journal.completed_ranges.push(CompletedRange {
             id: r.id.clone(),
             destination_digest: digest,

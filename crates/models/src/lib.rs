@@ -5,6 +5,7 @@
 pub mod deepseek_v4;
 pub mod gemma4;
 pub mod generate;
+pub mod maple;
 pub mod prefix;
 pub mod qwen3_5_moe;
 
@@ -37,7 +38,7 @@ pub enum ModelError {
     Config(String),
     #[error("device: {0}")]
     Device(String),
-    #[error("unsupported family '{0}' (this build runs: gemma4, qwen3_5_moe)")]
+    #[error("unsupported family '{0}' (this build runs: gemma4, qwen3_5_moe, maple)")]
     Family(String),
     #[error("input: {0}")]
     Input(String),
@@ -271,6 +272,9 @@ pub struct LoadOptions {
     pub shadow_prefetch: bool,
     /// Force a kernel variant by name (`scalar`, `avx2`, `avx512`); `None` = best available.
     pub kernels: Option<String>,
+    /// Maple only: FlashHead (approximate head from centroid scoring) for single-token decode
+    /// (`--flash-head`); prefill and every other call keep the exact head.
+    pub flash_head: bool,
 }
 
 impl Default for LoadOptions {
@@ -290,6 +294,7 @@ impl Default for LoadOptions {
             routing_trace: None,
             device: Device::Cpu,
             shadow_prefetch: true,
+            flash_head: false,
         }
     }
 }
@@ -564,9 +569,14 @@ pub fn load(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn Model>, ModelError
         .to_string();
     if !matches!(
         model_type.as_str(),
-        "gemma4" | "gemma4_text" | "qwen3_5_moe" | "qwen3_5_moe_text" | "deepseek_v4"
+        "gemma4" | "gemma4_text" | "qwen3_5_moe" | "qwen3_5_moe_text" | "deepseek_v4" | "maple"
     ) {
         return Err(ModelError::Family(model_type));
+    }
+    if opts.flash_head && model_type != "maple" {
+        return Err(ModelError::Config(format!(
+            "--flash-head is a Maple option; this install is {model_type}"
+        )));
     }
     let engine = Engine::new(install, opts)?;
     let cuda = |n: usize, engine: &Engine| {
@@ -618,6 +628,10 @@ fn load_family<B: Backend + 'static>(
             Ok(Box::new(deepseek_v4::DeepseekV4::load(
                 engine, be, cfg, opts,
             )?))
+        }
+        "maple" => {
+            let cfg = maple::Config::from_config_json(config)?;
+            Ok(Box::new(maple::Maple::load(engine, be, cfg, opts)?))
         }
         other => Err(ModelError::Family(other.to_string())),
     }

@@ -12,8 +12,8 @@ use tokio::sync::mpsc;
 use mference_models::{Logits, Model, ModelError, PrefixCache, Want};
 use mference_runtime::{Sampler, SamplerConfig};
 use mference_text::{
-    parse_tool_calls_with_tools, stop_token_ids, Family, StopStrings, StreamingDetokenizer,
-    ToolCall,
+    parse_tool_calls_with_tools, stop_token_ids, Family, ReasoningGate, StopStrings,
+    StreamingDetokenizer, ToolCall,
 };
 
 use crate::api::Sampling;
@@ -184,7 +184,7 @@ pub(crate) fn timestamp() -> String {
 fn tool_marker(family: Family) -> &'static str {
     match family {
         Family::Gemma4 => "<|tool_call>",
-        Family::Qwen36 => "<tool_call>",
+        Family::Qwen36 | Family::Maple => "<tool_call>",
         Family::DeepSeekV4 => "<｜DSML｜tool_calls>",
     }
 }
@@ -359,6 +359,8 @@ impl Worker {
             held: String::new(),
             in_call: false,
         };
+        // Maple's prompt leaves `<think>` open: its reasoning is neither streamed nor returned.
+        let mut think = ReasoningGate::new(text.family);
         let mut raw = String::new();
         let mut pending: Vec<TokenLogprob> = Vec::new();
         let finish;
@@ -389,6 +391,7 @@ impl Worker {
             usage.completion += 1;
             history.push(next);
             let (emit, stopped) = stops.push(&detok.push(next));
+            let emit = think.push(&emit);
             raw.push_str(&emit);
             let visible = gate.push(&emit);
             if !visible.is_empty() {
@@ -430,7 +433,7 @@ impl Worker {
         let mut visible = String::new();
         if !stops.stopped() {
             let (tail, _) = stops.push(&detok.finish());
-            let tail = tail + &stops.finish();
+            let tail = think.push(&(tail + &stops.finish()));
             raw.push_str(&tail);
             visible = gate.push(&tail);
         }

@@ -7,6 +7,9 @@ pub enum Family {
     Qwen36,
     /// DeepSeek-V4 (`deepseek_v4`): `<｜User｜>`/`<｜Assistant｜>` turns, DSML tool calls.
     DeepSeekV4,
+    /// Maple Preview (`maple`): ChatML turns (Qwen3 vocabulary), the generation prompt leaves a
+    /// `<think>` block open, Hermes-style JSON `<tool_call>` blocks.
+    Maple,
 }
 
 impl Family {
@@ -17,6 +20,7 @@ impl Family {
             "qwen3_5" | "qwen3_5_text" | "qwen3_5_moe" | "qwen3_5_moe_text" | "qwen3_6"
             | "qwen3_6_moe" => Some(Family::Qwen36),
             "deepseek_v4" => Some(Family::DeepSeekV4),
+            "maple" => Some(Family::Maple),
             _ => None,
         }
     }
@@ -30,8 +34,18 @@ impl Family {
     pub fn turn_open_token(self) -> &'static str {
         match self {
             Family::Gemma4 => "<|turn>",
-            Family::Qwen36 => "<|im_start|>",
+            Family::Qwen36 | Family::Maple => "<|im_start|>",
             Family::DeepSeekV4 => "<｜Assistant｜>",
+        }
+    }
+
+    /// The marker that closes a reasoning block the generation prompt leaves open, if this family's
+    /// template does that: Maple's ends with `<|im_start|>assistant\n<think>\n`, so everything the
+    /// model writes before `</think>` is reasoning ([`crate::ReasoningGate`]).
+    pub fn open_reasoning_close(self) -> Option<&'static str> {
+        match self {
+            Family::Maple => Some("</think>"),
+            _ => None,
         }
     }
 }
@@ -70,6 +84,7 @@ mod tests {
             (Family::Gemma4, "gemma4"),
             (Family::Qwen36, "qwen3_6"),
             (Family::DeepSeekV4, "deepseek_v4"),
+            (Family::Maple, "maple"),
         ] {
             let tok = crate::Tokenizer::from_dir(&dir.join(name)).expect("tokenizer");
             let t = family.turn_open_token();

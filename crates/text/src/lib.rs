@@ -13,6 +13,7 @@
 mod detokenizer;
 mod family;
 mod pyjson;
+mod reasoning;
 mod stops;
 mod template;
 mod tokenizer;
@@ -20,6 +21,7 @@ mod tool_calls;
 
 pub use detokenizer::StreamingDetokenizer;
 pub use family::Family;
+pub use reasoning::ReasoningGate;
 pub use stops::{stop_token_ids, StopStrings};
 pub use template::ChatTemplate;
 pub use tokenizer::Tokenizer;

@@ -7,7 +7,7 @@ use crate::{Family, Tokenizer};
 pub fn stop_token_ids(family: Family, tok: &Tokenizer) -> Vec<u32> {
     let names: &[&str] = match family {
         Family::Gemma4 => &["<eos>", "<turn|>", "<|tool_response>"],
-        Family::Qwen36 => &["<|im_end|>", "<|endoftext|>"],
+        Family::Qwen36 | Family::Maple => &["<|im_end|>", "<|endoftext|>"],
         Family::DeepSeekV4 => &["<｜end▁of▁sentence｜>"],
     };
     let mut ids = Vec::with_capacity(names.len());

@@ -15,12 +15,12 @@ use serde_json::{json, Value};
 fn assistant_segments(family: Family, rendered: &str) -> Vec<String> {
     let (open, close) = match family {
         Family::Gemma4 => ("<|turn>model\n", "<|tool_response>"),
-        Family::Qwen36 => ("<|im_start|>assistant\n", "<|im_end|>"),
+        Family::Qwen36 | Family::Maple => ("<|im_start|>assistant\n", "<|im_end|>"),
         Family::DeepSeekV4 => ("<｜Assistant｜>", "<｜end▁of▁sentence｜>"),
     };
     let marker = match family {
         Family::Gemma4 => "<|tool_call>",
-        Family::Qwen36 => "<tool_call>",
+        Family::Qwen36 | Family::Maple => "<tool_call>",
         Family::DeepSeekV4 => "<｜DSML｜tool_calls>",
     };
     rendered

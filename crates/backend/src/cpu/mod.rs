@@ -220,6 +220,36 @@ impl Backend for CpuBackend {
             .collect())
     }
 
+    fn matmul_bf16(&self, w: &VRef, rows: usize, x: &CpuTensor) -> OpResult<CpuTensor> {
+        let cols = x.cols;
+        check("matmul_bf16", w.len == rows * cols, || {
+            format!("{} values are not [{rows}, {cols}]", w.len)
+        })?;
+        let t = x.rows();
+        let y = std::sync::Mutex::new(vec![0.0f32; t * rows]);
+        // Each work item converts its weight rows to f32 once and dots them with every input row.
+        self.pool.for_chunks(rows, 16, |r0, r1| {
+            let mut wr = vec![0.0f32; cols];
+            let mut part = vec![0.0f32; t * (r1 - r0)];
+            for r in r0..r1 {
+                wr.iter_mut()
+                    .enumerate()
+                    .for_each(|(i, v)| *v = w.get(&self.resident, r * cols + i));
+                for (i, xr) in x.data.chunks_exact(cols).enumerate() {
+                    part[i * (r1 - r0) + r - r0] = self.kernels.dot_f32(&wr, xr);
+                }
+            }
+            let mut y = y.lock().unwrap_or_else(|e| e.into_inner());
+            for (i, p) in part.chunks_exact(r1 - r0).enumerate() {
+                y[i * rows + r0..i * rows + r1].copy_from_slice(p);
+            }
+        });
+        Ok(CpuTensor::new(
+            y.into_inner().unwrap_or_else(|e| e.into_inner()),
+            rows,
+        ))
+    }
+
     fn glu_mlp(&self, mlp: &Mlp, act: Act, src: Weights, x: &CpuTensor) -> OpResult<CpuTensor> {
         let t = x.rows();
         check(

@@ -61,7 +61,8 @@ pub fn parse_tool_calls_with_tools(
 ) -> Result<ParsedOutput, TextError> {
     match family {
         Family::Gemma4 => gemma4::parse(text),
-        Family::Qwen36 => qwen3_6::parse(text, tools),
+        // Maple writes the Qwen 2.5/3 JSON form, which the Qwen parser reads.
+        Family::Qwen36 | Family::Maple => qwen3_6::parse(text, tools),
         Family::DeepSeekV4 => deepseek_v4::parse(text),
     }
 }
