@@ -158,19 +158,59 @@ const QWEN_SLOTS: &[&str] = &[
     ".post_attention_layernorm.weight",
 ];
 
+/// Inkling-Small (`reference/family-oracles.md` §2.4): attention, the four short convolutions,
+/// norms, then the dense MLP or the router and the resident shared (sink) experts.
+const INKLING_SLOTS: &[&str] = &[
+    ".attn.wq_du.weight",
+    ".attn.wk_dv.weight",
+    ".attn.wv_dv.weight",
+    ".attn.wr_du.weight",
+    ".attn.wo_ud.weight",
+    ".attn.q_norm.weight",
+    ".attn.k_norm.weight",
+    ".attn.k_sconv.weight",
+    ".attn.v_sconv.weight",
+    ".attn.rel_logits_proj.proj",
+    ".attn_sconv.weight",
+    ".attn_norm.weight",
+    ".mlp_norm.weight",
+    ".mlp_sconv.weight",
+    ".mlp.gate_proj.weight",
+    ".mlp.up_proj.weight",
+    ".mlp.down_proj.weight",
+    ".mlp.global_scale",
+    ".mlp.gate.weight",
+    ".mlp.gate.bias",
+    ".mlp.gate.global_scale",
+    ".mlp.shared_experts.gate_proj.weight",
+    ".mlp.shared_experts.up_proj.weight",
+    ".mlp.shared_experts.down_proj.weight",
+];
+
+/// The prefix every language-model tensor of `family` carries.
+fn text_prefix(family: Family) -> &'static str {
+    match family {
+        Family::InklingSmall => "model.llm.",
+        _ => "language_model.",
+    }
+}
+
 /// Deterministic resident order: embedding, then per layer in a fixed per-family slot
 /// order, then other top-level tensors, the final norm and the head.
 fn order_key(family: Family, n: &str) -> (u8, usize, usize, String) {
     match n {
-        "language_model.model.embed_tokens.weight" => return (0, 0, 0, n.into()),
-        "language_model.model.norm.weight" => return (3, 0, 0, n.into()),
-        "language_model.lm_head.weight" => return (4, 0, 0, n.into()),
+        "language_model.model.embed_tokens.weight" | "model.llm.embed.weight" => {
+            return (0, 0, 0, n.into())
+        }
+        "model.llm.embed_norm.weight" => return (0, 1, 0, n.into()),
+        "language_model.model.norm.weight" | "model.llm.norm.weight" => return (3, 0, 0, n.into()),
+        "language_model.lm_head.weight" | "model.llm.unembed.weight" => return (4, 0, 0, n.into()),
         _ => {}
     }
-    let slots = if family == Family::Qwen36 {
-        QWEN_SLOTS
-    } else {
-        GEMMA_SLOTS
+    let slots = match family {
+        Family::Qwen36 => QWEN_SLOTS,
+        Family::InklingSmall => INKLING_SLOTS,
+        _ => GEMMA_SLOTS,
     };
     match layer_index(n) {
         Some(l) => {
@@ -184,6 +224,7 @@ fn order_key(family: Family, n: &str) -> (u8, usize, usize, String) {
 fn routed_container(family: Family) -> &'static str {
     match family {
         Family::Qwen36 => ".mlp.switch_mlp.",
+        Family::InklingSmall => ".mlp.experts.",
         _ => ".experts.switch_glu.",
     }
 }
@@ -196,14 +237,25 @@ fn role_of(name: &str) -> Option<usize> {
 
 /// Cross-check shapes that config.json determines.
 fn check_against_config(name: &str, shape: &[u64], a: &ArchInfo) -> Result<(), InstallError> {
-    let want: Option<Vec<u64>> =
-        if name.ends_with("model.embed_tokens.weight") || name.ends_with("lm_head.weight") {
-            Some(vec![a.vocab_size, a.hidden_size])
-        } else if name.ends_with("model.norm.weight") || name.ends_with(".input_layernorm.weight") {
-            Some(vec![a.hidden_size])
-        } else {
-            None
-        };
+    let hidden_norm = [
+        "model.norm.weight",
+        ".input_layernorm.weight",
+        "model.llm.norm.weight",
+        "model.llm.embed_norm.weight",
+        ".attn_norm.weight",
+        ".mlp_norm.weight",
+    ];
+    let want: Option<Vec<u64>> = if name.ends_with("model.embed_tokens.weight")
+        || name.ends_with("lm_head.weight")
+        || name == "model.llm.embed.weight"
+        || name == "model.llm.unembed.weight"
+    {
+        Some(vec![a.vocab_size, a.hidden_size])
+    } else if hidden_norm.iter().any(|s| name.ends_with(s)) {
+        Some(vec![a.hidden_size])
+    } else {
+        None
+    };
     match want {
         Some(w) if w != shape => Err(shape_err(
             name,
@@ -260,7 +312,7 @@ pub fn build(ck: &Checkpoint, max_range_bytes: u64) -> Result<Plan, InstallError
             companions += 1;
             continue;
         }
-        if !name.starts_with("language_model.") {
+        if !name.starts_with(text_prefix(family)) {
             return Err(invalid(format!(
                 "tensor {name} has an unknown prefix for {family}"
             )));
@@ -682,6 +734,13 @@ fn quant_slots(family: Family, q: &QuantConfig, reg: &Resolved) -> QuantSlots {
         ".switch_mlp.gate_proj.weight",
     ]);
     match family {
+        Family::InklingSmall => QuantSlots {
+            embedding: find(&["model.llm.embed.weight"]),
+            attention: find(&[".attn.wq_du.weight"]),
+            router: find(&[".mlp.gate.weight"]),
+            shared_expert: find(&[".mlp.shared_experts.gate_proj.weight"]),
+            routed_expert: find(&[".mlp.experts.gate_proj.weight"]),
+        },
         Family::Qwen36 => QuantSlots {
             embedding: find(&["model.embed_tokens.weight"]),
             attention: find(&[
