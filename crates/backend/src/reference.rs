@@ -3,7 +3,8 @@
 //! harness (`tests/backend_ops.rs`) runs each backend's op against its twin here.
 
 use crate::{
-    Act, AttnShape, DeltaShape, Norm, QRef, Rope, RopeStyle, RouterSpec, Scoring, Unary, VRef,
+    Act, AttnShape, DeltaShape, LogScaling, Norm, QRef, Rope, RopeStyle, RouterSpec, Scoring,
+    Unary, VRef,
 };
 
 fn bf16(buf: &[u8], off: usize) -> f64 {
@@ -41,6 +42,22 @@ pub fn matmul(w: &QRef, buf: &[u8], x: &[f32]) -> Vec<f32> {
         .flat_map(|xr| {
             d.chunks_exact(w.cols)
                 .map(|wr| wr.iter().zip(xr).map(|(a, &b)| a * b as f64).sum::<f64>() as f32)
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+/// `Y[T, rows] = X[T, cols] · Wᵀ` for an f32 `w` `[rows, cols]`.
+pub fn linear(x: &[f32], w: &[f32], cols: usize) -> Vec<f32> {
+    x.chunks_exact(cols)
+        .flat_map(|xr| {
+            w.chunks_exact(cols)
+                .map(|wr| {
+                    wr.iter()
+                        .zip(xr)
+                        .map(|(&a, &b)| a as f64 * b as f64)
+                        .sum::<f64>() as f32
+                })
                 .collect::<Vec<_>>()
         })
         .collect()
@@ -141,6 +158,53 @@ pub fn rope(x: &[f32], cols: usize, rope: &Rope, head_dim: usize, pos0: usize) -
 /// Causal attention of `q` (`[T, n_heads·head_dim]`, positions `pos0..`) over the full history
 /// `k`, `v` (`[pos0 + T, n_kv_heads·head_dim]`, position order).
 pub fn attention(q: &[f32], k: &[f32], v: &[f32], pos0: usize, s: &AttnShape) -> Vec<f32> {
+    attention_with(q, k, v, pos0, s, &|_, _, _| 0.0, &|_| 1.0)
+}
+
+/// [`attention`] with Inkling's relative-position bias: query row `r` (position `p`), head `h`,
+/// key `j` gets `Σ_i rel[r, h, i] · proj[i, p − j]` when `p − j < extent`, and the logits of
+/// position `p` are multiplied by `τ_p` on global layers.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_rel(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    pos0: usize,
+    s: &AttnShape,
+    rel: &[f32],
+    proj: &[f32],
+    d_rel: usize,
+    log_scaling: Option<LogScaling>,
+) -> Vec<f32> {
+    let extent = proj.len() / d_rel;
+    let nh = s.n_heads;
+    let bias = |r: usize, h: usize, dist: usize| -> f64 {
+        if dist >= extent {
+            return 0.0;
+        }
+        (0..d_rel)
+            .map(|i| rel[(r * nh + h) * d_rel + i] as f64 * proj[i * extent + dist] as f64)
+            .sum()
+    };
+    let tau = |p: usize| -> f64 {
+        log_scaling.map_or(1.0, |l| {
+            1.0 + l.alpha as f64 * ((p + 1) as f64 / l.n_floor as f64).max(1.0).ln()
+        })
+    };
+    attention_with(q, k, v, pos0, s, &bias, &tau)
+}
+
+/// Attention whose logit of (row `r`, head `h`, key at distance `dist`) is
+/// `tau(p) · (q·k·scale + bias(r, h, dist))`.
+fn attention_with(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    pos0: usize,
+    s: &AttnShape,
+    bias: &dyn Fn(usize, usize, usize) -> f64,
+    tau: &dyn Fn(usize) -> f64,
+) -> Vec<f32> {
     let (nh, nkv, d) = (s.n_heads, s.n_kv_heads, s.head_dim);
     let t = q.len() / (nh * d);
     let mut out = vec![0.0f32; q.len()];
@@ -153,11 +217,12 @@ pub fn attention(q: &[f32], k: &[f32], v: &[f32], pos0: usize, s: &AttnShape) ->
             let scores: Vec<f64> = (lo..=p)
                 .map(|j| {
                     let kr = &k[(j * nkv + kvh) * d..(j * nkv + kvh + 1) * d];
-                    qh.iter()
+                    let dot = qh
+                        .iter()
                         .zip(kr)
                         .map(|(&a, &b)| a as f64 * b as f64)
-                        .sum::<f64>()
-                        * s.scale as f64
+                        .sum::<f64>();
+                    tau(p) * (dot * s.scale as f64 + bias(r, h, p - j))
                 })
                 .collect();
             let sink = s.sinks.as_ref().map(|v| v[h] as f64);
@@ -189,6 +254,28 @@ pub fn conv1d_silu(
     c: usize,
     kernel: usize,
 ) -> (Vec<f32>, Vec<f32>) {
+    conv1d_with(x, state, w, c, kernel, silu)
+}
+
+/// Depthwise causal conv alone; returns the output and the new state.
+pub fn conv1d(
+    x: &[f32],
+    state: &[f32],
+    w: &[f32],
+    c: usize,
+    kernel: usize,
+) -> (Vec<f32>, Vec<f32>) {
+    conv1d_with(x, state, w, c, kernel, |v| v)
+}
+
+fn conv1d_with(
+    x: &[f32],
+    state: &[f32],
+    w: &[f32],
+    c: usize,
+    kernel: usize,
+    act: fn(f64) -> f64,
+) -> (Vec<f32>, Vec<f32>) {
     let seq: Vec<f32> = state.iter().chain(x).copied().collect();
     let t = x.len() / c;
     let mut out = vec![0.0f32; x.len()];
@@ -197,7 +284,7 @@ pub fn conv1d_silu(
             let acc: f64 = (0..kernel)
                 .map(|j| w[ch * kernel + j] as f64 * seq[(r + j) * c + ch] as f64)
                 .sum();
-            out[r * c + ch] = silu(acc) as f32;
+            out[r * c + ch] = act(acc) as f32;
         }
     }
     (out, seq[t * c..].to_vec())
@@ -312,4 +399,43 @@ fn softmax(v: &[f32]) -> Vec<f64> {
     let e: Vec<f64> = v.iter().map(|&x| (x as f64 - m).exp()).collect();
     let z: f64 = e.iter().sum();
     e.into_iter().map(|x| x / z).collect()
+}
+
+/// Per row, the chosen `(expert, weight)` pairs of Inkling's sink router sorted by id: routed
+/// experts by the top-k of `sigmoid(l) + bias` (or `spec.forced`), then every shared expert as id
+/// `n_routed + s`; weights `softmax(logsigmoid(l[ids])) · scale`.
+pub fn route_sinks(
+    logits: &[f32],
+    n_all: usize,
+    bias: &[f32],
+    scale: f32,
+    spec: &RouterSpec,
+) -> Vec<Vec<(usize, f32)>> {
+    let n_routed = bias.len();
+    logits
+        .chunks_exact(n_all)
+        .enumerate()
+        .map(|(row, lg)| {
+            let choice: Vec<f64> = (0..n_routed)
+                .map(|e| sigmoid(lg[e] as f64) + bias[e] as f64)
+                .collect();
+            let mut order: Vec<usize> = (0..n_routed).collect();
+            order.sort_by(|&a, &b| choice[b].total_cmp(&choice[a]).then(a.cmp(&b)));
+            order.truncate(spec.top_k);
+            if let Some(f) = spec.forced {
+                order = f[row * spec.top_k..(row + 1) * spec.top_k].to_vec();
+            }
+            order.extend(n_routed..n_all);
+            let ls: Vec<f64> = order.iter().map(|&e| sigmoid(lg[e] as f64).ln()).collect();
+            let m = ls.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let z: f64 = ls.iter().map(|x| (x - m).exp()).sum();
+            let mut chosen: Vec<(usize, f32)> = order
+                .iter()
+                .zip(&ls)
+                .map(|(&e, x)| (e, ((x - m).exp() / z * scale as f64) as f32))
+                .collect();
+            chosen.sort_by_key(|&(e, _)| e);
+            chosen
+        })
+        .collect()
 }

@@ -13,8 +13,8 @@ use mference_kernels::{Kernels, MatJob, PreparedX, QMatrix, ThreadPool};
 use mference_runtime::{KvDtype, KvLayer};
 
 use crate::{
-    check, check_forced, Act, AttnShape, Backend, DeltaShape, Mlp, Norm, OpResult, QRef, Rope,
-    RouterSpec, Routes, Scoring, Tensor, Unary, VRef, Weights,
+    check, check_forced, Act, AttnShape, Backend, DeltaShape, Mlp, Norm, OpResult, QRef, RelBias,
+    Rope, RouterSpec, Routes, Scoring, SinkRouter, Tensor, Unary, VRef, Weights,
 };
 
 /// Resident bytes the backend reads weights from (the mapped `model_weights.bin`, or any buffer
@@ -217,6 +217,35 @@ impl Backend for CpuBackend {
             .zip(ws)
             .map(|(y, w)| CpuTensor::new(y, w.rows))
             .collect())
+    }
+
+    fn linear(&self, x: &CpuTensor, w: &CpuTensor) -> OpResult<CpuTensor> {
+        let (cols, rows) = (x.cols, w.rows());
+        check("linear", w.cols == cols, || {
+            format!("a [{rows}, {}] weight for rows of {cols}", w.cols)
+        })?;
+        let t = x.rows();
+        let mut y = vec![0.0f32; t * rows];
+        // One piece of output rows (tokens) per worker.
+        let threads = self.pool.threads().min(t).max(1);
+        let per = t.div_ceil(threads);
+        let pieces: Vec<std::sync::Mutex<Option<&mut [f32]>>> = y
+            .chunks_mut(per * rows)
+            .map(|c| std::sync::Mutex::new(Some(c)))
+            .collect();
+        self.pool.run(|tid, _n| {
+            let Some(piece) = pieces.get(tid).and_then(|m| m.lock().ok()?.take()) else {
+                return;
+            };
+            for (j, yr) in piece.chunks_exact_mut(rows).enumerate() {
+                let r = tid * per + j;
+                let xr = &x.data[r * cols..(r + 1) * cols];
+                for (o, wr) in yr.iter_mut().zip(w.data.chunks_exact(cols)) {
+                    *o = self.kernels.dot_f32(xr, wr);
+                }
+            }
+        });
+        Ok(CpuTensor::new(y, rows))
     }
 
     fn glu_mlp(&self, mlp: &Mlp, act: Act, src: Weights, x: &CpuTensor) -> OpResult<CpuTensor> {
@@ -447,7 +476,63 @@ impl Backend for CpuBackend {
             },
         )?;
         let mut out = vec![0.0f32; q.data.len()];
-        ops::attention(&self.pool, self.kernels, &q.data, kv, pos0, s, &mut out);
+        ops::attention(
+            &self.pool,
+            self.kernels,
+            &q.data,
+            kv,
+            pos0,
+            s,
+            None,
+            &mut out,
+        );
+        Ok(CpuTensor::new(out, q.cols))
+    }
+
+    fn attention_rel(
+        &self,
+        q: &CpuTensor,
+        kv: &KvLayer,
+        pos0: usize,
+        s: &AttnShape,
+        bias: &RelBias<CpuTensor>,
+    ) -> OpResult<CpuTensor> {
+        let (rel, proj) = (bias.rel, bias.proj);
+        let d_rel = proj.rows();
+        check(
+            "attention_rel",
+            q.cols == s.n_heads * s.head_dim
+                && s.n_kv_heads > 0
+                && s.n_heads.is_multiple_of(s.n_kv_heads)
+                && kv.row_stride() == s.n_kv_heads * s.head_dim
+                && s.sinks.as_ref().is_none_or(|v| v.len() == s.n_heads)
+                && rel.rows() == q.rows()
+                && rel.cols == s.n_heads * d_rel,
+            || {
+                format!(
+                    "q rows of {} and rel rows of {} for {} heads of {} with d_rel {d_rel}",
+                    q.cols, rel.cols, s.n_heads, s.head_dim
+                )
+            },
+        )?;
+        let slices = ops::RelSlices {
+            rel: &rel.data,
+            proj: &proj.data,
+            d_rel,
+            extent: proj.cols,
+            log_scaling: bias.log_scaling,
+        };
+        let mut out = vec![0.0f32; q.data.len()];
+        ops::attention(
+            &self.pool,
+            self.kernels,
+            &q.data,
+            kv,
+            pos0,
+            s,
+            Some(&slices),
+            &mut out,
+        );
         Ok(CpuTensor::new(out, q.cols))
     }
 
@@ -479,6 +564,24 @@ impl Backend for CpuBackend {
         )?;
         let mut out = vec![0.0f32; x.data.len()];
         ops::causal_conv1d_silu(&x.data, state, &w.data, c, kernel, &mut out);
+        Ok(CpuTensor::new(out, c))
+    }
+
+    fn conv1d(
+        &self,
+        x: &CpuTensor,
+        state: &mut Vec<f32>,
+        w: &CpuTensor,
+        kernel: usize,
+    ) -> OpResult<CpuTensor> {
+        let c = x.cols;
+        check(
+            "conv1d",
+            kernel >= 2 && w.data.len() == c * kernel && state.len() == (kernel - 1) * c,
+            || format!("kernel {kernel} over {c} channels"),
+        )?;
+        let mut out = vec![0.0f32; x.data.len()];
+        ops::causal_conv1d(&x.data, state, &w.data, c, kernel, &mut out, |v| v);
         Ok(CpuTensor::new(out, c))
     }
 
@@ -599,6 +702,56 @@ impl Backend for CpuBackend {
                     None => w,
                 };
                 experts.entry(e).or_default().push((row, w));
+            }
+        }
+        Ok(Routes { experts, margins })
+    }
+
+    fn route_sinks(
+        &self,
+        logits: &CpuTensor,
+        router: &SinkRouter<CpuTensor>,
+        spec: &RouterSpec,
+    ) -> OpResult<Routes> {
+        let (n_all, n_shared) = (logits.cols, router.n_shared);
+        let n_routed = n_all.saturating_sub(n_shared);
+        let k = spec.top_k;
+        check(
+            "route_sinks",
+            k > 0
+                && k <= n_routed
+                && router.bias.data.len() == n_routed
+                && spec.per_expert_scale.is_none(),
+            || {
+                format!(
+                    "top-{k} of {n_routed} routed experts ({n_shared} shared, bias of {}, no \
+                     per-expert scale)",
+                    router.bias.data.len()
+                )
+            },
+        )?;
+        check_forced("route_sinks", spec, logits.rows(), n_routed)?;
+        let mut experts: BTreeMap<usize, Vec<(usize, f32)>> = BTreeMap::new();
+        let mut margins = Vec::new();
+        for (row, lg) in logits.data.chunks_exact(n_all).enumerate() {
+            let choice: Vec<f32> = lg[..n_routed]
+                .iter()
+                .zip(&router.bias.data)
+                .map(|(&l, &b)| ops::sigmoid(l) + b)
+                .collect();
+            if spec.trace {
+                margins.push(top_k_margin(&choice, k));
+            }
+            let idx = match spec.forced {
+                Some(f) => f[row * k..(row + 1) * k].to_vec(),
+                None => ops::top_k(&choice, k),
+            };
+            let ids: Vec<usize> = idx.into_iter().chain(n_routed..n_all).collect();
+            // softmax over log-sigmoids, as transformers computes it: exp(ls − logsumexp(ls)).
+            let mut w: Vec<f32> = ids.iter().map(|&e| ops::log_sigmoid(lg[e])).collect();
+            ops::softmax(&mut w);
+            for (e, w) in ids.into_iter().zip(w) {
+                experts.entry(e).or_default().push((row, w * router.scale));
             }
         }
         Ok(Routes { experts, margins })

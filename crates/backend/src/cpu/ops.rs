@@ -7,7 +7,7 @@ use std::sync::Mutex;
 use mference_kernels::{Kernels, ThreadPool};
 use mference_runtime::{KvLayer, KvRow};
 
-use crate::{AttnShape, DeltaShape, Norm};
+use crate::{AttnShape, DeltaShape, LogScaling, Norm};
 
 /// `x ← x · rsqrt(mean(x²) + eps) · s` over each `dim` piece of `x` (mlx `fast.rms_norm`), `s` as
 /// [`Norm`] says; weights are read from `buf` (the resident bytes).
@@ -117,8 +117,20 @@ pub fn softmax(v: &mut [f32]) {
     v.iter_mut().for_each(|x| *x /= z);
 }
 
+/// A relative-position bias over host slices ([`crate::RelBias`]): `rel` `[t, n_heads, d_rel]`,
+/// `proj` `[d_rel, extent]`.
+pub struct RelSlices<'a> {
+    pub rel: &'a [f32],
+    pub proj: &'a [f32],
+    pub d_rel: usize,
+    pub extent: usize,
+    pub log_scaling: Option<LogScaling>,
+}
+
 /// Causal attention for `t` query rows at positions `pos0..pos0+t` against the cache (which already
-/// holds those rows): `out[t, n_heads·head_dim] = softmax(q·kᵀ·scale) v`, GQA by `n_heads / n_kv_heads`.
+/// holds those rows): `out[t, n_heads·head_dim] = softmax(q·kᵀ·scale) v`, GQA by `n_heads / n_kv_heads`;
+/// with `rel`, the logits are `τ_p · (q·kᵀ·scale + bias)` ([`crate::Backend::attention_rel`]).
+#[allow(clippy::too_many_arguments)]
 pub fn attention(
     pool: &ThreadPool,
     k: &Kernels,
@@ -126,6 +138,7 @@ pub fn attention(
     kv: &KvLayer,
     pos0: usize,
     s: &AttnShape,
+    rel: Option<&RelSlices>,
     out: &mut [f32],
 ) {
     let d = s.head_dim;
@@ -167,6 +180,9 @@ pub fn attention(
                 i0 += count;
             }
             scores.iter_mut().for_each(|x| *x *= s.scale);
+            if let Some(rb) = rel {
+                add_rel_bias(&mut scores, rb, item, p);
+            }
             match &s.sinks {
                 None => softmax(&mut scores),
                 Some(sinks) => softmax_with_sink(&mut scores, sinks[head]),
@@ -188,6 +204,27 @@ pub fn attention(
             }
         }
     });
+}
+
+/// Adds the relative-position bias of query item `item` (row · n_heads + head) at position `p` to
+/// its scores over keys `p + 1 − scores.len() ..= p`, then applies the log position scale.
+fn add_rel_bias(scores: &mut [f32], rb: &RelSlices, item: usize, p: usize) {
+    let (d_rel, extent) = (rb.d_rel, rb.extent);
+    let coef = &rb.rel[item * d_rel..(item + 1) * d_rel];
+    let n = scores.len();
+    // Distance p − key runs from n − 1 (first score) down to 0 (the query's own key).
+    for dist in 0..n.min(extent) {
+        let b: f32 = coef
+            .iter()
+            .enumerate()
+            .map(|(j, c)| c * rb.proj[j * extent + dist])
+            .sum();
+        scores[n - 1 - dist] += b;
+    }
+    if let Some(ls) = rb.log_scaling {
+        let tau = ls.tau(p);
+        scores.iter_mut().for_each(|x| *x *= tau);
+    }
 }
 
 /// Softmax of `v` with one extra logit `sink` in the denominator (its probability is dropped).
@@ -213,6 +250,12 @@ pub fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + (-x).exp())
 }
 
+/// `log(sigmoid(x)) = min(x, 0) − log1p(e^−|x|)` (torch `F.logsigmoid`).
+#[inline]
+pub fn log_sigmoid(x: f32) -> f32 {
+    x.min(0.0) - (-x.abs()).exp().ln_1p()
+}
+
 /// `log(1 + e^x)`, computed as mlx's `nn.softplus` (`logaddexp(x, 0)`): `max(x, 0) + log1p(e^-|x|)`.
 #[inline]
 pub fn softplus(x: f32) -> f32 {
@@ -236,6 +279,19 @@ pub fn causal_conv1d_silu(
     kernel: usize,
     out: &mut [f32],
 ) {
+    causal_conv1d(x, state, w, channels, kernel, out, silu)
+}
+
+/// [`causal_conv1d_silu`] with the activation `act` (`|v| v`: Inkling's short convolutions).
+pub fn causal_conv1d(
+    x: &[f32],
+    state: &mut [f32],
+    w: &[f32],
+    channels: usize,
+    kernel: usize,
+    out: &mut [f32],
+    act: impl Fn(f32) -> f32,
+) {
     let keep = kernel - 1;
     let t = x.len() / channels;
     let mut seq = Vec::with_capacity((keep + t) * channels);
@@ -249,7 +305,7 @@ pub fn causal_conv1d_silu(
             for (j, wj) in wc.iter().enumerate() {
                 acc += wj * seq[(r + j) * channels + c];
             }
-            *oc = silu(acc);
+            *oc = act(acc);
         }
     }
     state.copy_from_slice(&seq[t * channels..]);
