@@ -4,6 +4,7 @@
 
 pub mod gemma4;
 pub mod generate;
+pub mod inkling;
 pub mod qwen3_5_moe;
 
 use std::path::Path;
@@ -33,7 +34,7 @@ pub enum ModelError {
     Config(String),
     #[error("device: {0}")]
     Device(String),
-    #[error("unsupported family '{0}' (this build runs: gemma4, qwen3_5_moe)")]
+    #[error("unsupported family '{0}' (this build runs: gemma4, qwen3_5_moe, inkling_mm_model)")]
     Family(String),
     #[error("input: {0}")]
     Input(String),
@@ -553,7 +554,7 @@ pub fn load(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn Model>, ModelError
         .to_string();
     if !matches!(
         model_type.as_str(),
-        "gemma4" | "gemma4_text" | "qwen3_5_moe" | "qwen3_5_moe_text"
+        "gemma4" | "gemma4_text" | "qwen3_5_moe" | "qwen3_5_moe_text" | "inkling_mm_model"
     ) {
         return Err(ModelError::Family(model_type));
     }
@@ -601,6 +602,10 @@ fn load_family<B: Backend + 'static>(
             Ok(Box::new(qwen3_5_moe::Qwen35Moe::load(
                 engine, be, cfg, opts,
             )?))
+        }
+        "inkling_mm_model" => {
+            let cfg = inkling::Config::from_config_json(config)?;
+            Ok(Box::new(inkling::Inkling::load(engine, be, cfg, opts)?))
         }
         other => Err(ModelError::Family(other.to_string())),
     }
