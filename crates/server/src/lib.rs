@@ -214,6 +214,7 @@ pub fn default_model_id(family: Family) -> &'static str {
         Family::Gemma4 => "gemma-4-26b-a4b-it",
         Family::Qwen36 => "qwen3.6-35b-a3b",
         Family::DeepSeekV4 => "deepseek-v4-flash-2bit-dq",
+        Family::Inkling => "inkling-small",
     }
 }
 

@@ -7,6 +7,9 @@ pub enum Family {
     Qwen36,
     /// DeepSeek-V4 (`deepseek_v4`): `<｜User｜>`/`<｜Assistant｜>` turns, DSML tool calls.
     DeepSeekV4,
+    /// Inkling-Small (`inkling_mm_model`): TMLv0 `<|message_*|><|content_text|>…<|end_message|>`
+    /// turns; the reconstructed template is text only (no tool syntax).
+    Inkling,
 }
 
 impl Family {
@@ -17,6 +20,7 @@ impl Family {
             "qwen3_5" | "qwen3_5_text" | "qwen3_5_moe" | "qwen3_5_moe_text" | "qwen3_6"
             | "qwen3_6_moe" => Some(Family::Qwen36),
             "deepseek_v4" => Some(Family::DeepSeekV4),
+            "inkling_mm_model" | "inkling" => Some(Family::Inkling),
             _ => None,
         }
     }
@@ -32,6 +36,7 @@ impl Family {
             Family::Gemma4 => "<|turn>",
             Family::Qwen36 => "<|im_start|>",
             Family::DeepSeekV4 => "<｜Assistant｜>",
+            Family::Inkling => "<|message_model|>",
         }
     }
 }
@@ -70,6 +75,7 @@ mod tests {
             (Family::Gemma4, "gemma4"),
             (Family::Qwen36, "qwen3_6"),
             (Family::DeepSeekV4, "deepseek_v4"),
+            (Family::Inkling, "inkling"),
         ] {
             let tok = crate::Tokenizer::from_dir(&dir.join(name)).expect("tokenizer");
             let t = family.turn_open_token();
