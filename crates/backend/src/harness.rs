@@ -818,27 +818,8 @@ fn router_ops<B: Backend>(h: &mut Harness<B>, rng: &mut Rng, w: &TestWeights) {
             continue;
         };
         let want = refr::route(&logits, n_exp, &spec, buf);
-        let mut got: Vec<Vec<(usize, f32)>> = vec![Vec::new(); t];
-        for (&e, rows) in &routes.experts {
-            for &(row, wt) in rows {
-                got[row].push((e, wt));
-            }
-        }
         let name = format!("route {scoring:?} top-{k} forced {}", forced.is_some());
-        for (row, (g, wnt)) in got.iter().zip(&want).enumerate() {
-            let ids_g: Vec<usize> = g.iter().map(|p| p.0).collect();
-            let ids_w: Vec<usize> = wnt.iter().map(|p| p.0).collect();
-            if ids_g != ids_w {
-                h.fail(
-                    &name,
-                    format!("row {row}: experts {ids_g:?}, reference {ids_w:?}"),
-                );
-                continue;
-            }
-            let gw: Vec<f32> = g.iter().map(|p| p.1).collect();
-            let ww: Vec<f32> = wnt.iter().map(|p| p.1).collect();
-            h.expect_close(&name, &gw, &ww, 1e-6);
-        }
+        check_routes(h, &name, &routes, &want);
         // Margins: the k-th minus the (k+1)-th largest raw logit.
         let want_m: Vec<f32> = logits
             .chunks_exact(n_exp)
@@ -1012,27 +993,8 @@ fn inkling_ops<B: Backend>(h: &mut Harness<B>, rng: &mut Rng) {
             continue;
         };
         let want = refr::route_sinks(&logits, n_all, &bias, router.scale, &spec);
-        let mut got: Vec<Vec<(usize, f32)>> = vec![Vec::new(); t];
-        for (&e, rows) in &routes.experts {
-            for &(row, wt) in rows {
-                got[row].push((e, wt));
-            }
-        }
         let name = format!("route_sinks top-{k} forced {}", forced.is_some());
-        for (row, (g, wnt)) in got.iter().zip(&want).enumerate() {
-            let ids_g: Vec<usize> = g.iter().map(|p| p.0).collect();
-            let ids_w: Vec<usize> = wnt.iter().map(|p| p.0).collect();
-            if ids_g != ids_w {
-                h.fail(
-                    &name,
-                    format!("row {row}: experts {ids_g:?}, reference {ids_w:?}"),
-                );
-                continue;
-            }
-            let gw: Vec<f32> = g.iter().map(|p| p.1).collect();
-            let ww: Vec<f32> = wnt.iter().map(|p| p.1).collect();
-            h.expect_close(&name, &gw, &ww, 1e-6);
-        }
+        check_routes(h, &name, &routes, &want);
         // Margins: the k-th minus the (k+1)-th largest selection score.
         let want_m: Vec<f32> = logits
             .chunks_exact(n_all)
@@ -1058,5 +1020,35 @@ fn inkling_ops<B: Backend>(h: &mut Harness<B>, rng: &mut Rng) {
                 format!("margins {:?}, want {want_m:?}", routes.margins),
             );
         }
+    }
+}
+
+/// `routes` against the reference's per-row `(expert, weight)` lists: the same experts in every
+/// row, weights within 1e-6.
+fn check_routes<B: Backend>(
+    h: &mut Harness<B>,
+    name: &str,
+    routes: &crate::Routes,
+    want: &[Vec<(usize, f32)>],
+) {
+    let mut got: Vec<Vec<(usize, f32)>> = vec![Vec::new(); want.len()];
+    for (&e, rows) in &routes.experts {
+        for &(row, wt) in rows {
+            got[row].push((e, wt));
+        }
+    }
+    for (row, (g, wnt)) in got.iter().zip(want).enumerate() {
+        let ids_g: Vec<usize> = g.iter().map(|p| p.0).collect();
+        let ids_w: Vec<usize> = wnt.iter().map(|p| p.0).collect();
+        if ids_g != ids_w {
+            h.fail(
+                name,
+                format!("row {row}: experts {ids_g:?}, reference {ids_w:?}"),
+            );
+            continue;
+        }
+        let gw: Vec<f32> = g.iter().map(|p| p.1).collect();
+        let ww: Vec<f32> = wnt.iter().map(|p| p.1).collect();
+        h.expect_close(name, &gw, &ww, 1e-6);
     }
 }

@@ -19,7 +19,9 @@ use mference_backend::{
     RouterSpec, Routes, Scoring, SinkRouter, Tensor, Unary, VRef, WeightError,
 };
 
-use crate::{check_ids, one, ChunkWant, Engine, LoadOptions, Logits, ModelError, Streamers, Want};
+use crate::{
+    check_ids, one, ChunkWant, Engine, LoadOptions, Logits, ModelError, Snapshot, Streamers, Want,
+};
 
 /// `text_config` of an Inkling `config.json` as the checkpoint stores it (transformers
 /// `InklingTextConfig` keys before its `__post_init__`): `intermediate_size` is the expert width,
@@ -173,7 +175,7 @@ struct Attention<B: Backend> {
 
 enum Ffn<B: Backend> {
     /// Dense SwiGLU times `mlp.global_scale` (BF16).
-    Dense(Mlp, f32),
+    Dense(Box<Mlp>, f32),
     Moe(Box<MoeBlock<B>>),
 }
 
@@ -253,7 +255,7 @@ pub struct Inkling<B: Backend> {
     kv: KvCache<B::Kv>,
     states: Vec<ConvStates<B>>,
     /// The conv states as they were at one earlier position ([`crate::Model::checkpoint`]).
-    snapshot: Option<(usize, Vec<ConvStates<B>>)>,
+    snapshot: Snapshot<Vec<ConvStates<B>>>,
     streamers: Streamers,
 }
 
@@ -320,11 +322,11 @@ impl<B: Backend> Inkling<B> {
             let mlp = if l < cfg.dense_mlp_idx {
                 let di = cfg.dense_intermediate_size;
                 Ffn::Dense(
-                    Mlp {
+                    Box::new(Mlp {
                         gate_proj: q(format!("{b}.mlp.gate_proj"), di, h)?,
                         up_proj: q(format!("{b}.mlp.up_proj"), di, h)?,
                         down_proj: q(format!("{b}.mlp.down_proj"), h, di)?,
-                    },
+                    }),
                     scalar(format!("{b}.mlp.global_scale"))?,
                 )
             } else {
@@ -421,7 +423,7 @@ impl<B: Backend> Inkling<B> {
             layers,
             kv: KvCache::new(kv),
             states,
-            snapshot: None,
+            snapshot: Snapshot::new(),
         })
     }
 
@@ -688,7 +690,7 @@ impl<B: Backend + 'static> crate::Model for Inkling<B> {
             return true;
         }
         if n == 0 {
-            self.snapshot = None;
+            self.snapshot.forget();
             self.kv.clear();
             let be = &self.be;
             return self
@@ -697,25 +699,15 @@ impl<B: Backend + 'static> crate::Model for Inkling<B> {
                 .flat_map(|s| s.all_mut())
                 .all(|s| be.zero_state(s).is_ok());
         }
-        match &self.snapshot {
-            Some((pos, states)) if *pos == n && n <= self.kv.len && self.kv.truncate(n) => {
-                self.states.clone_from(states);
-                true
-            }
-            _ => false,
-        }
+        self.snapshot.is_at(n)
+            && n <= self.kv.len
+            && self.kv.truncate(n)
+            && self.snapshot.restore(n, &mut self.states)
     }
 
     /// Copies the FP32 short-conv states (4 per layer, `kernel − 1` rows each).
     fn checkpoint(&mut self) {
-        let pos = self.kv.len;
-        match &mut self.snapshot {
-            Some((p, states)) => {
-                *p = pos;
-                states.clone_from(&self.states);
-            }
-            None => self.snapshot = Some((pos, self.states.clone())),
-        }
+        self.snapshot.save(self.kv.len, &self.states);
     }
 
     fn is_recurrent(&self) -> bool {
@@ -723,11 +715,7 @@ impl<B: Backend + 'static> crate::Model for Inkling<B> {
     }
 
     fn rewind_point(&self, n: usize) -> usize {
-        match self.snapshot {
-            _ if n >= self.kv.len => self.kv.len,
-            Some((pos, _)) if pos <= n && pos <= self.kv.len => pos,
-            _ => 0,
-        }
+        self.snapshot.rewind_point(n, self.kv.len)
     }
 
     fn vocab_size(&self) -> usize {

@@ -556,15 +556,7 @@ impl Backend for CpuBackend {
         w: &CpuTensor,
         kernel: usize,
     ) -> OpResult<CpuTensor> {
-        let c = x.cols;
-        check(
-            "conv1d_silu",
-            kernel >= 2 && w.data.len() == c * kernel && state.len() == (kernel - 1) * c,
-            || format!("kernel {kernel} over {c} channels"),
-        )?;
-        let mut out = vec![0.0f32; x.data.len()];
-        ops::causal_conv1d_silu(&x.data, state, &w.data, c, kernel, &mut out);
-        Ok(CpuTensor::new(out, c))
+        conv("conv1d_silu", x, state, w, kernel, ops::silu)
     }
 
     fn conv1d(
@@ -574,15 +566,7 @@ impl Backend for CpuBackend {
         w: &CpuTensor,
         kernel: usize,
     ) -> OpResult<CpuTensor> {
-        let c = x.cols;
-        check(
-            "conv1d",
-            kernel >= 2 && w.data.len() == c * kernel && state.len() == (kernel - 1) * c,
-            || format!("kernel {kernel} over {c} channels"),
-        )?;
-        let mut out = vec![0.0f32; x.data.len()];
-        ops::causal_conv1d(&x.data, state, &w.data, c, kernel, &mut out, |v| v);
-        Ok(CpuTensor::new(out, c))
+        conv("conv1d", x, state, w, kernel, |v| v)
     }
 
     fn delta_gates(
@@ -756,6 +740,26 @@ impl Backend for CpuBackend {
         }
         Ok(Routes { experts, margins })
     }
+}
+
+/// The depthwise causal conv of `op` (`conv1d_silu`, `conv1d`) with activation `act`.
+fn conv(
+    op: &'static str,
+    x: &CpuTensor,
+    state: &mut [f32],
+    w: &CpuTensor,
+    kernel: usize,
+    act: impl Fn(f32) -> f32,
+) -> OpResult<CpuTensor> {
+    let c = x.cols;
+    check(
+        op,
+        kernel >= 2 && w.data.len() == c * kernel && state.len() == (kernel - 1) * c,
+        || format!("kernel {kernel} over {c} channels"),
+    )?;
+    let mut out = vec![0.0f32; x.data.len()];
+    ops::causal_conv1d(&x.data, state, &w.data, c, kernel, &mut out, act);
+    Ok(CpuTensor::new(out, c))
 }
 
 /// The k-th largest logit minus the (k+1)-th (`+∞` when there is no (k+1)-th).

@@ -262,27 +262,15 @@ pub fn softplus(x: f32) -> f32 {
     x.max(0.0) + (-x.abs()).exp().ln_1p()
 }
 
-/// Depthwise causal 1-D convolution followed by SiLU, continuing from a rolling state
-/// (Gated DeltaNet's `conv1d`, `reference/architectures.md` §3.2 step 2; mlx-lm `qwen3_5.py`
-/// `GatedDeltaNet.__call__`).
+/// Depthwise causal 1-D convolution followed by the activation `act`, continuing from a rolling
+/// state: SiLU for Gated DeltaNet's `conv1d` (`reference/architectures.md` §3.2 step 2; mlx-lm
+/// `qwen3_5.py` `GatedDeltaNet.__call__`), the identity for Inkling's short convolutions (§5).
 ///
 /// - `x`: `[t, channels]` pre-conv rows; `out`: `[t, channels]`.
 /// - `w`: `[channels, kernel]` (the MLX `[C, K, 1]` weight); output row `r` of channel `c` is
-///   `silu(Σ_j w[c, j] · in[r + j])` over the sequence `in = state ++ x` (cross-correlation, no flip).
+///   `act(Σ_j w[c, j] · in[r + j])` over the sequence `in = state ++ x` (cross-correlation, no flip).
 /// - `state`: `[kernel - 1, channels]`, the last `kernel - 1` pre-conv rows seen (zeros at the start);
 ///   updated to the last `kernel - 1` rows of `state ++ x`.
-pub fn causal_conv1d_silu(
-    x: &[f32],
-    state: &mut [f32],
-    w: &[f32],
-    channels: usize,
-    kernel: usize,
-    out: &mut [f32],
-) {
-    causal_conv1d(x, state, w, channels, kernel, out, silu)
-}
-
-/// [`causal_conv1d_silu`] with the activation `act` (`|v| v`: Inkling's short convolutions).
 pub fn causal_conv1d(
     x: &[f32],
     state: &mut [f32],
