@@ -250,9 +250,11 @@ pub struct Inkling<B: Backend> {
     /// `unembed` cut to the unpadded vocabulary's rows.
     unembed: QRef,
     layers: Vec<Layer<B>>,
-    /// One layer per attention layer. Sliding layers keep every position too (not a ring), so a
-    /// checkpoint can always be rewound to.
+    /// One layer per attention layer; sliding layers are rings of [`Inkling::ring_rows`] rows.
     kv: KvCache<B::Kv>,
+    /// How many positions past the checkpoint a rewind may cut off: the sliding rings still hold
+    /// the window before it (`usize::MAX` when no layer is a ring).
+    rewind_reach: usize,
     states: Vec<ConvStates<B>>,
     /// The conv states as they were at one earlier position ([`crate::Model::checkpoint`]).
     snapshot: Snapshot<Vec<ConvStates<B>>>,
@@ -260,6 +262,10 @@ pub struct Inkling<B: Backend> {
 }
 
 const P: &str = "model.llm";
+
+/// Positions past a checkpoint that a rewind to it may cut off (a generated reply and the next
+/// turn's opener): the sliding rings keep this many rows beyond the window and a prefill chunk.
+pub const REWIND_REACH: usize = 2048;
 
 impl<B: Backend> Inkling<B> {
     /// Builds the model over an opened install: every resident tensor is resolved (and its shape
@@ -393,12 +399,20 @@ impl<B: Backend> Inkling<B> {
             cfg.vocab_size(),
             map.len(),
         )?;
+        let ring = Self::ring_rows(&cfg, opts);
         let kv = (0..cfg.num_hidden_layers)
             .map(|l| {
                 let (_, nkv, d) = cfg.heads(l);
-                be.new_kv(opts.max_context, false, nkv, d, opts.kv_dtype)
+                match cfg.is_sliding(l) && ring < opts.max_context {
+                    true => be.new_kv(ring, true, nkv, d, opts.kv_dtype),
+                    false => be.new_kv(opts.max_context, false, nkv, d, opts.kv_dtype),
+                }
             })
             .collect::<Result<_, _>>()?;
+        let rewind_reach = match ring < opts.max_context {
+            true => ring - cfg.sliding_window_size,
+            false => usize::MAX,
+        };
         let mut states = Vec::with_capacity(cfg.num_hidden_layers);
         for l in 0..cfg.num_hidden_layers {
             let (_, nkv, d) = cfg.heads(l);
@@ -422,9 +436,17 @@ impl<B: Backend> Inkling<B> {
             unembed,
             layers,
             kv: KvCache::new(kv),
+            rewind_reach,
             states,
             snapshot: Snapshot::new(),
         })
+    }
+
+    /// Rows of a sliding layer's KV ring: the window, a prefill chunk written after it, and
+    /// [`REWIND_REACH`] positions a checkpoint may lie behind the end (a server's reply); the whole
+    /// context when that is not smaller.
+    pub fn ring_rows(cfg: &Config, opts: &LoadOptions) -> usize {
+        (cfg.sliding_window_size + opts.prefill_chunk + REWIND_REACH).min(opts.max_context)
     }
 
     /// The parsed `text_config`.
@@ -683,8 +705,9 @@ impl<B: Backend + 'static> crate::Model for Inkling<B> {
     }
 
     /// The short-conv states summarise the prefix: `n == 0`, `n == position()` and `n` at the
-    /// checkpoint (its states restored, the KV cut there) succeed; anything else is refused and
-    /// changes nothing.
+    /// checkpoint (its states restored, the KV cut there) succeed, the last only while the sliding
+    /// rings still hold the checkpoint's window (no more positions follow it than a prefill chunk
+    /// plus [`REWIND_REACH`]); anything else is refused and changes nothing.
     fn truncate(&mut self, n: usize) -> bool {
         if n == self.kv.len {
             return true;
@@ -699,10 +722,13 @@ impl<B: Backend + 'static> crate::Model for Inkling<B> {
                 .flat_map(|s| s.all_mut())
                 .all(|s| be.zero_state(s).is_ok());
         }
-        self.snapshot.is_at(n)
-            && n <= self.kv.len
-            && self.kv.truncate(n)
-            && self.snapshot.restore(n, &mut self.states)
+        // The rings still hold the window before `n` when at most `rewind_reach` positions follow it.
+        let reachable = n <= self.kv.len && self.kv.len - n <= self.rewind_reach;
+        if !(self.snapshot.is_at(n) && reachable) {
+            return false;
+        }
+        self.kv.len = n;
+        self.snapshot.restore(n, &mut self.states)
     }
 
     /// Copies the FP32 short-conv states (4 per layer, `kernel − 1` rows each).
@@ -715,7 +741,11 @@ impl<B: Backend + 'static> crate::Model for Inkling<B> {
     }
 
     fn rewind_point(&self, n: usize) -> usize {
-        self.snapshot.rewind_point(n, self.kv.len)
+        let len = self.kv.len;
+        match self.snapshot.rewind_point(n, len) {
+            p if p < len && len - p > self.rewind_reach => 0,
+            p => p,
+        }
     }
 
     fn vocab_size(&self) -> usize {

@@ -189,3 +189,75 @@ fn check_rewind(inst: &Path, prompt: &[u32]) {
     assert_eq!(m.rewind_point(190), 0);
     assert!(!m.truncate(180), "a restart kept the old checkpoint");
 }
+
+/// Sliding layers keep a ring of `window + prefill chunk + REWIND_REACH` rows once the context is
+/// longer than that: past the point where the rings wrap, logits equal those of a model whose
+/// sliding layers keep every position (within the fixtures' tolerance: the two runs use other
+/// chunk sizes), a checkpoint 100 positions back still rewinds exactly, and one further back than
+/// the rings' rows beyond the window is refused.
+#[test]
+fn inkling_sliding_rings_wrap_and_rewind() {
+    use mference_models::inkling::REWIND_REACH;
+    let f = fixture("B");
+    let n = 48 + 64 + REWIND_REACH + 60; // past the wrap of 64-row-chunk rings
+    let seq: Vec<u32> = (0..n)
+        .map(|i| f.prompt[i % 300] ^ (i / 300) as u32)
+        .collect();
+    let tail = |chunk: usize, ctx: usize| {
+        let o = LoadOptions {
+            max_context: ctx,
+            ..opts32(chunk)
+        };
+        let mut m = load(&f.install, &o).unwrap();
+        let Logits::Rows(r) = m.forward(&seq, Want::Tail(100)).unwrap() else {
+            panic!("expected rows")
+        };
+        r
+    };
+    let ring = tail(64, 4096);
+    // Chunks of 128 make the rings 48 + 128 + REWIND_REACH rows, which covers the whole context.
+    let linear = tail(128, 48 + 128 + REWIND_REACH);
+    check_exact(
+        "B ring vs linear sliding KV, last 100 rows",
+        &ring,
+        &linear,
+        f.vocab,
+    );
+
+    let o = LoadOptions {
+        max_context: 4096,
+        ..opts32(64)
+    };
+    let rows = |m: &mut Box<dyn mference_models::Model>, t: &[u32]| match m.forward(t, Want::All) {
+        Ok(Logits::Rows(r)) => r,
+        _ => panic!("expected rows"),
+    };
+    let c = n - 100;
+    let mut fresh = load(&f.install, &o).unwrap();
+    fresh.forward(&seq[..c], Want::None).unwrap();
+    let want = rows(&mut fresh, &seq[..40]);
+    let mut m = load(&f.install, &o).unwrap();
+    m.forward(&seq[..c], Want::None).unwrap();
+    m.checkpoint();
+    m.forward(&seq[c..], Want::None).unwrap();
+    assert_eq!(m.rewind_point(n - 1), c);
+    assert!(
+        m.truncate(c),
+        "a rewind of 100 positions over wrapped rings was refused"
+    );
+    assert!(
+        rows(&mut m, &seq[..40]) == want,
+        "logits after the rewind differ"
+    );
+    // A checkpoint further back than the rings' rows beyond the window (a chunk + REWIND_REACH).
+    let mut m = load(&f.install, &o).unwrap();
+    m.forward(&seq[..50], Want::None).unwrap();
+    m.checkpoint();
+    m.forward(&seq[50..50 + 64 + REWIND_REACH + 10], Want::None)
+        .unwrap();
+    assert_eq!(m.rewind_point(60), 0);
+    assert!(
+        !m.truncate(50),
+        "a rewind past the rings' reach was accepted"
+    );
+}
