@@ -20,7 +20,8 @@ use mference_backend::{
 };
 
 use crate::{
-    check_ids, one, ChunkWant, Engine, LoadOptions, Logits, ModelError, Snapshot, Streamers, Want,
+    check_dims as check, check_ids, one, ChunkWant, Engine, LoadOptions, Logits, ModelError,
+    Snapshot, Streamers, Want,
 };
 
 /// `text_config` of an Inkling `config.json` as the checkpoint stores it (transformers
@@ -680,16 +681,6 @@ fn first_rows(w: &QRef, n: usize, buf_len: usize) -> Result<QRef, ModelError> {
         cut(bb),
         buf_len,
     )?)
-}
-
-fn check(name: &str, got: (usize, usize), want: (usize, usize)) -> Result<(), ModelError> {
-    if got == want {
-        Ok(())
-    } else {
-        Err(ModelError::Config(format!(
-            "{name} is {got:?}, config.json implies {want:?}"
-        )))
-    }
 }
 
 impl<B: Backend + 'static> crate::Model for Inkling<B> {

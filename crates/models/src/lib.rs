@@ -199,6 +199,21 @@ pub(crate) fn one<T>(mut v: Vec<T>) -> T {
     v.pop().expect("one product")
 }
 
+/// A tensor `name` has the dimensions config.json implies.
+pub(crate) fn check_dims(
+    name: &str,
+    got: (usize, usize),
+    want: (usize, usize),
+) -> Result<(), ModelError> {
+    if got == want {
+        Ok(())
+    } else {
+        Err(ModelError::Config(format!(
+            "{name} is {got:?}, config.json implies {want:?}"
+        )))
+    }
+}
+
 /// Token ids must index the vocabulary.
 pub(crate) fn check_ids(tokens: &[u32], vocab: usize) -> Result<(), ModelError> {
     match tokens.iter().find(|&&id| id as usize >= vocab) {

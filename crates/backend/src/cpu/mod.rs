@@ -461,32 +461,7 @@ impl Backend for CpuBackend {
         pos0: usize,
         s: &AttnShape,
     ) -> OpResult<CpuTensor> {
-        check(
-            "attention",
-            q.cols == s.n_heads * s.head_dim
-                && s.n_kv_heads > 0
-                && s.n_heads.is_multiple_of(s.n_kv_heads)
-                && kv.row_stride() == s.n_kv_heads * s.head_dim
-                && s.sinks.as_ref().is_none_or(|v| v.len() == s.n_heads),
-            || {
-                format!(
-                    "q rows of {} for {} heads of {}",
-                    q.cols, s.n_heads, s.head_dim
-                )
-            },
-        )?;
-        let mut out = vec![0.0f32; q.data.len()];
-        ops::attention(
-            &self.pool,
-            self.kernels,
-            &q.data,
-            kv,
-            pos0,
-            s,
-            None,
-            &mut out,
-        );
-        Ok(CpuTensor::new(out, q.cols))
+        self.attend("attention", q, kv, pos0, s, None)
     }
 
     fn attention_rel(
@@ -497,43 +472,7 @@ impl Backend for CpuBackend {
         s: &AttnShape,
         bias: &RelBias<CpuTensor>,
     ) -> OpResult<CpuTensor> {
-        let (rel, proj) = (bias.rel, bias.proj);
-        let d_rel = proj.rows();
-        check(
-            "attention_rel",
-            q.cols == s.n_heads * s.head_dim
-                && s.n_kv_heads > 0
-                && s.n_heads.is_multiple_of(s.n_kv_heads)
-                && kv.row_stride() == s.n_kv_heads * s.head_dim
-                && s.sinks.as_ref().is_none_or(|v| v.len() == s.n_heads)
-                && rel.rows() == q.rows()
-                && rel.cols == s.n_heads * d_rel,
-            || {
-                format!(
-                    "q rows of {} and rel rows of {} for {} heads of {} with d_rel {d_rel}",
-                    q.cols, rel.cols, s.n_heads, s.head_dim
-                )
-            },
-        )?;
-        let slices = ops::RelSlices {
-            rel: &rel.data,
-            proj: &proj.data,
-            d_rel,
-            extent: proj.cols,
-            log_scaling: bias.log_scaling,
-        };
-        let mut out = vec![0.0f32; q.data.len()];
-        ops::attention(
-            &self.pool,
-            self.kernels,
-            &q.data,
-            kv,
-            pos0,
-            s,
-            Some(&slices),
-            &mut out,
-        );
-        Ok(CpuTensor::new(out, q.cols))
+        self.attend("attention_rel", q, kv, pos0, s, Some(bias))
     }
 
     fn new_state(&self, len: usize) -> OpResult<Vec<f32>> {
@@ -739,6 +678,58 @@ impl Backend for CpuBackend {
             }
         }
         Ok(Routes { experts, margins })
+    }
+}
+
+impl CpuBackend {
+    /// [`Backend::attention`], with `bias` [`Backend::attention_rel`].
+    fn attend(
+        &self,
+        op: &'static str,
+        q: &CpuTensor,
+        kv: &KvLayer,
+        pos0: usize,
+        s: &AttnShape,
+        bias: Option<&RelBias<CpuTensor>>,
+    ) -> OpResult<CpuTensor> {
+        let d_rel = bias.map_or(0, |b| b.proj.rows());
+        check(
+            op,
+            q.cols == s.n_heads * s.head_dim
+                && s.n_kv_heads > 0
+                && s.n_heads.is_multiple_of(s.n_kv_heads)
+                && kv.row_stride() == s.n_kv_heads * s.head_dim
+                && s.sinks.as_ref().is_none_or(|v| v.len() == s.n_heads)
+                && bias.is_none_or(|b| b.rel.rows() == q.rows() && b.rel.cols == s.n_heads * d_rel),
+            || {
+                format!(
+                    "q rows of {} for {} heads of {} (rel rows of {:?}, d_rel {d_rel})",
+                    q.cols,
+                    s.n_heads,
+                    s.head_dim,
+                    bias.map(|b| b.rel.cols)
+                )
+            },
+        )?;
+        let slices = bias.map(|b| ops::RelSlices {
+            rel: &b.rel.data,
+            proj: &b.proj.data,
+            d_rel,
+            extent: b.proj.cols,
+            log_scaling: b.log_scaling,
+        });
+        let mut out = vec![0.0f32; q.data.len()];
+        ops::attention(
+            &self.pool,
+            self.kernels,
+            &q.data,
+            kv,
+            pos0,
+            s,
+            slices.as_ref(),
+            &mut out,
+        );
+        Ok(CpuTensor::new(out, q.cols))
     }
 }
 
