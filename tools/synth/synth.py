@@ -11,8 +11,10 @@ tens of MiB whatever the model size).
     .venv-bench/bin/python tools/synth/synth.py mlx --config assets/models/gemma4-tiny/config.json --out /tmp/t
 
 Presets: gemma4-26b (Gemma 4 26B-A4B), qwen36-35b (Qwen 3.6 35B-A3B), maple-preview (Maple
-Preview 2-bit, ternary + FlashHead; the GGUF writer does not cover it); shapes from
-reference/architectures.md §2.1 / §3.1 and reference/original-system.md §4.2 / §4.3.
+Preview 2-bit, ternary + FlashHead; the GGUF writer does not cover it), inkling-small
+(Inkling-Small, MLX only; `--inkling-layers dsg` keeps a dense, a sliding MoE and a global MoE layer
+at full width); shapes from reference/architectures.md §2.1 / §3.1 / §5 / §6,
+reference/family-oracles.md §2.4 / §2.5 and reference/original-system.md §4.2 / §4.3.
 
 Values (why they keep activations finite through every layer):
 - A quantized [out, in] weight gets uniform random codes; each group of 64 gets a scale
@@ -106,7 +108,38 @@ def maple_preview() -> dict:
     return cfg
 
 
-PRESETS = {"gemma4-26b": gemma4_26b, "qwen36-35b": qwen36_35b, "maple-preview": maple_preview}
+def inkling_small() -> dict:
+    """pipenetwork/Inkling-Small-MLX-4bit (reference/family-oracles.md §2.4): the checkpoint's own
+    keys (intermediate_size = expert width), towers left out (the installer skips them)."""
+    L = 42
+    cfg = json.loads((REPO / "assets/fixtures/inkling/A/checkpoint/config.json").read_text())
+    cfg["text_config"].update(
+        hidden_size=4096, num_hidden_layers=L, vocab_size=201024, unpadded_vocab_size=200058,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, swa_num_attention_heads=32,
+        swa_num_key_value_heads=8, swa_head_dim=128, sliding_window_size=512, d_rel=16,
+        rel_extent=1024, log_scaling_n_floor=128000, log_scaling_alpha=0.1, dense_mlp_idx=2,
+        dense_intermediate_size=16384, intermediate_size=2048, n_routed_experts=256,
+        num_experts_per_tok=6, n_shared_experts=2, route_scale=8.0,
+        local_layer_ids=[i for i in range(L) if i % 6 != 5])
+    cfg.pop("vision_config", None)
+    cfg.pop("audio_config", None)
+    cfg["quantization"] = {"group_size": GS, "bits": 4, "recipe": "uniform"}
+    return cfg
+
+
+def inkling_layers(cfg: dict, spec: str) -> dict:
+    """Truncates an Inkling config to the layers `spec` spells, one letter each: d = dense
+    (sliding), s = MoE sliding, g = MoE global; dense layers first (e.g. `dsg`)."""
+    if not spec or any(c not in "dsg" for c in spec) or "d" in spec.lstrip("d"):
+        raise SystemExit(f"--inkling-layers {spec!r}: letters d, s, g with the d's first")
+    t = cfg["text_config"]
+    t.update(num_hidden_layers=len(spec), dense_mlp_idx=len(spec) - len(spec.lstrip("d")),
+             local_layer_ids=[i for i, c in enumerate(spec) if c != "g"])
+    return cfg
+
+
+PRESETS = {"gemma4-26b": gemma4_26b, "qwen36-35b": qwen36_35b, "maple-preview": maple_preview,
+           "inkling-small": inkling_small}
 
 # ------------------------------------------------------------------------------------------------
 # Tensor plans. A plan entry: (module_or_tensor_name, kind, shape, init) where kind is "q" (a
@@ -235,6 +268,53 @@ def ternary_codes(n_bytes: int, noise) -> np.ndarray:
     return b & ~both
 
 
+def inkling_plan(cfg: dict) -> list:
+    """model.llm.* tensors as inkling-mlx's converter writes them (family-oracles.md §2.4):
+    router, norms, short convolutions and rel_logits_proj unquantized; router bias and
+    global_scale F32, the dense global_scale BF16."""
+    t = cfg["text_config"]
+    H, V, K = t["hidden_size"], t["vocab_size"], t["sconv_kernel_size"]
+    E, S, I, DI = t["n_routed_experts"], t["n_shared_experts"], t["intermediate_size"], \
+        t["dense_intermediate_size"]
+    P = "model.llm."
+    plan = [(P + "embed", "q", (V, H), dict(sigma=1.0)),
+            (P + "embed_norm.weight", "BF16", (H,), {}),
+            (P + "unembed", "q", (V, H), dict(sigma=16.0 / np.sqrt(H))),
+            (P + "norm.weight", "BF16", (H,), {})]
+    conv = dict(const=0.0, noise=0.1)
+    for L in range(t["num_hidden_layers"]):
+        sliding = L in t["local_layer_ids"]
+        nh = t["swa_num_attention_heads"] if sliding else t["num_attention_heads"]
+        nkv = t["swa_num_key_value_heads"] if sliding else t["num_key_value_heads"]
+        hd = t["swa_head_dim"] if sliding else t["head_dim"]
+        extent = t["sliding_window_size"] if sliding else t["rel_extent"]
+        p = f"{P}layers.{L}."
+        a = p + "attn."
+        plan += [(a + "wq_du", "q", (nh * hd, H), {}), (a + "wk_dv", "q", (nkv * hd, H), {}),
+                 (a + "wv_dv", "q", (nkv * hd, H), {}), (a + "wr_du", "q", (nh * t["d_rel"], H), {}),
+                 (a + "wo_ud", "q", (H, nh * hd), {}),
+                 (a + "q_norm.weight", "BF16", (hd,), {}), (a + "k_norm.weight", "BF16", (hd,), {}),
+                 (a + "k_sconv.weight", "BF16", (nkv * hd, K, 1), conv),
+                 (a + "v_sconv.weight", "BF16", (nkv * hd, K, 1), conv),
+                 (a + "rel_logits_proj.proj", "BF16", (t["d_rel"], extent), dict(const=0.0, noise=0.5)),
+                 (p + "attn_sconv.weight", "BF16", (H, K, 1), conv),
+                 (p + "mlp_sconv.weight", "BF16", (H, K, 1), conv),
+                 (p + "attn_norm.weight", "BF16", (H,), {}), (p + "mlp_norm.weight", "BF16", (H,), {})]
+        m = p + "mlp."
+        if L < t["dense_mlp_idx"]:
+            plan += [(m + "gate_proj", "q", (DI, H), {}), (m + "up_proj", "q", (DI, H), {}),
+                     (m + "down_proj", "q", (H, DI), {}),
+                     (m + "global_scale", "BF16", (1,), dict(const=1.0, noise=0.2))]
+            continue
+        plan += [(m + "gate.weight", "BF16", (E + S, H), dict(const=0.0, noise=1.0 / np.sqrt(H))),
+                 (m + "gate.bias", "F32", (E,), dict(const=0.0, noise=0.05)),
+                 (m + "gate.global_scale", "F32", (1,), dict(const=1.0, noise=0.2))]
+        for group, n in (("experts", E), ("shared_experts", S)):
+            for name, shp in (("gate_proj", (n, I, H)), ("up_proj", (n, I, H)), ("down_proj", (n, H, I))):
+                plan.append((f"{m}{group}.{name}", "q", shp, {}))
+    return plan
+
+
 def family(cfg: dict) -> str:
     mt = cfg["model_type"]
     if mt == "maple":
@@ -243,11 +323,14 @@ def family(cfg: dict) -> str:
         return "gemma4"
     if mt.startswith("qwen3_5_moe"):
         return "qwen36"
-    raise SystemExit(f"unsupported model_type {mt!r} (gemma4, qwen3_5_moe)")
+    if mt == "inkling_mm_model":
+        return "inkling"
+    raise SystemExit(f"unsupported model_type {mt!r} (gemma4, qwen3_5_moe, inkling_mm_model)")
 
 
 def plan_of(cfg: dict) -> list:
-    return {"gemma4": gemma4_plan, "qwen36": qwen36_plan, "maple": maple_plan}[family(cfg)](cfg)
+    return {"gemma4": gemma4_plan, "qwen36": qwen36_plan, "maple": maple_plan,
+            "inkling": inkling_plan}[family(cfg)](cfg)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -442,7 +525,7 @@ def write_mlx(cfg: dict, out: Path, seed: int, tokenizer: bool) -> None:
     (tmp / "config.json").write_text(json.dumps(cfg, indent=4) + "\n")
     if tokenizer:
         src = REPO / "assets/tokenizers" / {"gemma4": "gemma4", "qwen36": "qwen3_6",
-                                             "maple": "maple"}[family(cfg)]
+                                             "maple": "maple", "inkling": "inkling"}[family(cfg)]
         for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
             shutil.copyfile(src / f, tmp / f)
     (tmp / "synth.json").write_text(json.dumps({"argv": sys.argv[1:], "seed": seed,
@@ -762,8 +845,13 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--seed", type=int, default=20260721)
     ap.add_argument("--no-tokenizer", action="store_true")
+    ap.add_argument("--inkling-layers", metavar="SPEC",
+                    help="Inkling only: keep one layer per letter (d dense, s MoE sliding, g MoE "
+                         "global; d's first), e.g. dsg: a full-width, layer-truncated model")
     a = ap.parse_args()
     cfg = PRESETS[a.model]() if a.model else json.loads(a.config.read_text())
+    if a.inkling_layers:
+        cfg = inkling_layers(cfg, a.inkling_layers)
     if a.format == "plan":
         for name, dt, shape, nbytes, _ in mlx_tensors(plan_of(cfg), cfg):
             print(name, dt, shape, nbytes)

@@ -124,6 +124,46 @@ pub struct AttnShape {
     pub sinks: Option<Vec<f32>>,
 }
 
+/// The log position scale of Inkling's global layers (`reference/architectures.md` §5): the
+/// attention logits of the query at position `p` (q·k·scale plus the position bias) are multiplied
+/// by `τ_p = 1 + alpha · ln(max((p + 1) / n_floor, 1))`, computed in f32.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LogScaling {
+    pub n_floor: f32,
+    pub alpha: f32,
+}
+
+impl LogScaling {
+    /// `τ_p` of the query at position `p`.
+    pub fn tau(&self, p: usize) -> f32 {
+        1.0 + self.alpha * ((p + 1) as f32 / self.n_floor).max(1.0).ln()
+    }
+}
+
+/// A learned relative-position bias added to the attention logits (Inkling's `RelativeLogits`,
+/// transformers `InklingRelativeLogits`): the bias of query `t` (position `p`), head `h`, over the
+/// key at position `s` is `(rel[t, h, :] · proj)[p − s]` for `0 ≤ p − s < extent` and 0 beyond.
+pub struct RelBias<'a, T> {
+    /// `[T, n_heads · d_rel]`: each query row's mixing coefficients per head.
+    pub rel: &'a T,
+    /// `[d_rel, extent]`: the bank of bias-vs-distance profiles.
+    pub proj: &'a T,
+    /// Global layers: the log position scale of the whole logit.
+    pub log_scaling: Option<LogScaling>,
+}
+
+/// Inkling's router (`reference/architectures.md` §5, transformers `InklingTopkRouter`): the
+/// logits are `[T, n_routed + n_shared]`; the top-k of `sigmoid(l[..n_routed]) + bias` picks the
+/// routed experts, and `softmax(logsigmoid([l[chosen], l[n_routed..]])) · scale` weighs them and
+/// the shared experts (sinks) together.
+pub struct SinkRouter<'a, T> {
+    /// `[1, n_routed]` selection bias (`e_score_correction_bias`), used for the choice only.
+    pub bias: &'a T,
+    pub n_shared: usize,
+    /// `route_scale · global_scale`.
+    pub scale: f32,
+}
+
 /// Head counts and sizes of one gated delta rule call (Gated DeltaNet).
 #[derive(Clone, Debug)]
 pub struct DeltaShape {
@@ -385,6 +425,21 @@ pub trait Backend: Send + Sync + Sized {
         Err(self.missing("attention"))
     }
 
+    /// [`Backend::attention`] with a relative-position bias added to each logit after the scale,
+    /// and on global layers the log position scale of the sum: per head
+    /// `softmax(τ_p · (q·kᵀ·scale + bias))`. Operands: `bias.rel` `[T, n_heads · d_rel]`,
+    /// `bias.proj` `[d_rel, extent]`. Returns `[T, n_heads·head_dim]`.
+    fn attention_rel(
+        &self,
+        q: &Self::Tensor,
+        kv: &Self::Kv,
+        pos0: usize,
+        shape: &AttnShape,
+        bias: &RelBias<Self::Tensor>,
+    ) -> OpResult<Self::Tensor> {
+        Err(self.missing("attention_rel"))
+    }
+
     // ---- recurrent state (linear attention, short convolutions) ----------------------------
 
     /// A zeroed state of `len` floats.
@@ -409,6 +464,17 @@ pub trait Backend: Send + Sync + Sized {
         kernel: usize,
     ) -> OpResult<Self::Tensor> {
         Err(self.missing("conv1d_silu"))
+    }
+    /// [`Backend::conv1d_silu`] without the activation: the depthwise causal conv alone (Inkling's
+    /// short convolutions, which add it to their input). Updates `state`.
+    fn conv1d(
+        &self,
+        x: &Self::Tensor,
+        state: &mut Self::State,
+        w: &Self::Tensor,
+        kernel: usize,
+    ) -> OpResult<Self::Tensor> {
+        Err(self.missing("conv1d"))
     }
     /// Gated DeltaNet's per-head gates from `b`, `alpha` (`[T, n_v_heads]`), `a = exp(A_log)` and
     /// `dt_bias` (`[1, n_v_heads]`): `(β = sigmoid(b), decay = exp(−a·softplus(α + dt_bias)))`.
@@ -554,6 +620,18 @@ pub trait Backend: Send + Sync + Sized {
     /// data, to plan the expert cache.
     fn route(&self, logits: &Self::Tensor, spec: &RouterSpec) -> OpResult<Routes> {
         Err(self.missing("route"))
+    }
+    /// [`Backend::route`] for a [`SinkRouter`]: `spec` gives top-k, trace (the k-th minus the
+    /// (k+1)-th selection score) and forced ids (`per_expert_scale` must be `None`). The routes
+    /// hold the chosen routed experts and, as ids `n_routed + s`, every row of each shared expert
+    /// with its weight.
+    fn route_sinks(
+        &self,
+        logits: &Self::Tensor,
+        router: &SinkRouter<Self::Tensor>,
+        spec: &RouterSpec,
+    ) -> OpResult<Routes> {
+        Err(self.missing("route_sinks"))
     }
 }
 

@@ -3,8 +3,8 @@
 //! harness (`tests/backend_ops.rs`) runs each backend's op against its twin here.
 
 use crate::{
-    Act, AttnShape, DeltaShape, HcSpec, Norm, QRef, Rope, RopeStyle, RouterSpec, Scoring, Unary,
-    VRef,
+    Act, AttnShape, DeltaShape, HcSpec, LogScaling, Norm, QRef, Rope, RopeStyle, RouterSpec,
+    Scoring, Unary, VRef,
 };
 
 fn bf16(buf: &[u8], off: usize) -> f64 {
@@ -158,8 +158,92 @@ pub fn rope(x: &[f32], cols: usize, rope: &Rope, head_dim: usize, pos0: usize) -
 /// Causal attention of `q` (`[T, n_heads·head_dim]`, positions `pos0..`) over the full history
 /// `k`, `v` (`[pos0 + T, n_kv_heads·head_dim]`, position order).
 pub fn attention(q: &[f32], k: &[f32], v: &[f32], pos0: usize, s: &AttnShape) -> Vec<f32> {
-    let t = q.len() / (s.n_heads * s.head_dim);
-    attention_sparse(q, k, v, pos0, s, &[], &vec![Vec::new(); t])
+    attention_with(q, k, v, pos0, s, &|_, _, _| 0.0, &|_| 1.0)
+}
+
+/// [`attention`] with Inkling's relative-position bias: query row `r` (position `p`), head `h`,
+/// key `j` gets `Σ_i rel[r, h, i] · proj[i, p − j]` when `p − j < extent`, and the logits of
+/// position `p` are multiplied by `τ_p` on global layers.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_rel(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    pos0: usize,
+    s: &AttnShape,
+    rel: &[f32],
+    proj: &[f32],
+    d_rel: usize,
+    log_scaling: Option<LogScaling>,
+) -> Vec<f32> {
+    let extent = proj.len() / d_rel;
+    let nh = s.n_heads;
+    let bias = |r: usize, h: usize, dist: usize| -> f64 {
+        if dist >= extent {
+            return 0.0;
+        }
+        (0..d_rel)
+            .map(|i| rel[(r * nh + h) * d_rel + i] as f64 * proj[i * extent + dist] as f64)
+            .sum()
+    };
+    let tau = |p: usize| -> f64 {
+        log_scaling.map_or(1.0, |l| {
+            1.0 + l.alpha as f64 * ((p + 1) as f64 / l.n_floor as f64).max(1.0).ln()
+        })
+    };
+    attention_with(q, k, v, pos0, s, &bias, &tau)
+}
+
+/// Attention whose logit of (row `r`, head `h`, key at distance `dist`) is
+/// `tau(p) · (q·k·scale + bias(r, h, dist))`.
+fn attention_with(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    pos0: usize,
+    s: &AttnShape,
+    bias: &dyn Fn(usize, usize, usize) -> f64,
+    tau: &dyn Fn(usize) -> f64,
+) -> Vec<f32> {
+    let (nh, nkv, d) = (s.n_heads, s.n_kv_heads, s.head_dim);
+    let t = q.len() / (nh * d);
+    let mut out = vec![0.0f32; q.len()];
+    for r in 0..t {
+        let p = pos0 + r;
+        let lo = s.window.map_or(0, |w| (p + 1).saturating_sub(w));
+        for h in 0..nh {
+            let kvh = h / (nh / nkv);
+            let qh = &q[(r * nh + h) * d..(r * nh + h + 1) * d];
+            let scores: Vec<f64> = (lo..=p)
+                .map(|j| {
+                    let kr = &k[(j * nkv + kvh) * d..(j * nkv + kvh + 1) * d];
+                    let dot = qh
+                        .iter()
+                        .zip(kr)
+                        .map(|(&a, &b)| a as f64 * b as f64)
+                        .sum::<f64>();
+                    tau(p) * (dot * s.scale as f64 + bias(r, h, p - j))
+                })
+                .collect();
+            let sink = s.sinks.as_ref().map(|v| v[h] as f64);
+            let m = scores
+                .iter()
+                .copied()
+                .chain(sink)
+                .fold(f64::NEG_INFINITY, f64::max);
+            let z: f64 = scores.iter().map(|x| (x - m).exp()).sum::<f64>()
+                + sink.map_or(0.0, |sv| (sv - m).exp());
+            let o = &mut out[(r * nh + h) * d..(r * nh + h + 1) * d];
+            for (i, oi) in o.iter_mut().enumerate() {
+                *oi = scores
+                    .iter()
+                    .zip(lo..=p)
+                    .map(|(sc, j)| (sc - m).exp() / z * v[(j * nkv + kvh) * d + i] as f64)
+                    .sum::<f64>() as f32;
+            }
+        }
+    }
+    out
 }
 
 /// Depthwise causal conv then SiLU; returns the output and the new state.
@@ -170,6 +254,28 @@ pub fn conv1d_silu(
     c: usize,
     kernel: usize,
 ) -> (Vec<f32>, Vec<f32>) {
+    conv1d_with(x, state, w, c, kernel, silu)
+}
+
+/// Depthwise causal conv alone; returns the output and the new state.
+pub fn conv1d(
+    x: &[f32],
+    state: &[f32],
+    w: &[f32],
+    c: usize,
+    kernel: usize,
+) -> (Vec<f32>, Vec<f32>) {
+    conv1d_with(x, state, w, c, kernel, |v| v)
+}
+
+fn conv1d_with(
+    x: &[f32],
+    state: &[f32],
+    w: &[f32],
+    c: usize,
+    kernel: usize,
+    act: fn(f64) -> f64,
+) -> (Vec<f32>, Vec<f32>) {
     let seq: Vec<f32> = state.iter().chain(x).copied().collect();
     let t = x.len() / c;
     let mut out = vec![0.0f32; x.len()];
@@ -178,7 +284,7 @@ pub fn conv1d_silu(
             let acc: f64 = (0..kernel)
                 .map(|j| w[ch * kernel + j] as f64 * seq[(r + j) * c + ch] as f64)
                 .sum();
-            out[r * c + ch] = silu(acc) as f32;
+            out[r * c + ch] = act(acc) as f32;
         }
     }
     (out, seq[t * c..].to_vec())
@@ -591,6 +697,45 @@ pub fn index_top_k(
             order.truncate(top_k.min(n));
             order.sort_unstable();
             (order, scores)
+        })
+        .collect()
+}
+
+/// Per row, the chosen `(expert, weight)` pairs of Inkling's sink router sorted by id: routed
+/// experts by the top-k of `sigmoid(l) + bias` (or `spec.forced`), then every shared expert as id
+/// `n_routed + s`; weights `softmax(logsigmoid(l[ids])) · scale`.
+pub fn route_sinks(
+    logits: &[f32],
+    n_all: usize,
+    bias: &[f32],
+    scale: f32,
+    spec: &RouterSpec,
+) -> Vec<Vec<(usize, f32)>> {
+    let n_routed = bias.len();
+    logits
+        .chunks_exact(n_all)
+        .enumerate()
+        .map(|(row, lg)| {
+            let choice: Vec<f64> = (0..n_routed)
+                .map(|e| sigmoid(lg[e] as f64) + bias[e] as f64)
+                .collect();
+            let mut order: Vec<usize> = (0..n_routed).collect();
+            order.sort_by(|&a, &b| choice[b].total_cmp(&choice[a]).then(a.cmp(&b)));
+            order.truncate(spec.top_k);
+            if let Some(f) = spec.forced {
+                order = f[row * spec.top_k..(row + 1) * spec.top_k].to_vec();
+            }
+            order.extend(n_routed..n_all);
+            let ls: Vec<f64> = order.iter().map(|&e| sigmoid(lg[e] as f64).ln()).collect();
+            let m = ls.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let z: f64 = ls.iter().map(|x| (x - m).exp()).sum();
+            let mut chosen: Vec<(usize, f32)> = order
+                .iter()
+                .zip(&ls)
+                .map(|(&e, x)| (e, ((x - m).exp() / z * scale as f64) as f32))
+                .collect();
+            chosen.sort_by_key(|&(e, _)| e);
+            chosen
         })
         .collect()
 }

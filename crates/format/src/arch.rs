@@ -57,6 +57,7 @@ impl Family {
             "qwen3_5_moe" | "qwen3_5_moe_text" => Family::Qwen36,
             "deepseek_v4" => Family::DeepseekV4Flash,
             "maple" => Family::Maple,
+            "inkling_mm_model" | "inkling" => Family::InklingSmall,
             _ => {
                 return Err(FormatError::UnknownArchitecture {
                     model_type: mt.to_string(),
@@ -181,17 +182,25 @@ impl ArchInfo {
             Family::Qwen36 => Self::qwen36(&c),
             Family::DeepseekV4Flash => Self::deepseek_v4(&c),
             Family::Maple => Self::maple(&c),
-            other => Err(FormatError::UnknownArchitecture {
-                model_type: other.to_string(),
-            }),
+            Family::InklingSmall => Self::inkling(&c),
         }
     }
 
     fn base(c: &Cfg, family: Family) -> Result<ArchInfo, FormatError> {
+        Self::base_with(c, family, "moe_intermediate_size", "num_experts")
+    }
+
+    /// The common keys, with the family's names for the expert width and the expert count.
+    fn base_with(
+        c: &Cfg,
+        family: Family,
+        expert_width: &str,
+        experts: &str,
+    ) -> Result<ArchInfo, FormatError> {
         Ok(ArchInfo {
             hidden_size: c.u("hidden_size")?,
             ffn_intermediate: 0,
-            moe_intermediate_size: c.u("moe_intermediate_size")?,
+            moe_intermediate_size: c.u(expert_width)?,
             num_heads: c.u("num_attention_heads")?,
             num_kv_heads: c.u("num_key_value_heads")?,
             num_full_kv_heads: 0,
@@ -204,7 +213,7 @@ impl ArchInfo {
             full_rope_theta: 0.0,
             partial_rotary_factor: 0.0,
             num_layers: c.u("num_hidden_layers")?,
-            num_experts: c.u("num_experts")?,
+            num_experts: c.u(experts)?,
             top_k_experts: 0,
             tie_word_embeddings: c.b("tie_word_embeddings", false),
             attention_k_eq_v: false,
@@ -448,6 +457,80 @@ impl ArchInfo {
         a.router_scaled = false;
         a.ffn_sandwich_norms = false;
         a.rope_neox_subdim = true;
+        a.check_layers()?;
+        Ok(a)
+    }
+
+    /// Inkling-Small (`inkling_mm_model`, `reference/family-oracles.md` §2.4). The checkpoint's
+    /// `intermediate_size` is the expert width and `dense_intermediate_size` the dense layers'
+    /// (transformers swaps them in `__post_init__`). `numHeads`/`numKVHeads`/`headDim` describe the
+    /// sliding layers (`swa_*`, falling back to the global counts when absent), `numFullKVHeads`/
+    /// `fullHeadDim` the global ones; the rest of the family's keys go to `extra`.
+    fn inkling(c: &Cfg) -> Result<ArchInfo, FormatError> {
+        let mut a = Self::base_with(
+            c,
+            Family::InklingSmall,
+            "intermediate_size",
+            "n_routed_experts",
+        )?;
+        let or = |k: &str, d: u64| c.0.get(k).and_then(|v| v.as_u64()).unwrap_or(d);
+        a.num_full_kv_heads = a.num_kv_heads;
+        a.full_head_dim = a.head_dim;
+        let swa_heads = or("swa_num_attention_heads", a.num_heads);
+        a.num_kv_heads = or("swa_num_key_value_heads", a.num_kv_heads);
+        a.head_dim = or("swa_head_dim", a.head_dim);
+        a.ffn_intermediate = c.u("dense_intermediate_size")?;
+        a.sliding_window = c.u("sliding_window_size")?;
+        a.top_k_experts = c.u("num_experts_per_tok")?;
+        a.hidden_activation = c.s("hidden_act", "silu");
+        a.attention_scale = 1.0 / a.full_head_dim as f64;
+        a.embedding_scaled_by_sqrt_hidden = false;
+        a.router_scaled = false;
+        a.ffn_sandwich_norms = false;
+        a.linear_conv_kernel_size = c.u("sconv_kernel_size")?;
+        let local: Vec<u64> =
+            c.0.get("local_layer_ids")
+                .and_then(|v| v.as_array())
+                .ok_or_else(|| cfg_err("missing \"local_layer_ids\""))?
+                .iter()
+                .map(|v| {
+                    v.as_u64()
+                        .ok_or_else(|| cfg_err("non-integer local_layer_ids entry"))
+                })
+                .collect::<Result<_, _>>()?;
+        if let Some(l) = local.iter().find(|&&l| l >= a.num_layers) {
+            return Err(cfg_err(format!(
+                "local_layer_ids has layer {l}, num_hidden_layers is {}",
+                a.num_layers
+            )));
+        }
+        a.full_attention_layer_mask = (0..a.num_layers)
+            .map(|i| u8::from(!local.contains(&i)))
+            .collect();
+        a.extra
+            .insert("swaNumAttentionHeads".into(), json!(swa_heads));
+        for (key, manifest) in [
+            ("unpadded_vocab_size", "unpaddedVocabSize"),
+            ("n_shared_experts", "numSharedExperts"),
+            ("dense_mlp_idx", "denseMlpIdx"),
+            ("d_rel", "dRel"),
+            ("rel_extent", "relExtent"),
+        ] {
+            a.extra.insert(manifest.into(), json!(c.u(key)?));
+        }
+        for (key, manifest) in [
+            ("route_scale", "routeScale"),
+            ("logits_mup_width_multiplier", "logitsMupWidthMultiplier"),
+            ("log_scaling_alpha", "logScalingAlpha"),
+        ] {
+            a.extra.insert(manifest.into(), json!(c.f(key)?));
+        }
+        // `null` turns the log position scale off (transformers' `log_scaling_n_floor: None`).
+        let n_floor =
+            c.0.get("log_scaling_n_floor")
+                .cloned()
+                .unwrap_or(Value::Null);
+        a.extra.insert("logScalingNFloor".into(), n_floor);
         a.check_layers()?;
         Ok(a)
     }

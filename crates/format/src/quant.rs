@@ -81,6 +81,18 @@ impl QuantConfig {
             if matches!(k.as_str(), "bits" | "group_size" | "mode") {
                 continue;
             }
+            // inkling-mlx's converter names its recipe; "uniform" quantizes every target module
+            // with the base bits (`reference/family-oracles.md` §2.4), so no override follows.
+            if k == "recipe" {
+                match v.as_str() {
+                    Some("uniform") => continue,
+                    _ => {
+                        return Err(qerr(format!(
+                            "recipe {v} is not supported (only \"uniform\")"
+                        )))
+                    }
+                }
+            }
             match v {
                 serde_json::Value::Object(_) => {
                     overrides.insert(k.clone(), spec_from(v, &format!("override {k}"))?);
@@ -173,6 +185,18 @@ mod tests {
             group_size: 64,
         };
         assert!(logical_shape("x", &[256, 32], &[256, 4], &[256, 4], eight).is_err());
+    }
+
+    #[test]
+    fn the_uniform_recipe_is_the_base_spec() {
+        let cfg =
+            serde_json::json!({"quantization": {"group_size": 64, "bits": 4, "recipe": "uniform"}});
+        let q = QuantConfig::from_config(&cfg).unwrap();
+        assert_eq!(q.spec_for("model.llm.embed.weight").bits, 4);
+        assert!(q.overrides.is_empty());
+        let mixed =
+            serde_json::json!({"quantization": {"group_size": 64, "bits": 4, "recipe": "mixed"}});
+        assert!(QuantConfig::from_config(&mixed).is_err());
     }
 
     #[test]

@@ -174,6 +174,8 @@ pub fn tool_calls(data: &[u8]) {
         mference_text::Family::Gemma4,
         mference_text::Family::Qwen36,
         mference_text::Family::DeepSeekV4,
+        mference_text::Family::Maple,
+        mference_text::Family::Inkling,
     ] {
         let _ = mference_text::parse_tool_calls(f, &text);
     }

@@ -178,6 +178,35 @@ const QWEN_SLOTS: &[&str] = &[
     ".post_attention_layernorm.weight",
 ];
 
+/// Inkling-Small (`reference/family-oracles.md` §2.4): attention, the four short convolutions,
+/// norms, then the dense MLP or the router and the resident shared (sink) experts.
+const INKLING_SLOTS: &[&str] = &[
+    ".attn.wq_du.weight",
+    ".attn.wk_dv.weight",
+    ".attn.wv_dv.weight",
+    ".attn.wr_du.weight",
+    ".attn.wo_ud.weight",
+    ".attn.q_norm.weight",
+    ".attn.k_norm.weight",
+    ".attn.k_sconv.weight",
+    ".attn.v_sconv.weight",
+    ".attn.rel_logits_proj.proj",
+    ".attn_sconv.weight",
+    ".attn_norm.weight",
+    ".mlp_norm.weight",
+    ".mlp_sconv.weight",
+    ".mlp.gate_proj.weight",
+    ".mlp.up_proj.weight",
+    ".mlp.down_proj.weight",
+    ".mlp.global_scale",
+    ".mlp.gate.weight",
+    ".mlp.gate.bias",
+    ".mlp.gate.global_scale",
+    ".mlp.shared_experts.gate_proj.weight",
+    ".mlp.shared_experts.up_proj.weight",
+    ".mlp.shared_experts.down_proj.weight",
+];
+
 /// DeepSeek-V4's per-layer slot order (`reference/family-oracles.md` §2.2 names).
 const DSV4_SLOTS: &[&str] = &[
     ".attn.wq_a.weight",
@@ -227,12 +256,13 @@ const MAPLE_SLOTS: &[&str] = &[
 ];
 
 /// Whether `name` has a prefix the family's checkpoints use: `language_model.` (Gemma 4, Qwen
-/// 3.6: the multimodal wrappers) or `model.` / `lm_head.` (DeepSeek-V4's and Maple's flat text
-/// checkpoints).
+/// 3.6: the multimodal wrappers), `model.` / `lm_head.` (DeepSeek-V4's and Maple's flat text
+/// checkpoints) or `model.llm.` (Inkling's multimodal wrapper).
 fn known_prefix(family: Family, name: &str) -> bool {
     match family {
         Family::DeepseekV4Flash => name.starts_with("model.") || name.starts_with("lm_head."),
         Family::Maple => maple::known_prefix(name),
+        Family::InklingSmall => name.starts_with("model.llm."),
         _ => name.starts_with("language_model."),
     }
 }
@@ -241,15 +271,19 @@ fn known_prefix(family: Family, name: &str) -> bool {
 /// order, then other top-level tensors, the final norm and the head.
 fn order_key(family: Family, n: &str) -> (u8, usize, usize, String) {
     match n.strip_prefix("language_model.").unwrap_or(n) {
-        "model.embed_tokens.weight" | "model.word_embeddings.weight" => return (0, 0, 0, n.into()),
-        "model.norm.weight" => return (3, 0, 0, n.into()),
-        "lm_head.weight" => return (4, 0, 0, n.into()),
+        "model.embed_tokens.weight" | "model.word_embeddings.weight" | "model.llm.embed.weight" => {
+            return (0, 0, 0, n.into())
+        }
+        "model.llm.embed_norm.weight" => return (0, 1, 0, n.into()),
+        "model.norm.weight" | "model.llm.norm.weight" => return (3, 0, 0, n.into()),
+        "lm_head.weight" | "model.llm.unembed.weight" => return (4, 0, 0, n.into()),
         _ => {}
     }
     let slots = match family {
         Family::Qwen36 => QWEN_SLOTS,
         Family::DeepseekV4Flash => DSV4_SLOTS,
         Family::Maple => MAPLE_SLOTS,
+        Family::InklingSmall => INKLING_SLOTS,
         _ => GEMMA_SLOTS,
     };
     match layer_index(n) {
@@ -265,6 +299,7 @@ fn routed_container(family: Family) -> &'static str {
     match family {
         Family::Qwen36 | Family::Maple => ".mlp.switch_mlp.",
         Family::DeepseekV4Flash => ".ffn.switch_mlp.",
+        Family::InklingSmall => ".mlp.experts.",
         _ => ".experts.switch_glu.",
     }
 }
@@ -277,16 +312,23 @@ fn role_of(name: &str) -> Option<usize> {
 
 /// Cross-check shapes that config.json determines.
 fn check_against_config(name: &str, shape: &[u64], a: &ArchInfo) -> Result<(), InstallError> {
+    let hidden_norm = [
+        "model.norm.weight",
+        ".input_layernorm.weight",
+        "model.llm.norm.weight",
+        "model.llm.embed_norm.weight",
+        ".attn_norm.weight",
+        ".ffn_norm.weight",
+        ".mlp_norm.weight",
+    ];
     let want: Option<Vec<u64>> = if name.ends_with("model.embed_tokens.weight")
         || name == "model.word_embeddings.weight"
         || name.ends_with("lm_head.weight")
+        || name == "model.llm.embed.weight"
+        || name == "model.llm.unembed.weight"
     {
         Some(vec![a.vocab_size, a.hidden_size])
-    } else if name.ends_with("model.norm.weight")
-        || name.ends_with(".input_layernorm.weight")
-        || name.ends_with(".attn_norm.weight")
-        || name.ends_with(".ffn_norm.weight")
-    {
+    } else if hidden_norm.iter().any(|s| name.ends_with(s)) {
         Some(vec![a.hidden_size])
     } else {
         None
@@ -886,6 +928,13 @@ fn quant_slots(family: Family, q: &QuantConfig, reg: &Resolved) -> QuantSlots {
         ".switch_mlp.gate_proj.weight",
     ]);
     match family {
+        Family::InklingSmall => QuantSlots {
+            embedding: find(&["model.llm.embed.weight"]),
+            attention: find(&[".attn.wq_du.weight"]),
+            router: find(&[".mlp.gate.weight"]),
+            shared_expert: find(&[".mlp.shared_experts.gate_proj.weight"]),
+            routed_expert: find(&[".mlp.experts.gate_proj.weight"]),
+        },
         Family::Qwen36 => QuantSlots {
             embedding: find(&["model.embed_tokens.weight"]),
             attention: find(&[

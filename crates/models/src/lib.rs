@@ -5,6 +5,7 @@
 pub mod deepseek_v4;
 pub mod gemma4;
 pub mod generate;
+pub mod inkling;
 pub mod maple;
 pub mod prefix;
 pub mod qwen3_5_moe;
@@ -38,7 +39,7 @@ pub enum ModelError {
     Config(String),
     #[error("device: {0}")]
     Device(String),
-    #[error("unsupported family '{0}' (this build runs: gemma4, qwen3_5_moe, maple)")]
+    #[error("unsupported family '{0}' (this build runs: gemma4, qwen3_5_moe, deepseek_v4, maple, inkling_mm_model)")]
     Family(String),
     #[error("input: {0}")]
     Input(String),
@@ -201,6 +202,21 @@ pub fn head<B: Backend>(
 /// The single result of a one-matrix [`Backend::matmul`].
 pub(crate) fn one<T>(mut v: Vec<T>) -> T {
     v.pop().expect("one product")
+}
+
+/// A tensor `name` has the dimensions config.json implies.
+pub(crate) fn check_dims(
+    name: &str,
+    got: (usize, usize),
+    want: (usize, usize),
+) -> Result<(), ModelError> {
+    if got == want {
+        Ok(())
+    } else {
+        Err(ModelError::Config(format!(
+            "{name} is {got:?}, config.json implies {want:?}"
+        )))
+    }
 }
 
 /// Token ids must index the vocabulary.
@@ -512,6 +528,66 @@ impl Engine {
     }
 }
 
+/// One saved copy of a family's recurrent state `S` and the position it describes
+/// ([`Model::checkpoint`]): the cut rules of a model whose state cannot be cut open.
+pub struct Snapshot<S> {
+    saved: Option<(usize, S)>,
+}
+
+impl<S: Clone> Snapshot<S> {
+    pub fn new() -> Self {
+        Self { saved: None }
+    }
+
+    /// Keeps a copy of `state` as it is at position `pos` (replacing the previous one in place).
+    pub fn save(&mut self, pos: usize, state: &S) {
+        match &mut self.saved {
+            Some((p, s)) => {
+                *p = pos;
+                s.clone_from(state);
+            }
+            None => self.saved = Some((pos, state.clone())),
+        }
+    }
+
+    /// Forgets the copy (the prefix it described is gone).
+    pub fn forget(&mut self) {
+        self.saved = None;
+    }
+
+    /// Whether the copy describes position `n`.
+    pub fn is_at(&self, n: usize) -> bool {
+        matches!(self.saved, Some((p, _)) if p == n)
+    }
+
+    /// Copies the saved state into `state`, if the copy describes position `n`.
+    pub fn restore(&self, n: usize, state: &mut S) -> bool {
+        match &self.saved {
+            Some((p, s)) if *p == n => {
+                state.clone_from(s);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// [`Model::rewind_point`] of a model at position `len`: `len` itself, the checkpoint if it is
+    /// at or below `n`, else 0.
+    pub fn rewind_point(&self, n: usize, len: usize) -> usize {
+        match self.saved {
+            _ if n >= len => len,
+            Some((p, _)) if p <= n && p <= len => p,
+            _ => 0,
+        }
+    }
+}
+
+impl<S: Clone> Default for Snapshot<S> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 /// The per-layer expert streamers, opened on a layer's first use (after its file is checked).
 pub struct Streamers {
     layers: Vec<Option<ExpertStreamer>>,
@@ -569,7 +645,13 @@ pub fn load(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn Model>, ModelError
         .to_string();
     if !matches!(
         model_type.as_str(),
-        "gemma4" | "gemma4_text" | "qwen3_5_moe" | "qwen3_5_moe_text" | "deepseek_v4" | "maple"
+        "gemma4"
+            | "gemma4_text"
+            | "qwen3_5_moe"
+            | "qwen3_5_moe_text"
+            | "deepseek_v4"
+            | "maple"
+            | "inkling_mm_model"
     ) {
         return Err(ModelError::Family(model_type));
     }
@@ -632,6 +714,10 @@ fn load_family<B: Backend + 'static>(
         "maple" => {
             let cfg = maple::Config::from_config_json(config)?;
             Ok(Box::new(maple::Maple::load(engine, be, cfg, opts)?))
+        }
+        "inkling_mm_model" => {
+            let cfg = inkling::Config::from_config_json(config)?;
+            Ok(Box::new(inkling::Inkling::load(engine, be, cfg, opts)?))
         }
         other => Err(ModelError::Family(other.to_string())),
     }

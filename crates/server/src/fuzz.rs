@@ -4,7 +4,13 @@
 use crate::api;
 use mference_text::Family;
 
-const FAMILIES: [Family; 3] = [Family::Gemma4, Family::Qwen36, Family::DeepSeekV4];
+const FAMILIES: [Family; 5] = [
+    Family::Gemma4,
+    Family::Qwen36,
+    Family::DeepSeekV4,
+    Family::Maple,
+    Family::Inkling,
+];
 
 /// A `/v1/chat/completions` body: JSON, then the request checks and message normalisation for
 /// every family's template.

@@ -217,6 +217,7 @@ pub fn default_model_id(family: Family) -> &'static str {
         Family::Qwen36 => "qwen3.6-35b-a3b",
         Family::DeepSeekV4 => "deepseek-v4-flash-2bit-dq",
         Family::Maple => "maple-preview-2bit",
+        Family::Inkling => "inkling-small",
     }
 }
 

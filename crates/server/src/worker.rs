@@ -186,6 +186,9 @@ fn tool_marker(family: Family) -> &'static str {
         Family::Gemma4 => "<|tool_call>",
         Family::Qwen36 | Family::Maple => "<tool_call>",
         Family::DeepSeekV4 => "<｜DSML｜tool_calls>",
+        // Inkling's tool-invocation content marker; its text template renders no tools, and the
+        // family's parser returns any such text as content.
+        Family::Inkling => "<|content_invoke_tool_json|>",
     }
 }
 

@@ -66,6 +66,96 @@ pub fn demo_install() -> &'static Path {
 
 /// `assets/models/<name>` installed like [`demo_install`], once per test process and model.
 pub fn installed_asset(name: &str) -> &'static Path {
+    installed_once(name, &|_| repo().join("assets/models").join(name))
+}
+
+/// The Inkling golden fixture A (`assets/fixtures/inkling/A/checkpoint`) with its `embed` and
+/// `unembed` widened to the real padded vocabulary (201024 rows, 200058 unpadded; the fixture's
+/// 1000 rows repeated) and the family's tokenizer (`assets/tokenizers/inkling`), installed like
+/// [`demo_install`]: a random tiny model that takes every id the tokenizer makes, for `run`,
+/// `serve` and `bench` (its text is gibberish).
+pub fn inkling_text_install() -> &'static Path {
+    installed_once("inkling-text", &|root: &Path| {
+        let src = root.join("src");
+        write_inkling_text_checkpoint(&src);
+        src
+    })
+}
+
+/// Writes the checkpoint of [`inkling_text_install`] into `dst`.
+fn write_inkling_text_checkpoint(dst: &Path) {
+    const SHARD: &str = "model-00001-of-00001.safetensors";
+    const VOCAB: u64 = 201_024;
+    let fixture = repo().join("assets/fixtures/inkling/A/checkpoint");
+    let bytes = std::fs::read(fixture.join(SHARD)).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Map<String, Value> = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let data = &bytes[8 + n..];
+    let mut tensors: Vec<(String, Value, Vec<u8>)> = Vec::new();
+    for (name, t) in &header {
+        if name == "__metadata__" {
+            continue;
+        }
+        let [a, b] = [0, 1].map(|i| t["data_offsets"][i].as_u64().unwrap() as usize);
+        let mut shape: Vec<u64> = serde_json::from_value(t["shape"].clone()).unwrap();
+        let mut raw = data[a..b].to_vec();
+        let widen = ["embed", "unembed"]
+            .iter()
+            .any(|m| name.starts_with(&format!("model.llm.{m}.")));
+        if widen {
+            // Row r of the wide table is fixture row r % 1000 (the fixture's unpadded rows).
+            let row = raw.len() / shape[0] as usize;
+            raw = (0..VOCAB as usize)
+                .flat_map(|r| raw[(r % 1000) * row..(r % 1000 + 1) * row].to_vec())
+                .collect();
+            shape[0] = VOCAB;
+        }
+        tensors.push((
+            name.clone(),
+            serde_json::json!({"dtype": t["dtype"], "shape": shape}),
+            raw,
+        ));
+    }
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut head = serde_json::Map::new();
+    head.insert("__metadata__".into(), serde_json::json!({"format": "mlx"}));
+    let mut weight_map = serde_json::Map::new();
+    let mut off = 0;
+    for (name, mut t, raw) in tensors.iter().cloned() {
+        t["data_offsets"] = serde_json::json!([off, off + raw.len()]);
+        off += raw.len();
+        head.insert(name.clone(), t);
+        weight_map.insert(name, SHARD.into());
+    }
+    let mut hb = serde_json::to_vec(&head).unwrap();
+    hb.resize(hb.len().div_ceil(8) * 8, b' ');
+    std::fs::create_dir_all(dst).unwrap();
+    let mut out = (hb.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(&hb);
+    for (_, _, raw) in &tensors {
+        out.extend_from_slice(raw);
+    }
+    std::fs::write(dst.join(SHARD), out).unwrap();
+    let index = serde_json::json!({"metadata": {"total_size": off}, "weight_map": weight_map});
+    std::fs::write(dst.join("model.safetensors.index.json"), index.to_string()).unwrap();
+    let mut config: Value =
+        serde_json::from_slice(&std::fs::read(fixture.join("config.json")).unwrap()).unwrap();
+    config["text_config"]["vocab_size"] = VOCAB.into();
+    config["text_config"]["unpadded_vocab_size"] = 200_058.into();
+    std::fs::write(dst.join("config.json"), config.to_string()).unwrap();
+    let tok = repo().join("assets/tokenizers/inkling");
+    for f in [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+    ] {
+        std::fs::copy(tok.join(f), dst.join(f)).unwrap();
+    }
+}
+
+/// Installs the checkpoint `source(root)` returns (it may write it under `root`) once per test
+/// process as `<root>/model.gturbo`, `root` = `target/testkit/<test binary>/<name>`.
+fn installed_once(name: &str, source: &dyn Fn(&Path) -> PathBuf) -> &'static Path {
     static DIRS: OnceLock<Mutex<HashMap<String, &'static Path>>> = OnceLock::new();
     let mut dirs = DIRS
         .get_or_init(Default::default)
@@ -80,8 +170,9 @@ pub fn installed_asset(name: &str) -> &'static Path {
     let _ = std::fs::remove_dir_all(&root);
     std::fs::create_dir_all(&root).unwrap();
     let out = root.join("model.gturbo");
+    let src = source(&root);
     mference_install::install_local(
-        &repo().join("assets/models").join(name),
+        &src,
         &out,
         &mference_install::InstallOptions {
             progress: mference_install::ProgressMode::Quiet,
@@ -89,7 +180,7 @@ pub fn installed_asset(name: &str) -> &'static Path {
             ..Default::default()
         },
     )
-    .unwrap_or_else(|e| panic!("installing assets/models/{name}: {e}"));
+    .unwrap_or_else(|e| panic!("installing {}: {e}", src.display()));
     let dir: &'static Path = Box::leak(out.into_boxed_path());
     dirs.insert(name.to_string(), dir);
     dir

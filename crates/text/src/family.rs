@@ -10,6 +10,9 @@ pub enum Family {
     /// Maple Preview (`maple`): ChatML turns (Qwen3 vocabulary), the generation prompt leaves a
     /// `<think>` block open, Hermes-style JSON `<tool_call>` blocks.
     Maple,
+    /// Inkling-Small (`inkling_mm_model`): TMLv0 `<|message_*|><|content_text|>…<|end_message|>`
+    /// turns; the reconstructed template is text only (no tool syntax).
+    Inkling,
 }
 
 impl Family {
@@ -21,6 +24,7 @@ impl Family {
             | "qwen3_6_moe" => Some(Family::Qwen36),
             "deepseek_v4" => Some(Family::DeepSeekV4),
             "maple" => Some(Family::Maple),
+            "inkling_mm_model" | "inkling" => Some(Family::Inkling),
             _ => None,
         }
     }
@@ -36,6 +40,7 @@ impl Family {
             Family::Gemma4 => "<|turn>",
             Family::Qwen36 | Family::Maple => "<|im_start|>",
             Family::DeepSeekV4 => "<｜Assistant｜>",
+            Family::Inkling => "<|message_model|>",
         }
     }
 
@@ -85,6 +90,7 @@ mod tests {
             (Family::Qwen36, "qwen3_6"),
             (Family::DeepSeekV4, "deepseek_v4"),
             (Family::Maple, "maple"),
+            (Family::Inkling, "inkling"),
         ] {
             let tok = crate::Tokenizer::from_dir(&dir.join(name)).expect("tokenizer");
             let t = family.turn_open_token();

@@ -17,11 +17,13 @@ fn assistant_segments(family: Family, rendered: &str) -> Vec<String> {
         Family::Gemma4 => ("<|turn>model\n", "<|tool_response>"),
         Family::Qwen36 | Family::Maple => ("<|im_start|>assistant\n", "<|im_end|>"),
         Family::DeepSeekV4 => ("<｜Assistant｜>", "<｜end▁of▁sentence｜>"),
+        Family::Inkling => ("<|message_model|>", "<|content_model_end_sampling|>"),
     };
     let marker = match family {
         Family::Gemma4 => "<|tool_call>",
         Family::Qwen36 | Family::Maple => "<tool_call>",
         Family::DeepSeekV4 => "<｜DSML｜tool_calls>",
+        Family::Inkling => "<|content_invoke_tool_json|>",
     };
     rendered
         .split(open)

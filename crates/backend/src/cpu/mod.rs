@@ -15,7 +15,7 @@ use mference_runtime::{KvDtype, KvLayer};
 
 use crate::{
     check, check_forced, Act, AttnShape, Backend, DeltaShape, HcSpec, Mlp, Norm, OpResult, QRef,
-    Rope, RouterSpec, Routes, Scoring, Tensor, Unary, VRef, Weights,
+    RelBias, Rope, RouterSpec, Routes, Scoring, SinkRouter, Tensor, Unary, VRef, Weights,
 };
 
 /// Resident bytes the backend reads weights from (the mapped `model_weights.bin`, or any buffer
@@ -467,23 +467,18 @@ impl Backend for CpuBackend {
         pos0: usize,
         s: &AttnShape,
     ) -> OpResult<CpuTensor> {
-        check(
-            "attention",
-            q.cols == s.n_heads * s.head_dim
-                && s.n_kv_heads > 0
-                && s.n_heads.is_multiple_of(s.n_kv_heads)
-                && kv.row_stride() == s.n_kv_heads * s.head_dim
-                && s.sinks.as_ref().is_none_or(|v| v.len() == s.n_heads),
-            || {
-                format!(
-                    "q rows of {} for {} heads of {}",
-                    q.cols, s.n_heads, s.head_dim
-                )
-            },
-        )?;
-        let mut out = vec![0.0f32; q.data.len()];
-        ops::attention(&self.pool, self.kernels, &q.data, kv, pos0, s, &mut out);
-        Ok(CpuTensor::new(out, q.cols))
+        self.attend("attention", q, kv, pos0, s, None)
+    }
+
+    fn attention_rel(
+        &self,
+        q: &CpuTensor,
+        kv: &KvLayer,
+        pos0: usize,
+        s: &AttnShape,
+        bias: &RelBias<CpuTensor>,
+    ) -> OpResult<CpuTensor> {
+        self.attend("attention_rel", q, kv, pos0, s, Some(bias))
     }
 
     fn new_state(&self, len: usize) -> OpResult<Vec<f32>> {
@@ -506,15 +501,17 @@ impl Backend for CpuBackend {
         w: &CpuTensor,
         kernel: usize,
     ) -> OpResult<CpuTensor> {
-        let c = x.cols;
-        check(
-            "conv1d_silu",
-            kernel >= 2 && w.data.len() == c * kernel && state.len() == (kernel - 1) * c,
-            || format!("kernel {kernel} over {c} channels"),
-        )?;
-        let mut out = vec![0.0f32; x.data.len()];
-        ops::causal_conv1d_silu(&x.data, state, &w.data, c, kernel, &mut out);
-        Ok(CpuTensor::new(out, c))
+        conv("conv1d_silu", x, state, w, kernel, ops::silu)
+    }
+
+    fn conv1d(
+        &self,
+        x: &CpuTensor,
+        state: &mut Vec<f32>,
+        w: &CpuTensor,
+        kernel: usize,
+    ) -> OpResult<CpuTensor> {
+        conv("conv1d", x, state, w, kernel, |v| v)
     }
 
     fn delta_gates(
@@ -968,6 +965,128 @@ impl Backend for CpuBackend {
         }
         Ok(Routes { experts, margins })
     }
+
+    fn route_sinks(
+        &self,
+        logits: &CpuTensor,
+        router: &SinkRouter<CpuTensor>,
+        spec: &RouterSpec,
+    ) -> OpResult<Routes> {
+        let (n_all, n_shared) = (logits.cols, router.n_shared);
+        let n_routed = n_all.saturating_sub(n_shared);
+        let k = spec.top_k;
+        check(
+            "route_sinks",
+            k > 0
+                && k <= n_routed
+                && router.bias.data.len() == n_routed
+                && spec.per_expert_scale.is_none(),
+            || {
+                format!(
+                    "top-{k} of {n_routed} routed experts ({n_shared} shared, bias of {}, no \
+                     per-expert scale)",
+                    router.bias.data.len()
+                )
+            },
+        )?;
+        check_forced("route_sinks", spec, logits.rows(), n_routed)?;
+        let mut experts: BTreeMap<usize, Vec<(usize, f32)>> = BTreeMap::new();
+        let mut margins = Vec::new();
+        for (row, lg) in logits.data.chunks_exact(n_all).enumerate() {
+            let choice: Vec<f32> = lg[..n_routed]
+                .iter()
+                .zip(&router.bias.data)
+                .map(|(&l, &b)| ops::sigmoid(l) + b)
+                .collect();
+            if spec.trace {
+                margins.push(top_k_margin(&choice, k));
+            }
+            let idx = match spec.forced {
+                Some(f) => f[row * k..(row + 1) * k].to_vec(),
+                None => ops::top_k(&choice, k),
+            };
+            let ids: Vec<usize> = idx.into_iter().chain(n_routed..n_all).collect();
+            // softmax over log-sigmoids, as transformers computes it: exp(ls − logsumexp(ls)).
+            let mut w: Vec<f32> = ids.iter().map(|&e| ops::log_sigmoid(lg[e])).collect();
+            ops::softmax(&mut w);
+            for (e, w) in ids.into_iter().zip(w) {
+                experts.entry(e).or_default().push((row, w * router.scale));
+            }
+        }
+        Ok(Routes { experts, margins })
+    }
+}
+
+impl CpuBackend {
+    /// [`Backend::attention`], with `bias` [`Backend::attention_rel`].
+    fn attend(
+        &self,
+        op: &'static str,
+        q: &CpuTensor,
+        kv: &KvLayer,
+        pos0: usize,
+        s: &AttnShape,
+        bias: Option<&RelBias<CpuTensor>>,
+    ) -> OpResult<CpuTensor> {
+        let d_rel = bias.map_or(0, |b| b.proj.rows());
+        check(
+            op,
+            q.cols == s.n_heads * s.head_dim
+                && s.n_kv_heads > 0
+                && s.n_heads.is_multiple_of(s.n_kv_heads)
+                && kv.row_stride() == s.n_kv_heads * s.head_dim
+                && s.sinks.as_ref().is_none_or(|v| v.len() == s.n_heads)
+                && bias.is_none_or(|b| b.rel.rows() == q.rows() && b.rel.cols == s.n_heads * d_rel),
+            || {
+                format!(
+                    "q rows of {} for {} heads of {} (rel rows of {:?}, d_rel {d_rel})",
+                    q.cols,
+                    s.n_heads,
+                    s.head_dim,
+                    bias.map(|b| b.rel.cols)
+                )
+            },
+        )?;
+        let slices = bias.map(|b| ops::RelSlices {
+            rel: &b.rel.data,
+            proj: &b.proj.data,
+            d_rel,
+            extent: b.proj.cols,
+            log_scaling: b.log_scaling,
+        });
+        let mut out = vec![0.0f32; q.data.len()];
+        ops::attention(
+            &self.pool,
+            self.kernels,
+            &q.data,
+            kv,
+            pos0,
+            s,
+            slices.as_ref(),
+            &mut out,
+        );
+        Ok(CpuTensor::new(out, q.cols))
+    }
+}
+
+/// The depthwise causal conv of `op` (`conv1d_silu`, `conv1d`) with activation `act`.
+fn conv(
+    op: &'static str,
+    x: &CpuTensor,
+    state: &mut [f32],
+    w: &CpuTensor,
+    kernel: usize,
+    act: impl Fn(f32) -> f32,
+) -> OpResult<CpuTensor> {
+    let c = x.cols;
+    check(
+        op,
+        kernel >= 2 && w.data.len() == c * kernel && state.len() == (kernel - 1) * c,
+        || format!("kernel {kernel} over {c} channels"),
+    )?;
+    let mut out = vec![0.0f32; x.data.len()];
+    ops::causal_conv1d(&x.data, state, &w.data, c, kernel, &mut out, act);
+    Ok(CpuTensor::new(out, c))
 }
 
 /// The k-th largest logit minus the (k+1)-th (`+∞` when there is no (k+1)-th).

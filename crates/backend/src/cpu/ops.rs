@@ -7,7 +7,7 @@ use std::sync::Mutex;
 use mference_kernels::{Kernels, ThreadPool};
 use mference_runtime::{KvLayer, KvRow};
 
-use crate::{AttnShape, DeltaShape, Norm};
+use crate::{AttnShape, DeltaShape, LogScaling, Norm};
 
 /// `x ← x · rsqrt(mean(x²) + eps) · s` over each `dim` piece of `x` (mlx `fast.rms_norm`), `s` as
 /// [`Norm`] says; weights are read from `buf` (the resident bytes).
@@ -117,8 +117,20 @@ pub fn softmax(v: &mut [f32]) {
     v.iter_mut().for_each(|x| *x /= z);
 }
 
+/// A relative-position bias over host slices ([`crate::RelBias`]): `rel` `[t, n_heads, d_rel]`,
+/// `proj` `[d_rel, extent]`.
+pub struct RelSlices<'a> {
+    pub rel: &'a [f32],
+    pub proj: &'a [f32],
+    pub d_rel: usize,
+    pub extent: usize,
+    pub log_scaling: Option<LogScaling>,
+}
+
 /// Causal attention for `t` query rows at positions `pos0..pos0+t` against the cache (which already
-/// holds those rows): `out[t, n_heads·head_dim] = softmax(q·kᵀ·scale) v`, GQA by `n_heads / n_kv_heads`.
+/// holds those rows): `out[t, n_heads·head_dim] = softmax(q·kᵀ·scale) v`, GQA by `n_heads / n_kv_heads`;
+/// with `rel`, the logits are `τ_p · (q·kᵀ·scale + bias)` ([`crate::Backend::attention_rel`]).
+#[allow(clippy::too_many_arguments)]
 pub fn attention(
     pool: &ThreadPool,
     k: &Kernels,
@@ -126,6 +138,7 @@ pub fn attention(
     kv: &KvLayer,
     pos0: usize,
     s: &AttnShape,
+    rel: Option<&RelSlices>,
     out: &mut [f32],
 ) {
     let d = s.head_dim;
@@ -167,6 +180,9 @@ pub fn attention(
                 i0 += count;
             }
             scores.iter_mut().for_each(|x| *x *= s.scale);
+            if let Some(rb) = rel {
+                add_rel_bias(&mut scores, rb, item, p);
+            }
             match &s.sinks {
                 None => softmax(&mut scores),
                 Some(sinks) => softmax_with_sink(&mut scores, sinks[head]),
@@ -188,6 +204,27 @@ pub fn attention(
             }
         }
     });
+}
+
+/// Adds the relative-position bias of query item `item` (row · n_heads + head) at position `p` to
+/// its scores over keys `p + 1 − scores.len() ..= p`, then applies the log position scale.
+fn add_rel_bias(scores: &mut [f32], rb: &RelSlices, item: usize, p: usize) {
+    let (d_rel, extent) = (rb.d_rel, rb.extent);
+    let coef = &rb.rel[item * d_rel..(item + 1) * d_rel];
+    let n = scores.len();
+    // Distance p − key runs from n − 1 (first score) down to 0 (the query's own key).
+    for dist in 0..n.min(extent) {
+        let b: f32 = coef
+            .iter()
+            .enumerate()
+            .map(|(j, c)| c * rb.proj[j * extent + dist])
+            .sum();
+        scores[n - 1 - dist] += b;
+    }
+    if let Some(ls) = rb.log_scaling {
+        let tau = ls.tau(p);
+        scores.iter_mut().for_each(|x| *x *= tau);
+    }
 }
 
 /// Softmax of `v` with one extra logit `sink` in the denominator (its probability is dropped).
@@ -213,28 +250,35 @@ pub fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + (-x).exp())
 }
 
+/// `log(sigmoid(x)) = min(x, 0) − log1p(e^−|x|)` (torch `F.logsigmoid`).
+#[inline]
+pub fn log_sigmoid(x: f32) -> f32 {
+    x.min(0.0) - (-x.abs()).exp().ln_1p()
+}
+
 /// `log(1 + e^x)`, computed as mlx's `nn.softplus` (`logaddexp(x, 0)`): `max(x, 0) + log1p(e^-|x|)`.
 #[inline]
 pub fn softplus(x: f32) -> f32 {
     x.max(0.0) + (-x.abs()).exp().ln_1p()
 }
 
-/// Depthwise causal 1-D convolution followed by SiLU, continuing from a rolling state
-/// (Gated DeltaNet's `conv1d`, `reference/architectures.md` §3.2 step 2; mlx-lm `qwen3_5.py`
-/// `GatedDeltaNet.__call__`).
+/// Depthwise causal 1-D convolution followed by the activation `act`, continuing from a rolling
+/// state: SiLU for Gated DeltaNet's `conv1d` (`reference/architectures.md` §3.2 step 2; mlx-lm
+/// `qwen3_5.py` `GatedDeltaNet.__call__`), the identity for Inkling's short convolutions (§5).
 ///
 /// - `x`: `[t, channels]` pre-conv rows; `out`: `[t, channels]`.
 /// - `w`: `[channels, kernel]` (the MLX `[C, K, 1]` weight); output row `r` of channel `c` is
-///   `silu(Σ_j w[c, j] · in[r + j])` over the sequence `in = state ++ x` (cross-correlation, no flip).
+///   `act(Σ_j w[c, j] · in[r + j])` over the sequence `in = state ++ x` (cross-correlation, no flip).
 /// - `state`: `[kernel - 1, channels]`, the last `kernel - 1` pre-conv rows seen (zeros at the start);
 ///   updated to the last `kernel - 1` rows of `state ++ x`.
-pub fn causal_conv1d_silu(
+pub fn causal_conv1d(
     x: &[f32],
     state: &mut [f32],
     w: &[f32],
     channels: usize,
     kernel: usize,
     out: &mut [f32],
+    act: impl Fn(f32) -> f32,
 ) {
     let keep = kernel - 1;
     let t = x.len() / channels;
@@ -249,7 +293,7 @@ pub fn causal_conv1d_silu(
             for (j, wj) in wc.iter().enumerate() {
                 acc += wj * seq[(r + j) * channels + c];
             }
-            *oc = silu(acc);
+            *oc = act(acc);
         }
     }
     state.copy_from_slice(&seq[t * channels..]);

@@ -64,6 +64,12 @@ pub fn parse_tool_calls_with_tools(
         // Maple writes the Qwen 2.5/3 JSON form, which the Qwen parser reads.
         Family::Qwen36 | Family::Maple => qwen3_6::parse(text, tools),
         Family::DeepSeekV4 => deepseek_v4::parse(text),
+        // The Inkling template renders no tools, so its output carries no call syntax to parse.
+        Family::Inkling => Ok(ParsedOutput {
+            content: text.to_string(),
+            tool_calls: Vec::new(),
+            reasoning: None,
+        }),
     }
 }
 
