@@ -222,6 +222,26 @@ pub fn inspect(a: InspectArgs) -> anyhow::Result<()> {
         }
         None => println!("no complete install at this path"),
     }
+    let receipt = std::fs::read(r.out.join("verified-install.json"))
+        .ok()
+        .and_then(|b| mference_format::Receipt::parse(&b).ok());
+    if let Some(rc) = receipt {
+        let from = match (&rc.source_repo_id, &rc.source_revision) {
+            (Some(repo), Some(rev)) => format!("{repo}@{rev}"),
+            (Some(repo), None) => repo.clone(),
+            _ => "unknown".into(),
+        };
+        let bytes = rc
+            .source_bytes
+            .clone()
+            .or_else(|| {
+                rc.source_repo_id
+                    .as_deref()
+                    .map(|r| mference_install::run::source_trust(r).to_string())
+            })
+            .unwrap_or_else(|| "not recorded".into());
+        println!("source:  {from}; source bytes {bytes}");
+    }
     let hint = r.partial_hint.as_deref().unwrap_or_default();
     match (&r.journal, r.partial) {
         (Some(j), _) if r.running => {

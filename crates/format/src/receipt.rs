@@ -30,6 +30,11 @@ pub struct Receipt {
     pub verification_timestamp: String,
     pub tool_version: String,
     pub files: BTreeMap<String, FileEntry>,
+    /// How far the source's bytes were checked at install: an HTTP source's ranges are trusted
+    /// as served beyond the safetensors headers, the sizes and the pinned index hash (it offers
+    /// no whole-file hash the installer checks). Absent in older receipts.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub source_bytes: Option<String>,
 }
 
 fn rerr(detail: impl Into<String>) -> FormatError {

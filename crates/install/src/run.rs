@@ -658,9 +658,20 @@ pub fn write_receipt(
         verification_timestamp: utc_timestamp_now(),
         tool_version: TOOL_VERSION.into(),
         files,
+        source_bytes: sid.map(|s| source_trust(&s.repo_id).to_string()),
     };
     write_atomic(&dir.join(RECEIPT_FILE), &receipt.to_bytes())?;
     Ok(receipt)
+}
+
+/// The receipt's `sourceBytes` statement for a source.
+pub fn source_trust(repo_id: &str) -> &'static str {
+    if repo_id.starts_with("local:") {
+        "read from a local directory as they are on disk"
+    } else {
+        "trusted as served: HTTP(S) ranges checked against the safetensors headers, the sizes and \
+         the index SHA-256 only (the source offers no whole-file SHA-256 that was checked)"
+    }
 }
 
 fn promote(paths: &OutPaths, overwrite: bool) -> Result<(), InstallError> {

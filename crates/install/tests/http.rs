@@ -24,6 +24,18 @@ fn remote_install_equals_local_install_and_uses_only_ranges() {
     let data = srv.data_ranges();
     assert_eq!(data.len(), r.ranges_total);
     assert!(data.iter().all(|(a, b)| b - a < 4 << 20));
+    // The receipt says plainly how far the served bytes were checked (a server that lies with a
+    // correct Content-Range is not caught: there is no whole-file hash to check against).
+    let receipt =
+        mference_format::Receipt::parse(&std::fs::read(out.join("verified-install.json")).unwrap())
+            .unwrap();
+    assert!(
+        receipt
+            .source_bytes
+            .as_deref()
+            .is_some_and(|s| s.starts_with("trusted as served")),
+        "{receipt:?}"
+    );
 }
 
 #[test]
