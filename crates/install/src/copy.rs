@@ -8,11 +8,15 @@ use std::fs::File;
 use std::io::Read;
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Open destination files (index = `RangeCopy::dest`).
 pub struct Dests {
     pub files: Vec<File>,
     pub paths: Vec<PathBuf>,
+    /// Test failpoint (`MFERENCE_FAILPOINT_ENOSPC_AFTER=N`): the write that would pass `N`
+    /// destination bytes in this run fails with ENOSPC, as a full disk would.
+    pub enospc_after: Option<AtomicU64>,
 }
 
 /// Stream `range` from `reader` (which yields exactly `range.end - range.start` bytes) in
@@ -66,6 +70,16 @@ pub fn run_range(
                 out.clear();
                 crate::maple::expand_into(e, &pending.remove(&i).unwrap_or_default(), &mut out);
                 (bytes, dst) = (&out, c.dst);
+            }
+            if let Some(left) = &dests.enospc_after {
+                let n = bytes.len() as u64;
+                if left
+                    .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |l| l.checked_sub(n))
+                    .is_err()
+                {
+                    let e = std::io::Error::from_raw_os_error(crate::error::ENOSPC);
+                    return Err(InstallError::io("cannot write", &dests.paths[c.dest], e));
+                }
             }
             dests.files[c.dest]
                 .write_all_at(bytes, dst)

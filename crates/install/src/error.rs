@@ -1,6 +1,9 @@
 use mference_format::FormatError;
 use std::path::PathBuf;
 
+/// `errno` for "no space left on device".
+pub(crate) const ENOSPC: i32 = 28;
+
 /// Every way an install, verify, inspect or discard can fail. Messages say what to do.
 #[derive(Debug, thiserror::Error)]
 pub enum InstallError {
@@ -36,6 +39,8 @@ pub enum InstallError {
     ResumeMismatch { out: PathBuf, detail: String },
     #[error("not enough free disk at {dir}: need {need} bytes (remaining output + one range + reserve), {free} free; free some space or choose another --output")]
     DiskFull { dir: PathBuf, need: u64, free: u64 },
+    #[error("the disk filled up writing {path}: free some space, then run the same `mference install` with --resume (the ranges written so far are kept)")]
+    DiskFilled { path: PathBuf },
     #[error("the copy plan is invalid: {detail}")]
     PlanInvalid { detail: String },
     #[error("source checkpoint is invalid: {detail}")]
@@ -54,6 +59,9 @@ pub enum InstallError {
 
 impl InstallError {
     pub(crate) fn io(what: &'static str, path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        if source.raw_os_error() == Some(ENOSPC) {
+            return InstallError::DiskFilled { path: path.into() };
+        }
         InstallError::Io {
             what,
             path: path.into(),

@@ -524,7 +524,18 @@ fn open_dests(partial: &Path, plan: &Plan) -> Result<(Dests, bool), InstallError
     }
     fsync_dir(&partial.join(mference_format::EXPERTS_DIR))?;
     fsync_dir(partial)?;
-    Ok((Dests { files, paths }, resized))
+    let enospc_after = std::env::var("MFERENCE_FAILPOINT_ENOSPC_AFTER")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .map(std::sync::atomic::AtomicU64::new);
+    Ok((
+        Dests {
+            files,
+            paths,
+            enospc_after,
+        },
+        resized,
+    ))
 }
 
 /// Write what the plan generates (resident index, layout.json) and copy the sidecars.
