@@ -27,7 +27,7 @@ run)
     for t in "${targets[@]}"; do
         runs=$(grep -o 'stat::number_of_executed_units: [0-9]*' "fuzz/logs/$t.log" | grep -o '[0-9]*$' || echo "?")
         cov=$(grep -o 'cov: [0-9]*' "fuzz/logs/$t.log" | tail -1 | grep -o '[0-9]*$' || echo "?")
-        rss=$(grep -o 'stat::peak_rss_mb: [0-9]*' "fuzz/logs/$t.log" | grep -o '[0-9]*$' || echo "?")
+        rss=$(grep -o 'stat::peak_rss_mb: *[0-9]*' "fuzz/logs/$t.log" | grep -o '[0-9]*$' || echo "?")
         crashes=$(ls "fuzz/artifacts/$t" 2>/dev/null | wc -l)
         echo "$t: executions $runs, coverage $cov, peak RSS ${rss} MB, findings $crashes"
     done
