@@ -296,31 +296,95 @@ pub(crate) fn parse_prefill_chunk(s: &str, prompt_len: Option<usize>) -> Result<
     }
 }
 
-/// Resolves `auto` slots: `resident` (layer files mapped, the page cache their only copy) when all
-/// layer files fit in 80% of the memory this process may use, otherwise 16 (the design default).
-fn resolve_slots(s: &str, dir: &Path) -> Result<CacheSlots> {
-    if s != "auto" {
-        return CacheSlots::parse(s).map_err(anyhow::Error::msg);
+/// `--expert-cache-slots` and the I/O mode: an explicit value wins; `auto` sizes the slot cache
+/// to the memory this process may use ([`mference_runtime::sizing::auto_slots`]: resident
+/// weights, KV at `max_context` and scratch counted) and reads with O_DIRECT when the slots are
+/// smaller than the expert files, and says on stderr what it chose and from which limit.
+fn resolve_slots(
+    m: &ModelArgs,
+    prefill_chunk: usize,
+    max_context: usize,
+) -> Result<(CacheSlots, bool)> {
+    if m.expert_cache_slots != "auto" {
+        let s = CacheSlots::parse(&m.expert_cache_slots).map_err(anyhow::Error::msg)?;
+        return Ok((s, m.direct_io));
     }
-    let experts: u64 = std::fs::read_dir(dir.join("packed_experts"))
-        .map(|rd| {
-            rd.filter_map(|e| e.ok()?.metadata().ok())
-                .map(|m| m.len())
-                .sum()
+    let dir = &m.model;
+    let Ok(bytes) = std::fs::read(dir.join("manifest.json")) else {
+        // Not an install: the load reports it.
+        return Ok((CacheSlots::Resident, m.direct_io));
+    };
+    let man = mference_format::Manifest::parse(&bytes)?;
+    let size = |prefix: &str| -> u64 {
+        man.files
+            .iter()
+            .filter(|(k, _)| k.starts_with(prefix))
+            .map(|(_, f)| f.size)
+            .sum()
+    };
+    let a = &man.arch;
+    let kv_bytes: u64 = if m.kv_cache == "f32" { 4 } else { 2 };
+    let kv: u64 = a
+        .full_attention_layer_mask
+        .iter()
+        .map(|&t| {
+            let (rows, width) = match t {
+                0 => (
+                    a.sliding_window + prefill_chunk as u64,
+                    a.num_kv_heads * a.head_dim,
+                ),
+                1 => (max_context as u64, a.num_full_kv_heads * a.full_head_dim),
+                // Compressed KV (DeepSeek-V4 CSA / HCA): a window plus 1/4 or 1/128 of the context.
+                3 => (a.sliding_window + max_context as u64 / 4, a.head_dim),
+                4 => (a.sliding_window + max_context as u64 / 128, a.head_dim),
+                // Gated DeltaNet: a fixed recurrent state.
+                _ => (
+                    a.linear_key_head_dim * a.linear_num_v_heads,
+                    a.linear_value_head_dim,
+                ),
+            };
+            2 * rows * width * kv_bytes
         })
-        .unwrap_or(u64::MAX);
-    Ok(
-        if experts.saturating_mul(5) <= usable_memory().saturating_mul(4) {
-            CacheSlots::Resident
-        } else {
-            CacheSlots::Fixed(16)
-        },
-    )
+        .sum();
+    let (limit, from) = usable_memory();
+    let input = mference_runtime::sizing::SizingInput {
+        limit,
+        resident_weights: size(mference_format::WEIGHTS_FILE),
+        kv,
+        scratch: (256 << 20) + prefill_chunk as u64 * a.vocab_size * 4,
+        expert_files: size("packed_experts/layer_"),
+        moe_layers: man
+            .files
+            .keys()
+            .filter(|k| k.starts_with("packed_experts/layer_"))
+            .count() as u64,
+        stride: man.expert_stride,
+        experts_per_layer: man.experts_per_layer,
+        top_k: a.top_k_experts as usize,
+    };
+    let s = mference_runtime::sizing::auto_slots(&input);
+    let gb = |b: u64| b as f64 / 1e9;
+    let slots = match s.slots {
+        CacheSlots::Resident => "resident (layer files mapped)".to_string(),
+        CacheSlots::Fixed(n) => format!("{n} slots per layer"),
+    };
+    eprintln!(
+        "[expert cache auto: {slots}{}; from {:.2} GB ({from}) - weights {:.2} GB - KV {:.2} GB - scratch {:.2} GB = {:.2} GB for {:.2} GB of expert files]",
+        if s.direct_io || m.direct_io { ", O_DIRECT" } else { "" },
+        gb(limit),
+        gb(input.resident_weights),
+        gb(input.kv),
+        gb(input.scratch),
+        gb(s.budget),
+        gb(input.expert_files),
+    );
+    Ok((s.slots, s.direct_io || m.direct_io))
 }
 
-/// Bytes this process can use: MemAvailable, lowered to the memory cgroup's limit minus its usage
-/// when one is set (cgroup v1 `memory.limit_in_bytes` or v2 `memory.max`).
-fn usable_memory() -> u64 {
+/// Bytes this process can use and where that number comes from: MemAvailable, lowered to the
+/// memory cgroup's limit minus its usage when one is set (cgroup v1 `memory.limit_in_bytes` or v2
+/// `memory.max`).
+fn usable_memory() -> (u64, &'static str) {
     let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
     let avail = meminfo
         .lines()
@@ -334,6 +398,7 @@ fn usable_memory() -> u64 {
     };
     let cgroups = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
     let mut limit = u64::MAX;
+    let mut from = "MemAvailable";
     for line in cgroups.lines() {
         let mut parts = line.splitn(3, ':');
         let (_, controllers, path) = (
@@ -347,7 +412,10 @@ fn usable_memory() -> u64 {
                 read(format!("{base}/memory.limit_in_bytes")),
                 read(format!("{base}/memory.usage_in_bytes")),
             ) {
-                limit = limit.min(l.saturating_sub(u));
+                if l.saturating_sub(u) < limit {
+                    limit = l.saturating_sub(u);
+                    from = "cgroup v1 memory.limit_in_bytes";
+                }
             }
         } else if controllers.is_empty() {
             let base = format!("/sys/fs/cgroup{path}");
@@ -355,11 +423,18 @@ fn usable_memory() -> u64 {
                 read(format!("{base}/memory.max")),
                 read(format!("{base}/memory.current")),
             ) {
-                limit = limit.min(l.saturating_sub(u));
+                if l.saturating_sub(u) < limit {
+                    limit = l.saturating_sub(u);
+                    from = "cgroup v2 memory.max";
+                }
             }
         }
     }
-    avail.min(limit)
+    if avail <= limit {
+        (avail, "MemAvailable")
+    } else {
+        (limit, from)
+    }
 }
 
 pub(crate) fn load_options(
@@ -374,9 +449,10 @@ pub(crate) fn load_options(
             bail!("invalid --verify '{other}': allowed values are full-sha256, trusted-receipt")
         }
     };
+    let (slots, direct_io) = resolve_slots(m, prefill_chunk, max_context)?;
     let mut o = LoadOptions {
-        slots: resolve_slots(&m.expert_cache_slots, &m.model)?,
-        direct_io: m.direct_io,
+        slots,
+        direct_io,
         prefill_chunk,
         max_context,
         verify,

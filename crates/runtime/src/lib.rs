@@ -5,6 +5,7 @@
 
 pub mod kv;
 pub mod sampler;
+pub mod sizing;
 pub mod slab;
 pub mod streamer;
 pub mod trace;

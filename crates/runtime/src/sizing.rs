@@ -1,0 +1,113 @@
+//! `--expert-cache-slots auto`: size the expert slot cache to the memory this process may use
+//! (issue "bounded memory", item 2), so that under a cap the slots hold the hot experts and the
+//! page cache holds no second copy of what they read.
+
+use crate::CacheSlots;
+
+/// What the auto sizing is given, in bytes (and counts).
+#[derive(Clone, Copy, Debug)]
+pub struct SizingInput {
+    /// The memory this process may use (the tighter of the cgroup limit and MemAvailable).
+    pub limit: u64,
+    /// `model_weights.bin` (mapped; its pages count against the same limit).
+    pub resident_weights: u64,
+    /// KV cache at the requested context, plus recurrent state.
+    pub kv: u64,
+    /// Activations, logits and I/O buffers.
+    pub scratch: u64,
+    /// All layer files together.
+    pub expert_files: u64,
+    /// MoE layers (layers with an expert file).
+    pub moe_layers: u64,
+    /// Bytes of one expert slot (the install's expert stride).
+    pub stride: u64,
+    pub experts_per_layer: usize,
+    /// Experts one token routes to per layer: the cache never has fewer than 2x this.
+    pub top_k: usize,
+}
+
+/// The choice and the numbers behind it (for the load line).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Sizing {
+    pub slots: CacheSlots,
+    /// O_DIRECT reads: the slots are the only copy (chosen when the cache is smaller than the
+    /// expert files, so the page cache would otherwise hold a second copy).
+    pub direct_io: bool,
+    /// Bytes left for expert slots after weights, KV and scratch.
+    pub budget: u64,
+}
+
+/// `resident` (layer files mapped, the page cache their only copy) when the expert files fit in
+/// 80% of what is left after weights, KV and scratch; otherwise as many slots per layer as that
+/// budget holds (at least `2 x top_k`, at most every expert), read with O_DIRECT.
+pub fn auto_slots(i: &SizingInput) -> Sizing {
+    let budget = i
+        .limit
+        .saturating_sub(i.resident_weights)
+        .saturating_sub(i.kv)
+        .saturating_sub(i.scratch);
+    if i.moe_layers == 0 || i.expert_files.saturating_mul(5) <= budget.saturating_mul(4) {
+        return Sizing {
+            slots: CacheSlots::Resident,
+            direct_io: false,
+            budget,
+        };
+    }
+    let per_layer = budget / (i.moe_layers * i.stride.max(1));
+    let floor = 2 * i.top_k.max(1);
+    let n = (per_layer as usize).clamp(floor, i.experts_per_layer.max(floor));
+    Sizing {
+        slots: CacheSlots::Fixed(n),
+        direct_io: true,
+        budget,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GIB: u64 = 1 << 30;
+
+    /// The full-size Gemma 26B install: 1.35 GB weights, 30 MoE layers of 128 experts at a
+    /// 3,358,720-byte stride (12.9 GB of expert files), top-8.
+    fn gemma(limit: u64) -> SizingInput {
+        SizingInput {
+            limit,
+            resident_weights: 1_353_771_068,
+            kv: 200 << 20,
+            scratch: 256 << 20,
+            expert_files: 30 * 128 * 3_358_720,
+            moe_layers: 30,
+            stride: 3_358_720,
+            experts_per_layer: 128,
+            top_k: 8,
+        }
+    }
+
+    #[test]
+    fn everything_fits_so_the_files_are_mapped() {
+        let s = auto_slots(&gemma(32 * GIB));
+        assert_eq!(s.slots, CacheSlots::Resident);
+        assert!(!s.direct_io);
+    }
+
+    #[test]
+    fn under_a_cap_the_slots_use_the_budget_and_read_around_the_page_cache() {
+        // 8 GiB: (8 GiB - weights - KV - scratch) / (30 x stride) = 67 slots per layer.
+        let s = auto_slots(&gemma(8 * GIB));
+        let CacheSlots::Fixed(n) = s.slots else {
+            panic!("{s:?}")
+        };
+        assert_eq!(n as u64, s.budget / (30 * 3_358_720));
+        assert!((64..=70).contains(&n), "{n}");
+        assert!(s.direct_io);
+        assert!(n as u64 * 30 * 3_358_720 <= s.budget);
+        // 4 GiB: fewer slots, still at least 2 x top-k; 1 GiB: the floor.
+        let CacheSlots::Fixed(m) = auto_slots(&gemma(4 * GIB)).slots else {
+            panic!()
+        };
+        assert!(m < n && m >= 16, "{m}");
+        assert_eq!(auto_slots(&gemma(GIB)).slots, CacheSlots::Fixed(16));
+    }
+}
