@@ -189,9 +189,7 @@ fn validate(a: &BenchArgs) -> Result<()> {
             _ => bail!("invalid --prefill-chunk '{}': allowed values are 32, 64, 128, 256, 512, 1024, 2048, 4096, auto", a.prefill_chunk),
         }
     }
-    if a.threads == Some(0) {
-        bail!("--threads must be at least 1");
-    }
+    crate::run_cmd::threads_flag(a.threads)?;
     crate::run_cmd::kernels(&a.kernels)?;
     crate::run_cmd::slots_flag(&a.slots)?;
     for (_, n) in parse_prompts(&a.prompts)? {

@@ -13,7 +13,9 @@ use std::path::PathBuf;
 #[derive(Args)]
 pub struct InstallArgs {
     /// Local mlx-community-style checkpoint directory (config.json, *.safetensors, tokenizer files;
-    /// without tokenizer files the install takes token ids only: `logits`, `bench`).
+    /// without tokenizer files the install takes token ids only: `logits`, `bench`). Without a
+    /// SOURCE, --model or --repo the default preset (gemma4, a 14 GB download) is installed; at a
+    /// terminal you are asked first.
     pub source: Option<PathBuf>,
     /// Pinned preset to download instead of a local directory: gemma4, qwen36, deepseekv4flash, inklingsmall, maple.
     #[arg(long, conflicts_with = "source")]

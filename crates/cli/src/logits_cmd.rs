@@ -135,6 +135,19 @@ pub fn logits(a: LogitsArgs) -> Result<()> {
             out_dir.display()
         );
     }
+    // Never into the install being read (it would replace one of its files).
+    if let (Ok(d), Ok(inst)) = (
+        std::fs::canonicalize(&out_dir),
+        std::fs::canonicalize(&a.model.model),
+    ) {
+        if d.starts_with(&inst) {
+            bail!(
+                "--out {} is inside the install {} it reads: choose a path outside it",
+                a.out.display(),
+                a.model.model.display()
+            );
+        }
+    }
     // The output replaces a regular file or nothing: never a device, a directory or a symlink.
     if let Ok(m) = std::fs::symlink_metadata(&a.out) {
         if !m.file_type().is_file() {

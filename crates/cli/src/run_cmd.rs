@@ -58,6 +58,7 @@ pub struct ModelArgs {
 
 /// `mference run`.
 #[derive(Args, Debug)]
+#[command(allow_negative_numbers = true)]
 pub struct RunArgs {
     #[command(flatten)]
     pub model: ModelArgs,
@@ -141,9 +142,10 @@ struct Text {
 /// `max_position_embeddings` of a config.json (its `text_config` for multimodal configs).
 fn max_positions_of(config: &serde_json::Value) -> Option<usize> {
     let text_cfg = config.get("text_config").unwrap_or(config);
-    text_cfg
-        .get("max_position_embeddings")
-        .and_then(|v| v.as_u64())
+    // Inkling states its limit as `model_max_length` only.
+    ["max_position_embeddings", "model_max_length"]
+        .iter()
+        .find_map(|k| text_cfg.get(*k).and_then(|v| v.as_u64()))
         .map(|v| v as usize)
 }
 
@@ -246,11 +248,24 @@ pub(crate) fn validate_model_args(m: &ModelArgs) -> Result<()> {
             m.verify
         );
     }
-    if m.threads == Some(0) {
-        bail!("--threads must be at least 1");
-    }
+    threads_flag(m.threads)?;
     kernels(&m.kernels)?;
     Ok(())
+}
+
+/// Checks `--threads`: 1 up to 4x the cores this process may run on (more only adds overhead).
+pub(crate) fn threads_flag(t: Option<usize>) -> Result<()> {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    match t {
+        Some(0) => bail!("--threads must be at least 1"),
+        Some(n) if n > 4 * cores => {
+            bail!(
+                "--threads {n} is more than 4x the {cores} cores here; use at most {}",
+                4 * cores
+            )
+        }
+        _ => Ok(()),
+    }
 }
 
 /// Checks an `--expert-cache-slots` / `--slots` value: `auto` or one [`CacheSlots::parse`] takes.

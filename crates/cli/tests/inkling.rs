@@ -116,3 +116,45 @@ fn inkling_bench_reports_json() {
         assert!(t > 0.0 && t.is_finite(), "{r}");
     }
 }
+
+/// Inkling's limit is `text_config.model_max_length` (it has no max_position_embeddings): a
+/// larger `--max-context` is refused before anything is allocated (it used to allocate 16.8 GB
+/// for 3 tokens), and the int8 prefill (`avx512vnni`), unchecked for this family, is refused.
+#[test]
+fn inkling_refuses_a_context_beyond_its_limit_and_the_int8_prefill() {
+    let inst = inkling_text_install().to_str().unwrap();
+    let work = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let ids = work.path().join("ids.json");
+    std::fs::write(&ids, "[1, 2, 3]").unwrap();
+    let out = work.path().join("o.npy");
+    let base = [
+        "logits",
+        "--model",
+        inst,
+        "--ids",
+        ids.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ];
+    let mut args = base.to_vec();
+    args.extend(["--max-context", "16777216"]);
+    mference_testkit::run_refused(
+        BIN,
+        &args,
+        "exceeds the model's max_position_embeddings 1048576",
+    );
+    // Where this CPU has VNNI the family refuses it; elsewhere the table itself is unavailable.
+    let mut args = base.to_vec();
+    args.extend(["--kernels", "avx512vnni"]);
+    let o = std::process::Command::new(BIN)
+        .args(&args)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{err}");
+    assert!(
+        err.contains("is checked only for Gemma 4 and Qwen 3.6") || err.contains("this CPU runs"),
+        "{err}"
+    );
+    assert!(!out.exists());
+}

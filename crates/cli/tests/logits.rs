@@ -244,6 +244,23 @@ fn bad_ids_modes_and_outputs_are_refused_and_nothing_is_written() {
         ],
         "is a checkpoint, not an install",
     );
+    // Never a file of the install being read (it used to replace model_weights.bin).
+    let weights = demo_install().join("model_weights.bin");
+    let before = std::fs::metadata(&weights).unwrap().len();
+    run_refused(
+        BIN,
+        &[
+            "logits",
+            "--model",
+            m,
+            "--ids",
+            i,
+            "--out",
+            weights.to_str().unwrap(),
+        ],
+        "is inside the install",
+    );
+    assert_eq!(std::fs::metadata(&weights).unwrap().len(), before);
     // An existing directory, device or symlink at --out is refused and left as it was; a
     // successful write leaves no temporary file and a readable .npy.
     let adir = work.path().join("adir");

@@ -661,6 +661,20 @@ pub fn load(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn Model>, ModelError
         )));
     }
     let engine = Engine::new(install, opts)?;
+    // The int8 prefill (VNNI) rounds activations to int8; its cost is measured only on these two
+    // families (README). Elsewhere it was found far off the reference: refuse rather than mislead.
+    if !engine.kernels.is_exact()
+        && !matches!(
+            model_type.as_str(),
+            "gemma4" | "gemma4_text" | "qwen3_5_moe" | "qwen3_5_moe_text"
+        )
+    {
+        return Err(ModelError::Config(format!(
+            "--kernels {} (int8 prefill) is checked only for Gemma 4 and Qwen 3.6; on {model_type} \
+             it is far from the reference: use --kernels avx512 (or auto)",
+            engine.kernels.name()
+        )));
+    }
     let cuda = |n: usize, engine: &Engine| {
         mference_cuda::CudaBackend::new(n, engine.map.clone())
             .map_err(|e| ModelError::Device(format!("cuda:{n}: {e}")))
