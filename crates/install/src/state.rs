@@ -23,7 +23,8 @@ pub struct VerifySummary {
 /// Rehash every file listed in the manifest (and the manifest), check the structure
 /// ([`Install::open`]), and rewrite `verified-install.json` bound to `dir`. Errors:
 /// [`InstallError::PartialInstall`] for `<out>.partial`, or for `<out>` while only a saved
-/// partial install (or its journal) is there.
+/// partial install (or its journal) is there; [`InstallError::NotAnInstall`] for a directory with
+/// no manifest at all.
 pub fn verify(dir: &Path) -> Result<VerifySummary, InstallError> {
     let paths = OutPaths::new(&strip_partial(dir))?;
     if (strip_partial(dir) != dir || !paths.out.exists())
@@ -33,6 +34,18 @@ pub fn verify(dir: &Path) -> Result<VerifySummary, InstallError> {
             path: dir.to_path_buf(),
             hint: resume_hint(&paths),
             out: paths.out,
+        });
+    }
+    // Nothing of an install here (a damaged install with files but no manifest is reported as
+    // incomplete below).
+    if dir.is_dir()
+        && !dir.join(MANIFEST_FILE).exists()
+        && !dir.join(mference_format::WEIGHTS_FILE).exists()
+    {
+        return Err(InstallError::NotAnInstall {
+            path: dir.to_path_buf(),
+            detail: "no manifest.json, no model_weights.bin, no partial install and no journal"
+                .into(),
         });
     }
     let dir = std::fs::canonicalize(dir).map_err(|e| InstallError::io("cannot open", dir, e))?;

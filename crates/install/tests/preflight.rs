@@ -178,3 +178,13 @@ fn loader_checks_are_typed_errors() {
     let ok = Install::open(&out, VerifyPolicy::TrustedReceipt).unwrap();
     assert!(ok.check_layer_file(1).is_ok());
 }
+
+/// `verify` on a directory that holds nothing of an install says so (it said the install was
+/// incomplete and to reinstall it).
+#[test]
+fn verify_of_a_directory_that_is_no_install_says_so() {
+    let tmp = tempfile::tempdir().unwrap();
+    let err = mference_install::state::verify(tmp.path()).unwrap_err();
+    assert!(matches!(err, InstallError::NotAnInstall { .. }), "{err:?}");
+    assert!(err.to_string().contains("is not an install"), "{err}");
+}
