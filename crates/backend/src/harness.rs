@@ -651,69 +651,67 @@ fn attention_ops<B: Backend>(h: &mut Harness<B>, rng: &mut Rng) {
                     .ok("kv_clone", r)
                     .map(|c| (c, pos0, hk.clone(), hv.clone()));
             }
-            let k = rng.vec(t * nkv * d, 2.0);
-            let v = rng.vec(t * nkv * d, 1.0);
-            let q = rng.vec(t * nh * d, 2.0);
-            hk.extend(kv_rounded(dtype, &k));
-            hv.extend(kv_rounded(dtype, &v));
-            let (Some(kt), Some(vt), Some(qt)) =
-                (h.up(&k, nkv * d), h.up(&v, nkv * d), h.up(&q, nh * d))
-            else {
+            let name = format!(
+                "attention {dtype:?} window {window:?} heads {nh}/{nkv} sinks {sinks} at {pos0}"
+            );
+            let rows = (&mut hk, &mut hv);
+            if !write_and_attend(h, rng, &mut kv, rows, pos0, t, &shape, dtype, &name) {
                 return;
-            };
-            let r = h.be.kv_write(&mut kv, pos0, &kt, &vt);
-            if h.ok("kv_write", r).is_none() {
-                return;
-            }
-            let r = h.be.attention(&qt, &kv, pos0, &shape);
-            if let Some(o) = h.ok("attention", r) {
-                let want = refr::attention(&q, &hk, &hv, pos0, &shape);
-                let budget = if dtype == KvDtype::F16 {
-                    F16_KV_REL
-                } else {
-                    EXACT_REL
-                };
-                if let Some(got) = h.read(&o) {
-                    let name = format!("attention {dtype:?} window {window:?} heads {nh}/{nkv} sinks {sinks} at {pos0}");
-                    h.expect_close(&name, &got, &want, budget);
-                }
             }
             pos0 += t;
         }
         // The copy still holds the state at its position, untouched by the later writes: a
         // row written there attends over exactly the rows the cache had then.
         if let Some((mut c, p, mut sk, mut sv)) = snap {
-            let (k, v, q) = (
-                rng.vec(nkv * d, 2.0),
-                rng.vec(nkv * d, 1.0),
-                rng.vec(nh * d, 2.0),
-            );
-            sk.extend(kv_rounded(dtype, &k));
-            sv.extend(kv_rounded(dtype, &v));
-            let (Some(kt), Some(vt), Some(qt)) =
-                (h.up(&k, nkv * d), h.up(&v, nkv * d), h.up(&q, nh * d))
-            else {
-                return;
-            };
-            let r = h.be.kv_write(&mut c, p, &kt, &vt);
-            if h.ok("kv_write", r).is_none() {
-                return;
-            }
-            let r = h.be.attention(&qt, &c, p, &shape);
-            if let Some(o) = h.ok("attention", r) {
-                let want = refr::attention(&q, &sk, &sv, p, &shape);
-                let budget = if dtype == KvDtype::F16 {
-                    F16_KV_REL
-                } else {
-                    EXACT_REL
-                };
-                if let Some(got) = h.read(&o) {
-                    let name = format!("kv_clone {dtype:?} window {window:?} at {p}");
-                    h.expect_close(&name, &got, &want, budget);
-                }
-            }
+            let name = format!("kv_clone {dtype:?} window {window:?} at {p}");
+            let rows = (&mut sk, &mut sv);
+            write_and_attend(h, rng, &mut c, rows, p, 1, &shape, dtype, &name);
         }
     }
+}
+
+/// Writes `t` random K/V rows at `pos0` into `kv` (and their stored values into the host copies
+/// `rows`), attends with `t` random queries and compares with the reference over the host rows.
+/// `false` when an op failed (recorded).
+#[allow(clippy::too_many_arguments)]
+fn write_and_attend<B: Backend>(
+    h: &mut Harness<B>,
+    rng: &mut Rng,
+    kv: &mut B::Kv,
+    (hk, hv): (&mut Vec<f32>, &mut Vec<f32>),
+    pos0: usize,
+    t: usize,
+    shape: &AttnShape,
+    dtype: KvDtype,
+    name: &str,
+) -> bool {
+    let (nh, nkv, d) = (shape.n_heads, shape.n_kv_heads, shape.head_dim);
+    let k = rng.vec(t * nkv * d, 2.0);
+    let v = rng.vec(t * nkv * d, 1.0);
+    let q = rng.vec(t * nh * d, 2.0);
+    hk.extend(kv_rounded(dtype, &k));
+    hv.extend(kv_rounded(dtype, &v));
+    let (Some(kt), Some(vt), Some(qt)) = (h.up(&k, nkv * d), h.up(&v, nkv * d), h.up(&q, nh * d))
+    else {
+        return false;
+    };
+    let r = h.be.kv_write(kv, pos0, &kt, &vt);
+    if h.ok("kv_write", r).is_none() {
+        return false;
+    }
+    let r = h.be.attention(&qt, kv, pos0, shape);
+    if let Some(o) = h.ok("attention", r) {
+        let want = refr::attention(&q, hk, hv, pos0, shape);
+        let budget = if dtype == KvDtype::F16 {
+            F16_KV_REL
+        } else {
+            EXACT_REL
+        };
+        if let Some(got) = h.read(&o) {
+            h.expect_close(name, &got, &want, budget);
+        }
+    }
+    true
 }
 
 fn recurrent_ops<B: Backend>(h: &mut Harness<B>, rng: &mut Rng) {
