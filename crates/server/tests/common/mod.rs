@@ -13,6 +13,7 @@ use mference_server::{PromptCacheMode, Server, ServerConfig, TextSide};
 use serde_json::Value;
 
 use mference_testkit::demo_install;
+use mference_testkit::http::post;
 
 pub const MODEL_ID: &str = "demo";
 
@@ -279,4 +280,61 @@ pub fn assert_warm_equals_cold(turn: usize, w: &Value, c: &Value, tol: f64) -> (
         .as_u64()
         .unwrap();
     (w["usage"]["prompt_tokens"].as_u64().unwrap(), cached)
+}
+
+/// A server on `dir` loaded with `opts`, with the prompt cache `cache`.
+pub fn start_install(
+    dir: &std::path::Path,
+    opts: &LoadOptions,
+    cache: PromptCacheMode,
+    model_id: &str,
+) -> Server {
+    let text = TextSide::load(dir).unwrap();
+    let model = mference_models::load(dir, opts)
+        .unwrap_or_else(|e| panic!("loading {}: {e}", dir.display()));
+    let cfg = ServerConfig {
+        prompt_cache: cache,
+        ..ServerConfig::new(model_id)
+    };
+    mference_server::start(model, text, cfg, "127.0.0.1:0".parse().unwrap()).unwrap()
+}
+
+/// The same greedy conversation (a novel-reader system prompt, a question and two follow-ups)
+/// sent to a warm server (single-prefix cache) and a cold one (cache off): every turn's reply must
+/// be the same ([`assert_warm_equals_cold`] with logprobs within `tol`). Returns each turn's
+/// `(prompt tokens, cached tokens)` on the warm server; the first turn reused nothing.
+pub fn warm_cold_conversation(
+    start: impl Fn(PromptCacheMode) -> Server,
+    model_id: &str,
+    max_tokens: u32,
+    tol: f64,
+) -> Vec<(u64, u64)> {
+    let warm = start(PromptCacheMode::SinglePrefix);
+    let cold = start(PromptCacheMode::Off);
+    let mut messages = vec![
+        serde_json::json!({"role": "system", "content": "You are a careful reader of old novels."}),
+        serde_json::json!({"role": "user", "content": "Who lives at Netherfield Park?"}),
+    ];
+    let follow_ups = ["And what of Mr. Darcy?", "Tell me about Longbourn."];
+    let mut seen = Vec::new();
+    for t in 0..=follow_ups.len() {
+        if t > 0 {
+            messages.push(serde_json::json!({"role": "user", "content": follow_ups[t - 1]}));
+        }
+        let body = serde_json::json!({"model": model_id, "messages": messages, "temperature": 0,
+            "max_tokens": max_tokens, "logprobs": true});
+        let (s, w) = post(warm.local_addr(), "/v1/chat/completions", &body);
+        assert_eq!(s, 200, "{w}");
+        let (s, c) = post(cold.local_addr(), "/v1/chat/completions", &body);
+        assert_eq!(s, 200, "{c}");
+        seen.push(assert_warm_equals_cold(t, &w, &c, tol));
+        messages.push(
+            serde_json::json!({"role": "assistant", "content": w["choices"][0]["message"]["content"]}),
+        );
+    }
+    eprintln!("(prompt, cached) per turn: {seen:?}");
+    assert_eq!(seen[0].1, 0, "nothing to reuse on the first request");
+    warm.shutdown();
+    cold.shutdown();
+    seen
 }
