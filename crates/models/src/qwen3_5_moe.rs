@@ -252,7 +252,7 @@ pub struct Qwen35Moe<B: Backend> {
     /// One per layer; `None` for full-attention layers.
     states: Vec<Option<DeltaState<B>>>,
     /// The DeltaNet states as they were at one earlier position ([`crate::Model::checkpoint`]).
-    snapshot: Option<(usize, Vec<Option<DeltaState<B>>>)>,
+    snapshot: crate::Snapshot<Vec<Option<DeltaState<B>>>>,
     streamers: Streamers,
 }
 
@@ -405,7 +405,7 @@ impl<B: Backend> Qwen35Moe<B> {
             layers,
             kv: KvCache::new(kv),
             states,
-            snapshot: None,
+            snapshot: crate::Snapshot::new(),
             streamers,
         })
     }
@@ -624,7 +624,7 @@ impl<B: Backend + 'static> crate::Model for Qwen35Moe<B> {
         }
         if n == 0 {
             // The snapshot described a prefix that is now gone.
-            self.snapshot = None;
+            self.snapshot.forget();
             self.kv.clear();
             for s in self.states.iter_mut().flatten() {
                 // A backend that cannot zero its state leaves the sequence unusable: refuse the cut.
@@ -636,25 +636,12 @@ impl<B: Backend + 'static> crate::Model for Qwen35Moe<B> {
             }
             return true;
         }
-        match &self.snapshot {
-            Some((pos, states)) if *pos == n && n <= self.kv.len && self.kv.truncate(n) => {
-                self.states.clone_from(states);
-                true
-            }
-            _ => false,
-        }
+        self.snapshot.is_at(n) && self.kv.truncate(n) && self.snapshot.restore(n, &mut self.states)
     }
 
     /// Copies the FP32 DeltaNet states (conv and recurrent; ~60 MiB on the 35B-A3B).
     fn checkpoint(&mut self) {
-        let pos = self.kv.len;
-        match &mut self.snapshot {
-            Some((p, states)) => {
-                *p = pos;
-                states.clone_from(&self.states);
-            }
-            None => self.snapshot = Some((pos, self.states.clone())),
-        }
+        self.snapshot.save(self.kv.len, &self.states);
     }
 
     fn is_recurrent(&self) -> bool {
@@ -662,11 +649,7 @@ impl<B: Backend + 'static> crate::Model for Qwen35Moe<B> {
     }
 
     fn rewind_point(&self, n: usize) -> usize {
-        match self.snapshot {
-            _ if n >= self.kv.len => self.kv.len,
-            Some((pos, _)) if pos <= n && pos <= self.kv.len => pos,
-            _ => 0,
-        }
+        self.snapshot.rewind_point(n, self.kv.len)
     }
 
     fn vocab_size(&self) -> usize {
