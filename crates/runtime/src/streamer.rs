@@ -355,13 +355,8 @@ impl ExpertStreamer {
                 continue;
             }
             let slot = self.victim().expect("capacity checked above");
-            let old = self.expert_in[slot];
-            if old >= 0 {
-                self.slot_of[old as usize] = -1;
-            }
+            self.assign(slot, e);
             self.prefetched[slot] = false;
-            self.expert_in[slot] = e as i32;
-            self.slot_of[e] = slot as i16;
             self.pinned[slot] = true;
             self.stats.misses += 1;
             self.stats.bytes_read += self.stride as u64;
@@ -371,23 +366,7 @@ impl ExpertStreamer {
         if !misses.is_empty() {
             // Reads of an earlier batch may still target other slots; they stay tracked until `wait`.
             self.wait()?;
-            let b = Arc::new(Batch {
-                remaining: Mutex::new(misses.len()),
-                done: Condvar::new(),
-                error: Mutex::new(None),
-            });
-            let base = self.slab.as_mut_ptr() as usize;
-            for &(e, slot) in &misses {
-                self.io.submit(Job {
-                    file: Arc::clone(&self.file),
-                    offset: (e * self.stride) as u64,
-                    len: self.stride,
-                    dst: base + slot * self.stride,
-                    expert: e,
-                    batch: Arc::clone(&b),
-                });
-            }
-            batch = Some(b);
+            batch = Some(self.submit_reads(&misses));
         }
         if batch.is_some() {
             self.pending = batch;
@@ -445,12 +424,7 @@ impl ExpertStreamer {
                 continue;
             }
             let Some(slot) = self.victim() else { break };
-            let old = self.expert_in[slot];
-            if old >= 0 {
-                self.slot_of[old as usize] = -1;
-            }
-            self.expert_in[slot] = e as i32;
-            self.slot_of[e] = slot as i16;
+            self.assign(slot, e);
             self.landing[slot] = true;
             self.prefetched[slot] = true;
             jobs.push((e, slot));
@@ -458,22 +432,7 @@ impl ExpertStreamer {
         if jobs.is_empty() {
             return 0;
         }
-        let b = Arc::new(Batch {
-            remaining: Mutex::new(jobs.len()),
-            done: Condvar::new(),
-            error: Mutex::new(None),
-        });
-        let base = self.slab.as_mut_ptr() as usize;
-        for &(e, slot) in &jobs {
-            self.io.submit(Job {
-                file: Arc::clone(&self.file),
-                offset: (e * self.stride) as u64,
-                len: self.stride,
-                dst: base + slot * self.stride,
-                expert: e,
-                batch: Arc::clone(&b),
-            });
-        }
+        let b = self.submit_reads(&jobs);
         self.stats.prefetch_reads += jobs.len() as u64;
         self.stats.bytes_read += (jobs.len() * self.stride) as u64;
         self.prefetching = Some((b, jobs.iter().map(|&(_, s)| s).collect()));
@@ -530,6 +489,37 @@ impl ExpertStreamer {
             Some(map) => &map[slot * self.stride..(slot + 1) * self.stride],
             None => &self.slab.bytes()[slot * self.stride..(slot + 1) * self.stride],
         }
+    }
+
+    /// Puts expert `e` in `slot`, evicting the expert the slot held.
+    fn assign(&mut self, slot: usize, e: usize) {
+        let old = self.expert_in[slot];
+        if old >= 0 {
+            self.slot_of[old as usize] = -1;
+        }
+        self.expert_in[slot] = e as i32;
+        self.slot_of[e] = slot as i16;
+    }
+
+    /// Submits one pread per `(expert, slot)` to the I/O pool, as one batch.
+    fn submit_reads(&mut self, reads: &[(usize, usize)]) -> Arc<Batch> {
+        let b = Arc::new(Batch {
+            remaining: Mutex::new(reads.len()),
+            done: Condvar::new(),
+            error: Mutex::new(None),
+        });
+        let base = self.slab.as_mut_ptr() as usize;
+        for &(e, slot) in reads {
+            self.io.submit(Job {
+                file: Arc::clone(&self.file),
+                offset: (e * self.stride) as u64,
+                len: self.stride,
+                dst: base + slot * self.stride,
+                expert: e,
+                batch: Arc::clone(&b),
+            });
+        }
+        b
     }
 
     /// Free slot first, otherwise the unpinned slot whose expert has the lowest use count, the least
