@@ -161,6 +161,19 @@ pub fn attention(q: &[f32], k: &[f32], v: &[f32], pos0: usize, s: &AttnShape) ->
     attention_with(q, k, v, pos0, s, &|_, _, _| 0.0, &|_| 1.0)
 }
 
+/// Softmax weights of `scores`, with an optional sink logit in the denominator only (a sink
+/// takes probability mass but contributes no value).
+fn sink_softmax(scores: &[f64], sink: Option<f64>) -> Vec<f64> {
+    let m = scores
+        .iter()
+        .copied()
+        .chain(sink)
+        .fold(f64::NEG_INFINITY, f64::max);
+    let z: f64 =
+        scores.iter().map(|x| (x - m).exp()).sum::<f64>() + sink.map_or(0.0, |sv| (sv - m).exp());
+    scores.iter().map(|x| (x - m).exp() / z).collect()
+}
+
 /// [`attention`] with Inkling's relative-position bias: query row `r` (position `p`), head `h`,
 /// key `j` gets `Σ_i rel[r, h, i] · proj[i, p − j]` when `p − j < extent`, and the logits of
 /// position `p` are multiplied by `τ_p` on global layers.
@@ -225,20 +238,13 @@ fn attention_with(
                     tau(p) * (dot * s.scale as f64 + bias(r, h, p - j))
                 })
                 .collect();
-            let sink = s.sinks.as_ref().map(|v| v[h] as f64);
-            let m = scores
-                .iter()
-                .copied()
-                .chain(sink)
-                .fold(f64::NEG_INFINITY, f64::max);
-            let z: f64 = scores.iter().map(|x| (x - m).exp()).sum::<f64>()
-                + sink.map_or(0.0, |sv| (sv - m).exp());
+            let w = sink_softmax(&scores, s.sinks.as_ref().map(|v| v[h] as f64));
             let o = &mut out[(r * nh + h) * d..(r * nh + h + 1) * d];
             for (i, oi) in o.iter_mut().enumerate() {
-                *oi = scores
+                *oi = w
                     .iter()
                     .zip(lo..=p)
-                    .map(|(sc, j)| (sc - m).exp() / z * v[(j * nkv + kvh) * d + i] as f64)
+                    .map(|(wj, j)| wj * v[(j * nkv + kvh) * d + i] as f64)
                     .sum::<f64>() as f32;
             }
         }
@@ -643,21 +649,10 @@ pub fn attention_sparse(
                     qh.iter().zip(kr).map(|(&a, b)| a as f64 * b).sum::<f64>() * s.scale as f64
                 })
                 .collect();
-            let sink = s.sinks.as_ref().map(|sv| sv[h] as f64);
-            let m = scores
-                .iter()
-                .copied()
-                .chain(sink)
-                .fold(f64::NEG_INFINITY, f64::max);
-            let z: f64 = scores.iter().map(|x| (x - m).exp()).sum::<f64>()
-                + sink.map_or(0.0, |sv| (sv - m).exp());
+            let w = sink_softmax(&scores, s.sinks.as_ref().map(|sv| sv[h] as f64));
             let o = &mut out[(r * nh + h) * d..(r * nh + h + 1) * d];
             for (i, oi) in o.iter_mut().enumerate() {
-                *oi = scores
-                    .iter()
-                    .zip(&vals)
-                    .map(|(sc, vr)| (sc - m).exp() / z * vr[i])
-                    .sum::<f64>() as f32;
+                *oi = w.iter().zip(&vals).map(|(wj, vr)| wj * vr[i]).sum::<f64>() as f32;
             }
         }
     }
