@@ -65,6 +65,27 @@ pub enum Weights<'a> {
     Resident,
     /// An expert blob (`expertStride` bytes); [`QRef`] offsets are inside it.
     Blob(&'a [u8]),
+    /// Expert `expert` of MoE layer `layer`, in the backend's own expert cache (a GPU slot):
+    /// only what [`Backend::held_experts`] or [`Backend::load_expert`] said is held.
+    Held {
+        layer: usize,
+        expert: usize,
+    },
+}
+
+/// Counters of a backend's own expert cache (a GPU slot slab) since load.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct DeviceExpertStats {
+    /// Slots per MoE layer, and their bytes over all layers.
+    pub slots_per_layer: usize,
+    pub slab_bytes: u64,
+    /// Uses served from a device slot / copied in from a host slot.
+    pub hits: u64,
+    pub misses: u64,
+    /// Bytes copied host → device for misses.
+    pub h2d_bytes: u64,
+    /// Time the host thread spent waiting for those copies to leave the host slots.
+    pub copy_wait: std::time::Duration,
 }
 
 /// The scale of an RMSNorm `x · rsqrt(mean(x²) + eps) · s` (mlx `fast.rms_norm`).
@@ -252,6 +273,46 @@ pub trait Backend: Send + Sync + Sized {
             backend: self.name(),
             op,
         }
+    }
+
+    // ---- the backend's own expert cache (a GPU slot slab; `moe::routed_experts`) -------------
+
+    /// Which of the distinct `experts` of MoE layer `layer` the backend holds in its own memory,
+    /// each counted as one use. Held experts are computed from [`Weights::Held`] and are not
+    /// asked of the host streamer. Default: none (the CPU computes from the host slots).
+    fn held_experts(&self, layer: usize, experts: &[usize]) -> OpResult<Vec<bool>> {
+        Ok(vec![false; experts.len()])
+    }
+    /// The weights to compute expert `expert` of `layer` from, given its bytes in a host slot.
+    /// A backend with its own cache starts copying `blob` into a slot of it and returns
+    /// [`Weights::Held`]; `blob` must then stay unchanged until
+    /// [`expert_copies_done`](Backend::expert_copies_done). Default: `blob` itself.
+    fn load_expert<'a>(
+        &self,
+        layer: usize,
+        expert: usize,
+        blob: &'a [u8],
+    ) -> OpResult<Weights<'a>> {
+        Ok(Weights::Blob(blob))
+    }
+    /// Waits until every copy [`load_expert`](Backend::load_expert) started has left its host
+    /// slot, so the host streamer may refill it. Default: nothing to wait for.
+    fn expert_copies_done(&self) -> OpResult<()> {
+        Ok(())
+    }
+    /// Shows the backend the host slot memory of `layer`'s streamer (called on every MoE step;
+    /// a GPU backend page-locks it once, so copies from it run at full bus speed).
+    fn attach_host_slots(&self, layer: usize, slots: &[u8]) -> OpResult<()> {
+        Ok(())
+    }
+    /// The counters of the backend's own expert cache, if it has one.
+    fn device_expert_stats(&self) -> Option<DeviceExpertStats> {
+        None
+    }
+    /// Allocates the backend's own expert cache from what memory is left (called once the
+    /// weights and the KV cache are placed; later calls do nothing). Default: nothing to size.
+    fn size_expert_cache(&self) -> OpResult<()> {
+        Ok(())
     }
 
     // ---- data in and out -------------------------------------------------------------------

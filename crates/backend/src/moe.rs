@@ -2,7 +2,9 @@
 //! (`shared/docs/DESIGN.md` §4–5): plan the router's experts against the layer's slot cache in
 //! tiles, compute the experts already cached while the misses are read, start the next tile's
 //! reads before computing this tile's misses, and combine in expert order, so the result never
-//! depends on which experts happened to be cached or on the slot count.
+//! depends on which experts happened to be cached or on the slot count. A backend with its own
+//! expert cache (GPU slots) is asked first: experts it holds are computed before any host read,
+//! the others are copied in from the host slots as they land.
 
 use mference_runtime::{ExpertStreamer, RuntimeError};
 
@@ -32,7 +34,17 @@ where
     B: Backend,
     E: From<OpError> + From<RuntimeError>,
 {
-    let needed: Vec<usize> = routes.experts.keys().copied().collect();
+    let layer = streamer.layer();
+    be.attach_host_slots(layer, streamer.slot_memory())?;
+    let routed: Vec<usize> = routes.experts.keys().copied().collect();
+    // Experts the backend holds in its own memory (GPU slots) never reach the host streamer.
+    let held = be.held_experts(layer, &routed)?;
+    let needed: Vec<usize> = routed
+        .iter()
+        .zip(&held)
+        .filter(|(_, &h)| !h)
+        .map(|(&e, _)| e)
+        .collect();
     let tile = if x.rows() == 1 {
         needed.len().max(1)
     } else {
@@ -45,20 +57,28 @@ where
     };
     let (carry, mut acc) = meanwhile()?;
 
-    let run = |e: usize, blob: &[u8]| -> Result<B::Tensor, OpError> {
+    let run = |e: usize, w: Weights| -> Result<B::Tensor, OpError> {
         let rows: Vec<usize> = routes.experts[&e].iter().map(|&(r, _)| r).collect();
         let xe = be.gather_rows(x, &rows)?;
-        be.glu_mlp(experts, act, Weights::Blob(blob), &xe)
+        be.glu_mlp(experts, act, w, &xe)
     };
-    let mut out: Vec<Option<B::Tensor>> = (0..=needed.last().copied().unwrap_or(0))
+    let mut out: Vec<Option<B::Tensor>> = (0..=routed.last().copied().unwrap_or(0))
         .map(|_| None)
         .collect();
+    // Held experts first: their bytes are in place while the host reads the rest.
+    for (&e, _) in routed.iter().zip(&held).filter(|(_, &h)| h) {
+        out[e] = Some(run(e, Weights::Held { layer, expert: e })?);
+    }
+    let from_host = |e: usize, blob: &[u8]| -> Result<B::Tensor, OpError> {
+        let w = be.load_expert(layer, e, blob)?;
+        run(e, w)
+    };
     for (ti, tl) in tiles.iter().enumerate() {
         let slots = next_slots.take().expect("tile acquired one step ahead");
         // Hits are in memory already: compute them while this tile's misses are read.
         for (&e, &(slot, hit)) in tl.iter().zip(&slots) {
             if hit {
-                out[e] = Some(run(e, streamer.blob(slot))?);
+                out[e] = Some(from_host(e, streamer.blob(slot))?);
             }
         }
         streamer.wait()?;
@@ -67,9 +87,11 @@ where
         }
         for (&e, &(slot, hit)) in tl.iter().zip(&slots) {
             if !hit {
-                out[e] = Some(run(e, streamer.blob(slot))?);
+                out[e] = Some(from_host(e, streamer.blob(slot))?);
             }
         }
+        // The host slots may be refilled once the copies out of them are done.
+        be.expert_copies_done()?;
         streamer.release(tl);
     }
     for (e, rows) in &routes.experts {

@@ -71,6 +71,15 @@ pub struct BenchArgs {
     /// Where the ops run: cpu, cuda, cuda:N, or auto.
     #[arg(long, default_value = "cpu")]
     pub device: String,
+    /// CUDA: device memory for routed experts: auto, resident, or bytes (24G, 512M).
+    #[arg(long, default_value = "auto")]
+    pub gpu_expert_budget: String,
+    /// The host tier below the GPU slots, in bytes over all layers (instead of --slots).
+    #[arg(long, conflicts_with = "slots")]
+    pub host_expert_cache: Option<String>,
+    /// CUDA tests: every expert use a GPU miss.
+    #[arg(long, hide = true)]
+    pub gpu_force_miss: bool,
     /// Replay this recorded expert routing (`.npy`, uint8 [tokens, layers, top_k], e.g.
     /// assets/traces/gemma4-26b-a4b-routing.npy) as the routers' choice: realistic cache hit rates
     /// on synthetic checkpoints, whose random routers pick near-uniformly.
@@ -230,7 +239,6 @@ fn spawn_child(exe: &std::path::Path, a: &BenchArgs, n: usize) -> Result<Value> 
     cmd.arg("bench")
         .arg("--model")
         .arg(&a.model)
-        .args(["--slots", &a.slots])
         .args(["--prefill-chunk", &a.prefill_chunk])
         .args(["--ctx", &a.ctx.to_string()])
         .args(["--gen", &a.gen.to_string()])
@@ -239,6 +247,7 @@ fn spawn_child(exe: &std::path::Path, a: &BenchArgs, n: usize) -> Result<Value> 
         .args(["--verify", &a.verify])
         .args(["--kernels", &a.kernels])
         .args(["--device", &a.device])
+        .args(["--gpu-expert-budget", &a.gpu_expert_budget])
         .args(["--shadow-prefetch", &a.shadow_prefetch])
         .args(["--child", &n.to_string()]);
     if let Some(t) = &a.routing_trace {
@@ -252,6 +261,13 @@ fn spawn_child(exe: &std::path::Path, a: &BenchArgs, n: usize) -> Result<Value> 
     }
     if a.flash_head {
         cmd.arg("--flash-head");
+    }
+    match &a.host_expert_cache {
+        Some(h) => cmd.args(["--host-expert-cache", h]),
+        None => cmd.args(["--slots", &a.slots]),
+    };
+    if a.gpu_force_miss {
+        cmd.arg("--gpu-force-miss");
     }
     let out = cmd
         .stderr(std::process::Stdio::inherit())
@@ -321,13 +337,20 @@ fn child(a: &BenchArgs, n: usize) -> Result<Value> {
     let chunk = crate::run_cmd::parse_prefill_chunk(&a.prefill_chunk, Some(n))?;
     let margs = ModelArgs {
         model: a.model.clone(),
-        expert_cache_slots: a.slots.clone(),
+        // `--host-expert-cache` sizes the host slots itself (clap refuses it beside --slots).
+        expert_cache_slots: match a.host_expert_cache {
+            Some(_) => "auto".into(),
+            None => a.slots.clone(),
+        },
         verify: a.verify.clone(),
         direct_io: a.direct_io,
         threads: a.threads,
         kv_cache: "f16".into(),
         kernels: a.kernels.clone(),
         device: a.device.clone(),
+        gpu_expert_budget: a.gpu_expert_budget.clone(),
+        host_expert_cache: a.host_expert_cache.clone(),
+        gpu_force_miss: a.gpu_force_miss,
         flash_head: a.flash_head,
     };
     let mut opts = load_options(&margs, chunk, a.ctx)?;
@@ -350,6 +373,7 @@ fn child(a: &BenchArgs, n: usize) -> Result<Value> {
     let prefill_s = t0.elapsed().as_secs_f64();
     let mut finite = last.iter().all(|v| v.is_finite());
     let after_prefill = sum(&model.expert_stats());
+    let gpu_prefill = model.device_expert_stats().unwrap_or_default();
 
     let mut next = argmax(&last);
     let mut generated = vec![next];
@@ -386,6 +410,7 @@ fn child(a: &BenchArgs, n: usize) -> Result<Value> {
     }
     let decode_s = t1.elapsed().as_secs_f64();
     let total = sum(&model.expert_stats());
+    let gpu = model.device_expert_stats();
     let steps = (a.gen - 1) as f64;
     let dec_hits = total.hits - after_prefill.hits;
     let dec_misses = total.misses - after_prefill.misses;
@@ -399,6 +424,19 @@ fn child(a: &BenchArgs, n: usize) -> Result<Value> {
         }
     };
     let per = |x: f64| if steps > 0.0 { x / steps } else { 0.0 };
+    // The GPU expert slots (CUDA only): decode hit rate, host-to-device bytes and the wait for
+    // those copies per token.
+    let gpu_json = gpu.map(|g| {
+        json!({
+            "slots_per_layer": g.slots_per_layer,
+            "slab_bytes": g.slab_bytes,
+            "prefill_hit_rate": rate(gpu_prefill.hits, gpu_prefill.misses),
+            "prefill_h2d_bytes": gpu_prefill.h2d_bytes,
+            "hit_rate": rate(g.hits - gpu_prefill.hits, g.misses - gpu_prefill.misses),
+            "h2d_bytes_per_token": per((g.h2d_bytes - gpu_prefill.h2d_bytes) as f64),
+            "copy_wait_per_token_s": per((g.copy_wait - gpu_prefill.copy_wait).as_secs_f64()),
+        })
+    });
     Ok(json!({
         "pid": std::process::id(),
         "prompt_tokens": n,
@@ -437,6 +475,7 @@ fn child(a: &BenchArgs, n: usize) -> Result<Value> {
         "kernels": model.engine().kernels.name(),
         "routing": model.engine().routing(),
         "device": model.engine().device,
+        "gpu_expert_cache": gpu_json,
     }))
 }
 
@@ -452,6 +491,24 @@ fn median(mut v: Vec<f64>) -> f64 {
 fn median_row(name: &str, runs: &[Value]) -> Value {
     let mine: Vec<&Value> = runs.iter().filter(|r| r["prompt"] == name).collect();
     let m = |k: &str| median(mine.iter().filter_map(|r| r[k].as_f64()).collect());
+    let g = |k: &str| {
+        median(
+            mine.iter()
+                .filter_map(|r| r["gpu_expert_cache"][k].as_f64())
+                .collect(),
+        )
+    };
+    let gpu = if mine[0]["gpu_expert_cache"].is_object() {
+        json!({
+            "slots_per_layer": mine[0]["gpu_expert_cache"]["slots_per_layer"],
+            "prefill_hit_rate": g("prefill_hit_rate"),
+            "hit_rate": g("hit_rate"),
+            "h2d_bytes_per_token": g("h2d_bytes_per_token"),
+            "copy_wait_per_token_s": g("copy_wait_per_token_s"),
+        })
+    } else {
+        Value::Null
+    };
     json!({
         "prompt": name,
         "runs": mine.len(),
@@ -468,6 +525,7 @@ fn median_row(name: &str, runs: &[Value]) -> Value {
         "bytes_per_token": m("bytes_per_token"),
         "read_wait_per_token_s": m("read_wait_per_token_s"),
         "compute_per_token_s": m("compute_per_token_s"),
+        "gpu_expert_cache": gpu,
         "finite": mine.iter().all(|r| r["finite"] == true),
     })
 }

@@ -226,7 +226,7 @@ pub fn logits(a: LogitsArgs) -> Result<()> {
         ids.len(),
         a.mode,
         model.engine().kernels.name(),
-        model.engine().device,
+        model.device(),
         t0.elapsed().as_secs_f64()
     );
     Ok(())

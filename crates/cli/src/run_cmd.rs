@@ -45,10 +45,22 @@ pub struct ModelArgs {
     #[arg(long, default_value = "auto")]
     pub kernels: String,
     /// Where the ops run: cpu, cuda, cuda:N, or auto (the first CUDA device when a driver and
-    /// NVRTC are present, else the CPU). The CUDA backend is a first slice: every op on the GPU,
-    /// expert blobs copied to it per use (no GPU expert cache yet).
+    /// NVRTC are present, else the CPU). On CUDA, routed experts live in GPU slots
+    /// (--gpu-expert-budget) fed from the host tier.
     #[arg(long, default_value = "cpu")]
     pub device: String,
+    /// CUDA: device memory for routed experts, over all layers: auto (what is free after the
+    /// weights and KV, less 1 GiB or 5%; at least 3 x top-k slots per layer), resident (every
+    /// expert), or bytes (24G, 512M; at least top-k slots per layer).
+    #[arg(long, default_value = "auto")]
+    pub gpu_expert_budget: String,
+    /// The host tier below the GPU slots (page-locked on CUDA), in bytes over all layers (16G,
+    /// 512M); instead of --expert-cache-slots.
+    #[arg(long)]
+    pub host_expert_cache: Option<String>,
+    /// CUDA tests: count every expert use as a GPU miss and copy it in again.
+    #[arg(long, hide = true)]
+    pub gpu_force_miss: bool,
     /// Maple only: FlashHead in single-token decode (score the centroids, exact logits for the
     /// probed clusters and the forced tokens, the rest -inf; approximate). Prefill keeps the exact
     /// head.
@@ -321,15 +333,28 @@ fn resolve_slots(
     max_context: usize,
 ) -> Result<(CacheSlots, bool)> {
     if m.expert_cache_slots != "auto" {
+        if m.host_expert_cache.is_some() {
+            bail!("give one of --expert-cache-slots and --host-expert-cache, not both");
+        }
         let s = CacheSlots::parse(&m.expert_cache_slots).map_err(anyhow::Error::msg)?;
         return Ok((s, m.direct_io));
     }
+    let host_bytes = match &m.host_expert_cache {
+        Some(v) => match mference_models::GpuExpertBudget::parse(v) {
+            Ok(mference_models::GpuExpertBudget::Bytes(b)) => Some(b),
+            _ => bail!("invalid --host-expert-cache '{v}': expected bytes such as 16G or 512M"),
+        },
+        None => None,
+    };
     let dir = &m.model;
     let Ok(bytes) = std::fs::read(dir.join("manifest.json")) else {
         // Not an install: the load reports it.
         return Ok((CacheSlots::Resident, m.direct_io));
     };
     let man = mference_format::Manifest::parse(&bytes)?;
+    if let Some(b) = host_bytes {
+        return Ok((host_tier_slots(&man, b)?, m.direct_io));
+    }
     let size = |prefix: &str| -> u64 {
         man.files
             .iter()
@@ -394,6 +419,32 @@ fn resolve_slots(
         gb(input.expert_files),
     );
     Ok((s.slots, s.direct_io || m.direct_io))
+}
+
+/// Slots per layer for `--host-expert-cache BYTES`: the bytes over every expert layer, at least
+/// top-k per layer (one token's experts), at most every expert.
+fn host_tier_slots(man: &mference_format::Manifest, bytes: u64) -> Result<CacheSlots> {
+    let layers = man
+        .files
+        .keys()
+        .filter(|k| k.starts_with("packed_experts/layer_"))
+        .count() as u64;
+    let per_slot = man.expert_stride * layers.max(1);
+    let n = (bytes / per_slot) as usize;
+    let top_k = man.arch.top_k_experts as usize;
+    if n < top_k {
+        bail!(
+            "--host-expert-cache {bytes} bytes holds {n} experts per layer over {layers} layers, \
+             fewer than top-k = {top_k}: give at least {} bytes",
+            top_k as u64 * per_slot
+        );
+    }
+    let n = n.min(man.experts_per_layer);
+    eprintln!(
+        "[host expert cache: {n} slots per layer ({:.2} GB over {layers} layers)]",
+        (n as u64 * per_slot) as f64 / 1e9
+    );
+    Ok(CacheSlots::Fixed(n))
 }
 
 /// Bytes this process can use and where that number comes from: MemAvailable, lowered to the
@@ -474,6 +525,9 @@ pub(crate) fn load_options(
         kernels: kernels(&m.kernels)?,
         kv_dtype: KvDtype::parse(&m.kv_cache).map_err(anyhow::Error::msg)?,
         device: mference_models::Device::parse(&m.device).map_err(anyhow::Error::msg)?,
+        gpu_expert_budget: mference_models::GpuExpertBudget::parse(&m.gpu_expert_budget)
+            .map_err(|e| anyhow::anyhow!("--gpu-expert-budget: {e}"))?,
+        gpu_force_miss: m.gpu_force_miss,
         flash_head: m.flash_head,
         ..Default::default()
     };
@@ -711,7 +765,7 @@ pub fn run(a: RunArgs) -> Result<()> {
             "[loaded {} (tokenizer, checks, weights) in {:.2}s, device {}]",
             a.model.model.display(),
             t0.elapsed().as_secs_f64(),
-            model.engine().device,
+            model.device(),
         );
     }
     let stdout = std::io::stdout();
@@ -954,7 +1008,7 @@ pub fn perplexity(a: PerplexityArgs) -> Result<()> {
         count,
         nll / count as f64,
         t0.elapsed().as_secs_f64(),
-        model.engine().device,
+        model.device(),
         model.engine().kernels.name()
     );
     Ok(())

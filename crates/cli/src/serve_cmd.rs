@@ -100,7 +100,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     let loaded = t0.elapsed().as_secs_f64();
     eprintln!(
         "[model on {}; {files} expert layer files checked: {}]",
-        model.engine().device,
+        model.device(),
         match install.policy() {
             mference_format::VerifyPolicy::FullSha256 => "sha256",
             mference_format::VerifyPolicy::TrustedReceipt => "sizes (trusted-receipt)",

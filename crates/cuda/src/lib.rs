@@ -8,16 +8,20 @@
 //!   dynamically: the crate builds and its tests run on a machine without CUDA.
 //! - Buffers: the resident bytes (`model_weights.bin`) are copied to the device once, and
 //!   [`QRef`] / [`VRef`] offsets index that copy, so [`Weights::Resident`] reads no host data.
-//!   [`Weights::Blob`] (an expert slot of the host streamer) is copied to a device staging buffer
-//!   on every call: this first slice has no GPU slot cache yet.
+//!   With [`CudaBackend::with_expert_cache`], routed experts live in GPU slots (`experts.rs`:
+//!   `--gpu-expert-budget`, LFU as on the CPU, misses copied in from the page-locked host slots
+//!   on a copy stream ordered by events); without it, a [`Weights::Blob`] is copied to a device
+//!   staging buffer on every call.
 //! - Activations are [`CudaTensor`]s (`CudaSlice<f32>` + shape), the KV cache a [`CudaKv`]
 //!   (device K and V, FP16 or FP32, ring or linear, indexed as `mference_runtime::KvLayer`),
 //!   recurrent state a [`CudaState`].
 //! - Device → host copies happen only in `read`, `all_finite`, `head_argmax` and `route`.
 
 mod compile;
+mod experts;
 
 pub use compile::default_cache_dir;
+pub use experts::{auto_margin, ExpertCacheOptions, ExpertGeometry, GpuExpertBudget};
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
@@ -28,10 +32,12 @@ use cudarc::driver::{
     LaunchConfig, PushKernelArg,
 };
 use cudarc::nvrtc::Ptx;
+use experts::{CacheError, GpuExperts};
 use mference_backend::cpu::ResidentBytes;
 use mference_backend::{
-    check, check_forced, Act, AttnShape, Backend, DeltaShape, KvDtype, KvState, Mlp, Norm, OpError,
-    OpResult, QRef, Rope, RopeStyle, RouterSpec, Routes, Scoring, Tensor, Unary, VRef, Weights,
+    check, check_forced, Act, AttnShape, Backend, DeltaShape, DeviceExpertStats, KvDtype, KvState,
+    Mlp, Norm, OpError, OpResult, QRef, Rope, RopeStyle, RouterSpec, Routes, Scoring, Tensor,
+    Unary, VRef, Weights,
 };
 
 /// Why the CUDA backend could not start. Each names what is missing and what to do.
@@ -205,6 +211,8 @@ pub struct CudaBackend {
     staging: Mutex<Option<CudaSlice<u8>>>,
     /// Host constants already uploaded, by their bit patterns.
     consts: Mutex<Vec<Constant>>,
+    /// The GPU expert slots ([`CudaBackend::with_expert_cache`]).
+    experts: Option<Mutex<GpuExperts>>,
     name: String,
     origin: KernelOrigin,
 }
@@ -333,9 +341,40 @@ impl CudaBackend {
             resident,
             staging: Mutex::new(None),
             consts: Mutex::new(Vec::new()),
+            experts: None,
             name: format!("cuda:{device_ordinal} {dev} {}", target.arch),
             origin,
         })
+    }
+
+    /// Keeps routed experts in GPU slots (sized on the first MoE step from `opts.budget`), fed
+    /// from the host streamer's slots on a copy stream of their own.
+    ///
+    /// Errors: the copy stream cannot be created.
+    pub fn with_expert_cache(mut self, opts: ExpertCacheOptions) -> Result<Self, CudaError> {
+        let cache = GpuExperts::new(self.stream.context(), opts)
+            .map_err(driver("cuStreamCreate (expert copies)"))?;
+        self.experts = Some(Mutex::new(cache));
+        Ok(self)
+    }
+
+    fn cache_err(&self, op: &'static str, e: CacheError) -> OpError {
+        let why = match e {
+            CacheError::Driver(what, err) => format!("{what}: {err}"),
+            CacheError::Refused(why) => why,
+        };
+        OpError::Device {
+            backend: self.name.clone(),
+            op,
+            why,
+        }
+    }
+
+    /// The expert cache, locked; `None` without one.
+    fn cache(&self) -> Option<std::sync::MutexGuard<'_, GpuExperts>> {
+        self.experts
+            .as_ref()
+            .map(|m| m.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
     /// Where the kernels came from (cache entry or a fresh compile).
@@ -434,16 +473,32 @@ impl CudaBackend {
         Ok(off as u64)
     }
 
-    /// Runs `f` on the device buffer that `src` names: the resident copy, or the staging buffer
-    /// after copying the blob into it.
+    /// Runs `f` on the device address and valid length of the bytes `src` names: the resident
+    /// copy, a GPU expert slot, or the staging buffer after copying the blob into it.
     fn with_weights<R>(
         &self,
         op: &'static str,
         src: Weights,
-        f: impl FnOnce(&CudaSlice<u8>, usize) -> OpResult<R>,
+        f: impl FnOnce(u64, usize) -> OpResult<R>,
     ) -> OpResult<R> {
         match src {
-            Weights::Resident => f(&self.resident, self.resident.len()),
+            Weights::Resident => f(self.addr(&self.resident), self.resident.len()),
+            Weights::Held { layer, expert } => {
+                let Some(cache) = self.cache() else {
+                    return Err(OpError::Shape {
+                        op,
+                        why: format!("expert {expert} of layer {layer}: no GPU expert cache"),
+                    });
+                };
+                let (addr, slot) = cache
+                    .slot_addr(&self.stream, layer, expert)
+                    .map_err(|e| self.cache_err(op, e))?;
+                let r = f(addr, cache.stride());
+                cache
+                    .after_read(&self.stream, layer, slot)
+                    .map_err(|e| self.cache_err(op, e))?;
+                r
+            }
             Weights::Blob(b) => {
                 let mut g = self.staging.lock().unwrap_or_else(|e| e.into_inner());
                 if g.as_ref().is_none_or(|s| s.len() < b.len()) {
@@ -458,17 +513,17 @@ impl CudaBackend {
                 // From pageable memory the copy is staged before this returns, and it is
                 // ordered after every queued kernel that reads the previous blob.
                 self.stream.memcpy_htod(b, s).map_err(|e| self.dev(op, e))?;
-                f(s, b.len())
+                f(self.addr(s), b.len())
             }
         }
     }
 
-    /// `y[T, w.rows] = x · wᵀ` from the bytes in `buf` (`len` of them valid).
+    /// `y[T, w.rows] = x · wᵀ` from the bytes at device address `buf` (`len` of them valid).
     fn qmatmul(
         &self,
         op: &'static str,
         w: &QRef,
-        buf: &CudaSlice<u8>,
+        buf: u64,
         len: usize,
         x: &CudaTensor,
     ) -> OpResult<CudaTensor> {
@@ -489,7 +544,7 @@ impl CudaBackend {
             op,
             "qmatmul",
             warps(w.rows, x.rows),
-            buf,
+            &buf,
             &wo,
             &so,
             &bo,
@@ -582,6 +637,62 @@ impl Backend for CudaBackend {
 
     fn name(&self) -> String {
         self.name.clone()
+    }
+
+    fn held_experts(&self, layer: usize, experts: &[usize]) -> OpResult<Vec<bool>> {
+        match self.cache() {
+            Some(mut c) => c
+                .held(&self.stream, layer, experts)
+                .map_err(|e| self.cache_err("held_experts", e)),
+            None => Ok(vec![false; experts.len()]),
+        }
+    }
+
+    fn load_expert<'a>(
+        &self,
+        layer: usize,
+        expert: usize,
+        blob: &'a [u8],
+    ) -> OpResult<Weights<'a>> {
+        match self.cache() {
+            Some(mut c) => {
+                c.load(layer, expert, blob)
+                    .map_err(|e| self.cache_err("load_expert", e))?;
+                Ok(Weights::Held { layer, expert })
+            }
+            None => Ok(Weights::Blob(blob)),
+        }
+    }
+
+    fn expert_copies_done(&self) -> OpResult<()> {
+        match self.cache() {
+            Some(mut c) => c
+                .copies_done()
+                .map_err(|e| self.cache_err("expert_copies_done", e)),
+            None => Ok(()),
+        }
+    }
+
+    fn attach_host_slots(&self, layer: usize, slots: &[u8]) -> OpResult<()> {
+        match self.cache() {
+            Some(mut c) => c
+                .pin_host(layer, slots)
+                .map_err(|e| self.cache_err("attach_host_slots", e)),
+            None => Ok(()),
+        }
+    }
+
+    fn device_expert_stats(&self) -> Option<DeviceExpertStats> {
+        self.cache().map(|c| c.stats())
+    }
+
+    fn size_expert_cache(&self) -> OpResult<()> {
+        match self.cache() {
+            Some(mut c) => c
+                .ensure_sized(&self.stream)
+                .map_err(|e| self.cache_err("size_expert_cache", e)),
+            None => Ok(()),
+        }
     }
 
     fn upload(&self, data: &[f32], cols: usize) -> OpResult<CudaTensor> {
@@ -775,7 +886,7 @@ impl Backend for CudaBackend {
                 w.cols, x.rows, x.cols
             )
         })?;
-        let logits = self.qmatmul(op, w, &self.resident, self.resident.len(), x)?;
+        let logits = self.qmatmul(op, w, self.addr(&self.resident), self.resident.len(), x)?;
         let mut out = self
             .stream
             .alloc_zeros::<u32>(2)

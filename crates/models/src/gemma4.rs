@@ -552,6 +552,14 @@ impl<B: Backend + 'static> crate::Model for Gemma4<B> {
         self.streamers.stats()
     }
 
+    fn device_expert_stats(&self) -> Option<mference_backend::DeviceExpertStats> {
+        self.be.device_expert_stats()
+    }
+
+    fn size_device_experts(&self) -> Result<(), ModelError> {
+        Ok(self.be.size_expert_cache()?)
+    }
+
     fn kv_bytes(&self) -> usize {
         self.kv.bytes()
     }

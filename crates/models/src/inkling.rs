@@ -751,6 +751,14 @@ impl<B: Backend + 'static> crate::Model for Inkling<B> {
         self.streamers.stats()
     }
 
+    fn device_expert_stats(&self) -> Option<mference_backend::DeviceExpertStats> {
+        self.be.device_expert_stats()
+    }
+
+    fn size_device_experts(&self) -> Result<(), ModelError> {
+        Ok(self.be.size_expert_cache()?)
+    }
+
     /// KV cache plus the FP32 short-conv states.
     fn kv_bytes(&self) -> usize {
         let states: usize = self

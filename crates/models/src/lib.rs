@@ -22,6 +22,7 @@ use mference_runtime::{
     CacheSlots, ExpertStreamer, KvDtype, RoutingTrace, RuntimeError, StreamerStats,
 };
 
+pub use mference_cuda::GpuExpertBudget;
 pub use prefix::PrefixCache;
 
 /// Errors from loading or running a model.
@@ -281,6 +282,10 @@ pub struct LoadOptions {
     pub routing_trace: Option<std::path::PathBuf>,
     /// Where the ops run.
     pub device: Device,
+    /// On CUDA: device memory for routed experts (`--gpu-expert-budget`).
+    pub gpu_expert_budget: mference_cuda::GpuExpertBudget,
+    /// On CUDA: count every expert use as a miss and copy it in again (tests the copy path).
+    pub gpu_force_miss: bool,
     /// DeepSeek-V4's shadow prefetch in decode: layer L+1's router applied to layer L's FFN input
     /// starts reads of its two heaviest predicted experts (hash layers: from the token id) that
     /// layer L+1 joins only if it routes to them. Results are identical either way; other families
@@ -309,6 +314,8 @@ impl Default for LoadOptions {
             trace_router: false,
             routing_trace: None,
             device: Device::Cpu,
+            gpu_expert_budget: mference_cuda::GpuExpertBudget::Auto,
+            gpu_force_miss: false,
             shadow_prefetch: true,
             flash_head: false,
         }
@@ -342,6 +349,24 @@ pub trait Model: Send {
     fn engine(&self) -> &Engine;
     /// Expert-cache counters per MoE layer (layers not opened yet report zeros).
     fn expert_stats(&self) -> Vec<StreamerStats>;
+    /// The backend's own expert cache (GPU slots) counters, if it has one.
+    fn device_expert_stats(&self) -> Option<mference_backend::DeviceExpertStats>;
+    /// Where the model runs, for load lines: the backend's name, and on CUDA its expert slots
+    /// (`cuda:0 NVIDIA H200 sm_90, GPU experts: 40 slots per layer, 12.03 GiB`).
+    fn device(&self) -> String {
+        let d = &self.engine().device;
+        match self.device_expert_stats() {
+            Some(g) => format!(
+                "{d}, GPU experts: {} slots per layer, {:.2} GiB",
+                g.slots_per_layer,
+                g.slab_bytes as f64 / (1u64 << 30) as f64
+            ),
+            None => d.clone(),
+        }
+    }
+    /// Sizes the backend's own expert cache now that the weights and the KV cache are placed
+    /// (the load does this; a no-op without one).
+    fn size_device_experts(&self) -> Result<(), ModelError>;
     /// Bytes of KV cache.
     fn kv_bytes(&self) -> usize;
 }
@@ -616,7 +641,8 @@ impl Streamers {
                 engine.slots,
                 engine.direct_io,
                 Arc::clone(&engine.io),
-            )?;
+            )?
+            .for_layer(layer);
             self.layers[layer] = Some(s);
         }
         Ok(self.layers[layer].as_mut().expect("opened above"))
@@ -677,6 +703,7 @@ pub fn load(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn Model>, ModelError
     }
     let cuda = |n: usize, engine: &Engine| {
         mference_cuda::CudaBackend::new(n, engine.map.clone())
+            .and_then(|be| be.with_expert_cache(gpu_expert_cache(engine, opts)))
             .map_err(|e| ModelError::Device(format!("cuda:{n}: {e}")))
     };
     match opts.device {
@@ -689,13 +716,38 @@ pub fn load(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn Model>, ModelError
             load_family(&model_type, engine, be, opts)
         }
         Device::Auto => match mference_cuda::CudaBackend::new(0, engine.map.clone()) {
-            Ok(be) => load_family(&model_type, engine, be, opts),
+            Ok(be) => {
+                let be = be
+                    .with_expert_cache(gpu_expert_cache(&engine, opts))
+                    .map_err(|e| ModelError::Device(format!("cuda:0: {e}")))?;
+                load_family(&model_type, engine, be, opts)
+            }
             Err(e) if e.is_unavailable() => {
                 let be = engine.cpu_backend();
                 load_family(&model_type, engine, be, opts)
             }
             Err(e) => Err(ModelError::Device(format!("cuda:0: {e}"))),
         },
+    }
+}
+
+/// The GPU expert cache's settings for this install: its expert layers, blob stride and top-k.
+fn gpu_expert_cache(engine: &Engine, opts: &LoadOptions) -> mference_cuda::ExpertCacheOptions {
+    let l = &engine.install.layout;
+    mference_cuda::ExpertCacheOptions {
+        geometry: mference_cuda::ExpertGeometry {
+            layers: l
+                .layers
+                .iter()
+                .filter(|x| x.blob.is_some())
+                .map(|x| x.layer)
+                .collect(),
+            experts: l.experts_per_layer,
+            stride: l.expert_stride as usize,
+            top_k: engine.install.manifest.arch.top_k_experts as usize,
+        },
+        budget: opts.gpu_expert_budget,
+        force_miss: opts.gpu_force_miss,
     }
 }
 
@@ -708,31 +760,29 @@ fn load_family<B: Backend + 'static>(
 ) -> Result<Box<dyn Model>, ModelError> {
     engine.device = be.name();
     let config = &engine.install.config_json;
-    match model_type {
+    let model: Box<dyn Model> = match model_type {
         "gemma4" | "gemma4_text" => {
             let cfg = gemma4::Config::from_config_json(config)?;
-            Ok(Box::new(gemma4::Gemma4::load(engine, be, cfg, opts)?))
+            Box::new(gemma4::Gemma4::load(engine, be, cfg, opts)?)
         }
         "qwen3_5_moe" | "qwen3_5_moe_text" => {
             let cfg = qwen3_5_moe::Config::from_config_json(config)?;
-            Ok(Box::new(qwen3_5_moe::Qwen35Moe::load(
-                engine, be, cfg, opts,
-            )?))
+            Box::new(qwen3_5_moe::Qwen35Moe::load(engine, be, cfg, opts)?)
         }
         "deepseek_v4" => {
             let cfg = deepseek_v4::Config::from_config_json(config)?;
-            Ok(Box::new(deepseek_v4::DeepseekV4::load(
-                engine, be, cfg, opts,
-            )?))
+            Box::new(deepseek_v4::DeepseekV4::load(engine, be, cfg, opts)?)
         }
         "maple" => {
             let cfg = maple::Config::from_config_json(config)?;
-            Ok(Box::new(maple::Maple::load(engine, be, cfg, opts)?))
+            Box::new(maple::Maple::load(engine, be, cfg, opts)?)
         }
         "inkling_mm_model" => {
             let cfg = inkling::Config::from_config_json(config)?;
-            Ok(Box::new(inkling::Inkling::load(engine, be, cfg, opts)?))
+            Box::new(inkling::Inkling::load(engine, be, cfg, opts)?)
         }
-        other => Err(ModelError::Family(other.to_string())),
-    }
+        other => return Err(ModelError::Family(other.to_string())),
+    };
+    model.size_device_experts()?;
+    Ok(model)
 }

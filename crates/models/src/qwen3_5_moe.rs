@@ -664,6 +664,14 @@ impl<B: Backend + 'static> crate::Model for Qwen35Moe<B> {
         self.streamers.stats()
     }
 
+    fn device_expert_stats(&self) -> Option<mference_backend::DeviceExpertStats> {
+        self.be.device_expert_stats()
+    }
+
+    fn size_device_experts(&self) -> Result<(), ModelError> {
+        Ok(self.be.size_expert_cache()?)
+    }
+
     /// KV cache of the full-attention layers plus the FP32 DeltaNet states (conv and recurrent).
     fn kv_bytes(&self) -> usize {
         let states: usize = self

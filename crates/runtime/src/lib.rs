@@ -7,11 +7,13 @@ pub mod kv;
 pub mod sampler;
 pub mod sizing;
 pub mod slab;
+pub mod slots;
 pub mod streamer;
 pub mod trace;
 
 pub use kv::{KvDtype, KvLayer, KvRow};
 pub use sampler::{Sampler, SamplerConfig};
+pub use slots::SlotTable;
 pub use streamer::{CacheSlots, ExpertStreamer, StreamerStats};
 pub use trace::RoutingTrace;
 

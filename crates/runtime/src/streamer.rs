@@ -14,6 +14,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::slab::Slab;
+use crate::slots::SlotTable;
 use crate::RuntimeError;
 
 /// How many experts of a layer may be cached at once.
@@ -142,6 +143,8 @@ impl IoPool {
 
 /// Slot cache over one layer file of `experts × stride` bytes.
 pub struct ExpertStreamer {
+    /// The MoE layer served (its name in a backend's own expert cache).
+    layer: usize,
     path: PathBuf,
     file: Arc<File>,
     experts: usize,
@@ -151,14 +154,8 @@ pub struct ExpertStreamer {
     /// cache is then the only copy (no slab, no pread copies), as with a plain mmap runtime.
     mapped: Option<memmap2::Mmap>,
     io: Arc<IoPool>,
-    /// expert → slot, -1 when absent.
-    slot_of: Vec<i16>,
-    /// slot → expert, -1 when free.
-    expert_in: Vec<i32>,
-    pinned: Vec<bool>,
-    use_count: Vec<u64>,
-    last_used: Vec<u64>,
-    clock: u64,
+    /// Which slot holds which expert, and the LFU + recency counters.
+    table: SlotTable,
     pending: Option<Arc<Batch>>,
     /// Speculative reads in flight ([`ExpertStreamer::prefetch`]) and the slots they write.
     prefetching: Option<(Arc<Batch>, Vec<usize>)>,
@@ -230,6 +227,7 @@ impl ExpertStreamer {
         };
         let slab = Slab::new(if mapped.is_some() { 0 } else { n * stride })?;
         Ok(Self {
+            layer: 0,
             path: path.to_path_buf(),
             file: Arc::new(file),
             experts,
@@ -237,12 +235,7 @@ impl ExpertStreamer {
             slab,
             mapped,
             io,
-            slot_of: vec![-1; experts],
-            expert_in: vec![-1; n],
-            pinned: vec![false; n],
-            use_count: vec![0; experts],
-            last_used: vec![0; experts],
-            clock: 0,
+            table: SlotTable::new(experts, n),
             pending: None,
             prefetching: None,
             landing: vec![false; n],
@@ -251,9 +244,29 @@ impl ExpertStreamer {
         })
     }
 
+    /// Names the MoE layer this streamer serves (0 until set).
+    pub fn for_layer(mut self, layer: usize) -> Self {
+        self.layer = layer;
+        self
+    }
+
+    /// The MoE layer this streamer serves.
+    pub fn layer(&self) -> usize {
+        self.layer
+    }
+
+    /// The slot memory (empty in resident mode without O_DIRECT, where the file is mapped): a GPU
+    /// backend pins it so its copies from the slots run at full bus speed.
+    pub fn slot_memory(&self) -> &[u8] {
+        match &self.mapped {
+            Some(_) => &[],
+            None => self.slab.bytes(),
+        }
+    }
+
     /// Number of slots.
     pub fn slots(&self) -> usize {
-        self.expert_in.len()
+        self.table.slots()
     }
 
     /// Counters since open.
@@ -272,7 +285,7 @@ impl ExpertStreamer {
         self.settle_prefetch(false);
         if self.prefetching.is_some()
             && experts.iter().any(|&e| {
-                e < self.experts && self.slot_of[e] >= 0 && self.landing[self.slot_of[e] as usize]
+                e < self.experts && self.table.slot_of(e).is_some_and(|s| self.landing[s])
             })
         {
             self.settle_prefetch(true);
@@ -281,13 +294,13 @@ impl ExpertStreamer {
             experts
                 .iter()
                 .filter(|&&e| {
-                    e >= s.experts || s.slot_of[e] < 0 || !s.pinned[s.slot_of[e] as usize]
+                    e >= s.experts || s.table.slot_of(e).is_none_or(|x| !s.table.is_pinned(x))
                 })
                 .count()
         };
         let usable = |s: &Self| {
-            (0..s.pinned.len())
-                .filter(|&i| !s.pinned[i] && !s.landing[i])
+            (0..s.table.slots())
+                .filter(|&i| !s.table.is_pinned(i) && !s.landing[i])
                 .count()
         };
         if needed(self) > usable(self) {
@@ -312,11 +325,11 @@ impl ExpertStreamer {
                         self.experts
                     )));
                 }
-                let hit = self.slot_of[e] >= 0;
+                let hit = self.table.slot_of(e).is_some();
                 if hit {
                     self.stats.hits += 1;
                 } else {
-                    self.slot_of[e] = 0;
+                    self.table.assign(e, e);
                     self.stats.misses += 1;
                     self.stats.bytes_read += self.stride as u64;
                 }
@@ -324,7 +337,7 @@ impl ExpertStreamer {
             }
             return Ok(out);
         }
-        self.clock += 1;
+        self.table.tick();
         if let Some(&e) = experts.iter().find(|&&e| e >= self.experts) {
             return Err(RuntimeError::Invalid(format!(
                 "expert {e} out of range ({} experts)",
@@ -334,10 +347,9 @@ impl ExpertStreamer {
         // Count and pin every requested expert that is cached before choosing any victim, so a
         // miss never evicts an expert this same request needs.
         for &e in experts {
-            self.use_count[e] += 1;
-            self.last_used[e] = self.clock;
-            if self.slot_of[e] >= 0 {
-                self.pinned[self.slot_of[e] as usize] = true;
+            self.table.touch(e);
+            if let Some(s) = self.table.slot_of(e) {
+                self.table.set_pinned(s, true);
             }
         }
         let mut out = Vec::with_capacity(experts.len());
@@ -345,19 +357,18 @@ impl ExpertStreamer {
         let mut misses = Vec::new();
         for &e in experts {
             // Requests hold distinct experts, so a cached one was cached before this call.
-            let s = self.slot_of[e];
-            if s >= 0 {
+            if let Some(s) = self.table.slot_of(e) {
                 self.stats.hits += 1;
-                if std::mem::take(&mut self.prefetched[s as usize]) {
+                if std::mem::take(&mut self.prefetched[s]) {
                     self.stats.prefetch_used += 1;
                 }
-                out.push((s as usize, true));
+                out.push((s, true));
                 continue;
             }
             let slot = self.victim().expect("capacity checked above");
-            self.assign(slot, e);
+            self.table.assign(slot, e);
             self.prefetched[slot] = false;
-            self.pinned[slot] = true;
+            self.table.set_pinned(slot, true);
             self.stats.misses += 1;
             self.stats.bytes_read += self.stride as u64;
             misses.push((e, slot));
@@ -389,12 +400,7 @@ impl ExpertStreamer {
         drop(left);
         self.stats.read_wait += t0.elapsed();
         if let Some((expert, source)) = b.error.lock().expect("io error poisoned").take() {
-            let slot = self.slot_of[expert];
-            if slot >= 0 {
-                self.expert_in[slot as usize] = -1;
-                self.pinned[slot as usize] = false;
-                self.slot_of[expert] = -1;
-            }
+            self.table.forget(expert);
             return Err(RuntimeError::Read {
                 path: self.path.display().to_string(),
                 expert,
@@ -420,11 +426,14 @@ impl ExpertStreamer {
         }
         let mut jobs = Vec::new();
         for &e in experts {
-            if e >= self.experts || self.slot_of[e] >= 0 || jobs.iter().any(|&(x, _)| x == e) {
+            if e >= self.experts
+                || self.table.slot_of(e).is_some()
+                || jobs.iter().any(|&(x, _)| x == e)
+            {
                 continue;
             }
             let Some(slot) = self.victim() else { break };
-            self.assign(slot, e);
+            self.table.assign(slot, e);
             self.landing[slot] = true;
             self.prefetched[slot] = true;
             jobs.push((e, slot));
@@ -464,21 +473,18 @@ impl ExpertStreamer {
         }
         let failed = b.error.lock().expect("io error poisoned").take();
         if let Some((expert, _)) = failed {
-            let slot = self.slot_of[expert];
-            if slot >= 0 {
-                self.expert_in[slot as usize] = -1;
-                self.prefetched[slot as usize] = false;
-                self.slot_of[expert] = -1;
+            if let Some(slot) = self.table.slot_of(expert) {
+                self.prefetched[slot] = false;
             }
+            self.table.forget(expert);
         }
     }
 
     /// Unpins the slots of `experts` (their bytes stay cached).
     pub fn release(&mut self, experts: &[usize]) {
         for &e in experts {
-            let s = self.slot_of[e];
-            if s >= 0 {
-                self.pinned[s as usize] = false;
+            if let Some(s) = self.table.slot_of(e) {
+                self.table.set_pinned(s, false);
             }
         }
     }
@@ -489,16 +495,6 @@ impl ExpertStreamer {
             Some(map) => &map[slot * self.stride..(slot + 1) * self.stride],
             None => &self.slab.bytes()[slot * self.stride..(slot + 1) * self.stride],
         }
-    }
-
-    /// Puts expert `e` in `slot`, evicting the expert the slot held.
-    fn assign(&mut self, slot: usize, e: usize) {
-        let old = self.expert_in[slot];
-        if old >= 0 {
-            self.slot_of[old as usize] = -1;
-        }
-        self.expert_in[slot] = e as i32;
-        self.slot_of[e] = slot as i16;
     }
 
     /// Submits one pread per `(expert, slot)` to the I/O pool, as one batch.
@@ -522,18 +518,9 @@ impl ExpertStreamer {
         b
     }
 
-    /// Free slot first, otherwise the unpinned slot whose expert has the lowest use count, the least
-    /// recently used among equals.
+    /// The slot to fill next ([`SlotTable::victim`]), never one a speculative read lands in.
     fn victim(&self) -> Option<usize> {
-        if let Some(s) = self.expert_in.iter().position(|&e| e < 0) {
-            return Some(s);
-        }
-        (0..self.expert_in.len())
-            .filter(|&s| !self.pinned[s] && !self.landing[s])
-            .min_by_key(|&s| {
-                let e = self.expert_in[s] as usize;
-                (self.use_count[e], self.last_used[e])
-            })
+        self.table.victim(|s| !self.landing[s])
     }
 }
 

@@ -426,6 +426,14 @@ impl<B: Backend + 'static> crate::Model for DeepseekV4<B> {
         self.streamers.stats()
     }
 
+    fn device_expert_stats(&self) -> Option<mference_backend::DeviceExpertStats> {
+        self.be.device_expert_stats()
+    }
+
+    fn size_device_experts(&self) -> Result<(), ModelError> {
+        Ok(self.be.size_expert_cache()?)
+    }
+
     /// The sliding rings plus the compressed caches and their pending and prior rows (f32).
     fn kv_bytes(&self) -> usize {
         let floats: usize = self

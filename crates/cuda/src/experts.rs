@@ -1,0 +1,490 @@
+//! The GPU expert cache (issue 11): per MoE layer a slab of device slots holding expert blobs,
+//! kept by the policy every tier shares (`mference_runtime::SlotTable`: LFU over the session,
+//! the least recent among equals). Misses are copied in from the host streamer's slots (the
+//! pinned host tier; below it the streamer's preads) on a copy stream of their own.
+//!
+//! Ordering across the two streams (implicit event tracking is off, so it is all here):
+//! - a copy into slot `s` first waits, on the copy stream, for the event recorded after the last
+//!   kernels that read `s`: no slot is refilled while a queued kernel still reads it;
+//! - kernels that read `s` first wait, on the compute stream, for the event recorded after the
+//!   copy into `s`;
+//! - [`GpuExperts::copies_done`] blocks the host until the copies have left the host slots (DMA
+//!   from page-locked memory runs after the call that queued it returns).
+//!
+//! Sizing happens on the first MoE step, after the weights and the KV cache are allocated, from
+//! what the device has free then.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, DriverError};
+use mference_backend::DeviceExpertStats;
+use mference_runtime::SlotTable;
+
+/// How much device memory the expert slots may take (`--gpu-expert-budget`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GpuExpertBudget {
+    /// What is free after the weights and the KV cache, less [`auto_margin`].
+    Auto,
+    /// This many bytes over all layers.
+    Bytes(u64),
+    /// Every expert of every layer.
+    Resident,
+}
+
+impl GpuExpertBudget {
+    /// Parses `auto`, `resident`, or a byte count with an optional `K`/`M`/`G`/`T` (powers of
+    /// 1024) suffix (`12G`, `512MiB`, `3000000000`).
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => return Ok(Self::Auto),
+            "resident" => return Ok(Self::Resident),
+            _ => {}
+        }
+        let bad = || {
+            format!(
+                "invalid GPU expert budget '{s}': expected auto, resident, or a byte count such \
+                 as 12G or 512M"
+            )
+        };
+        let t = s.trim_end_matches("iB").trim_end_matches('B');
+        let (num, mult) = match t.chars().last() {
+            Some('K' | 'k') => (&t[..t.len() - 1], 1u64 << 10),
+            Some('M' | 'm') => (&t[..t.len() - 1], 1 << 20),
+            Some('G' | 'g') => (&t[..t.len() - 1], 1 << 30),
+            Some('T' | 't') => (&t[..t.len() - 1], 1 << 40),
+            _ => (t, 1),
+        };
+        let v: f64 = num.parse().map_err(|_| bad())?;
+        if !(v.is_finite() && v > 0.0) {
+            return Err(bad());
+        }
+        Ok(Self::Bytes((v * mult as f64) as u64))
+    }
+}
+
+/// Device memory the automatic budget leaves free for scratch and other processes: 1 GiB or
+/// 5% of the device, whichever is more.
+pub fn auto_margin(total: usize) -> usize {
+    (1usize << 30).max(total / 20)
+}
+
+/// What the expert cache holds: the install's MoE layers and their blobs.
+#[derive(Clone, Debug)]
+pub struct ExpertGeometry {
+    /// Layers with an expert file.
+    pub layers: Vec<usize>,
+    pub experts: usize,
+    /// Bytes per expert blob (`expertStride`).
+    pub stride: usize,
+    /// Experts per token: the automatic budget gives no layer fewer than `3 · top_k` slots, an
+    /// explicit one no fewer than `top_k`.
+    pub top_k: usize,
+}
+
+/// The GPU expert cache's settings.
+#[derive(Clone, Debug)]
+pub struct ExpertCacheOptions {
+    pub geometry: ExpertGeometry,
+    pub budget: GpuExpertBudget,
+    /// Treat every use as a miss (copy it in again): a test of the copy path's ordering.
+    pub force_miss: bool,
+}
+
+/// Why a step of the expert cache failed: a driver call, or a refusal that says why.
+pub(crate) enum CacheError {
+    Driver(&'static str, DriverError),
+    Refused(String),
+}
+
+/// One layer's device slots.
+struct LayerSlots {
+    slab: CudaSlice<u8>,
+    table: SlotTable,
+    /// Per slot: recorded on the copy stream after the copy into it.
+    filled: Vec<CudaEvent>,
+    /// Per slot: recorded on the compute stream after the kernels that read it.
+    read: Vec<CudaEvent>,
+}
+
+/// The cache state behind [`GpuExperts`]'s lock.
+pub(crate) struct GpuExperts {
+    opts: ExpertCacheOptions,
+    copy: Arc<CudaStream>,
+    layers: HashMap<usize, LayerSlots>,
+    sized: bool,
+    /// (layer, slot) copied into since the last [`copies_done`](Self::copies_done).
+    in_flight: Vec<(usize, usize)>,
+    /// Host ranges page-locked by [`pin_host`](Self::pin_host), by layer.
+    pinned: HashMap<usize, (usize, usize)>,
+    stats: DeviceExpertStats,
+}
+
+impl GpuExperts {
+    pub(crate) fn new(
+        ctx: &Arc<CudaContext>,
+        opts: ExpertCacheOptions,
+    ) -> Result<Self, DriverError> {
+        Ok(Self {
+            opts,
+            copy: ctx.new_stream()?,
+            layers: HashMap::new(),
+            sized: false,
+            in_flight: Vec::new(),
+            pinned: HashMap::new(),
+            stats: DeviceExpertStats::default(),
+        })
+    }
+
+    pub(crate) fn stats(&self) -> DeviceExpertStats {
+        self.stats
+    }
+
+    /// Bytes per slot.
+    pub(crate) fn stride(&self) -> usize {
+        self.opts.geometry.stride
+    }
+
+    /// Slots per layer for a budget, given the device's free and total bytes.
+    pub(crate) fn slots_for(
+        g: &ExpertGeometry,
+        budget: GpuExpertBudget,
+        free: usize,
+        total: usize,
+    ) -> Result<usize, String> {
+        let n_layers = g.layers.len().max(1);
+        let per_slot_all_layers = g.stride * n_layers;
+        // The automatic budget keeps 3 · top-k slots per layer; an explicit one may go down to
+        // one token's experts (top-k), below which a decode step would evict its own experts.
+        let floor = match budget {
+            GpuExpertBudget::Auto => 3 * g.top_k,
+            _ => g.top_k,
+        }
+        .min(g.experts);
+        let slots = match budget {
+            GpuExpertBudget::Resident => g.experts,
+            GpuExpertBudget::Bytes(b) => (b as usize / per_slot_all_layers).min(g.experts),
+            GpuExpertBudget::Auto => {
+                (free.saturating_sub(auto_margin(total)) / per_slot_all_layers).min(g.experts)
+            }
+        };
+        let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+        if slots < floor {
+            let rule = if budget == GpuExpertBudget::Auto {
+                "3 × top-k"
+            } else {
+                "top-k"
+            };
+            return Err(format!(
+                "the GPU expert budget gives {slots} slots per layer, fewer than {rule} = \
+                 {floor} ({:.2} GiB over {n_layers} layers; {:.2} GiB free on the device): raise \
+                 --gpu-expert-budget, lower --max-context, or run on the CPU",
+                gib(floor * per_slot_all_layers),
+                gib(free)
+            ));
+        }
+        let need = slots * per_slot_all_layers;
+        if need > free {
+            return Err(format!(
+                "the GPU expert budget needs {:.2} GiB ({slots} slots × {n_layers} layers × {} \
+                 bytes) but the device has {:.2} GiB free",
+                gib(need),
+                g.stride,
+                gib(free)
+            ));
+        }
+        Ok(slots)
+    }
+
+    /// Allocates every layer's slots, once (after the load, or on the first MoE step).
+    pub(crate) fn ensure_sized(&mut self, compute: &Arc<CudaStream>) -> Result<(), CacheError> {
+        if self.sized {
+            return Ok(());
+        }
+        self.size(compute)
+    }
+
+    fn size(&mut self, compute: &Arc<CudaStream>) -> Result<(), CacheError> {
+        let ctx = compute.context();
+        let (free, total) = ctx
+            .mem_get_info()
+            .map_err(|e| CacheError::Driver("cuMemGetInfo", e))?;
+        let g = self.opts.geometry.clone();
+        let slots =
+            Self::slots_for(&g, self.opts.budget, free, total).map_err(CacheError::Refused)?;
+        let ev = |what| move |e| CacheError::Driver(what, e);
+        for &l in &g.layers {
+            // SAFETY: a slot is read only after its copy (the `filled` event orders it).
+            let slab = unsafe { compute.alloc::<u8>(slots * g.stride) }
+                .map_err(ev("allocating the GPU expert slots"))?;
+            let flags = Some(CUevent_flags::CU_EVENT_DISABLE_TIMING);
+            let mut filled = Vec::with_capacity(slots);
+            let mut read = Vec::with_capacity(slots);
+            for _ in 0..slots {
+                filled.push(ctx.new_event(flags).map_err(ev("cuEventCreate"))?);
+                read.push(ctx.new_event(flags).map_err(ev("cuEventCreate"))?);
+            }
+            self.layers.insert(
+                l,
+                LayerSlots {
+                    slab,
+                    table: SlotTable::new(g.experts, slots),
+                    filled,
+                    read,
+                },
+            );
+        }
+        // The allocations are ordered on the compute stream; the copy stream uses them next.
+        compute.synchronize().map_err(ev("cuStreamSynchronize"))?;
+        self.stats.slots_per_layer = slots;
+        self.stats.slab_bytes = (slots * g.stride * g.layers.len()) as u64;
+        self.sized = true;
+        Ok(())
+    }
+
+    /// [`Backend::held_experts`](mference_backend::Backend::held_experts): counts a use of each
+    /// expert and says which are in a device slot.
+    pub(crate) fn held(
+        &mut self,
+        compute: &Arc<CudaStream>,
+        layer: usize,
+        experts: &[usize],
+    ) -> Result<Vec<bool>, CacheError> {
+        self.ensure_sized(compute)?;
+        let force_miss = self.opts.force_miss;
+        let Some(l) = self.layers.get_mut(&layer) else {
+            return Err(CacheError::Refused(format!(
+                "layer {layer} has no GPU expert slots (the install's expert layers are {:?})",
+                self.opts.geometry.layers
+            )));
+        };
+        l.table.tick();
+        let mut out = Vec::with_capacity(experts.len());
+        for &e in experts {
+            if e >= l.table.experts() {
+                return Err(CacheError::Refused(format!(
+                    "expert {e} out of range ({} experts)",
+                    l.table.experts()
+                )));
+            }
+            l.table.touch(e);
+            let hit = !force_miss && l.table.slot_of(e).is_some();
+            if hit {
+                self.stats.hits += 1;
+            }
+            out.push(hit);
+        }
+        Ok(out)
+    }
+
+    /// Starts the copy of `blob` (expert `e` of `layer`) into a slot; the blob must stay
+    /// unchanged until [`copies_done`](Self::copies_done).
+    pub(crate) fn load(&mut self, layer: usize, e: usize, blob: &[u8]) -> Result<(), CacheError> {
+        let copy = Arc::clone(&self.copy);
+        let stride = self.opts.geometry.stride;
+        let l = self
+            .layers
+            .get_mut(&layer)
+            .ok_or_else(|| CacheError::Refused(format!("layer {layer} has no GPU expert slots")))?;
+        if blob.len() != stride {
+            return Err(CacheError::Refused(format!(
+                "an expert blob of {} bytes for {stride}-byte slots",
+                blob.len()
+            )));
+        }
+        let s = match l.table.slot_of(e) {
+            Some(s) => s, // forced miss: copy it again into its own slot
+            None => {
+                let s = l.table.victim(|_| true).ok_or_else(|| {
+                    CacheError::Refused("every GPU expert slot is pinned".to_string())
+                })?;
+                l.table.assign(s, e);
+                s
+            }
+        };
+        let drv = |what| move |err| CacheError::Driver(what, err);
+        copy.wait(&l.read[s]).map_err(drv("cuStreamWaitEvent"))?;
+        let (base, _sync) = l.slab.device_ptr(&copy);
+        // SAFETY: the destination lies in the slab (slot `s` of `stride` bytes, `blob.len()`
+        // checked equal); the source stays unchanged until `copies_done` has waited for this
+        // copy (the caller's contract), and no kernel reads the slot before `filled[s]`.
+        unsafe {
+            cudarc::driver::result::memcpy_htod_async(
+                base + (s * stride) as u64,
+                blob,
+                copy.cu_stream(),
+            )
+        }
+        .map_err(drv("cuMemcpyHtoDAsync (expert slot)"))?;
+        l.filled[s].record(&copy).map_err(drv("cuEventRecord"))?;
+        self.in_flight.push((layer, s));
+        self.stats.misses += 1;
+        self.stats.h2d_bytes += stride as u64;
+        Ok(())
+    }
+
+    /// The device address of expert `e` of `layer`, after making `compute` wait for its copy;
+    /// `after` must be called once the kernels reading it are queued.
+    pub(crate) fn slot_addr(
+        &self,
+        compute: &Arc<CudaStream>,
+        layer: usize,
+        e: usize,
+    ) -> Result<(u64, usize), CacheError> {
+        let l = self
+            .layers
+            .get(&layer)
+            .ok_or_else(|| CacheError::Refused(format!("layer {layer} has no GPU expert slots")))?;
+        let s = l.table.slot_of(e).ok_or_else(|| {
+            CacheError::Refused(format!("expert {e} of layer {layer} is not in a GPU slot"))
+        })?;
+        compute
+            .wait(&l.filled[s])
+            .map_err(|err| CacheError::Driver("cuStreamWaitEvent", err))?;
+        let (base, _sync) = l.slab.device_ptr(compute);
+        Ok((base + (s * self.opts.geometry.stride) as u64, s))
+    }
+
+    /// Records that the kernels reading slot `s` of `layer` are queued on `compute`.
+    pub(crate) fn after_read(
+        &self,
+        compute: &Arc<CudaStream>,
+        layer: usize,
+        s: usize,
+    ) -> Result<(), CacheError> {
+        let l = &self.layers[&layer];
+        l.read[s]
+            .record(compute)
+            .map_err(|err| CacheError::Driver("cuEventRecord", err))
+    }
+
+    /// Blocks until every copy since the last call has left its host slot.
+    pub(crate) fn copies_done(&mut self) -> Result<(), CacheError> {
+        if self.in_flight.is_empty() {
+            return Ok(());
+        }
+        let t0 = Instant::now();
+        for (layer, s) in std::mem::take(&mut self.in_flight) {
+            self.layers[&layer].filled[s]
+                .synchronize()
+                .map_err(|err| CacheError::Driver("cuEventSynchronize", err))?;
+        }
+        self.stats.copy_wait += t0.elapsed();
+        Ok(())
+    }
+
+    /// Page-locks `layer`'s host slot memory once, so copies out of it are DMA at full speed.
+    pub(crate) fn pin_host(&mut self, layer: usize, mem: &[u8]) -> Result<(), CacheError> {
+        if mem.is_empty() || self.pinned.contains_key(&layer) {
+            return Ok(());
+        }
+        // SAFETY: `mem` is a live allocation of the host streamer; it is unregistered in `Drop`.
+        // Registration does not change its contents.
+        unsafe {
+            cudarc::driver::sys::cuMemHostRegister_v2(
+                mem.as_ptr() as *mut _,
+                mem.len(),
+                0,
+            )
+        }
+        .result()
+        .map_err(|e| CacheError::Driver("cuMemHostRegister (page-locking the host expert slots; lower --host-expert-cache or raise `ulimit -l`)", e))?;
+        self.pinned
+            .insert(layer, (mem.as_ptr() as usize, mem.len()));
+        Ok(())
+    }
+}
+
+impl Drop for GpuExperts {
+    fn drop(&mut self) {
+        // Copies out of the host slots end before the slots are unlocked.
+        let _ = self.copy.synchronize();
+        for &(p, _) in self.pinned.values() {
+            // SAFETY: `p` was registered by `pin_host`; failure (memory already gone) is harmless.
+            let _ = unsafe { cudarc::driver::sys::cuMemHostUnregister(p as *mut _) };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn geometry() -> ExpertGeometry {
+        ExpertGeometry {
+            layers: (0..30).collect(),
+            experts: 128,
+            stride: 3_358_720,
+            top_k: 8,
+        }
+    }
+
+    #[test]
+    fn budgets_parse_with_units() {
+        assert_eq!(GpuExpertBudget::parse("auto"), Ok(GpuExpertBudget::Auto));
+        assert_eq!(
+            GpuExpertBudget::parse("resident"),
+            Ok(GpuExpertBudget::Resident)
+        );
+        assert_eq!(
+            GpuExpertBudget::parse("12G"),
+            Ok(GpuExpertBudget::Bytes(12 << 30))
+        );
+        assert_eq!(
+            GpuExpertBudget::parse("512MiB"),
+            Ok(GpuExpertBudget::Bytes(512 << 20))
+        );
+        assert_eq!(
+            GpuExpertBudget::parse("1.5G"),
+            Ok(GpuExpertBudget::Bytes(3 << 29))
+        );
+        assert_eq!(
+            GpuExpertBudget::parse("4096"),
+            Ok(GpuExpertBudget::Bytes(4096))
+        );
+        for bad in ["", "-1G", "0", "G", "lots", "nanG"] {
+            assert!(GpuExpertBudget::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn slots_follow_the_budget_with_a_floor_of_three_top_k() {
+        let g = geometry();
+        let per = g.stride * g.layers.len();
+        let big = 140usize << 30;
+        assert_eq!(
+            GpuExperts::slots_for(&g, GpuExpertBudget::Resident, big, big),
+            Ok(128)
+        );
+        assert_eq!(
+            GpuExperts::slots_for(&g, GpuExpertBudget::Bytes((32 * per) as u64), big, big),
+            Ok(32)
+        );
+        // A budget above every expert is clamped to resident.
+        assert_eq!(
+            GpuExperts::slots_for(&g, GpuExpertBudget::Bytes(1 << 50), 1 << 51, 1 << 51),
+            Ok(128)
+        );
+        // Auto keeps the margin free.
+        let free = 40 * per + auto_margin(big);
+        assert_eq!(
+            GpuExperts::slots_for(&g, GpuExpertBudget::Auto, free, big),
+            Ok(40)
+        );
+        // Auto never goes below 24 slots (3 × top-k); an explicit budget not below 8 (top-k).
+        let free = 23 * per + auto_margin(big);
+        let e = GpuExperts::slots_for(&g, GpuExpertBudget::Auto, free, big).unwrap_err();
+        assert!(e.contains("3 × top-k = 24"), "{e}");
+        assert_eq!(
+            GpuExperts::slots_for(&g, GpuExpertBudget::Bytes((12 * per) as u64), big, big),
+            Ok(12)
+        );
+        let e = GpuExperts::slots_for(&g, GpuExpertBudget::Bytes((7 * per) as u64), big, big)
+            .unwrap_err();
+        assert!(e.contains("top-k = 8"), "{e}");
+        let e = GpuExperts::slots_for(&g, GpuExpertBudget::Resident, 64 * per, big).unwrap_err();
+        assert!(e.contains("the device has"), "{e}");
+    }
+}

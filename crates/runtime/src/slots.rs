@@ -1,0 +1,142 @@
+//! The slot table of one layer's expert cache: which expert each slot holds, and which slot to
+//! give up next. One policy for every tier (`shared/docs/DESIGN.md` §3): the host streamer's
+//! slots ([`crate::ExpertStreamer`]) and a GPU backend's device slots.
+//!
+//! Policy: a free slot first, otherwise the unpinned slot whose expert has the lowest use count
+//! over the whole session (LFU), the least recently used among equals.
+
+/// Expert ↔ slot maps with LFU + recency counters, for `experts` experts in `slots` slots.
+#[derive(Clone, Debug)]
+pub struct SlotTable {
+    /// expert → slot, -1 when absent.
+    slot_of: Vec<i32>,
+    /// slot → expert, -1 when free.
+    expert_in: Vec<i32>,
+    pinned: Vec<bool>,
+    use_count: Vec<u64>,
+    last_used: Vec<u64>,
+    clock: u64,
+}
+
+impl SlotTable {
+    /// An empty table. `slots` is at most `experts` in practice (callers clamp it).
+    pub fn new(experts: usize, slots: usize) -> Self {
+        Self {
+            slot_of: vec![-1; experts],
+            expert_in: vec![-1; slots],
+            pinned: vec![false; slots],
+            use_count: vec![0; experts],
+            last_used: vec![0; experts],
+            clock: 0,
+        }
+    }
+
+    /// Number of slots.
+    pub fn slots(&self) -> usize {
+        self.expert_in.len()
+    }
+
+    /// Number of experts the table can name.
+    pub fn experts(&self) -> usize {
+        self.slot_of.len()
+    }
+
+    /// The slot holding expert `e`, if any.
+    pub fn slot_of(&self, e: usize) -> Option<usize> {
+        usize::try_from(self.slot_of[e]).ok()
+    }
+
+    /// The expert held in `slot`, if any.
+    pub fn expert_in(&self, slot: usize) -> Option<usize> {
+        usize::try_from(self.expert_in[slot]).ok()
+    }
+
+    /// Starts a new request: the uses [`touch`](Self::touch) counts next share one time step.
+    pub fn tick(&mut self) {
+        self.clock += 1;
+    }
+
+    /// Counts one use of expert `e` at the current time step.
+    pub fn touch(&mut self, e: usize) {
+        self.use_count[e] += 1;
+        self.last_used[e] = self.clock;
+    }
+
+    /// Whether `slot` may not be given up.
+    pub fn is_pinned(&self, slot: usize) -> bool {
+        self.pinned[slot]
+    }
+
+    /// Pins or unpins `slot`.
+    pub fn set_pinned(&mut self, slot: usize, pinned: bool) {
+        self.pinned[slot] = pinned;
+    }
+
+    /// The slot to fill next: a free one, else the unpinned slot (among those `usable` allows)
+    /// whose expert has the lowest use count, the least recently used among equals.
+    pub fn victim(&self, usable: impl Fn(usize) -> bool) -> Option<usize> {
+        if let Some(s) = self.expert_in.iter().position(|&e| e < 0) {
+            return Some(s);
+        }
+        (0..self.expert_in.len())
+            .filter(|&s| !self.pinned[s] && usable(s))
+            .min_by_key(|&s| {
+                let e = self.expert_in[s] as usize;
+                (self.use_count[e], self.last_used[e])
+            })
+    }
+
+    /// Puts expert `e` in `slot`, evicting the expert the slot held.
+    pub fn assign(&mut self, slot: usize, e: usize) {
+        if let Some(old) = self.expert_in(slot) {
+            self.slot_of[old] = -1;
+        }
+        self.expert_in[slot] = e as i32;
+        self.slot_of[e] = slot as i32;
+    }
+
+    /// Empties the slot holding expert `e` (a failed read), unpinning it.
+    pub fn forget(&mut self, e: usize) {
+        if let Some(s) = self.slot_of(e) {
+            self.expert_in[s] = -1;
+            self.pinned[s] = false;
+            self.slot_of[e] = -1;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn free_slots_first_then_least_frequent_then_least_recent() {
+        let mut t = SlotTable::new(8, 3);
+        for e in [0, 1, 2] {
+            t.tick();
+            t.touch(e);
+            let s = t.victim(|_| true).expect("a free slot");
+            t.assign(s, e);
+        }
+        // 0 used again: 1 and 2 tie on count; 1 is older.
+        t.tick();
+        t.touch(0);
+        assert_eq!(t.victim(|_| true), t.slot_of(1));
+        // Pinned or unusable slots are skipped.
+        t.set_pinned(t.slot_of(1).unwrap(), true);
+        assert_eq!(t.victim(|_| true), t.slot_of(2));
+        let s2 = t.slot_of(2).unwrap();
+        assert_eq!(t.victim(|s| s != s2), t.slot_of(0));
+        // Evicting moves the expert out of the maps.
+        t.assign(s2, 5);
+        assert_eq!(t.slot_of(2), None);
+        assert_eq!(t.expert_in(s2), Some(5));
+        t.forget(5);
+        assert_eq!(t.expert_in(s2), None);
+        assert_eq!(
+            t.victim(|_| false),
+            Some(s2),
+            "a free slot needs no permission"
+        );
+    }
+}
