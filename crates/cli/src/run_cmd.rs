@@ -11,11 +11,10 @@ use clap::Args;
 
 use mference_format::VerifyPolicy;
 use mference_kernels::Kernels;
-use mference_models::generate::{generate, StopReason};
-use mference_models::{LoadOptions, Logits, Model, PrefixCache, Want};
-use mference_runtime::{CacheSlots, KvDtype, Sampler, SamplerConfig};
-use mference_text::{
-    stop_token_ids, ChatTemplate, Family, StopStrings, StreamingDetokenizer, Tokenizer,
+use mference_models::{LoadOptions, Logits, Model, Want};
+use mference_runtime::{CacheSlots, KvDtype, SamplerConfig};
+use mference_session::{
+    Finish, GenStats, Request, Session, SessionError, Sink, TextSide, TokenLogprob,
 };
 
 /// Options shared by every command that loads a model.
@@ -142,75 +141,19 @@ const CHUNKS: [usize; 8] = [32, 64, 128, 256, 512, 1024, 2048, 4096];
 /// Largest prefill chunk `auto` picks.
 const AUTO_CHUNK_MAX: usize = 512;
 
-/// The text side of an install: tokenizer, template, family.
-struct Text {
-    tok: Tokenizer,
-    template: Option<ChatTemplate>,
-    family: Family,
-    /// `max_position_embeddings` of the model's config, when it states one.
-    max_positions: Option<usize>,
-}
-
-/// `max_position_embeddings` of a config.json (its `text_config` for multimodal configs).
-fn max_positions_of(config: &serde_json::Value) -> Option<usize> {
-    let text_cfg = config.get("text_config").unwrap_or(config);
-    // Inkling states its limit as `model_max_length` only.
-    ["max_position_embeddings", "model_max_length"]
-        .iter()
-        .find_map(|k| text_cfg.get(*k).and_then(|v| v.as_u64()))
-        .map(|v| v as usize)
-}
-
-/// The install's `max_position_embeddings`, when its config states one (errors: unreadable
-/// `tokenizer/config.json`).
+/// The install's `max_position_embeddings`, when its config states one.
 pub(crate) fn max_positions(dir: &Path) -> Result<Option<usize>> {
-    let path = dir.join("tokenizer/config.json");
-    let bytes = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
-    Ok(max_positions_of(&serde_json::from_slice(&bytes)?))
+    Ok(mference_session::max_positions(dir)?)
 }
 
-/// Refuses a directory that is not a complete install (a checkpoint, an unfinished install, anything
-/// else) with what to run instead.
+/// Refuses a directory that is not a complete install, with what to run instead.
 pub(crate) fn check_install_dir(dir: &Path) -> Result<()> {
-    if !dir.join("manifest.json").is_file() {
-        if dir.join("config.json").is_file() {
-            bail!("{} is a checkpoint, not an install: run `mference install {} --output NAME.gturbo` first", dir.display(), dir.display());
-        }
-        let partial = dir.as_os_str().to_string_lossy().ends_with(".partial");
-        if partial || dir.with_extension("gturbo.partial").exists() {
-            bail!("{} is an unfinished install: finish it with `mference install ... --resume` or remove it with `mference discard`", dir.display());
-        }
-        bail!("{} is not an mference install (no manifest.json): create one with `mference install <checkpoint> --output NAME.gturbo`", dir.display());
-    }
-    Ok(())
+    Ok(mference_session::check_install_dir(dir)?)
 }
 
-fn load_text(dir: &Path) -> Result<Text> {
+fn load_text(dir: &Path) -> Result<TextSide> {
     check_install_dir(dir)?;
-    let tdir = dir.join("tokenizer");
-    let tok = Tokenizer::from_dir(&tdir)
-        .with_context(|| format!("loading the tokenizer of {}", dir.display()))?;
-    let template = ChatTemplate::from_dir(&tdir).ok();
-    let config: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(tdir.join("config.json")).with_context(|| {
-            format!(
-                "{} is not an install (no tokenizer/config.json)",
-                dir.display()
-            )
-        })?)?;
-    let mt = config
-        .get("model_type")
-        .and_then(|v| v.as_str())
-        .unwrap_or("");
-    let family =
-        Family::from_model_type(mt).with_context(|| format!("unknown model_type '{mt}'"))?;
-    let max_positions = max_positions_of(&config);
-    Ok(Text {
-        tok,
-        template,
-        family,
-        max_positions,
-    })
+    TextSide::load(dir).with_context(|| format!("loading the text side of {}", dir.display()))
 }
 
 fn validate_sampling(a: &RunArgs) -> Result<()> {
@@ -581,84 +524,85 @@ fn read_messages(path: &Path) -> Result<Vec<serde_json::Value>> {
     Ok(arr)
 }
 
-fn render(text: &Text, messages: &[serde_json::Value]) -> Result<Vec<u32>> {
-    let t = text
-        .template
-        .as_ref()
-        .context("this install has no chat template; use --prompt")?;
-    let s = t.render(messages, None, true, &text.family.default_template_kwargs())?;
-    Ok(text.tok.encode(&s, false)?)
+fn render(text: &TextSide, messages: &[serde_json::Value]) -> Result<Vec<u32>> {
+    match text.render_chat(messages, None) {
+        Err(SessionError::NoTemplate) => bail!("this install has no chat template; use --prompt"),
+        r => Ok(r?),
+    }
+}
+
+/// Writes the reply to stdout as it is generated; stops on Ctrl-C or a failed write.
+struct Terminal<'a, W: Write> {
+    out: &'a mut W,
+    cancel: &'a AtomicBool,
+    io_err: Option<std::io::Error>,
+}
+
+impl<W: Write> Sink for Terminal<'_, W> {
+    fn delta(&mut self, text: String, _: Vec<TokenLogprob>) -> bool {
+        if self.io_err.is_none() {
+            if let Err(e) = self
+                .out
+                .write_all(text.as_bytes())
+                .and_then(|_| self.out.flush())
+            {
+                self.io_err = Some(e);
+            }
+        }
+        self.io_err.is_none()
+    }
+    fn cancelled(&self) -> bool {
+        self.cancel.load(Ordering::Relaxed)
+    }
 }
 
 /// Generates and streams one reply; returns the reply text.
 fn reply(
-    model: &mut dyn Model,
-    cache: &mut PrefixCache,
-    text: &Text,
+    session: &mut Session,
     prompt: &[u32],
     a: &RunArgs,
     out: &mut impl Write,
     cancel: &AtomicBool,
 ) -> Result<String> {
-    let mut sampler = Sampler::new(SamplerConfig {
-        temperature: a.temperature,
-        top_k: a.top_k,
-        top_p: a.top_p,
-        repetition_penalty: a.repetition_penalty,
-        seed: a.seed,
-    });
-    let stop_ids = stop_token_ids(text.family, &text.tok);
-    let mut detok = StreamingDetokenizer::new(&text.tok);
-    let mut stops = StopStrings::new(a.stop.clone());
-    let mut full = String::new();
-    let mut io_err = None;
-    let mut ids = Vec::new();
-    let turn_open = match text.tok.encode(text.family.turn_open_token(), false) {
-        Ok(ids) if ids.len() == 1 => Some(ids[0]),
-        _ => None,
-    };
-    let (reason, stats) = generate(
-        model,
-        cache,
-        prompt,
-        turn_open,
-        &mut sampler,
-        a.max_new,
-        &stop_ids,
-        |id| {
-            ids.push(id);
-            let (emit, stopped) = stops.push(&detok.push(id));
-            full.push_str(&emit);
-            if let Err(e) = out.write_all(emit.as_bytes()).and_then(|_| out.flush()) {
-                io_err = Some(e);
-                return false;
-            }
-            !stopped && !cancel.load(Ordering::Relaxed)
+    let mut req = Request::new(
+        prompt.to_vec(),
+        SamplerConfig {
+            temperature: a.temperature,
+            top_k: a.top_k,
+            top_p: a.top_p,
+            repetition_penalty: a.repetition_penalty,
+            seed: a.seed,
         },
-    )?;
-    if let Some(e) = io_err {
+        a.max_new,
+    );
+    req.stop = a.stop.clone();
+    let mut sink = Terminal {
+        out,
+        cancel,
+        io_err: None,
+    };
+    let mut stats = GenStats::default();
+    let outcome = session.generate(req, &mut sink, &mut stats)?;
+    if let Some(e) = sink.io_err {
         return Err(e.into());
-    }
-    if !stops.stopped() {
-        let (tail, _) = stops.push(&detok.finish());
-        let tail = tail + &stops.finish();
-        full.push_str(&tail);
-        out.write_all(tail.as_bytes())?;
     }
     out.flush()?;
     if a.show_ids {
         eprintln!(
             "{}",
-            serde_json::json!({"prompt": prompt, "generated": ids})
+            serde_json::json!({"prompt": prompt, "generated": outcome.tokens})
         );
     }
-    let stop = match reason {
-        StopReason::StopToken(id) if Some(id) == text.tok.eos_id() => "eos",
-        StopReason::StopToken(_) => "endOfTurn",
-        StopReason::Caller if cancel.load(Ordering::Relaxed) => "interrupted",
-        StopReason::Caller => "stopString",
-        StopReason::MaxNew => "maxNew",
-        StopReason::Context => "context",
+    let stop = match outcome.finish {
+        Finish::StopToken(id) if Some(id) == session.text().tokenizer.eos_id() => "eos",
+        Finish::StopToken(_) => "endOfTurn",
+        Finish::Cancelled if cancel.load(Ordering::Relaxed) => "interrupted",
+        Finish::Cancelled => "cancelled",
+        Finish::StopString => "stopString",
+        Finish::Complete => "complete",
+        Finish::MaxTokens => "maxNew",
+        Finish::Context => "context",
+        Finish::ToolCalls => "toolCalls",
     };
     if !a.quiet {
         let dec = stats.decode.as_secs_f64();
@@ -681,10 +625,10 @@ fn reply(
             tps
         );
         if std::env::var_os("MFERENCE_PHASES").is_some_and(|v| v == "1") {
-            print_expert_stats(model);
+            print_expert_stats(session.model());
         }
     }
-    Ok(full)
+    Ok(outcome.content)
 }
 
 /// Expert-cache counters per MoE layer and in total (`MFERENCE_PHASES=1`).
@@ -723,7 +667,7 @@ pub fn run(a: RunArgs) -> Result<()> {
     validate_sampling(&a)?;
     let text = load_text(&a.model.model)?;
     let prompt: Option<Vec<u32>> = if let Some(p) = &a.prompt {
-        Some(text.tok.encode(p, true)?)
+        Some(text.tokenizer.encode(p, true)?)
     } else if let Some(f) = &a.messages_file {
         Some(render(&text, &read_messages(f)?)?)
     } else if a.chat {
@@ -756,7 +700,7 @@ pub fn run(a: RunArgs) -> Result<()> {
             prompt.as_ref().map(Vec::len)
         },
     )?;
-    let mut model = mference_models::load(
+    let model = mference_models::load(
         &a.model.model,
         &load_options(&a.model, chunk, a.max_context)?,
     )?;
@@ -768,31 +712,23 @@ pub fn run(a: RunArgs) -> Result<()> {
             model.device(),
         );
     }
+    let mut session = Session::new(model, Arc::new(text));
     let stdout = std::io::stdout();
     match prompt {
         Some(p) => {
-            let mut cache = PrefixCache::new();
             let never = AtomicBool::new(false);
-            reply(
-                model.as_mut(),
-                &mut cache,
-                &text,
-                &p,
-                &a,
-                &mut stdout.lock(),
-                &never,
-            )?;
+            reply(&mut session, &p, &a, &mut stdout.lock(), &never)?;
             println!();
         }
-        None => chat(model.as_mut(), &text, &a)?,
+        None => chat(&mut session, &a)?,
     }
     Ok(())
 }
 
 /// Interactive chat: the whole conversation is re-rendered each turn, and only what the model
 /// does not hold yet (the new messages) is prefilled, as `serve` does.
-fn chat(model: &mut dyn Model, text: &Text, a: &RunArgs) -> Result<()> {
-    let mut cache = PrefixCache::new();
+fn chat(session: &mut Session, a: &RunArgs) -> Result<()> {
+    let text = Arc::clone(session.text());
     let interrupt = Interrupt::install()?;
     let system = (!a.system.is_empty())
         .then(|| serde_json::json!({"role": "system", "content": a.system.join("\n")}));
@@ -816,7 +752,7 @@ fn chat(model: &mut dyn Model, text: &Text, a: &RunArgs) -> Result<()> {
             "/quit" | "/exit" => return Ok(()),
             "/clear" => {
                 turns.clear();
-                cache.clear(model);
+                session.clear();
                 eprintln!("[conversation cleared]");
                 continue;
             }
@@ -844,7 +780,7 @@ fn chat(model: &mut dyn Model, text: &Text, a: &RunArgs) -> Result<()> {
                 .cloned()
                 .chain(turns.iter().cloned())
                 .collect();
-            let p = render(text, &msgs)?;
+            let p = render(&text, &msgs)?;
             if p.len() + 1 < a.max_context || turns.len() <= 1 {
                 break p;
             }
@@ -866,9 +802,7 @@ fn chat(model: &mut dyn Model, text: &Text, a: &RunArgs) -> Result<()> {
         interrupt.hit.store(false, Ordering::Relaxed);
         interrupt.generating.store(true, Ordering::Relaxed);
         let out = reply(
-            model,
-            &mut cache,
-            text,
+            session,
             &prompt,
             a,
             &mut std::io::stdout().lock(),
@@ -949,9 +883,9 @@ pub fn perplexity(a: PerplexityArgs) -> Result<()> {
     }
     // llama-perplexity's stream: `common_tokenize(text, add_special = true)`, so BOS first when
     // the vocabulary adds one; then every chunk's first token becomes BOS.
-    let bos = text.tok.bos_id();
+    let bos = text.tokenizer.bos_id();
     let mut ids: Vec<u32> = bos.filter(|_| !a.no_stream_bos).into_iter().collect();
-    ids.extend(text.tok.encode(&body, false)?);
+    ids.extend(text.tokenizer.encode(&body, false)?);
     if let Some(m) = a.max_tokens {
         ids.truncate(m);
     }

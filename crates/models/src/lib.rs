@@ -4,7 +4,6 @@
 
 pub mod deepseek_v4;
 pub mod gemma4;
-pub mod generate;
 pub mod inkling;
 pub mod maple;
 pub mod prefix;

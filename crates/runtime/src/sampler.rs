@@ -150,7 +150,13 @@ impl Sampler {
             }
             u -= w;
         }
-        cand[keep - 1].1
+        // Rounding ran past the end: the last candidate that can be drawn (a masked `-inf`
+        // logit, or one whose weight underflowed, never can).
+        cand.iter()
+            .zip(&weights)
+            .rev()
+            .find(|(_, w)| **w > 0.0)
+            .map_or(cand[0].1, |(x, _)| x.1)
     }
 }
 
@@ -186,6 +192,26 @@ mod tests {
         let mut l = vec![0.0, 4.0, 3.0, -1.0];
         assert_eq!(s.sample(&mut l, &[1, 3], 0), 2);
         assert_eq!(l[3], -2.0);
+    }
+
+    #[test]
+    fn masked_logits_are_never_drawn() {
+        // Three allowed tokens among 1000, top-k wider than that: a response-format mask.
+        let mut base = vec![f32::NEG_INFINITY; 1000];
+        for (i, l) in [(7usize, 0.5f32), (500, 0.0), (999, -0.5)] {
+            base[i] = l;
+        }
+        for seed in 0..2000u64 {
+            let mut s = Sampler::new(SamplerConfig {
+                temperature: 1.5,
+                top_k: 64,
+                top_p: 1.0,
+                repetition_penalty: 1.3,
+                seed: Some(seed),
+            });
+            let id = s.sample(&mut base.clone(), &[7, 3], seed as usize);
+            assert!([7, 500, 999].contains(&id), "seed {seed} drew {id}");
+        }
     }
 
     #[test]

@@ -4,6 +4,7 @@
 use serde_json::{Map, Value};
 
 use crate::error::ApiError;
+use mference_session::ResponseFormat;
 use mference_text::Family;
 
 /// Sampling and stopping options shared by both endpoints.
@@ -27,6 +28,8 @@ pub(crate) struct Common {
     pub sampling: Sampling,
     /// `Some(n)`: return the chosen token's log-probability and the `n` most likely alternatives.
     pub logprobs: Option<usize>,
+    /// `response_format` other than text: the reply is constrained to it.
+    pub response_format: Option<ResponseFormat>,
 }
 
 /// A validated `/v1/chat/completions` body.
@@ -222,9 +225,11 @@ fn common(o: &Map<String, Value>, logprobs: Option<usize>) -> Result<Common, Api
             ))
         }
     };
+    let response_format = response_format(o)?;
     Ok(Common {
         stream,
         include_usage,
+        response_format,
         sampling: Sampling {
             temperature: temperature as f32,
             top_p: top_p as f32,
@@ -236,6 +241,73 @@ fn common(o: &Map<String, Value>, logprobs: Option<usize>) -> Result<Common, Api
         },
         logprobs,
     })
+}
+
+/// `response_format` (OpenAI's structured outputs): `text` (or absent) → `None`; `json_object`;
+/// `json_schema` with a `json_schema` object holding `name` (1-64 letters, digits, `_`, `-`),
+/// an object `schema` and an optional boolean `strict`. Whether the schema compiles is checked
+/// later, when it is compiled for the tokenizer.
+fn response_format(o: &Map<String, Value>) -> Result<Option<ResponseFormat>, ApiError> {
+    const P: &str = "response_format";
+    let Some(rf) = field(o, P) else {
+        return Ok(None);
+    };
+    let rf = rf
+        .as_object()
+        .ok_or_else(|| ApiError::param(P, "`response_format` must be an object"))?;
+    match rf.get("type").and_then(Value::as_str) {
+        Some("text") => Ok(None),
+        Some("json_object") => Ok(Some(ResponseFormat::JsonObject)),
+        Some("json_schema") => {
+            let js = field(rf, "json_schema")
+                .and_then(Value::as_object)
+                .ok_or_else(|| {
+                    ApiError::param(
+                        P,
+                        "`response_format.json_schema` must be an object with `name` and `schema`",
+                    )
+                })?;
+            let name = js.get("name").and_then(Value::as_str).unwrap_or("");
+            if name.is_empty()
+                || name.len() > 64
+                || !name
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+            {
+                return Err(ApiError::param(
+                    P,
+                    "`response_format.json_schema.name` must be 1-64 letters, digits, `_` or `-`",
+                ));
+            }
+            let schema = field(js, "schema")
+                .filter(|v| v.is_object())
+                .ok_or_else(|| {
+                    ApiError::param(
+                        P,
+                        "`response_format.json_schema.schema` must be a JSON Schema object",
+                    )
+                })?;
+            let strict = boolean(js, "strict")
+                .map_err(|_| {
+                    ApiError::param(
+                        P,
+                        "`response_format.json_schema.strict` must be true or false",
+                    )
+                })?
+                .unwrap_or(false);
+            Ok(Some(ResponseFormat::JsonSchema {
+                schema: schema.clone(),
+                strict,
+            }))
+        }
+        other => Err(ApiError::param(
+            P,
+            format!(
+                "`response_format.type` must be text, json_object or json_schema, got {}",
+                other.map_or("(missing)".to_string(), |t| format!("`{t}`"))
+            ),
+        )),
+    }
 }
 
 /// Parses and validates a chat completion body for `family`'s template.
@@ -266,14 +338,6 @@ pub(crate) fn parse_chat(
         _ => None,
     };
     let common = common(o, logprobs)?;
-    if let Some(rf) = field(o, "response_format") {
-        if rf.get("type").and_then(Value::as_str) != Some("text") {
-            return Err(ApiError::param(
-                "response_format",
-                "structured output is not supported; only `{\"type\": \"text\"}`",
-            ));
-        }
-    }
     for legacy in ["functions", "function_call"] {
         if field(o, legacy).is_some() {
             return Err(ApiError::param(

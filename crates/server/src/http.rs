@@ -19,6 +19,9 @@ use crate::api::{self, Common, CompletionPrompt};
 use crate::error::ApiError;
 use crate::worker::{timestamp, Done, Event, Job, TokenLogprob, Usage};
 use crate::TextSide;
+use mference_runtime::SamplerConfig;
+use mference_session::{Request as GenRequest, SessionError};
+use mference_text::TextError;
 
 /// Largest accepted request body, bytes (413 above).
 pub(crate) const BODY_LIMIT: usize = 1 << 20;
@@ -233,22 +236,18 @@ async fn chat_inner(
 ) -> Result<Response, ApiError> {
     let body = read_json(req).await?;
     let r = api::parse_chat(&body, &st.model_id, st.text.family)?;
-    let template = st.text.template.as_ref().ok_or_else(|| {
-        ApiError::invalid("this install has no chat template; use POST /v1/completions")
-    })?;
-    let rendered = template
-        .render(
-            &r.messages,
-            r.tools.as_deref(),
-            true,
-            &st.text.family.default_template_kwargs(),
-        )
-        .map_err(|e| ApiError::param("messages", e.to_string()))?;
     let prompt = st
         .text
-        .tokenizer
-        .encode(&rendered, false)
-        .map_err(|e| ApiError::invalid(format!("cannot tokenize the prompt: {e}")))?;
+        .render_chat(&r.messages, r.tools.as_deref())
+        .map_err(|e| match e {
+            SessionError::NoTemplate => {
+                ApiError::invalid("this install has no chat template; use POST /v1/completions")
+            }
+            SessionError::Text(TextError::Tokenize(_)) => {
+                ApiError::invalid(format!("cannot tokenize the prompt: {e}"))
+            }
+            e => ApiError::param("messages", e.to_string()),
+        })?;
     let reply = Reply {
         kind: Kind::Chat,
         id: id.to_string(),
@@ -324,13 +323,40 @@ async fn submit(
         return Err(shutting_down());
     }
     let (tx, rx) = mpsc::unbounded_channel();
+    let s = &reply.common.sampling;
+    let mut request = GenRequest::new(
+        prompt,
+        SamplerConfig {
+            temperature: s.temperature,
+            top_k: s.top_k,
+            top_p: s.top_p,
+            repetition_penalty: s.repetition_penalty,
+            seed: s.seed,
+        },
+        s.max_tokens,
+    );
+    request.stop = s.stop.clone();
+    request.logprobs = reply.common.logprobs;
+    request.tools = tools;
+    if let Some(format) = reply.common.response_format.clone() {
+        // Compiling indexes the vocabulary on first use and can take a while on a large schema:
+        // off the HTTP threads.
+        let text = Arc::clone(&st.text);
+        let compiled = tokio::task::spawn_blocking(move || text.compile(&format))
+            .await
+            .map_err(|e| {
+                ApiError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    format!("compiling the response format failed: {e}"),
+                )
+            })?;
+        request.constraint =
+            Some(compiled.map_err(|e| ApiError::param("response_format", e.to_string()))?);
+    }
     let job = Job {
         id: reply.id.clone(),
         received,
-        prompt,
-        sampling: reply.common.sampling.clone(),
-        logprobs: reply.common.logprobs,
-        tools,
+        request,
         events: tx,
     };
     st.jobs.try_send(job).map_err(|e| match e {

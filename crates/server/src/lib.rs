@@ -28,24 +28,19 @@ mod worker;
 
 use std::future::IntoFuture;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
 use mference_models::Model;
-use mference_text::{ChatTemplate, Family, TextError, Tokenizer};
+use mference_text::Family;
 
 pub use error::ApiError;
+/// The text side the server renders, tokenizes and generates with (`mference-session`).
+pub use mference_session::TextSide;
 
 /// Errors of starting the server. Request errors are [`ApiError`]s and never end the server.
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
-    /// The install's tokenizer or template could not be loaded.
-    #[error("{0}")]
-    Text(#[from] TextError),
-    /// The install has no readable `tokenizer/config.json` or an unknown `model_type`.
-    #[error("{0}")]
-    Install(String),
     /// `--bind tailnet` could not find exactly one tailnet address.
     #[error("--bind tailnet: {0}")]
     Tailnet(String),
@@ -160,53 +155,6 @@ impl PromptCacheMode {
                 "invalid --prompt-cache-mode '{s}': allowed values are off, single-prefix"
             )),
         }
-    }
-}
-
-/// The text side of an install: tokenizer, chat template and family, shared by the HTTP handlers
-/// (rendering, tokenizing) and the generation thread (detokenizing, tool-call parsing).
-pub struct TextSide {
-    /// The install's tokenizer.
-    pub tokenizer: Tokenizer,
-    /// The install's chat template; `None` means only `/v1/completions` works.
-    pub template: Option<ChatTemplate>,
-    /// The family (stop tokens, template variables, tool-call syntax).
-    pub family: Family,
-}
-
-impl TextSide {
-    /// Loads `<install>/tokenizer/` (tokenizer, template and `config.json`'s `model_type`).
-    ///
-    /// Errors: [`ServerError::Text`] for the tokenizer or a template that does not compile,
-    /// [`ServerError::Install`] for a missing `config.json` or an unknown `model_type`.
-    pub fn load(install: &Path) -> Result<Self, ServerError> {
-        let dir: PathBuf = install.join("tokenizer");
-        let tokenizer = Tokenizer::from_dir(&dir)?;
-        let template = match ChatTemplate::from_dir(&dir) {
-            Ok(t) => Some(t),
-            Err(TextError::NoChatTemplate(_)) => None,
-            Err(e) => return Err(e.into()),
-        };
-        let config = std::fs::read(dir.join("config.json")).map_err(|e| {
-            ServerError::Install(format!(
-                "{} is not an install (cannot read tokenizer/config.json: {e})",
-                install.display()
-            ))
-        })?;
-        let config: serde_json::Value = serde_json::from_slice(&config).map_err(|e| {
-            ServerError::Install(format!("tokenizer/config.json is not valid JSON: {e}"))
-        })?;
-        let mt = config
-            .get("model_type")
-            .and_then(|v| v.as_str())
-            .unwrap_or("");
-        let family = Family::from_model_type(mt)
-            .ok_or_else(|| ServerError::Install(format!("unknown model_type '{mt}'")))?;
-        Ok(Self {
-            tokenizer,
-            template,
-            family,
-        })
     }
 }
 

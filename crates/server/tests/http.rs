@@ -114,7 +114,11 @@ fn endpoints_and_error_statuses() {
             "stream_options",
         ),
         (
-            json!({"response_format": {"type": "json_object"}}),
+            json!({"response_format": {"type": "yaml"}}),
+            "response_format",
+        ),
+        (
+            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}),
             "response_format",
         ),
         (json!({"tools": [{"type": "code_interpreter"}]}), "tools[0]"),

@@ -9,6 +9,7 @@
 //!   (`reference/original-system.md` §2.6).
 //! - [`parse_tool_calls`]: per-family tool-call parsers that fail closed on malformed output
 //!   (`reference/original-system.md` §2.4).
+//! - [`Tokenizer::token_bytes`]: the bytes each id writes, for constrained decoding.
 
 mod detokenizer;
 mod family;
@@ -18,6 +19,7 @@ mod stops;
 mod template;
 mod tokenizer;
 mod tool_calls;
+mod vocab;
 
 pub use detokenizer::StreamingDetokenizer;
 pub use family::Family;
@@ -26,6 +28,7 @@ pub use stops::{stop_token_ids, StopStrings};
 pub use template::ChatTemplate;
 pub use tokenizer::Tokenizer;
 pub use tool_calls::{parse_tool_calls, parse_tool_calls_with_tools, ParsedOutput, ToolCall};
+pub use vocab::TokenBytes;
 
 use std::path::PathBuf;
 

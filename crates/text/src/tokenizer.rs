@@ -10,7 +10,7 @@ use crate::TextError;
 /// Ids are `u32` token ids; text is UTF-8. Wrapped in our own type so the `tokenizers` 1.0 API change
 /// (`reference/dependencies.md`) stays inside this crate.
 pub struct Tokenizer {
-    inner: tokenizers::Tokenizer,
+    pub(crate) inner: tokenizers::Tokenizer,
     bos_token: Option<String>,
     eos_token: Option<String>,
 }

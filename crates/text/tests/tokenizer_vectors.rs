@@ -170,3 +170,60 @@ fn gemma_adds_bos_only_with_special_tokens() {
         qwen.encode("Hello world", false).unwrap()
     );
 }
+
+/// The bytes of the reference ids, concatenated, are the vector's text (its NFC form for Qwen, a
+/// literal U+2581 written as a space for Gemma, as in `decode_round_trips_vectors`): the byte map a
+/// constrained decoder matches grammars against spells what the tokenizer decodes.
+#[test]
+fn token_bytes_spell_every_vector() {
+    use mference_text::TokenBytes;
+    for (family, name) in FAMILIES {
+        let tok = tokenizer(name);
+        let bytes = tok.token_bytes().unwrap();
+        assert_eq!(bytes.len(), tok.vocab_size());
+        let file = read_json(tokenizer_dir(name).join("verify/vectors.json"));
+        let mut checked = 0;
+        for (i, v) in file["vectors"].as_array().unwrap().iter().enumerate() {
+            let text = v["text"].as_str().unwrap();
+            let ids = ids_of(&v["ids"]);
+            if ids
+                .iter()
+                .any(|&id| matches!(bytes[id as usize], TokenBytes::Special(_)))
+            {
+                continue; // a control token in the text is not text
+            }
+            let want = if family == Family::Qwen36 && text == NON_NFC {
+                NON_NFC_AS_NFC.to_string()
+            } else if family == Family::Gemma4 {
+                text.replace('\u{2581}', " ")
+            } else {
+                text.to_string()
+            };
+            let mut got = Vec::new();
+            for &id in &ids {
+                let TokenBytes::Text(b) = &bytes[id as usize] else {
+                    unreachable!()
+                };
+                got.extend_from_slice(b);
+            }
+            assert_eq!(String::from_utf8_lossy(&got), want, "{name} #{i}");
+            checked += 1;
+        }
+        assert!(checked > 100, "{name}: only {checked} vectors checked");
+        for special in [
+            "<eos>",
+            "<|turn>",
+            "<|tool_call>",
+            "<|im_end|>",
+            "<tool_call>",
+        ] {
+            if let Some(id) = tok.token_id(special) {
+                assert_eq!(
+                    bytes[id as usize],
+                    TokenBytes::Special(special.into()),
+                    "{name}"
+                );
+            }
+        }
+    }
+}
