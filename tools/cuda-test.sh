@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The CUDA backend's tests on a GPU machine: the op harness and model-sized shapes on device 0,
-# the kernel cache, the NVRTC compile. Needs the NVIDIA driver and libnvrtc (CUDA 13); NVRTC is
+# the kernel cache, the NVRTC compile, the bundled models end to end. Needs the NVIDIA driver and libnvrtc (CUDA 13); NVRTC is
 # often outside the loader path, so the toolkit's usual folders are added when they exist.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -8,3 +8,6 @@ for d in /usr/local/cuda/targets/x86_64-linux/lib /usr/local/cuda/lib64; do
   if [ -d "$d" ]; then export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"; fi
 done
 cargo test --release -p mference-cuda "$@" -- --nocapture
+# The bundled tiny models on CUDA: greedy ids and perplexity against mlx-lm, bit-identity across
+# GPU expert budgets (crates/cli/tests/cuda.rs).
+cargo test --release -p mference-cli --test cuda "$@" -- --nocapture --test-threads 1
