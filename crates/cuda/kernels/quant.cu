@@ -6,13 +6,20 @@
 // are only 2-byte aligned, so codes are read as u16 pieces (2/4/8 codes, never straddling a
 // group) and nothing assumes a 4-byte-aligned word.
 
-// y[t, r] = sum_c w[r, c] * x[t, c]: one warp per output row, rows of x over grid.y.
+// Threads per output row of qmatmul (a multiple of 32; the launch in lib.rs uses the same).
+#define QM_THREADS 256
+
+// y[t, r] = sum_c w[r, c] * x[t, c]: one block of QM_THREADS threads per output row r, rows of x
+// over grid.y. Each thread sums a strided share of the row's u16 pieces; the warps' sums are added
+// in warp order, so the result is deterministic (and independent of which slot holds the bytes).
+// A block per row keeps enough warps in flight to hide the load latency of small expert matrices.
 extern "C" __global__ void qmatmul(const unsigned char* base, u64 w_off, u64 s_off, u64 b_off,
                                    int rows, int cols, int bits, int group, const float* x,
                                    int t_rows, float* y) {
-    int r = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5);
-    int lane = threadIdx.x & 31;
+    __shared__ float part[QM_THREADS / 32];
+    int r = blockIdx.x;
     if (r >= rows) return;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int per = 16 / bits;              // codes per u16
     int n16 = cols / per;             // u16 pieces per row
     u32 mask = (1u << bits) - 1u;
@@ -23,7 +30,7 @@ extern "C" __global__ void qmatmul(const unsigned char* base, u64 w_off, u64 s_o
     for (int t = blockIdx.y; t < t_rows; t += gridDim.y) {
         const float* xr = x + (u64)t * cols;
         float acc = 0.0f;
-        for (int i = lane; i < n16; i += 32) {
+        for (int i = threadIdx.x; i < n16; i += QM_THREADS) {
             u32 v = w[i];
             int c0 = i * per;
             int g = c0 / group;
@@ -34,7 +41,14 @@ extern "C" __global__ void qmatmul(const unsigned char* base, u64 w_off, u64 s_o
             }
         }
         acc = warp_sum(acc);
-        if (lane == 0) y[(u64)t * rows + r] = acc;
+        if (lane == 0) part[warp] = acc;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            float sum = 0.0f;
+            for (int k = 0; k < QM_THREADS / 32; ++k) sum += part[k];
+            y[(u64)t * rows + r] = sum;
+        }
+        __syncthreads();
     }
 }
 

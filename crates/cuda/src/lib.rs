@@ -191,6 +191,8 @@ pub enum KernelOrigin {
     Compiled(Option<PathBuf>),
 }
 
+/// Threads per output row of the `qmatmul` kernel (`QM_THREADS` in kernels/quant.cu).
+const QM_THREADS: u32 = 256;
 /// The attention kernel keeps 16 dimensions of a head per lane: `head_dim <= 32 * 16`.
 const ATTN_MAX_HEAD_DIM: usize = 512;
 /// Most experts per token the router kernel keeps per row.
@@ -394,6 +396,14 @@ impl CudaBackend {
         self.stream.alloc_zeros(n).map_err(|e| self.dev(op, e))
     }
 
+    /// A tensor the caller's kernel writes in full (no zeroing pass).
+    fn uninit_tensor(&self, op: &'static str, rows: usize, cols: usize) -> OpResult<CudaTensor> {
+        // SAFETY: the one kernel that writes it covers every element before anything reads it
+        // (stream order).
+        let buf = unsafe { self.stream.alloc::<f32>(rows * cols) }.map_err(|e| self.dev(op, e))?;
+        Ok(CudaTensor { buf, rows, cols })
+    }
+
     fn tensor(&self, op: &'static str, rows: usize, cols: usize) -> OpResult<CudaTensor> {
         Ok(CudaTensor {
             buf: self.zeros_f32(op, rows * cols)?,
@@ -531,7 +541,8 @@ impl CudaBackend {
             format!("a [{}, {}] matrix for rows of {}", w.rows, w.cols, x.cols)
         })?;
         let [wo, so, bo] = qref_offsets(op, w, len)?;
-        let mut y = self.tensor(op, x.rows, w.rows)?;
+        // Every element is written by the kernel: no zeroing pass.
+        let mut y = self.uninit_tensor(op, x.rows, w.rows)?;
         let (rows, cols, bits, group, t) = (
             w.rows as i32,
             w.cols as i32,
@@ -543,7 +554,11 @@ impl CudaBackend {
             self,
             op,
             "qmatmul",
-            warps(w.rows, x.rows),
+            LaunchConfig {
+                grid_dim: (w.rows as u32, x.rows.min(65535) as u32, 1),
+                block_dim: (QM_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            },
             &buf,
             &wo,
             &so,
