@@ -109,8 +109,8 @@ struct Worker {
     stop_ids: Vec<u32>,
     /// The family's assistant-turn opener ([`mference_text::Family::turn_open_token`]) as one token id.
     turn_open: Option<u32>,
-    /// The family's tool-call marker as one token id: a call opens with this token; the same
-    /// characters spelled out by other tokens are prose.
+    /// The family's tool-call marker token ([`tool_marker_token`]) as one token id: a call
+    /// carries this token; the same characters spelled out by other tokens are prose.
     tool_marker_id: Option<u32>,
     /// Shared with `/health`: why the model cannot serve, once a request has found out.
     broken: Arc<std::sync::Mutex<Option<String>>>,
@@ -131,7 +131,7 @@ pub(crate) fn spawn(
         Ok(ids) if ids.len() == 1 => Some(ids[0]),
         _ => None,
     };
-    let tool_marker_id = match text.tokenizer.encode(tool_marker(text.family), false) {
+    let tool_marker_id = match text.tokenizer.encode(tool_marker_token(text.family), false) {
         Ok(ids) if ids.len() == 1 => Some(ids[0]),
         _ => None,
     };
@@ -189,6 +189,17 @@ fn tool_marker(family: Family) -> &'static str {
         // Inkling's tool-invocation content marker; its text template renders no tools, and the
         // family's parser returns any such text as content.
         Family::Inkling => "<|content_invoke_tool_json|>",
+    }
+}
+
+/// The one token whose presence in the generated ids makes text at [`tool_marker`] a call
+/// rather than prose: the marker itself where it is one token; DeepSeek-V4's
+/// `<｜DSML｜tool_calls>` is `<`, the added token `｜DSML｜` (128825) and `tool_calls>`, so there it
+/// is `｜DSML｜`, which every DSML tag the model writes carries.
+fn tool_marker_token(family: Family) -> &'static str {
+    match family {
+        Family::DeepSeekV4 => "｜DSML｜",
+        f => tool_marker(f),
     }
 }
 

@@ -474,3 +474,78 @@ pub fn fill_experts(d: &Dims, install: &Path, seed: u64) -> std::io::Result<u64>
     }
     Ok(written)
 }
+
+/// The DeepSeek-V4 tokenizer's vocabulary.
+pub const TEXT_VOCAB: usize = 129_280;
+
+/// The golden fixture A (`assets/fixtures/deepseek_v4/A/checkpoint`) with its vocabulary widened
+/// to the tokenizer's [`TEXT_VOCAB`] ids (`model.embed_tokens`, `lm_head` and each `tid2eid` row
+/// `r` taken from row `r mod 1024`, so the model still reads `id mod 1024`) plus the bundled
+/// DeepSeek-V4 tokenizer files and chat template: a single-file checkpoint in `dir` for `run`,
+/// `serve` and the server's tests (its text is gibberish).
+pub fn write_text_checkpoint(dir: &Path) {
+    let vocab = TEXT_VOCAB;
+    let fixture = || crate::repo().join("assets/fixtures/deepseek_v4/A/checkpoint");
+    let src = std::fs::read(fixture().join("model.safetensors")).unwrap();
+    let hlen = u64::from_le_bytes(src[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Map<String, Value> = serde_json::from_slice(&src[8..8 + hlen]).unwrap();
+    let data = &src[8 + hlen..];
+    let mut out_header = serde_json::Map::new();
+    let mut out_data: Vec<u8> = Vec::new();
+    let mut names: Vec<&String> = header.keys().filter(|k| *k != "__metadata__").collect();
+    names.sort();
+    for name in names {
+        let t = &header[name];
+        let off = t["data_offsets"].as_array().unwrap();
+        let (a, b) = (
+            off[0].as_u64().unwrap() as usize,
+            off[1].as_u64().unwrap() as usize,
+        );
+        let mut shape: Vec<u64> = t["shape"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap())
+            .collect();
+        let bytes = &data[a..b];
+        let widen = name.starts_with("model.embed_tokens.")
+            || name.starts_with("lm_head.")
+            || name.ends_with(".tid2eid");
+        let start = out_data.len();
+        if widen {
+            let row = bytes.len() / shape[0] as usize;
+            for r in 0..vocab {
+                let r = r % shape[0] as usize;
+                out_data.extend_from_slice(&bytes[r * row..(r + 1) * row]);
+            }
+            shape[0] = vocab as u64;
+        } else {
+            out_data.extend_from_slice(bytes);
+        }
+        out_header.insert(
+            name.clone(),
+            json!({"dtype": t["dtype"], "shape": shape, "data_offsets": [start, out_data.len()]}),
+        );
+    }
+    let mut h = serde_json::to_vec(&Value::Object(out_header)).unwrap();
+    while !h.len().is_multiple_of(8) {
+        h.push(b' ');
+    }
+    let mut file = (h.len() as u64).to_le_bytes().to_vec();
+    file.extend(h);
+    file.extend(out_data);
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::write(dir.join("model.safetensors"), file).unwrap();
+    let mut config: Value =
+        serde_json::from_slice(&std::fs::read(fixture().join("config.json")).unwrap()).unwrap();
+    config["vocab_size"] = json!(vocab);
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let tok = crate::repo().join("assets/tokenizers/deepseek_v4");
+    for f in [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+    ] {
+        std::fs::copy(tok.join(f), dir.join(f)).unwrap();
+    }
+}
