@@ -7,12 +7,10 @@
 
 mod common;
 
-use common::{start_install, warm_cold_conversation};
+use common::assert_follow_ups_reuse_the_conversation;
 use mference_models::LoadOptions;
 use mference_runtime::CacheSlots;
 use mference_testkit::dsv4_text_install;
-
-const MODEL_ID: &str = "deepseek-v4-tiny";
 
 #[test]
 fn deepseek_v4_follow_up_turns_reuse_the_conversation_and_match_a_cold_run() {
@@ -23,18 +21,13 @@ fn deepseek_v4_follow_up_turns_reuse_the_conversation_and_match_a_cold_run() {
         max_context: 1024,
         ..Default::default()
     };
-    let seen = warm_cold_conversation(
-        |cache| start_install(dsv4_text_install(), &opts, cache, MODEL_ID),
-        MODEL_ID,
+    // Everything before the previous request's `<｜Assistant｜></think>` is reused.
+    assert_follow_ups_reuse_the_conversation(
+        dsv4_text_install(),
+        &opts,
+        "deepseek-v4-tiny",
         12,
         1e-4,
+        "<｜Assistant｜></think>",
     );
-    // Everything before the previous request's `<｜Assistant｜></think>` is reused.
-    for t in 1..seen.len() {
-        assert_eq!(
-            seen[t].1,
-            seen[t - 1].0 - 2,
-            "turn {t}: the reused prefix is not the previous conversation: {seen:?}"
-        );
-    }
 }

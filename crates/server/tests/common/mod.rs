@@ -376,3 +376,31 @@ pub fn warm_cold_conversation(
     cold.shutdown();
     seen
 }
+
+/// [`warm_cold_conversation`] on the install `dir` loaded with `opts`, where every follow-up
+/// turn must reuse the previous turn's whole prompt but its generation suffix `gen_prompt` (from
+/// the assistant opener on: where a recurrent model keeps its checkpoint).
+pub fn assert_follow_ups_reuse_the_conversation(
+    dir: &std::path::Path,
+    opts: &LoadOptions,
+    model_id: &str,
+    max_tokens: u32,
+    tol: f64,
+    gen_prompt: &str,
+) {
+    let seen = warm_cold_conversation(
+        |cache| start_install(dir, opts, cache, model_id),
+        model_id,
+        max_tokens,
+        tol,
+    );
+    let tok = mference_text::Tokenizer::from_dir(&dir.join("tokenizer")).unwrap();
+    let suffix = tok.encode(gen_prompt, false).unwrap().len() as u64;
+    for t in 1..seen.len() {
+        assert_eq!(
+            seen[t].1,
+            seen[t - 1].0 - suffix,
+            "turn {t}: the reused prefix is not the previous conversation less {gen_prompt:?}: {seen:?}"
+        );
+    }
+}
