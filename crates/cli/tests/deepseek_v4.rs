@@ -5,12 +5,13 @@
 //! with an expert cache smaller than the layer. Then the text commands: the fixture with its
 //! vocabulary widened to the DeepSeek-V4 tokenizer's 129,280 ids (rows cycled, so the model still
 //! reads `id mod 1024`) and the bundled tokenizer and chat template runs `run --prompt`,
-//! `run --messages-file` (the DeepSeek chat render) and `serve` (`/v1/chat/completions`).
+//! `run --messages-file` (the DeepSeek chat render), `run --chat` (a follow-up turn reuses the
+//! conversation through the model's checkpoint) and `serve` (`/v1/chat/completions`).
 
 use std::path::{Path, PathBuf};
 
 use mference_testkit::http::post;
-use mference_testkit::{read_npy_f32, run_ok, ServeProcess};
+use mference_testkit::{read_npy_f32, run_ok, run_ok_with_stdin, ServeProcess};
 use serde_json::{json, Value};
 
 const BIN: &str = env!("CARGO_BIN_EXE_mference");
@@ -202,6 +203,32 @@ fn run_and_serve_with_the_deepseek_tokenizer_and_chat_template() {
         chat.last(),
         Some(&128822),
         "thinking off ends the prompt with </think>: {chat:?}"
+    );
+
+    // `run --chat`: the second turn reuses the first turn's prompt up to its
+    // `<｜Assistant｜></think>` (the checkpoint the sliding rings and compressors rewind to).
+    let out = run_ok_with_stdin(
+        BIN,
+        &[&base[..], &["--chat", "--max-context", "1024"]].concat(),
+        "Hello there.\nHow are you?\n/quit\n",
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    let prompts: Vec<usize> = err
+        .lines()
+        .filter_map(|l| l.find("{\"prompt\"").map(|at| &l[at..]))
+        .map(|l| {
+            serde_json::from_str::<Value>(l).unwrap()["prompt"]
+                .as_array()
+                .unwrap()
+                .len()
+        })
+        .collect();
+    let stats: Vec<&str> = err.lines().filter(|l| l.contains("[stop=")).collect();
+    assert_eq!((prompts.len(), stats.len()), (2, 2), "{err}");
+    assert!(!stats[0].contains("cached="), "{err}");
+    assert!(
+        stats[1].contains(&format!(" cached={}tok", prompts[0] - 2)),
+        "the second turn did not reuse the first prompt less <｜Assistant｜></think>: {err}"
     );
 
     let srv = ServeProcess::start(
