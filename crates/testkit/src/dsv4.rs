@@ -3,7 +3,10 @@
 //! and group 32/64) for any number of layers and any attention schedule, its `config.json`, and a
 //! streaming writer of a single-file checkpoint with random weights of sane scale (quantized
 //! weights `N(0, 1/fan_in)`-like, norms 1, mHC bases 0 and scales 1, sinks and position biases 0,
-//! `tid2eid` six distinct experts per token).
+//! `tid2eid` six distinct experts per token), optionally with the routed experts left as holes
+//! and written into the install afterwards ([`Experts::Holes`], [`fill_experts`]); and the
+//! golden fixture A widened to the tokenizer's vocabulary for the text commands
+//! ([`write_text_checkpoint`]).
 
 use std::io::{Seek, SeekFrom, Write};
 use std::path::Path;
