@@ -2,11 +2,12 @@
 //! (a tiny checkpoint in the pinned 2-bit DQ layout, no tokenizer files): `install` of the local
 //! directory, `inspect` naming the family, `logits` in decode and chunked modes within the
 //! fixture's tolerance of the transformers float32 reference with every argmax equal, and `bench`
-//! with an expert cache smaller than the layer. Then the text commands: the fixture with its
-//! vocabulary widened to the DeepSeek-V4 tokenizer's 129,280 ids (rows cycled, so the model still
-//! reads `id mod 1024`) and the bundled tokenizer and chat template runs `run --prompt`,
-//! `run --messages-file` (the DeepSeek chat render), `run --chat` (a follow-up turn reuses the
-//! conversation through the model's checkpoint) and `serve` (`/v1/chat/completions`).
+//! with an expert cache smaller than the layer (and its per-layer decode costs). Then the text
+//! commands: the fixture with its vocabulary widened to the DeepSeek-V4 tokenizer's 129,280 ids
+//! (rows cycled, so the model still reads `id mod 1024`) and the bundled tokenizer and chat
+//! template runs `run --prompt`, `run --messages-file` (the DeepSeek chat render), `run --chat` (a
+//! follow-up turn reuses the conversation through the model's checkpoint) and `serve`
+//! (`/v1/chat/completions`).
 
 use std::path::{Path, PathBuf};
 
@@ -126,6 +127,14 @@ fn install_inspect_logits_and_bench_on_the_fixture() {
     assert_eq!(r["gen_tokens"], 4, "{r}");
     assert_eq!(r["finite"], true, "{r}");
     assert!(r["hit_rate"].as_f64().unwrap() < 1.0, "8 of 16 slots: {r}");
+    // Per-layer decode costs: one row per layer, each with time in attention and the FFN.
+    let layers = r["layers"]["per_token"].as_array().expect("per-layer rows");
+    assert_eq!(layers.len(), 7, "{r}");
+    for l in layers {
+        let (a, f) = (l["attention_ms"].as_f64(), l["ffn_ms"].as_f64());
+        assert!(a > Some(0.0) && f > Some(0.0), "{l}");
+    }
+    assert!(r["layers"]["head_ms"].as_f64() > Some(0.0), "{r}");
 }
 
 /// The `--show-ids` line: (prompt ids, generated ids).

@@ -4,7 +4,7 @@
 //! - The 43-layer plan from headers alone: accepted, one 8 MiB expert stride (the g32-gate blob;
 //!   layer 42's g64 blob is 7.5 MiB), and the installed size the original measured on the real
 //!   repository (96,689,373,952 bytes, `reference/original-system.md` §4.1) within 1%.
-//! - `#[ignore]`d (about 4.8 GB of disk while it runs, 2.15 GB more per further layer): a
+//! - `#[ignore]`d (about 5 GB of disk while it runs, 2.2 GB more per further layer): a
 //!   layer-truncated full-width checkpoint with random weights (layer 0 CSA + hash routing,
 //!   layer 1 HCA + learned routing; the first `MFERENCE_DSV4_LAYERS` layers of the published
 //!   schedule when set) written with its routed experts as holes, installed, the experts filled
@@ -77,7 +77,7 @@ fn full_size_plan_matches_the_measured_install() {
 }
 
 #[test]
-#[ignore = "writes about 9 GB; run with --ignored"]
+#[ignore = "writes about 5 GB; run with --ignored"]
 fn full_width_truncated_bench() {
     let d = match std::env::var("MFERENCE_DSV4_LAYERS") {
         Ok(n) => Dims::flash(Dims::flash_schedule(n.parse().unwrap()), 3),

@@ -23,7 +23,7 @@ mod config;
 mod moe;
 
 use mference_backend::{
-    f32_vector, Backend, FRef, KvCache, Mlp, Norm, QRef, Rope, Tensor, VRef, Yarn,
+    f32_vector, Backend, FRef, KvCache, Mlp, Norm, OpError, QRef, Rope, Tensor, VRef, Yarn,
 };
 
 use std::time::Instant;
@@ -102,6 +102,7 @@ pub struct DeepseekV4<B: Backend> {
     max_context: usize,
     /// [`LoadOptions::shadow_prefetch`].
     shadow_prefetch: bool,
+    /// [`crate::Model::checkpoint`]'s copy, if one was taken (and not cut away since).
     checkpoint: Option<Checkpoint<B>>,
     /// [`crate::Model::step_times`].
     times: StepTimes,
@@ -393,21 +394,18 @@ impl<B: Backend> DeepseekV4<B> {
         self.times.head += started.elapsed();
         logits
     }
+
     /// A copy of the state at the current position (backend copies: a backend without
     /// `kv_clone` or `gather_rows` keeps no checkpoint).
-    fn save(&self) -> Result<Checkpoint<B>, mference_backend::OpError> {
+    fn save(&self) -> Result<Checkpoint<B>, OpError> {
         let be = &self.be;
-        let copy = |x: &B::Tensor| be.gather_rows(x, &(0..x.rows()).collect::<Vec<_>>());
-        let mark = |st: &CompressorState<B>| -> Result<Mark<B>, mference_backend::OpError> {
+        let mark = |st: &CompressorState<B>| -> Result<Mark<B>, OpError> {
             Ok(Mark {
                 count: st.count,
                 pending: st.pending,
-                pending_kv: copy(&st.pending_kv)?,
-                pending_gate: copy(&st.pending_gate)?,
-                prior: match &st.prior {
-                    Some((k, g)) => Some((copy(k)?, copy(g)?)),
-                    None => None,
-                },
+                pending_kv: copy(be, &st.pending_kv)?,
+                pending_gate: copy(be, &st.pending_gate)?,
+                prior: copy_prior(be, &st.prior)?,
             })
         };
         let marks = self
@@ -419,7 +417,7 @@ impl<B: Backend> DeepseekV4<B> {
                     s.indexer.as_ref().map(mark).transpose()?,
                 ])
             })
-            .collect::<Result<_, mference_backend::OpError>>()?;
+            .collect::<Result<_, OpError>>()?;
         let rings = self
             .kv
             .layers
@@ -434,10 +432,9 @@ impl<B: Backend> DeepseekV4<B> {
     }
 
     /// Puts the checkpoint's copy back (it stays, for a later rewind to the same position).
-    fn restore(&mut self) -> Result<(), mference_backend::OpError> {
+    fn restore(&mut self) -> Result<(), OpError> {
         let be = &self.be;
         let ck = self.checkpoint.as_ref().expect("a checkpoint to restore");
-        let copy = |x: &B::Tensor| be.gather_rows(x, &(0..x.rows()).collect::<Vec<_>>());
         for (layer, ring) in self.kv.layers.iter_mut().zip(&ck.rings) {
             *layer = be.kv_clone(ring)?;
         }
@@ -448,10 +445,7 @@ impl<B: Backend> DeepseekV4<B> {
                     st.pending = m.pending;
                     be.set_rows(&mut st.pending_kv, 0, &m.pending_kv)?;
                     be.set_rows(&mut st.pending_gate, 0, &m.pending_gate)?;
-                    st.prior = match &m.prior {
-                        Some((k, g)) => Some((copy(k)?, copy(g)?)),
-                        None => None,
-                    };
+                    st.prior = copy_prior(be, &m.prior)?;
                 }
             }
         }
@@ -473,6 +467,22 @@ impl<B: Backend> DeepseekV4<B> {
             st.prior = None;
         }
     }
+}
+
+/// An independent copy of `x`.
+fn copy<B: Backend>(be: &B, x: &B::Tensor) -> Result<B::Tensor, OpError> {
+    be.gather_rows(x, &(0..x.rows()).collect::<Vec<_>>())
+}
+
+/// An independent copy of a compressor's prior Ca slice.
+fn copy_prior<B: Backend>(
+    be: &B,
+    prior: &Option<(B::Tensor, B::Tensor)>,
+) -> Result<Option<(B::Tensor, B::Tensor)>, OpError> {
+    prior
+        .as_ref()
+        .map(|(k, g)| Ok((copy(be, k)?, copy(be, g)?)))
+        .transpose()
 }
 
 fn check(name: &str, got: (usize, usize), want: (usize, usize)) -> Result<(), ModelError> {
