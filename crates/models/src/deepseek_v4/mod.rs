@@ -79,8 +79,11 @@ struct Mark<B: Backend> {
     pending: usize,
     pending_kv: B::Tensor,
     pending_gate: B::Tensor,
-    prior: Option<(B::Tensor, B::Tensor)>,
+    prior: Prior<B>,
 }
+
+/// A compressor's prior Ca slice (kv, and gate + ape), once a window has closed.
+type Prior<B> = Option<(<B as Backend>::Tensor, <B as Backend>::Tensor)>;
 
 /// A loaded DeepSeek-V4 model with its sliding rings, compressed caches and expert streamers (one
 /// sequence) on backend `B`.
@@ -475,10 +478,7 @@ fn copy<B: Backend>(be: &B, x: &B::Tensor) -> Result<B::Tensor, OpError> {
 }
 
 /// An independent copy of a compressor's prior Ca slice.
-fn copy_prior<B: Backend>(
-    be: &B,
-    prior: &Option<(B::Tensor, B::Tensor)>,
-) -> Result<Option<(B::Tensor, B::Tensor)>, OpError> {
+fn copy_prior<B: Backend>(be: &B, prior: &Prior<B>) -> Result<Prior<B>, OpError> {
     prior
         .as_ref()
         .map(|(k, g)| Ok((copy(be, k)?, copy(be, g)?)))
