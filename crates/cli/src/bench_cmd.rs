@@ -374,6 +374,7 @@ fn child(a: &BenchArgs, n: usize) -> Result<Value> {
     let mut finite = last.iter().all(|v| v.is_finite());
     let after_prefill = sum(&model.expert_stats());
     let gpu_prefill = model.device_expert_stats().unwrap_or_default();
+    let (layers_prefill, times_prefill) = (model.expert_stats(), model.step_times());
 
     let mut next = argmax(&last);
     let mut generated = vec![next];
@@ -412,6 +413,13 @@ fn child(a: &BenchArgs, n: usize) -> Result<Value> {
     let total = sum(&model.expert_stats());
     let gpu = model.device_expert_stats();
     let steps = (a.gen - 1) as f64;
+    let layers = per_layer(
+        &layers_prefill,
+        &model.expert_stats(),
+        &times_prefill,
+        &model.step_times(),
+        steps,
+    );
     let dec_hits = total.hits - after_prefill.hits;
     let dec_misses = total.misses - after_prefill.misses;
     let dec_bytes = total.bytes_read - after_prefill.bytes_read;
@@ -464,6 +472,7 @@ fn child(a: &BenchArgs, n: usize) -> Result<Value> {
         "shadow_prefetch": opts.shadow_prefetch,
         "prefetch_reads_per_token": per((total.prefetch_reads - after_prefill.prefetch_reads) as f64),
         "prefetch_used_per_token": per((total.prefetch_used - after_prefill.prefetch_used) as f64),
+        "layers": layers,
         "finite": finite,
         "generated": generated,
         "slots": slots,
@@ -477,6 +486,43 @@ fn child(a: &BenchArgs, n: usize) -> Result<Value> {
         "device": model.engine().device,
         "gpu_expert_cache": gpu_json,
     }))
+}
+
+/// Per decode token and layer (families that record [`mference_models::StepTimes`]; else null):
+/// attention and FFN milliseconds (the FFN's read-wait included), read-wait, MiB read and hits,
+/// plus the head's milliseconds.
+fn per_layer(
+    stats_before: &[StreamerStats],
+    stats_after: &[StreamerStats],
+    before: &mference_models::StepTimes,
+    after: &mference_models::StepTimes,
+    steps: f64,
+) -> Value {
+    if after.layers.is_empty() || steps == 0.0 {
+        return Value::Null;
+    }
+    let ms = |a: std::time::Duration, b: std::time::Duration| (a - b).as_secs_f64() * 1e3 / steps;
+    let zero = StreamerStats::default();
+    let rows: Vec<Value> = after
+        .layers
+        .iter()
+        .zip(&before.layers)
+        .enumerate()
+        .map(|(l, (t, t0))| {
+            let s = stats_after.get(l).unwrap_or(&zero);
+            let s0 = stats_before.get(l).unwrap_or(&zero);
+            let (hits, misses) = (s.hits - s0.hits, s.misses - s0.misses);
+            json!({
+                "layer": l,
+                "attention_ms": ms(t[0], t0[0]),
+                "ffn_ms": ms(t[1], t0[1]),
+                "read_wait_ms": ms(s.read_wait, s0.read_wait),
+                "mib_read": (s.bytes_read - s0.bytes_read) as f64 / steps / (1u64 << 20) as f64,
+                "hit_rate": if hits + misses == 0 { 0.0 } else { hits as f64 / (hits + misses) as f64 },
+            })
+        })
+        .collect();
+    json!({"per_token": rows, "head_ms": ms(after.head, before.head)})
 }
 
 fn median(mut v: Vec<f64>) -> f64 {

@@ -2,15 +2,17 @@
 //! (a tiny checkpoint in the pinned 2-bit DQ layout, no tokenizer files): `install` of the local
 //! directory, `inspect` naming the family, `logits` in decode and chunked modes within the
 //! fixture's tolerance of the transformers float32 reference with every argmax equal, and `bench`
-//! with an expert cache smaller than the layer. Then the text commands: the fixture with its
-//! vocabulary widened to the DeepSeek-V4 tokenizer's 129,280 ids (rows cycled, so the model still
-//! reads `id mod 1024`) and the bundled tokenizer and chat template runs `run --prompt`,
-//! `run --messages-file` (the DeepSeek chat render) and `serve` (`/v1/chat/completions`).
+//! with an expert cache smaller than the layer (and its per-layer decode costs). Then the text
+//! commands: the fixture with its vocabulary widened to the DeepSeek-V4 tokenizer's 129,280 ids
+//! (rows cycled, so the model still reads `id mod 1024`) and the bundled tokenizer and chat
+//! template runs `run --prompt`, `run --messages-file` (the DeepSeek chat render), `run --chat` (a
+//! follow-up turn reuses the conversation through the model's checkpoint) and `serve`
+//! (`/v1/chat/completions`).
 
 use std::path::{Path, PathBuf};
 
 use mference_testkit::http::post;
-use mference_testkit::{read_npy_f32, run_ok, ServeProcess};
+use mference_testkit::{read_npy_f32, run_ok, run_ok_with_stdin, ServeProcess};
 use serde_json::{json, Value};
 
 const BIN: &str = env!("CARGO_BIN_EXE_mference");
@@ -125,75 +127,14 @@ fn install_inspect_logits_and_bench_on_the_fixture() {
     assert_eq!(r["gen_tokens"], 4, "{r}");
     assert_eq!(r["finite"], true, "{r}");
     assert!(r["hit_rate"].as_f64().unwrap() < 1.0, "8 of 16 slots: {r}");
-}
-
-/// Fixture A with the vocabulary widened to `vocab` ids (`model.embed_tokens`, `lm_head` and each
-/// `tid2eid` row `r` taken from row `r mod 1024`) plus the bundled DeepSeek-V4 tokenizer files:
-/// a single-file checkpoint in `dir`.
-fn widened_fixture(dir: &Path, vocab: usize) {
-    let src = std::fs::read(fixture().join("checkpoint/model.safetensors")).unwrap();
-    let hlen = u64::from_le_bytes(src[..8].try_into().unwrap()) as usize;
-    let header: serde_json::Map<String, Value> = serde_json::from_slice(&src[8..8 + hlen]).unwrap();
-    let data = &src[8 + hlen..];
-    let mut out_header = serde_json::Map::new();
-    let mut out_data: Vec<u8> = Vec::new();
-    let mut names: Vec<&String> = header.keys().filter(|k| *k != "__metadata__").collect();
-    names.sort();
-    for name in names {
-        let t = &header[name];
-        let off = t["data_offsets"].as_array().unwrap();
-        let (a, b) = (
-            off[0].as_u64().unwrap() as usize,
-            off[1].as_u64().unwrap() as usize,
-        );
-        let mut shape: Vec<u64> = t["shape"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_u64().unwrap())
-            .collect();
-        let bytes = &data[a..b];
-        let widen = name.starts_with("model.embed_tokens.")
-            || name.starts_with("lm_head.")
-            || name.ends_with(".tid2eid");
-        let start = out_data.len();
-        if widen {
-            let row = bytes.len() / shape[0] as usize;
-            for r in 0..vocab {
-                let r = r % shape[0] as usize;
-                out_data.extend_from_slice(&bytes[r * row..(r + 1) * row]);
-            }
-            shape[0] = vocab as u64;
-        } else {
-            out_data.extend_from_slice(bytes);
-        }
-        out_header.insert(
-            name.clone(),
-            json!({"dtype": t["dtype"], "shape": shape, "data_offsets": [start, out_data.len()]}),
-        );
+    // Per-layer decode costs: one row per layer, each with time in attention and the FFN.
+    let layers = r["layers"]["per_token"].as_array().expect("per-layer rows");
+    assert_eq!(layers.len(), 7, "{r}");
+    for l in layers {
+        let (a, f) = (l["attention_ms"].as_f64(), l["ffn_ms"].as_f64());
+        assert!(a > Some(0.0) && f > Some(0.0), "{l}");
     }
-    let mut h = serde_json::to_vec(&Value::Object(out_header)).unwrap();
-    while !h.len().is_multiple_of(8) {
-        h.push(b' ');
-    }
-    let mut file = (h.len() as u64).to_le_bytes().to_vec();
-    file.extend(h);
-    file.extend(out_data);
-    std::fs::create_dir_all(dir).unwrap();
-    std::fs::write(dir.join("model.safetensors"), file).unwrap();
-    let mut config: Value =
-        serde_json::from_slice(&std::fs::read(fixture().join("checkpoint/config.json")).unwrap())
-            .unwrap();
-    config["vocab_size"] = json!(vocab);
-    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
-    let tok = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../assets/tokenizers/deepseek_v4");
-    for f in [
-        "tokenizer.json",
-        "tokenizer_config.json",
-        "chat_template.jinja",
-    ] {
-        std::fs::copy(tok.join(f), dir.join(f)).unwrap();
-    }
+    assert!(r["layers"]["head_ms"].as_f64() > Some(0.0), "{r}");
 }
 
 /// The `--show-ids` line: (prompt ids, generated ids).
@@ -218,7 +159,7 @@ fn shown_ids(out: &std::process::Output) -> (Vec<u64>, Vec<u64>) {
 fn run_and_serve_with_the_deepseek_tokenizer_and_chat_template() {
     let work = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let src = work.path().join("wide");
-    widened_fixture(&src, 129_280);
+    mference_testkit::dsv4::write_text_checkpoint(&src);
     let inst = work.path().join("wide.gturbo");
     install(&src, &inst);
     let m = inst.to_str().unwrap();
@@ -271,6 +212,32 @@ fn run_and_serve_with_the_deepseek_tokenizer_and_chat_template() {
         chat.last(),
         Some(&128822),
         "thinking off ends the prompt with </think>: {chat:?}"
+    );
+
+    // `run --chat`: the second turn reuses the first turn's prompt up to its
+    // `<｜Assistant｜></think>` (the checkpoint the sliding rings and compressors rewind to).
+    let out = run_ok_with_stdin(
+        BIN,
+        &[&base[..], &["--chat", "--max-context", "1024"]].concat(),
+        "Hello there.\nHow are you?\n/quit\n",
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    let prompts: Vec<usize> = err
+        .lines()
+        .filter_map(|l| l.find("{\"prompt\"").map(|at| &l[at..]))
+        .map(|l| {
+            serde_json::from_str::<Value>(l).unwrap()["prompt"]
+                .as_array()
+                .unwrap()
+                .len()
+        })
+        .collect();
+    let stats: Vec<&str> = err.lines().filter(|l| l.contains("[stop=")).collect();
+    assert_eq!((prompts.len(), stats.len()), (2, 2), "{err}");
+    assert!(!stats[0].contains("cached="), "{err}");
+    assert!(
+        stats[1].contains(&format!(" cached={}tok", prompts[0] - 2)),
+        "the second turn did not reuse the first prompt less <｜Assistant｜></think>: {err}"
     );
 
     let srv = ServeProcess::start(

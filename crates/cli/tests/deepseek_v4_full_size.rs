@@ -4,16 +4,21 @@
 //! - The 43-layer plan from headers alone: accepted, one 8 MiB expert stride (the g32-gate blob;
 //!   layer 42's g64 blob is 7.5 MiB), and the installed size the original measured on the real
 //!   repository (96,689,373,952 bytes, `reference/original-system.md` §4.1) within 1%.
-//! - `#[ignore]`d (about 9 GB of disk while it runs): a layer-truncated full-width checkpoint
-//!   with random weights (layer 0 CSA + hash routing, layer 1 HCA + learned routing; sizes of
-//!   `MFERENCE_DSV4_LAYERS` layers of the published schedule when set) written, installed, and
-//!   benchmarked with 16 expert slots and O_DIRECT, shadow prefetch on and off; run with
-//!   `--ignored --nocapture` to see the numbers.
+//! - `#[ignore]`d (about 5 GB of disk while it runs, 2.2 GB more per further layer): a
+//!   layer-truncated full-width checkpoint with random weights (layer 0 CSA + hash routing,
+//!   layer 1 HCA + learned routing; the first `MFERENCE_DSV4_LAYERS` layers of the published
+//!   schedule when set) written with its routed experts as holes, installed, the experts filled
+//!   in place (`dsv4::fill_experts`: the checkpoint is never on disk twice), and benchmarked
+//!   with 16 expert slots and O_DIRECT, shadow prefetch on and off; run with
+//!   `--ignored --nocapture` to see the numbers. With `MFERENCE_DSV4_KEEP=DIR` the install is
+//!   made at `DIR` and kept, unbenchmarked (for `docs/BENCHMARKS.md`'s runs; open it with
+//!   `--verify trusted-receipt`, `bench`'s default, since the filled layer files no longer match
+//!   the manifest's hashes).
 
 use mference_format::safetensors::{SafetensorsHeader, TensorInfo};
 use mference_format::Dtype;
 use mference_install::checkpoint::{Checkpoint, Shard};
-use mference_testkit::dsv4::{config, tensors, write_checkpoint, Dims};
+use mference_testkit::dsv4::{config, fill_experts, tensors, write_checkpoint_with, Dims, Experts};
 use mference_testkit::run_ok;
 
 const BIN: &str = env!("CARGO_BIN_EXE_mference");
@@ -72,18 +77,24 @@ fn full_size_plan_matches_the_measured_install() {
 }
 
 #[test]
-#[ignore = "writes about 9 GB; run with --ignored"]
+#[ignore = "writes about 5 GB; run with --ignored"]
 fn full_width_truncated_bench() {
     let d = match std::env::var("MFERENCE_DSV4_LAYERS") {
         Ok(n) => Dims::flash(Dims::flash_schedule(n.parse().unwrap()), 3),
         Err(_) => Dims::flash(vec![4, 128], 1),
     };
     let work = tempfile::tempdir_in(std::env::temp_dir()).unwrap();
+    let keep = std::env::var_os("MFERENCE_DSV4_KEEP").map(std::path::PathBuf::from);
+    let inst = keep
+        .clone()
+        .unwrap_or_else(|| work.path().join("dsv4.gturbo"));
     let src = work.path().join("src");
     let t0 = std::time::Instant::now();
-    let bytes = write_checkpoint(&d, &src, 7).unwrap();
-    eprintln!("wrote {bytes} bytes in {:.1}s", t0.elapsed().as_secs_f64());
-    let inst = work.path().join("dsv4.gturbo");
+    let bytes = write_checkpoint_with(&d, &src, 7, Experts::Holes).unwrap();
+    eprintln!(
+        "wrote {bytes} bytes (experts as holes) in {:.1}s",
+        t0.elapsed().as_secs_f64()
+    );
     run_ok(
         BIN,
         &[
@@ -95,6 +106,16 @@ fn full_width_truncated_bench() {
         ],
     );
     std::fs::remove_dir_all(&src).unwrap();
+    let t1 = std::time::Instant::now();
+    let filled = fill_experts(&d, &inst, 8).unwrap();
+    eprintln!(
+        "filled {filled} expert bytes in {:.1}s",
+        t1.elapsed().as_secs_f64()
+    );
+    if keep.is_some() {
+        eprintln!("kept {}", inst.display());
+        return;
+    }
     for shadow in ["on", "off"] {
         let o = run_ok(
             BIN,

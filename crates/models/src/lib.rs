@@ -21,6 +21,7 @@ use mference_runtime::{
     CacheSlots, ExpertStreamer, KvDtype, RoutingTrace, RuntimeError, StreamerStats,
 };
 
+pub use mference_backend::DeviceExpertStats;
 pub use mference_cuda::GpuExpertBudget;
 pub use prefix::PrefixCache;
 
@@ -368,6 +369,21 @@ pub trait Model: Send {
     fn size_device_experts(&self) -> Result<(), ModelError>;
     /// Bytes of KV cache.
     fn kv_bytes(&self) -> usize;
+    /// Time spent in each layer and in the head so far ([`StepTimes`]); empty for a family that
+    /// does not record it.
+    fn step_times(&self) -> StepTimes {
+        StepTimes::default()
+    }
+}
+
+/// Host time spent per layer (`[attention, ffn]`, the FFN's waits on expert reads included) and
+/// in the head, summed over every forward pass: the per-layer cost a benchmark reports
+/// (DeepSeek-V4 records it). On the CPU backend an op has finished when it returns, so this is
+/// the layer's cost; on an asynchronous backend it would be launch time.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct StepTimes {
+    pub layers: Vec<[std::time::Duration; 2]>,
+    pub head: std::time::Duration,
 }
 
 /// What every family shares: the install, the mapped resident file, the settings and the I/O pool.

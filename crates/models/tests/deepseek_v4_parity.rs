@@ -285,3 +285,58 @@ fn outputs_are_bit_identical_across_slots_and_io() {
         );
     }
 }
+
+/// A checkpoint rewinds exactly: after `prefix` (mid-window for both compressors, so pending and
+/// prior rows are live), [`Model::checkpoint`], and a detour past the sliding ring's wrap and
+/// further compressed windows (entries written above the checkpoint's count), `truncate` back to
+/// the checkpoint and the continuation give logits bit-identical to a fresh model that ran
+/// `prefix` and the continuation in the same two pieces; the copy serves a second rewind; cuts
+/// anywhere else are refused, and a cut to 0 forgets it.
+#[test]
+fn checkpoint_rewinds_exactly() {
+    let dir = case_dir("A");
+    let inst = install("A");
+    let ids = json_ids(&dir.join("prompt_ids.json"));
+    // Ring = sliding window 32 + chunk 16 rows; CSA rate 4 and HCA rate 128 are both mid-window
+    // at 133 (pending 1 and 5 rows).
+    let o = opts(16, KvDtype::F32);
+    let (prefix, detour, cont) = (&ids[..133], &ids[133..283], &ids[200..240]);
+    let rows = |l: Logits| match l {
+        Logits::Rows(r) => r,
+        other => panic!("unexpected {other:?}"),
+    };
+    let mut fresh = load(&inst, &o).expect("load");
+    fresh.forward(prefix, Want::None).unwrap();
+    let want = rows(fresh.forward(cont, Want::All).unwrap());
+
+    let mut m = load(&inst, &o).expect("load");
+    m.forward(prefix, Want::None).unwrap();
+    m.checkpoint();
+    for round in 0..2 {
+        m.forward(&detour[..100], Want::None).unwrap();
+        for &t in &detour[100..] {
+            m.forward(&[t], Want::Argmax).unwrap();
+        }
+        assert_eq!(m.position(), 283);
+        assert_eq!(m.rewind_point(200), 133);
+        assert!(
+            !m.truncate(134) && !m.truncate(132),
+            "only the checkpoint is a cut"
+        );
+        assert_eq!(m.position(), 283, "a refused cut changed the state");
+        assert!(m.truncate(133));
+        assert_eq!(m.position(), 133);
+        let got = rows(m.forward(cont, Want::All).unwrap());
+        assert!(
+            got.iter()
+                .zip(&want)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "round {round}: the continuation after the rewind differs from a fresh run"
+        );
+        assert!(m.truncate(133));
+    }
+    assert!(m.truncate(0));
+    m.forward(&prefix[..10], Want::None).unwrap();
+    assert_eq!(m.rewind_point(5), 0, "the checkpoint outlived a cut to 0");
+    assert!(!m.truncate(5));
+}

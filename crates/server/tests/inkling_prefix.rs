@@ -6,12 +6,10 @@
 
 mod common;
 
-use common::{start_install, warm_cold_conversation};
+use common::assert_follow_ups_reuse_the_conversation;
 use mference_models::LoadOptions;
 use mference_runtime::CacheSlots;
 use mference_testkit::inkling_text_install;
-
-const MODEL_ID: &str = "inkling-tiny";
 
 #[test]
 fn inkling_follow_up_turns_reuse_the_conversation_and_match_a_cold_run() {
@@ -22,19 +20,13 @@ fn inkling_follow_up_turns_reuse_the_conversation_and_match_a_cold_run() {
         max_context: 1024,
         ..Default::default()
     };
-    let seen = warm_cold_conversation(
-        |cache| start_install(inkling_text_install(), &opts, cache, MODEL_ID),
-        MODEL_ID,
+    // Everything before the previous request's generation prompt `<|message_model|>` is reused.
+    assert_follow_ups_reuse_the_conversation(
+        inkling_text_install(),
+        &opts,
+        "inkling-tiny",
         12,
         1e-4,
+        "<|message_model|>",
     );
-    // Everything before the previous request's generation prompt `<|message_model|>` (one token)
-    // is reused.
-    for t in 1..seen.len() {
-        assert_eq!(
-            seen[t].1,
-            seen[t - 1].0 - 1,
-            "turn {t}: the reused prefix is not the previous conversation: {seen:?}"
-        );
-    }
 }

@@ -26,8 +26,8 @@ pub struct TextSide {
     pub stop_ids: Vec<u32>,
     /// The family's assistant-turn opener ([`Family::turn_open_token`]) as one id, if it is one.
     pub turn_open: Option<u32>,
-    /// The family's tool-call marker ([`tool_marker`]) as one id: a call opens with this token;
-    /// the same characters spelled by other tokens are prose.
+    /// The family's tool-call marker token ([`tool_marker_token`]) as one id: a call carries
+    /// this token; the same characters spelled by other tokens are prose.
     pub tool_marker_id: Option<u32>,
     /// The grammar compiler, built on the first constrained request (it indexes the vocabulary).
     pub(crate) grammars: OnceLock<Result<Grammars, String>>,
@@ -86,6 +86,17 @@ pub fn tool_marker(family: Family) -> &'static str {
     }
 }
 
+/// The one token whose presence in the generated ids makes text at [`tool_marker`] a call
+/// rather than prose: the marker itself where it is one token; DeepSeek-V4's
+/// `<｜DSML｜tool_calls>` is `<`, the added token `｜DSML｜` (128825) and `tool_calls>`, so there it
+/// is `｜DSML｜`, which every DSML tag the model writes carries.
+pub fn tool_marker_token(family: Family) -> &'static str {
+    match family {
+        Family::DeepSeekV4 => "｜DSML｜",
+        f => tool_marker(f),
+    }
+}
+
 impl TextSide {
     /// Loads `<install>/tokenizer/` (tokenizer, template and `config.json`'s `model_type` and
     /// position limit).
@@ -135,7 +146,7 @@ impl TextSide {
             _ => None,
         };
         let turn_open = one_id(family.turn_open_token());
-        let tool_marker_id = one_id(tool_marker(family));
+        let tool_marker_id = one_id(tool_marker_token(family));
         Self {
             stop_ids: stop_token_ids(family, &tokenizer),
             turn_open,

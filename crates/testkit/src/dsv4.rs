@@ -3,11 +3,15 @@
 //! and group 32/64) for any number of layers and any attention schedule, its `config.json`, and a
 //! streaming writer of a single-file checkpoint with random weights of sane scale (quantized
 //! weights `N(0, 1/fan_in)`-like, norms 1, mHC bases 0 and scales 1, sinks and position biases 0,
-//! `tid2eid` six distinct experts per token).
+//! `tid2eid` six distinct experts per token), optionally with the routed experts left as holes
+//! and written into the install afterwards ([`Experts::Holes`], [`fill_experts`]); and the
+//! golden fixture A widened to the tokenizer's vocabulary for the text commands
+//! ([`write_text_checkpoint`]).
 
-use std::io::Write;
+use std::io::{Seek, SeekFrom, Write};
 use std::path::Path;
 
+use mference_format::layout::Layout;
 use serde_json::{json, Value};
 
 /// The real model's sizes, with the layer count and schedule to build.
@@ -303,9 +307,82 @@ fn bf16(v: f32) -> [u8; 2] {
     ((v.to_bits() >> 16) as u16).to_le_bytes()
 }
 
+/// Where a written checkpoint's routed experts (`ffn.switch_mlp.*`) come from.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Experts {
+    /// Random bytes, written like every other tensor.
+    Random,
+    /// Left as holes of the sparse file (zeros that take no disk): an install of it then holds
+    /// zero experts until [`fill_experts`] writes random ones in place, so a full-width
+    /// checkpoint never sits on disk twice.
+    Holes,
+}
+
+/// splitmix64 from `seed`: the writer's random stream.
+fn splitmix(seed: u64) -> impl FnMut() -> u64 {
+    let mut s = seed;
+    move || {
+        s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = s;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+}
+
+/// Appends the bytes of elements `elems` of `t` (row-major) to `buf`.
+fn fill(
+    t: &SynthTensor,
+    elems: std::ops::Range<usize>,
+    next: &mut impl FnMut() -> u64,
+    buf: &mut Vec<u8>,
+) {
+    for i in elems {
+        let r = next();
+        let u = (r >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0; // [-1, 1)
+        match (t.fill, t.dtype) {
+            (Fill::Codes, _) => buf.extend((r as u32).to_le_bytes()),
+            (Fill::Scales { bits, fan_in } | Fill::Biases { bits, fan_in }, _) => {
+                let levels = ((1u32 << bits) - 1) as f32;
+                let sd_q = ((levels + 1.0).powi(2) - 1.0).sqrt() / 12f32.sqrt();
+                let scale = (fan_in as f32).powf(-0.5) / sd_q;
+                let v = match t.fill {
+                    Fill::Scales { .. } => scale,
+                    _ => -scale * levels / 2.0,
+                };
+                buf.extend(bf16(v));
+            }
+            (Fill::Uniform(sd), "BF16") => buf.extend(bf16(u * sd * 3f32.sqrt())),
+            (Fill::Uniform(sd), _) => buf.extend((u * sd * 3f32.sqrt()).to_le_bytes()),
+            (Fill::Const(c), "BF16") => buf.extend(bf16(c)),
+            (Fill::Const(c), _) => buf.extend(c.to_le_bytes()),
+            (Fill::ExpertIds { experts }, _) => {
+                let (row, j) = (i / 6, i % 6);
+                let first = (row as u64).wrapping_mul(2_654_435_761) % experts;
+                buf.extend((((first + 43 * j as u64) % experts) as i64).to_le_bytes());
+            }
+        }
+    }
+}
+
+fn is_routed_expert(name: &str) -> bool {
+    name.contains(".ffn.switch_mlp.")
+}
+
 /// Writes `dir/model.safetensors` and `dir/config.json` for `d` (random weights from `seed`),
 /// streaming tensor by tensor. Returns the bytes written.
 pub fn write_checkpoint(d: &Dims, dir: &Path, seed: u64) -> std::io::Result<u64> {
+    write_checkpoint_with(d, dir, seed, Experts::Random)
+}
+
+/// [`write_checkpoint`] with the routed experts' bytes as `experts` says. Returns the file's
+/// length (holes included).
+pub fn write_checkpoint_with(
+    d: &Dims,
+    dir: &Path,
+    seed: u64,
+    experts: Experts,
+) -> std::io::Result<u64> {
     std::fs::create_dir_all(dir)?;
     std::fs::write(dir.join("config.json"), config(d).to_string())?;
     let table = tensors(d);
@@ -322,55 +399,156 @@ pub fn write_checkpoint(d: &Dims, dir: &Path, seed: u64) -> std::io::Result<u64>
     while h.len() % 8 != 0 {
         h.push(b' ');
     }
+    let total = 8 + h.len() as u64 + off;
     let f = std::fs::File::create(dir.join("model.safetensors"))?;
     let mut w = std::io::BufWriter::with_capacity(8 << 20, f);
     w.write_all(&(h.len() as u64).to_le_bytes())?;
     w.write_all(&h)?;
-    let mut s = seed;
-    let mut next = move || {
-        s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = s;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    };
+    let mut next = splitmix(seed);
     let mut buf: Vec<u8> = Vec::with_capacity(8 << 20);
     for t in &table {
+        if experts == Experts::Holes && is_routed_expert(&t.name) {
+            w.seek(SeekFrom::Current(t.size() as i64))?;
+            continue;
+        }
         let n = t.shape.iter().product::<u64>() as usize;
         let mut done = 0;
         while done < n {
             let m = (n - done).min(1 << 20);
             buf.clear();
-            for i in done..done + m {
-                let r = next();
-                let u = (r >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0; // [-1, 1)
-                match (t.fill, t.dtype) {
-                    (Fill::Codes, _) => buf.extend((r as u32).to_le_bytes()),
-                    (Fill::Scales { bits, fan_in } | Fill::Biases { bits, fan_in }, _) => {
-                        let levels = ((1u32 << bits) - 1) as f32;
-                        let sd_q = ((levels + 1.0).powi(2) - 1.0).sqrt() / 12f32.sqrt();
-                        let scale = (fan_in as f32).powf(-0.5) / sd_q;
-                        let v = match t.fill {
-                            Fill::Scales { .. } => scale,
-                            _ => -scale * levels / 2.0,
-                        };
-                        buf.extend(bf16(v));
-                    }
-                    (Fill::Uniform(sd), "BF16") => buf.extend(bf16(u * sd * 3f32.sqrt())),
-                    (Fill::Uniform(sd), _) => buf.extend((u * sd * 3f32.sqrt()).to_le_bytes()),
-                    (Fill::Const(c), "BF16") => buf.extend(bf16(c)),
-                    (Fill::Const(c), _) => buf.extend(c.to_le_bytes()),
-                    (Fill::ExpertIds { experts }, _) => {
-                        let (row, j) = (i / 6, i % 6);
-                        let first = (row as u64).wrapping_mul(2_654_435_761) % experts;
-                        buf.extend((((first + 43 * j as u64) % experts) as i64).to_le_bytes());
-                    }
-                }
-            }
+            fill(t, done..done + m, &mut next, &mut buf);
             w.write_all(&buf)?;
             done += m;
         }
     }
     w.flush()?;
-    Ok(8 + h.len() as u64 + off)
+    // A trailing hole needs the length set explicitly.
+    w.get_ref().set_len(total)?;
+    Ok(total)
+}
+
+/// Writes random routed experts (the same fills as [`Experts::Random`]) into the layer files of
+/// an install of a checkpoint written with [`Experts::Holes`], in place, per its
+/// `packed_experts/layout.json`. The layer files then differ from the manifest's SHA-256s: open
+/// the install with `--verify trusted-receipt` (size checks only). Returns the bytes written.
+pub fn fill_experts(d: &Dims, install: &Path, seed: u64) -> std::io::Result<u64> {
+    use std::os::unix::fs::FileExt;
+    let bad = |e: String| std::io::Error::new(std::io::ErrorKind::InvalidData, e);
+    let raw = std::fs::read(install.join("packed_experts/layout.json"))?;
+    let layout = Layout::parse(&raw).map_err(|e| bad(e.to_string()))?;
+    let table = tensors(d);
+    let mut next = splitmix(seed);
+    let (mut written, mut buf) = (0u64, Vec::new());
+    for ll in &layout.layers {
+        let Some(blob) = &ll.blob else { continue };
+        let mut sources = Vec::new();
+        for role in ["gate", "up", "down"] {
+            for part in ["weight", "scales", "biases"] {
+                let name = format!(
+                    "model.layers.{}.ffn.switch_mlp.{role}_proj.{part}",
+                    ll.layer
+                );
+                let t = table.iter().find(|t| t.name == name);
+                sources.push(t.ok_or_else(|| bad(format!("{name} is not in the table of {d:?}")))?);
+            }
+        }
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(install.join(&ll.file))?;
+        let mut bytes = vec![0u8; blob.used_bytes() as usize];
+        for e in 0..layout.experts_per_layer {
+            for (t, piece) in sources.iter().zip(blob.in_order()) {
+                let per_expert = t.size() / d.experts;
+                if per_expert != piece.size {
+                    return Err(bad(format!(
+                        "{}: layout piece of {} bytes, table slice of {per_expert}",
+                        t.name, piece.size
+                    )));
+                }
+                let n = (per_expert / (t.size() / t.shape.iter().product::<u64>())) as usize;
+                buf.clear();
+                fill(t, 0..n, &mut next, &mut buf);
+                bytes[piece.offset as usize..][..buf.len()].copy_from_slice(&buf);
+            }
+            f.write_all_at(&bytes, e as u64 * layout.expert_stride)?;
+            written += bytes.len() as u64;
+        }
+        f.sync_all()?;
+    }
+    Ok(written)
+}
+
+/// The DeepSeek-V4 tokenizer's vocabulary.
+pub const TEXT_VOCAB: usize = 129_280;
+
+/// The golden fixture A (`assets/fixtures/deepseek_v4/A/checkpoint`) with its vocabulary widened
+/// to the tokenizer's [`TEXT_VOCAB`] ids (`model.embed_tokens`, `lm_head` and each `tid2eid` row
+/// `r` taken from row `r mod 1024`, so the model still reads `id mod 1024`) plus the bundled
+/// DeepSeek-V4 tokenizer files and chat template: a single-file checkpoint in `dir` for `run`,
+/// `serve` and the server's tests (its text is gibberish).
+pub fn write_text_checkpoint(dir: &Path) {
+    let vocab = TEXT_VOCAB;
+    let fixture = || crate::repo().join("assets/fixtures/deepseek_v4/A/checkpoint");
+    let src = std::fs::read(fixture().join("model.safetensors")).unwrap();
+    let hlen = u64::from_le_bytes(src[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Map<String, Value> = serde_json::from_slice(&src[8..8 + hlen]).unwrap();
+    let data = &src[8 + hlen..];
+    let mut out_header = serde_json::Map::new();
+    let mut out_data: Vec<u8> = Vec::new();
+    let mut names: Vec<&String> = header.keys().filter(|k| *k != "__metadata__").collect();
+    names.sort();
+    for name in names {
+        let t = &header[name];
+        let off = t["data_offsets"].as_array().unwrap();
+        let (a, b) = (
+            off[0].as_u64().unwrap() as usize,
+            off[1].as_u64().unwrap() as usize,
+        );
+        let mut shape: Vec<u64> = t["shape"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap())
+            .collect();
+        let bytes = &data[a..b];
+        let widen = name.starts_with("model.embed_tokens.")
+            || name.starts_with("lm_head.")
+            || name.ends_with(".tid2eid");
+        let start = out_data.len();
+        if widen {
+            let row = bytes.len() / shape[0] as usize;
+            for r in 0..vocab {
+                let r = r % shape[0] as usize;
+                out_data.extend_from_slice(&bytes[r * row..(r + 1) * row]);
+            }
+            shape[0] = vocab as u64;
+        } else {
+            out_data.extend_from_slice(bytes);
+        }
+        out_header.insert(
+            name.clone(),
+            json!({"dtype": t["dtype"], "shape": shape, "data_offsets": [start, out_data.len()]}),
+        );
+    }
+    let mut h = serde_json::to_vec(&Value::Object(out_header)).unwrap();
+    while !h.len().is_multiple_of(8) {
+        h.push(b' ');
+    }
+    let mut file = (h.len() as u64).to_le_bytes().to_vec();
+    file.extend(h);
+    file.extend(out_data);
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::write(dir.join("model.safetensors"), file).unwrap();
+    let mut config: Value =
+        serde_json::from_slice(&std::fs::read(fixture().join("config.json")).unwrap()).unwrap();
+    config["vocab_size"] = json!(vocab);
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let tok = crate::repo().join("assets/tokenizers/deepseek_v4");
+    for f in [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+    ] {
+        std::fs::copy(tok.join(f), dir.join(f)).unwrap();
+    }
 }

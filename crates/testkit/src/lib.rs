@@ -82,6 +82,15 @@ pub fn inkling_text_install() -> &'static Path {
     })
 }
 
+/// [`dsv4::write_text_checkpoint`] installed like [`demo_install`].
+pub fn dsv4_text_install() -> &'static Path {
+    installed_once("deepseek-v4-text", &|root: &Path| {
+        let src = root.join("src");
+        dsv4::write_text_checkpoint(&src);
+        src
+    })
+}
+
 /// Writes the checkpoint of [`inkling_text_install`] into `dst`.
 fn write_inkling_text_checkpoint(dst: &Path) {
     const SHARD: &str = "model-00001-of-00001.safetensors";

@@ -23,10 +23,14 @@ mod config;
 mod moe;
 
 use mference_backend::{
-    f32_vector, Backend, FRef, KvCache, Mlp, Norm, QRef, Rope, Tensor, VRef, Yarn,
+    f32_vector, Backend, FRef, KvCache, Mlp, Norm, OpError, QRef, Rope, Tensor, VRef, Yarn,
 };
 
-use crate::{check_ids, ChunkWant, Engine, LoadOptions, Logits, ModelError, Streamers, Want};
+use std::time::Instant;
+
+use crate::{
+    check_ids, ChunkWant, Engine, LoadOptions, Logits, ModelError, StepTimes, Streamers, Want,
+};
 use attention::{attention, tail, Attention, Compressor, CompressorState, Indexer, Ropes};
 pub use config::{Config, Kind, RopeScaling};
 use moe::{route, sparse_moe, tid2eid, Gate};
@@ -59,6 +63,28 @@ struct LayerState<B: Backend> {
     indexer: Option<CompressorState<B>>,
 }
 
+/// [`crate::Model::checkpoint`]'s copy of the state at position `pos`: every sliding ring, and of
+/// each compressor everything but its entries, which are append-only (rows below `count` are
+/// never written again, so the count restores them).
+struct Checkpoint<B: Backend> {
+    pos: usize,
+    rings: Vec<B::Kv>,
+    /// Per layer, the compressor's and the indexer's mark.
+    marks: Vec<[Option<Mark<B>>; 2]>,
+}
+
+/// A compressor's state less its entries.
+struct Mark<B: Backend> {
+    count: usize,
+    pending: usize,
+    pending_kv: B::Tensor,
+    pending_gate: B::Tensor,
+    prior: Prior<B>,
+}
+
+/// A compressor's prior Ca slice (kv, and gate + ape), once a window has closed.
+type Prior<B> = Option<(<B as Backend>::Tensor, <B as Backend>::Tensor)>;
+
 /// A loaded DeepSeek-V4 model with its sliding rings, compressed caches and expert streamers (one
 /// sequence) on backend `B`.
 pub struct DeepseekV4<B: Backend> {
@@ -79,6 +105,10 @@ pub struct DeepseekV4<B: Backend> {
     max_context: usize,
     /// [`LoadOptions::shadow_prefetch`].
     shadow_prefetch: bool,
+    /// [`crate::Model::checkpoint`]'s copy, if one was taken (and not cut away since).
+    checkpoint: Option<Checkpoint<B>>,
+    /// [`crate::Model::step_times`].
+    times: StepTimes,
 }
 
 /// Speculative reads started per layer by the shadow prefetch (the original system's sweep of
@@ -267,6 +297,11 @@ impl<B: Backend> DeepseekV4<B> {
             streamers: Streamers::new(cfg.num_hidden_layers),
             max_context: opts.max_context,
             shadow_prefetch: opts.shadow_prefetch,
+            checkpoint: None,
+            times: StepTimes {
+                layers: vec![Default::default(); cfg.num_hidden_layers],
+                head: Default::default(),
+            },
             cfg,
             engine,
             be,
@@ -301,6 +336,7 @@ impl<B: Backend> DeepseekV4<B> {
             &be.zeros(t, n * n)?,
         )?; // [T, hc_mult·hidden]
         for (li, layer) in self.layers.iter().enumerate() {
+            let started = Instant::now();
             let hc = &layer.attn_hc;
             let (collapsed, pc) = be.hc_pre(&x, &hc.f, &hc.base, &hc.scale, &spec)?;
             let (post, comb) = pc.expect("an mHC site with post and comb");
@@ -311,6 +347,8 @@ impl<B: Backend> DeepseekV4<B> {
             let (cs, is) = (&mut st.compressor, &mut st.indexer);
             let attn_out = attention(cfg, be, layer, &self.ropes, kv, cs, is, &a, pos0)?;
             x = be.hc_post(&x, &attn_out, &post, &comb)?;
+            let attended = Instant::now();
+            self.times.layers[li][0] += attended - started;
 
             let hc = &layer.ffn_hc;
             let (collapsed, pc) = be.hc_pre(&x, &hc.f, &hc.base, &hc.scale, &spec)?;
@@ -342,8 +380,10 @@ impl<B: Backend> DeepseekV4<B> {
                 let ids: Vec<usize> = guess.iter().take(SHADOW_BUDGET).map(|g| g.0).collect();
                 self.streamers.get(li + 1, &self.engine)?.prefetch(&ids);
             }
+            self.times.layers[li][1] += attended.elapsed();
         }
         self.kv.len = pos0 + t;
+        let started = Instant::now();
 
         let hc = &self.hc_head;
         let (collapsed, _) = be.hc_pre(&x, &hc.f, &hc.base, &hc.scale, &spec)?;
@@ -353,8 +393,96 @@ impl<B: Backend> DeepseekV4<B> {
             weight: &self.lm_head,
             softcap: None,
         };
-        crate::head(be, &collapsed, pos0, want, &head)
+        let logits = crate::head(be, &collapsed, pos0, want, &head);
+        self.times.head += started.elapsed();
+        logits
     }
+
+    /// A copy of the state at the current position (backend copies: a backend without
+    /// `kv_clone` or `gather_rows` keeps no checkpoint).
+    fn save(&self) -> Result<Checkpoint<B>, OpError> {
+        let be = &self.be;
+        let mark = |st: &CompressorState<B>| -> Result<Mark<B>, OpError> {
+            Ok(Mark {
+                count: st.count,
+                pending: st.pending,
+                pending_kv: copy(be, &st.pending_kv)?,
+                pending_gate: copy(be, &st.pending_gate)?,
+                prior: copy_prior(be, &st.prior)?,
+            })
+        };
+        let marks = self
+            .states
+            .iter()
+            .map(|s| {
+                Ok([
+                    s.compressor.as_ref().map(mark).transpose()?,
+                    s.indexer.as_ref().map(mark).transpose()?,
+                ])
+            })
+            .collect::<Result<_, OpError>>()?;
+        let rings = self
+            .kv
+            .layers
+            .iter()
+            .map(|l| be.kv_clone(l))
+            .collect::<Result<_, _>>()?;
+        Ok(Checkpoint {
+            pos: self.kv.len,
+            rings,
+            marks,
+        })
+    }
+
+    /// Puts the checkpoint's copy back (it stays, for a later rewind to the same position).
+    fn restore(&mut self) -> Result<(), OpError> {
+        let be = &self.be;
+        let ck = self.checkpoint.as_ref().expect("a checkpoint to restore");
+        for (layer, ring) in self.kv.layers.iter_mut().zip(&ck.rings) {
+            *layer = be.kv_clone(ring)?;
+        }
+        for (st, marks) in self.states.iter_mut().zip(&ck.marks) {
+            for (st, m) in [&mut st.compressor, &mut st.indexer].into_iter().zip(marks) {
+                if let (Some(st), Some(m)) = (st.as_mut(), m) {
+                    st.count = m.count;
+                    st.pending = m.pending;
+                    be.set_rows(&mut st.pending_kv, 0, &m.pending_kv)?;
+                    be.set_rows(&mut st.pending_gate, 0, &m.pending_gate)?;
+                    st.prior = copy_prior(be, &m.prior)?;
+                }
+            }
+        }
+        self.kv.len = ck.pos;
+        Ok(())
+    }
+
+    /// Position 0: no ring rows, no compressed entries, nothing pending.
+    fn clear(&mut self) {
+        self.kv.clear();
+        for st in self
+            .states
+            .iter_mut()
+            .flat_map(|s| [&mut s.compressor, &mut s.indexer])
+            .flatten()
+        {
+            st.count = 0;
+            st.pending = 0;
+            st.prior = None;
+        }
+    }
+}
+
+/// An independent copy of `x`.
+fn copy<B: Backend>(be: &B, x: &B::Tensor) -> Result<B::Tensor, OpError> {
+    be.gather_rows(x, &(0..x.rows()).collect::<Vec<_>>())
+}
+
+/// An independent copy of a compressor's prior Ca slice.
+fn copy_prior<B: Backend>(be: &B, prior: &Prior<B>) -> Result<Prior<B>, OpError> {
+    prior
+        .as_ref()
+        .map(|(k, g)| Ok((copy(be, k)?, copy(be, g)?)))
+        .transpose()
 }
 
 fn check(name: &str, got: (usize, usize), want: (usize, usize)) -> Result<(), ModelError> {
@@ -380,26 +508,35 @@ impl<B: Backend + 'static> crate::Model for DeepseekV4<B> {
     }
 
     /// The compressed caches summarise whole windows and the sliding ring keeps only the last
-    /// positions: only `n == 0` (start over) and `n == position()` succeed.
+    /// positions: `n == 0` (start over), `n == position()` (keep everything) and `n` at the
+    /// checkpoint (its rings and compressor states put back; the entries below its count are
+    /// still the ones it saw) succeed; anything else is refused and changes nothing.
     fn truncate(&mut self, n: usize) -> bool {
         if n == self.kv.len {
             return true;
         }
-        if n != 0 {
+        if n == 0 {
+            // The checkpoint described a prefix that is now gone.
+            self.checkpoint = None;
+            self.clear();
+            return true;
+        }
+        if self.checkpoint.as_ref().is_none_or(|c| c.pos != n) || n > self.kv.len {
             return false;
         }
-        self.kv.clear();
-        for st in self
-            .states
-            .iter_mut()
-            .flat_map(|s| [&mut s.compressor, &mut s.indexer])
-            .flatten()
-        {
-            st.count = 0;
-            st.pending = 0;
-            st.prior = None;
+        if self.restore().is_err() {
+            // Part restored, part not: nothing but a cleared state is sound.
+            self.checkpoint = None;
+            self.clear();
+            return false;
         }
         true
+    }
+
+    /// Copies every sliding ring (window + prefill chunk rows per layer) and the compressors'
+    /// pending and prior rows; the compressed entries are not copied (append-only).
+    fn checkpoint(&mut self) {
+        self.checkpoint = self.save().ok();
     }
 
     fn is_recurrent(&self) -> bool {
@@ -407,10 +544,10 @@ impl<B: Backend + 'static> crate::Model for DeepseekV4<B> {
     }
 
     fn rewind_point(&self, n: usize) -> usize {
-        if n >= self.kv.len {
-            self.kv.len
-        } else {
-            0
+        match &self.checkpoint {
+            _ if n >= self.kv.len => self.kv.len,
+            Some(c) if c.pos <= n => c.pos,
+            _ => 0,
         }
     }
 
@@ -432,6 +569,10 @@ impl<B: Backend + 'static> crate::Model for DeepseekV4<B> {
 
     fn size_device_experts(&self) -> Result<(), ModelError> {
         Ok(self.be.size_expert_cache()?)
+    }
+
+    fn step_times(&self) -> StepTimes {
+        self.times.clone()
     }
 
     /// The sliding rings plus the compressed caches and their pending and prior rows (f32).

@@ -70,7 +70,7 @@ pub fn start_with(o: Opts, load: impl FnOnce(usize) -> Box<dyn Model>) -> Server
     let text = TextSide::load(demo_install()).unwrap();
     let mut model = load(o.max_context);
     if let Some(script) = o.tool_script {
-        model = Box::new(ToolCaller::new(model, &text, script));
+        model = Box::new(ToolCaller::new(model, demo_install(), &GEMMA_TOOLS, script));
     }
     if !o.delay.is_zero() {
         model = Box::new(Slow {
@@ -88,18 +88,41 @@ pub fn start_with(o: Opts, load: impl FnOnce(usize) -> Box<dyn Model>) -> Server
     mference_server::start(model, text, cfg, "127.0.0.1:0".parse().unwrap()).unwrap()
 }
 
-/// The demo model was trained on plain English and never writes tool calls, so the tool-call
-/// path is exercised with this wrapper: the real model runs every token (its KV cache, position
-/// and truncation are the real ones), but after a prefill whose sequence declares a tool
-/// (`<|tool>`) and ends with the generation prompt (`<|turn>model\n<|channel>thought\n<channel|>`),
-/// the next tokens are forced to the tokens of `script` followed by `<|tool_response>` (the stop
-/// token Gemma writes after its calls; `\u{1}` in the script splits it into separately encoded
-/// pieces). Everything after the model — sampling, detokenizing,
-/// tool-call parsing, the OpenAI shapes — is the server's real code.
+/// What [`ToolCaller`] looks for and writes in one family's chat: a text the rendered prompt holds
+/// only when tools are offered, the generation prompt it ends with, and the stop token written
+/// after the forced call.
+pub struct ToolMarkers {
+    pub decl: &'static str,
+    pub gen_prompt: &'static str,
+    pub stop: &'static str,
+}
+
+/// Gemma 4 (the demo model): the `<|tool>` declaration, the thought channel closed, `<|tool_response>`.
+pub const GEMMA_TOOLS: ToolMarkers = ToolMarkers {
+    decl: "<|tool>",
+    gen_prompt: "<|turn>model\n<|channel>thought\n<channel|>",
+    stop: "<|tool_response>",
+};
+
+/// DeepSeek-V4: the template's tools header, `<｜Assistant｜></think>` (thinking off),
+/// `<｜end▁of▁sentence｜>`.
+pub const DEEPSEEK_V4_TOOLS: ToolMarkers = ToolMarkers {
+    decl: "### Available Tool Schemas",
+    gen_prompt: "<｜Assistant｜></think>",
+    stop: "<｜end▁of▁sentence｜>",
+};
+
+/// The fixture models were never trained to call tools, so the tool-call path is exercised with
+/// this wrapper: the real model runs every token (its KV cache, position and truncation are the
+/// real ones), but after a prefill whose sequence holds the family's tool declaration
+/// ([`ToolMarkers::decl`]'s tokens) and ends with its generation prompt, the next tokens are
+/// forced to the tokens of `script` followed by [`ToolMarkers::stop`] (`\u{1}` in the script
+/// splits it into separately encoded pieces). Everything after the model — sampling,
+/// detokenizing, tool-call parsing, the OpenAI shapes — is the server's real code.
 pub struct ToolCaller {
     inner: Box<dyn Model>,
     script: Arc<Mutex<String>>,
-    tool_decl: u32,
+    decl: Vec<u32>,
     gen_prompt: Vec<u32>,
     stop: u32,
     seq: Vec<u32>,
@@ -109,24 +132,25 @@ pub struct ToolCaller {
 }
 
 impl ToolCaller {
-    pub fn new(inner: Box<dyn Model>, text: &TextSide, script: Arc<Mutex<String>>) -> Self {
-        let tok = &text.tokenizer;
-        let tool_decl = tok.token_id("<|tool>").expect("<|tool> token");
-        let gen_prompt = tok
-            .encode("<|turn>model\n<|channel>thought\n<channel|>", false)
-            .unwrap();
-        let stop = tok
-            .token_id("<|tool_response>")
-            .expect("<|tool_response> token");
+    /// Over the tokenizer of the install at `dir`.
+    pub fn new(
+        inner: Box<dyn Model>,
+        dir: &std::path::Path,
+        markers: &ToolMarkers,
+        script: Arc<Mutex<String>>,
+    ) -> Self {
+        let tok = mference_text::Tokenizer::from_dir(&dir.join("tokenizer")).unwrap();
+        let stop = tok.encode(markers.stop, false).unwrap();
+        assert_eq!(stop.len(), 1, "{} is not one token", markers.stop);
         ToolCaller {
             inner,
             script,
-            tool_decl,
-            gen_prompt,
-            stop,
+            decl: tok.encode(markers.decl, false).unwrap(),
+            gen_prompt: tok.encode(markers.gen_prompt, false).unwrap(),
+            stop: stop[0],
             seq: Vec::new(),
             forcing: None,
-            tok: mference_text::Tokenizer::from_dir(&demo_install().join("tokenizer")).unwrap(),
+            tok,
         }
     }
 
@@ -148,7 +172,8 @@ impl Model for ToolCaller {
         self.seq.extend_from_slice(tokens);
         if self.forcing.is_none() || tokens.len() > 1 {
             self.forcing = None;
-            if self.seq.contains(&self.tool_decl) && self.seq.ends_with(&self.gen_prompt) {
+            let declared = self.seq.windows(self.decl.len()).any(|w| w == self.decl);
+            if declared && self.seq.ends_with(&self.gen_prompt) {
                 // `\u{1}` splits the script into pieces encoded separately (to spell a
                 // marker with ordinary tokens instead of the marker token).
                 let mut ids: Vec<u32> = Vec::new();
@@ -190,6 +215,12 @@ impl Model for ToolCaller {
     fn expert_stats(&self) -> Vec<StreamerStats> {
         self.inner.expert_stats()
     }
+    fn device_expert_stats(&self) -> Option<mference_models::DeviceExpertStats> {
+        self.inner.device_expert_stats()
+    }
+    fn size_device_experts(&self) -> Result<(), ModelError> {
+        self.inner.size_device_experts()
+    }
     fn kv_bytes(&self) -> usize {
         self.inner.kv_bytes()
     }
@@ -220,6 +251,12 @@ impl Model for Slow {
     }
     fn expert_stats(&self) -> Vec<StreamerStats> {
         self.inner.expert_stats()
+    }
+    fn device_expert_stats(&self) -> Option<mference_models::DeviceExpertStats> {
+        self.inner.device_expert_stats()
+    }
+    fn size_device_experts(&self) -> Result<(), ModelError> {
+        self.inner.size_device_experts()
     }
     fn kv_bytes(&self) -> usize {
         self.inner.kv_bytes()
@@ -289,9 +326,22 @@ pub fn start_install(
     cache: PromptCacheMode,
     model_id: &str,
 ) -> Server {
+    start_install_wrapped(dir, opts, cache, model_id, |m| m)
+}
+
+/// [`start_install`] with the model wrapped by `wrap` (a [`ToolCaller`]).
+pub fn start_install_wrapped(
+    dir: &std::path::Path,
+    opts: &LoadOptions,
+    cache: PromptCacheMode,
+    model_id: &str,
+    wrap: impl FnOnce(Box<dyn Model>) -> Box<dyn Model>,
+) -> Server {
     let text = TextSide::load(dir).unwrap();
-    let model = mference_models::load(dir, opts)
-        .unwrap_or_else(|e| panic!("loading {}: {e}", dir.display()));
+    let model = wrap(
+        mference_models::load(dir, opts)
+            .unwrap_or_else(|e| panic!("loading {}: {e}", dir.display())),
+    );
     let cfg = ServerConfig {
         prompt_cache: cache,
         ..ServerConfig::new(model_id)
@@ -337,4 +387,32 @@ pub fn warm_cold_conversation(
     warm.shutdown();
     cold.shutdown();
     seen
+}
+
+/// [`warm_cold_conversation`] on the install `dir` loaded with `opts`, where every follow-up
+/// turn must reuse the previous turn's whole prompt but its generation suffix `gen_prompt` (from
+/// the assistant opener on: where a recurrent model keeps its checkpoint).
+pub fn assert_follow_ups_reuse_the_conversation(
+    dir: &std::path::Path,
+    opts: &LoadOptions,
+    model_id: &str,
+    max_tokens: u32,
+    tol: f64,
+    gen_prompt: &str,
+) {
+    let seen = warm_cold_conversation(
+        |cache| start_install(dir, opts, cache, model_id),
+        model_id,
+        max_tokens,
+        tol,
+    );
+    let tok = mference_text::Tokenizer::from_dir(&dir.join("tokenizer")).unwrap();
+    let suffix = tok.encode(gen_prompt, false).unwrap().len() as u64;
+    for t in 1..seen.len() {
+        assert_eq!(
+            seen[t].1,
+            seen[t - 1].0 - suffix,
+            "turn {t}: the reused prefix is not the previous conversation less {gen_prompt:?}: {seen:?}"
+        );
+    }
 }
