@@ -37,6 +37,8 @@ pub(crate) struct AppState {
     /// Set by the generation thread when the model can no longer serve (a damaged or
     /// unreadable install file): `/health` reports it.
     pub broken: Arc<std::sync::Mutex<Option<String>>>,
+    /// The generation thread's statistics (`/v1/stats`, `/metrics`).
+    pub live: Arc<crate::stats::Live>,
 }
 
 /// Resolves once the server has begun shutting down, or its [`crate::Server`] is gone.
@@ -54,7 +56,7 @@ fn shutting_down() -> ApiError {
     .with_code("server_shutting_down")
 }
 
-type Shared = Arc<AppState>;
+pub(crate) type Shared = Arc<AppState>;
 
 pub(crate) fn router(state: Shared) -> Router {
     Router::new()
@@ -63,6 +65,9 @@ pub(crate) fn router(state: Shared) -> Router {
         .route("/v1/models/{id}", get(model))
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
+        .route("/v1/stats", get(crate::ui::stats))
+        .route("/metrics", get(crate::ui::metrics))
+        .merge(crate::ui::routes())
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(state)
@@ -106,7 +111,7 @@ async fn not_found(req: Request) -> ApiError {
     ApiError::new(
         StatusCode::NOT_FOUND,
         format!(
-            "no route {} {} (this server has GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/completions)",
+            "no route {} {} (this server has GET / (the chat page), GET /health, GET /v1/models, GET /v1/stats, GET /metrics, POST /v1/chat/completions, POST /v1/completions)",
             req.method(),
             req.uri().path()
         ),

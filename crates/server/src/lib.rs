@@ -24,6 +24,9 @@ mod error;
 pub mod fuzz;
 mod http;
 mod messages;
+mod metrics;
+mod stats;
+mod ui;
 mod worker;
 
 use std::future::IntoFuture;
@@ -349,12 +352,18 @@ pub fn start_on(
     let max_context = model.engine().max_context;
     let text = Arc::new(text);
     let broken = Arc::new(std::sync::Mutex::new(None));
+    let live = Arc::new(stats::Live::new(stats::ServerInfo::of(
+        model.as_ref(),
+        &cfg.model_id,
+        cfg.prompt_cache,
+    )));
     let (jobs, _worker) = worker::spawn(
         model,
         Arc::clone(&text),
         cfg.prompt_cache,
         cfg.queue_limit,
         Arc::clone(&broken),
+        Arc::clone(&live),
     )
     .map_err(ServerError::Runtime)?;
     let (stop, stop_rx) = tokio::sync::watch::channel(false);
@@ -366,6 +375,7 @@ pub fn start_on(
         jobs,
         heartbeat: cfg.heartbeat,
         broken,
+        live,
         started: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())

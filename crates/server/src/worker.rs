@@ -18,6 +18,7 @@ use mference_text::{
 
 use crate::api::Sampling;
 use crate::error::ApiError;
+use crate::stats::Live;
 use crate::{PromptCacheMode, TextSide};
 
 /// One queued generation.
@@ -114,6 +115,8 @@ struct Worker {
     tool_marker_id: Option<u32>,
     /// Shared with `/health`: why the model cannot serve, once a request has found out.
     broken: Arc<std::sync::Mutex<Option<String>>>,
+    /// Shared with `/v1/stats` and `/metrics`.
+    live: Arc<Live>,
 }
 
 /// Starts the generation thread. The queue holds up to `queue_limit` waiting jobs besides the
@@ -124,6 +127,7 @@ pub(crate) fn spawn(
     cache_mode: PromptCacheMode,
     queue_limit: usize,
     broken: Arc<std::sync::Mutex<Option<String>>>,
+    live: Arc<Live>,
 ) -> std::io::Result<(mpsc::Sender<Job>, std::thread::JoinHandle<()>)> {
     let (tx, mut rx) = mpsc::channel::<Job>(queue_limit.max(1));
     let stop_ids = stop_token_ids(text.family, &text.tokenizer);
@@ -144,6 +148,7 @@ pub(crate) fn spawn(
         turn_open,
         tool_marker_id,
         broken,
+        live,
     };
     let handle = std::thread::Builder::new()
         .name("mference-generate".into())
@@ -271,7 +276,11 @@ impl Worker {
             prompt: job.prompt.len(),
             ..Default::default()
         };
+        self.live
+            .begin(&job.id, job.received, job.prompt.len(), self.model.as_ref());
         let result = self.generate(&job, &mut usage);
+        let reason = result.as_ref().map_or("error", |d| d.finish.as_str());
+        self.live.end(usage.completion, reason, self.model.as_ref());
         let secs = job.received.elapsed().as_secs_f64();
         let finish = match &result {
             Ok(d) => d.finish.as_str().to_string(),
@@ -306,9 +315,11 @@ impl Worker {
         })
     }
 
-    /// Runs `tokens` through the model, recording them in the prefix cache.
+    /// One decode step: runs `tokens` through the model, recording them in the prefix cache
+    /// and in the statistics.
     fn forward(&mut self, tokens: &[u32], want: Want) -> Result<Logits, ApiError> {
         let r = self.cache.forward(self.model.as_mut(), tokens, want);
+        self.live.decoded(self.model.as_ref());
         self.api(r)
     }
 
@@ -353,6 +364,7 @@ impl Worker {
             .cache
             .prefill(self.model.as_mut(), &job.prompt, usage.cached, open, want);
         let mut out = self.api(r)?;
+        self.live.prefilled(usage.cached, self.model.as_ref());
 
         let mut history = job.prompt.clone();
         let mut detok = StreamingDetokenizer::new(tok);
