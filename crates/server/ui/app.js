@@ -192,7 +192,7 @@
     const messages = [];
     if (s.system.trim()) messages.push({ role: "system", content: s.system });
     for (const m of state.messages) {
-      if (m.error && !m.content) continue;
+      if (m.pending || (m.error && !m.content)) continue;
       messages.push({ role: m.role, content: m.content });
     }
     const body = { model: modelId, messages, stream: true, stream_options: { include_usage: true } };
@@ -350,25 +350,37 @@
       (r) => r.prefill.experts.bytes_read + r.decode.experts.bytes_read, (s) => s.experts.bytes_read],
   ];
 
-  function cell(id, value, format) {
-    const td = el("td");
-    td.id = id;
+  // The cell `id` (made on first use under `parent` as a `tag`) shows `text`; `data-value` holds
+  // the number behind it, empty when there is none.
+  function show(parent, tag, id, text, value) {
+    let e = document.getElementById(id);
+    if (!e) {
+      e = el(tag);
+      e.id = id;
+      parent.appendChild(e);
+    }
+    e.textContent = text;
+    e.dataset.value = value !== null && value !== undefined ? String(value) : "";
+  }
+
+  function number(parent, id, value, format) {
     const ok = value !== null && value !== undefined && Number.isFinite(value);
-    td.dataset.value = ok ? String(value) : "";
-    td.textContent = ok ? format(value) : "–";
-    return td;
+    show(parent, "td", id, ok ? format(value) : "–", ok ? value : null);
   }
 
   function renderHud(s) {
     const rows = $("hud-rows");
-    rows.textContent = "";
     const r = s.last;
     for (const [key, label, format, ofReply, ofSession] of ROWS) {
-      const tr = el("tr");
-      tr.appendChild(el("td", null, label));
-      tr.appendChild(cell("hud-reply-" + key, r ? ofReply(r) : null, format));
-      tr.appendChild(cell("hud-session-" + key, ofSession(s.session), format));
-      rows.appendChild(tr);
+      let tr = document.getElementById("hud-row-" + key);
+      if (!tr) {
+        tr = el("tr");
+        tr.id = "hud-row-" + key;
+        tr.appendChild(el("td", null, label));
+        rows.appendChild(tr);
+      }
+      number(tr, "hud-reply-" + key, r ? ofReply(r) : null, format);
+      number(tr, "hud-session-" + key, ofSession(s.session), format);
     }
     const i = s.server;
     const m = s.memory;
@@ -379,20 +391,16 @@
       ["device", "device", i.device],
       ["cache", "expert cache", slots + " × " + i.moe_layers + " layers, " + i.io],
       ["context", "context", i.max_context + " tokens, prompt cache " + i.prompt_cache],
-      ["kv-tokens", "KV cache", s.kv_cache_tokens + " tokens, " + fmt.bytes(m.kv_cache_bytes)],
+      ["kv", "KV cache", s.kv_cache_tokens + " tokens, " + fmt.bytes(m.kv_cache_bytes), m.kv_cache_bytes],
       ["rss", "process RSS", m.rss_bytes !== null ? fmt.bytes(m.rss_bytes) + " (peak " + fmt.bytes(m.peak_rss_bytes) + ")" : "–", m.rss_bytes],
       ["weights", "resident weights", fmt.bytes(m.resident_weights_bytes), m.resident_weights_bytes],
       ["slots", "expert slots", fmt.bytes(m.expert_slot_bytes) + " of " + fmt.bytes(m.expert_slot_capacity_bytes), m.expert_slot_bytes],
       ["queue", "queue", s.queue.running + " running, " + s.queue.waiting + " waiting"],
     ];
     const dl = $("hud-server");
-    dl.textContent = "";
     for (const [key, label, text, value] of server) {
-      dl.appendChild(el("dt", null, label));
-      const dd = el("dd", null, text);
-      dd.id = "hud-" + key;
-      if (value !== undefined && value !== null) dd.dataset.value = String(value);
-      dl.appendChild(dd);
+      if (!document.getElementById("hud-" + key)) dl.appendChild(el("dt", null, label));
+      show(dl, "dd", "hud-" + key, text, value);
     }
     $("device").textContent = i.device;
   }
