@@ -261,6 +261,102 @@ pub(crate) fn render(s: &Snapshot) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::stats::{Live, ServerInfo};
+
+    fn snapshot() -> Snapshot {
+        let info = ServerInfo {
+            model: "m".into(),
+            device: "cpu avx2 x2".into(),
+            threads: 2,
+            max_context: 4096,
+            prefill_chunk: 128,
+            prompt_cache: "single-prefix",
+            expert_slots: "16".into(),
+            slots_per_layer: 16,
+            experts_per_layer: 128,
+            moe_layers: 30,
+            expert_stride_bytes: 1 << 20,
+            io: "o_direct",
+            resident_weights_bytes: 1 << 30,
+        };
+        let mut s = Live::new(info).snapshot(2);
+        s.session.requests.insert("stop", 3);
+        s.session.requests.insert("length", 1);
+        s.session.prompt_tokens = 120;
+        // TTFTs 0.05, 0.3, 0.3, 20 s: cumulative counts per bound.
+        for t in [0.05, 0.3, 0.3, 20.0] {
+            for (b, le) in s.ttft_buckets.iter_mut().zip(TTFT_BUCKETS) {
+                *b += u64::from(t <= le);
+            }
+            s.ttft_sum_s += t;
+            s.ttft_count += 1;
+        }
+        s
+    }
+
+    /// The exposition format's rules (prometheus.io, "Text-based format"): one HELP and one TYPE
+    /// line per family before its samples, names `[a-zA-Z_:][a-zA-Z0-9_:]*`, counters `_total`,
+    /// histogram buckets cumulative in increasing `le` ending with `+Inf` = `_count`.
+    #[test]
+    fn the_page_follows_the_text_format() {
+        let text = render(&snapshot());
+        let mut families: Vec<(String, String)> = Vec::new();
+        let mut buckets: Vec<(f64, f64)> = Vec::new();
+        let mut count = None;
+        for line in text.lines() {
+            if let Some(rest) = line.strip_prefix("# TYPE ") {
+                let (name, kind) = rest.split_once(' ').unwrap();
+                assert!(!families.iter().any(|(n, _)| n == name), "{name} twice");
+                families.push((name.into(), kind.into()));
+                continue;
+            }
+            if line.starts_with("# HELP ") {
+                continue;
+            }
+            let (name, value) = line.rsplit_once(' ').unwrap();
+            let value: f64 = value.parse().unwrap_or_else(|_| panic!("{line}"));
+            let bare = name.split('{').next().unwrap();
+            assert!(bare.starts_with("mference_"), "{line}");
+            assert!(
+                bare.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':'),
+                "{line}"
+            );
+            let (family, kind) = families.last().expect("a sample before its TYPE line");
+            assert!(bare.starts_with(family.as_str()), "{line} under {family}");
+            match kind.as_str() {
+                "counter" => assert!(bare.ends_with("_total"), "{line}"),
+                "histogram" if bare.ends_with("_bucket") => {
+                    let le = name.split("le=\"").nth(1).unwrap().trim_end_matches("\"}");
+                    let le = if le == "+Inf" {
+                        f64::INFINITY
+                    } else {
+                        le.parse().unwrap()
+                    };
+                    buckets.push((le, value));
+                }
+                "histogram" if bare.ends_with("_count") => count = Some(value),
+                _ => {}
+            }
+        }
+        assert!(buckets
+            .windows(2)
+            .all(|w| w[0].0 < w[1].0 && w[0].1 <= w[1].1));
+        assert_eq!(buckets.last().unwrap(), &(f64::INFINITY, 4.0));
+        assert_eq!(count, Some(4.0));
+        let at = |le: f64| buckets.iter().find(|b| b.0 == le).unwrap().1;
+        assert_eq!(
+            (at(0.04), at(0.06), at(0.25), at(0.5), at(10.0), at(30.0)),
+            (0.0, 1.0, 1.0, 3.0, 3.0, 4.0)
+        );
+        assert!(text.contains("mference_requests_total{finish_reason=\"length\"} 1\n"));
+        assert!(text.contains("mference_requests_total{finish_reason=\"stop\"} 3\n"));
+        assert!(text.contains("mference_prompt_tokens_total 120\n"));
+        assert!(text.contains("mference_requests_waiting 2\n"));
+        // 30 layers x 16 slots x 1 MiB.
+        assert!(text.contains("mference_expert_slot_capacity_bytes 503316480\n"));
+        assert!(text.contains("io=\"o_direct\""));
+    }
 
     #[test]
     fn values_are_go_floats() {
