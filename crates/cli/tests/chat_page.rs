@@ -6,7 +6,7 @@
 //! and decode tok/s above zero, the resident weights equal to `model_weights.bin`); Regenerate
 //! must give the same greedy reply again; Stop must cut a long reply short (a prefix of the greedy
 //! reply, finish `cancelled`) and leave the server healthy; a reload must bring the conversation
-//! back; Clear must empty it. A screenshot goes to `target/chat-page/chat.png`.
+//! back; a reasoning block must show folded; Clear must empty it. A screenshot goes to `target/chat-page/chat.png`.
 //!
 //! Without `/usr/bin/chromium` and `/usr/bin/chromedriver` the test is skipped with a message,
 //! unless `MFERENCE_REQUIRE_BROWSER=1` (set by `.ci/run`, which installs both) makes that a failure.
@@ -214,7 +214,13 @@ async fn chat_page_streams_the_greedy_reply_shows_the_hud_stops_and_survives_a_r
     let install = demo_install();
     let serve = ServeProcess::start(
         BIN,
-        &["--model", install.to_str().unwrap()],
+        // Fewer slots than experts: the cache misses and its slots take memory.
+        &[
+            "--model",
+            install.to_str().unwrap(),
+            "--expert-cache-slots",
+            "8",
+        ],
         Duration::from_secs(120),
     );
     let addr = serve.addr();
@@ -302,6 +308,8 @@ async fn chat_page_streams_the_greedy_reply_shows_the_hud_stops_and_survives_a_r
         .unwrap()
         .len();
     assert_eq!(hud.get("hud-weights"), Some(weights as f64));
+    assert!(hud.get("hud-slots").unwrap() > 0.0);
+    assert!(hud.get("hud-session-bytes-read").unwrap() > 0.0);
     let rss = hud.get("hud-rss").unwrap();
     assert!(rss > weights as f64 / 2.0, "rss {rss}");
     let device = js(
@@ -393,6 +401,29 @@ async fn chat_page_streams_the_greedy_reply_shows_the_hud_stops_and_survives_a_r
         input_value(&c, "max_tokens").await,
         "3000",
         "settings survive too"
+    );
+
+    // A Gemma thought channel shows folded above the answer, and the answer's Markdown renders.
+    js(
+        &c,
+        "localStorage.setItem('mference.chat.v1', JSON.stringify({messages: [\
+           {role: 'user', content: 'Why?'},\
+           {role: 'assistant', content: '<|channel>thought\\nBecause.<channel|>So **this** <b>.'}]}));\
+         return true;",
+    )
+    .await;
+    c.refresh().await.unwrap();
+    until(&c, "the reloaded page", "return document.body.dataset.ready === '1';").await;
+    let folded = js(
+        &c,
+        "const d = document.querySelector('.msg.assistant details.reasoning'); \
+         const a = document.querySelector('.msg.assistant .answer'); \
+         return [d.open, d.querySelector('.thought').textContent, a.innerHTML];",
+    )
+    .await;
+    assert_eq!(
+        folded,
+        json!([false, "Because.", "<p>So <strong>this</strong> &lt;b&gt;.</p>"])
     );
 
     // Clear empties the conversation, also after a reload.

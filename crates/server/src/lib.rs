@@ -4,6 +4,8 @@
 //!
 //! - `GET /health`, `GET /v1/models`, `POST /v1/chat/completions` and `POST /v1/completions`, JSON
 //!   or SSE (`stream_options.include_usage`, `: ping` heartbeats, in-band errors after the head).
+//! - `GET /` the chat page (built in), `GET /v1/stats` its HUD's live figures and `GET /metrics`
+//!   the same in the Prometheus text format (`docs/STATS.md`).
 //! - Every check (content type 415, body size 413, options 400, model 404, queue 429, context 400)
 //!   runs before any byte of the response is written.
 //! - One model, owned by one generation thread; requests wait in a bounded queue. The thread keeps

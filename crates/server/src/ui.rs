@@ -59,7 +59,7 @@ fn waiting(st: &Shared) -> u64 {
     (st.jobs.max_capacity() - st.jobs.capacity()) as u64
 }
 
-/// `GET /v1/stats`: the [`crate::stats::Snapshot`] as JSON (`docs/SERVER.md` has the fields).
+/// `GET /v1/stats`: the [`crate::stats::Snapshot`] as JSON (`docs/STATS.md` has the fields).
 pub(crate) async fn stats(State(st): State<Shared>) -> Response {
     let snap = st.live.snapshot(waiting(&st));
     ([(header::CACHE_CONTROL, "no-store")], Json(snap)).into_response()

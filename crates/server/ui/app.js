@@ -394,7 +394,8 @@
       ["kv", "KV cache", s.kv_cache_tokens + " tokens, " + fmt.bytes(m.kv_cache_bytes), m.kv_cache_bytes],
       ["rss", "process RSS", m.rss_bytes !== null ? fmt.bytes(m.rss_bytes) + " (peak " + fmt.bytes(m.peak_rss_bytes) + ")" : "–", m.rss_bytes],
       ["weights", "resident weights", fmt.bytes(m.resident_weights_bytes), m.resident_weights_bytes],
-      ["slots", "expert slots", fmt.bytes(m.expert_slot_bytes) + " of " + fmt.bytes(m.expert_slot_capacity_bytes), m.expert_slot_bytes],
+      ["slots", "expert slots", i.io === "mmap" ? "none (layer files mapped)"
+        : fmt.bytes(m.expert_slot_bytes) + " of " + fmt.bytes(m.expert_slot_capacity_bytes), m.expert_slot_bytes],
       ["queue", "queue", s.queue.running + " running, " + s.queue.waiting + " waiting"],
     ];
     const dl = $("hud-server");
