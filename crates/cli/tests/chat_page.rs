@@ -6,7 +6,7 @@
 //! and decode tok/s above zero, the resident weights equal to `model_weights.bin`); Regenerate
 //! must give the same greedy reply again; Stop must cut a long reply short (a prefix of the greedy
 //! reply, finish `cancelled`) and leave the server healthy; a reload must bring the conversation
-//! back; a reasoning block must show folded; Clear must empty it. A screenshot goes to `target/chat-page/chat.png`.
+//! back; a reasoning block must show folded; Clear must empty it. Screenshots go to `target/chat-page/` (`chat.png`, `reasoning.png`).
 //!
 //! Without `/usr/bin/chromium` and `/usr/bin/chromedriver` the test is skipped with a message,
 //! unless `MFERENCE_REQUIRE_BROWSER=1` (set by `.ci/run`, which installs both) makes that a failure.
@@ -127,6 +127,21 @@ async fn until(c: &Client, what: &str, script: &str) {
     }
 }
 
+/// Waits until the page has set itself up (`body[data-ready]`, after `/v1/models` answered).
+async fn loaded(c: &Client) {
+    until(
+        c,
+        "the page to load",
+        "return document.body.dataset.ready === '1';",
+    )
+    .await;
+}
+
+async fn reload(c: &Client) {
+    c.refresh().await.unwrap();
+    loaded(c).await;
+}
+
 /// The conversation the page keeps in localStorage.
 async fn stored(c: &Client) -> Vec<Value> {
     let v = js(
@@ -236,12 +251,7 @@ async fn chat_page_streams_the_greedy_reply_shows_the_hud_stops_and_survives_a_r
     let profile = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let c = browser(&driver, profile.path()).await;
     c.goto(&format!("http://{addr}/")).await.unwrap();
-    until(
-        &c,
-        "the page to load",
-        "return document.body.dataset.ready === '1';",
-    )
-    .await;
+    loaded(&c).await;
 
     // The Markdown renderer escapes HTML and keeps only the markup it makes.
     let html = js(
@@ -318,11 +328,7 @@ async fn chat_page_streams_the_greedy_reply_shows_the_hud_stops_and_survives_a_r
     )
     .await;
     assert!(device.as_str().unwrap().starts_with("cpu"), "{device}");
-    let png = c.screenshot().await.unwrap();
-    let shot = repo().join("target/chat-page/chat.png");
-    std::fs::create_dir_all(shot.parent().unwrap()).unwrap();
-    std::fs::write(&shot, &png).unwrap();
-    println!("screenshot: {}", shot.display());
+    screenshot(&c, "chat.png").await;
 
     // Regenerate replaces the reply with the same greedy one.
     click(&c, "regenerate").await;
@@ -378,13 +384,7 @@ async fn chat_page_streams_the_greedy_reply_shows_the_hud_stops_and_survives_a_r
     );
 
     // A reload brings the conversation back from the browser's storage.
-    c.refresh().await.unwrap();
-    until(
-        &c,
-        "the reloaded page",
-        "return document.body.dataset.ready === '1';",
-    )
-    .await;
+    reload(&c).await;
     let roles: Vec<String> = {
         let mut v = Vec::new();
         for e in c.find_all(Locator::Css(".msg")).await.unwrap() {
@@ -412,8 +412,7 @@ async fn chat_page_streams_the_greedy_reply_shows_the_hud_stops_and_survives_a_r
          return true;",
     )
     .await;
-    c.refresh().await.unwrap();
-    until(&c, "the reloaded page", "return document.body.dataset.ready === '1';").await;
+    reload(&c).await;
     let folded = js(
         &c,
         "const d = document.querySelector('.msg.assistant details.reasoning'); \
@@ -423,21 +422,29 @@ async fn chat_page_streams_the_greedy_reply_shows_the_hud_stops_and_survives_a_r
     .await;
     assert_eq!(
         folded,
-        json!([false, "Because.", "<p>So <strong>this</strong> &lt;b&gt;.</p>"])
+        json!([
+            false,
+            "Because.",
+            "<p>So <strong>this</strong> &lt;b&gt;.</p>"
+        ])
     );
+    screenshot(&c, "reasoning.png").await;
 
     // Clear empties the conversation, also after a reload.
     click(&c, "clear").await;
-    c.refresh().await.unwrap();
-    until(
-        &c,
-        "the reloaded page",
-        "return document.body.dataset.ready === '1';",
-    )
-    .await;
+    reload(&c).await;
     assert!(stored(&c).await.is_empty());
     assert!(c.find_all(Locator::Css(".msg")).await.unwrap().is_empty());
     c.close().await.unwrap();
+}
+
+/// Saves the page as `target/chat-page/NAME` (a test artifact) and prints where.
+async fn screenshot(c: &Client, name: &str) {
+    let png = c.screenshot().await.unwrap();
+    let path = repo().join("target/chat-page").join(name);
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    std::fs::write(&path, &png).unwrap();
+    println!("screenshot: {}", path.display());
 }
 
 /// The current value of the input `id`.

@@ -110,7 +110,23 @@ pub(crate) fn render(s: &Snapshot) -> String {
         requests.sample("", &[("finish_reason", reason)], *n as f64);
     }
     let ss = &s.session;
-    let counters: [(&'static str, &str, f64); 11] = [
+    let mut h = family(
+        &mut o,
+        "mference_time_to_first_token_seconds",
+        "histogram",
+        "Seconds from a request's arrival to its first token's logits (queue wait included).",
+    );
+    for (le, n) in TTFT_BUCKETS.iter().zip(&s.ttft_buckets) {
+        h.sample("_bucket", &[("le", &number(*le))], *n as f64);
+    }
+    h.sample("_bucket", &[("le", "+Inf")], s.ttft_count as f64)
+        .sample("_sum", &[], s.ttft_sum_s)
+        .sample("_count", &[], s.ttft_count as f64);
+    let last = s.last.as_ref();
+    let rate = |f: fn(&crate::stats::ReplyStats) -> Option<f64>| last.and_then(f).unwrap_or(0.0);
+    let m = &s.memory;
+    // Counters end in `_total`; the rest are gauges.
+    let plain: [(&'static str, &str, f64); 24] = [
         (
             "mference_prompt_tokens_total",
             "Prompt tokens of finished requests, cached ones included.",
@@ -166,26 +182,6 @@ pub(crate) fn render(s: &Snapshot) -> String {
             "Seconds the compute thread waited for expert reads.",
             ss.experts.read_wait_s,
         ),
-    ];
-    for (name, help, v) in counters {
-        family(&mut o, name, "counter", help).value(v);
-    }
-    let mut h = family(
-        &mut o,
-        "mference_time_to_first_token_seconds",
-        "histogram",
-        "Seconds from a request's arrival to its first token's logits (queue wait included).",
-    );
-    for (le, n) in TTFT_BUCKETS.iter().zip(&s.ttft_buckets) {
-        h.sample("_bucket", &[("le", &number(*le))], *n as f64);
-    }
-    h.sample("_bucket", &[("le", "+Inf")], s.ttft_count as f64)
-        .sample("_sum", &[], s.ttft_sum_s)
-        .sample("_count", &[], s.ttft_count as f64);
-    let last = s.last.as_ref();
-    let rate = |f: fn(&crate::stats::ReplyStats) -> Option<f64>| last.and_then(f).unwrap_or(0.0);
-    let m = &s.memory;
-    let gauges: [(&'static str, &str, f64); 13] = [
         (
             "mference_requests_running",
             "Requests being generated.",
@@ -252,8 +248,13 @@ pub(crate) fn render(s: &Snapshot) -> String {
             s.uptime_s,
         ),
     ];
-    for (name, help, v) in gauges {
-        family(&mut o, name, "gauge", help).value(v);
+    for (name, help, v) in plain {
+        let kind = if name.ends_with("_total") {
+            "counter"
+        } else {
+            "gauge"
+        };
+        family(&mut o, name, kind, help).value(v);
     }
     o
 }

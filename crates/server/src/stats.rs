@@ -574,7 +574,7 @@ fn process_rss() -> (Option<u64>, Option<u64>) {
     )
 }
 
-/// The value of a `/proc/<pid>/status` line such as `VmRSS:	  123456 kB`, in KiB.
+/// The value of a `/proc/<pid>/status` line such as `VmRSS:  123456 kB`, in KiB.
 fn status_kib(status: &str, key: &str) -> Option<u64> {
     let line = status.lines().find(|l| l.starts_with(key))?;
     let mut words = line[key.len()..].split_whitespace();
