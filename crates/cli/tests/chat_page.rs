@@ -5,8 +5,10 @@
 //! request; the HUD must show the server's figures (prompt tokens equal to the API's usage, TTFT
 //! and decode tok/s above zero, the resident weights equal to `model_weights.bin`); Regenerate
 //! must give the same greedy reply again; Stop must cut a long reply short (a prefix of the greedy
-//! reply, finish `cancelled`) and leave the server healthy; a reload must bring the conversation
-//! back; a reasoning block must show folded; Clear must empty it. Screenshots go to `target/chat-page/` (`chat.png`, `reasoning.png`).
+//! reply to the same messages, the page's system prompt included; finish `cancelled`) and leave
+//! the server healthy; a reload must bring the conversation back; a reasoning block must show
+//! folded; Clear must empty it. Screenshots go to `target/chat-page/` (`chat.png`,
+//! `reasoning.png`).
 //!
 //! Without `/usr/bin/chromium` and `/usr/bin/chromedriver` the test is skipped with a message,
 //! unless `MFERENCE_REQUIRE_BROWSER=1` (set by `.ci/run`, which installs both) makes that a failure.
@@ -26,6 +28,7 @@ const CHROMIUM: &str = "/usr/bin/chromium";
 const CHROMEDRIVER: &str = "/usr/bin/chromedriver";
 const MODEL: &str = "gemma-4-26b-a4b-it";
 const PROMPT: &str = "Tell me about the king.";
+const SYSTEM: &str = "You are a herald of the court.";
 /// How long any one thing the page does may take before the test fails.
 const PATIENCE: Duration = Duration::from_secs(60);
 
@@ -335,7 +338,8 @@ async fn chat_page_streams_the_greedy_reply_shows_the_hud_stops_and_survives_a_r
     reply_done(&c, 2).await;
     assert_eq!(stored(&c).await[1]["content"], want_text.as_str());
 
-    // Stop a long reply once some of it has arrived.
+    // Stop a long reply once some of it has arrived (with a system prompt from now on).
+    type_into(&c, "system", SYSTEM).await;
     type_into(&c, "max_tokens", "3000").await;
     type_into(&c, "input", "And the queen?").await;
     click(&c, "send").await;
@@ -372,6 +376,7 @@ async fn chat_page_streams_the_greedy_reply_shows_the_hud_stops_and_survives_a_r
     let (status, _) = get(addr, "/health");
     assert_eq!(status, 200, "the server after a stop");
     let history = json!([
+        {"role": "system", "content": SYSTEM},
         {"role": "user", "content": PROMPT},
         {"role": "assistant", "content": want_text},
         {"role": "user", "content": "And the queen?"},
@@ -402,6 +407,7 @@ async fn chat_page_streams_the_greedy_reply_shows_the_hud_stops_and_survives_a_r
         "3000",
         "settings survive too"
     );
+    assert_eq!(input_value(&c, "system").await, SYSTEM);
 
     // A Gemma thought channel shows folded above the answer, and the answer's Markdown renders.
     js(
