@@ -41,17 +41,6 @@ pub struct Experts {
 }
 
 impl Experts {
-    fn of(model: &dyn Model) -> Self {
-        let mut e = Experts::default();
-        for s in model.expert_stats() {
-            e.hits += s.hits;
-            e.misses += s.misses;
-            e.bytes_read += s.bytes_read;
-            e.read_wait_s += s.read_wait.as_secs_f64();
-        }
-        e
-    }
-
     /// The counts between `earlier` and `self`.
     fn since(self, earlier: Experts) -> Experts {
         Experts {
@@ -66,6 +55,36 @@ impl Experts {
     pub fn hit_rate(&self) -> Option<f64> {
         let n = self.hits + self.misses;
         (n > 0).then(|| self.hits as f64 / n as f64)
+    }
+}
+
+/// The model-wide figures, read from the model outside the lock at every hook.
+#[derive(Clone, Copy, Default)]
+struct Reading {
+    /// Expert counters summed over the layers.
+    experts: Experts,
+    /// MoE layers whose streamer has been used (its slab allocated).
+    opened_layers: usize,
+    kv_bytes: u64,
+    /// Positions in the KV cache.
+    kv_tokens: u64,
+}
+
+impl Reading {
+    fn of(model: &dyn Model) -> Self {
+        let mut r = Reading {
+            kv_bytes: model.kv_bytes() as u64,
+            kv_tokens: model.position() as u64,
+            ..Default::default()
+        };
+        for s in model.expert_stats() {
+            r.experts.hits += s.hits;
+            r.experts.misses += s.misses;
+            r.experts.bytes_read += s.bytes_read;
+            r.experts.read_wait_s += s.read_wait.as_secs_f64();
+            r.opened_layers += usize::from(s.hits + s.misses > 0);
+        }
+        r
     }
 }
 
@@ -371,11 +390,8 @@ struct Totals {
 struct State {
     latest: Option<Running>,
     totals: Totals,
-    experts: Experts,
-    kv_bytes: u64,
-    kv_tokens: u64,
-    /// MoE layers whose streamer has been used (its slab allocated).
-    opened_layers: usize,
+    /// The model at the latest hook.
+    model: Reading,
 }
 
 /// The statistics shared by the generation thread (writer) and the HTTP handlers (readers).
@@ -396,10 +412,7 @@ impl Live {
                     ttft_buckets: vec![0; TTFT_BUCKETS.len()],
                     ..Default::default()
                 },
-                experts: Experts::default(),
-                kv_bytes: 0,
-                kv_tokens: 0,
-                opened_layers: 0,
+                model: Reading::default(),
             }),
         }
     }
@@ -410,7 +423,7 @@ impl Live {
 
     /// The generation thread took request `id` (`prompt` tokens, arrived at `received`).
     pub(crate) fn begin(&self, id: &str, received: Instant, prompt: usize, model: &dyn Model) {
-        let now = Experts::of(model);
+        let now = self.observe(model);
         let mut s = self.lock();
         s.latest = Some(Running {
             id: id.to_string(),
@@ -433,9 +446,8 @@ impl Live {
     /// The prompt is in the KV cache (`cached` of its tokens came from the retained prefix) and
     /// the first token's logits are ready.
     pub(crate) fn prefilled(&self, cached: usize, model: &dyn Model) {
-        let now = Experts::of(model);
+        let now = self.observe(model);
         let mut s = self.lock();
-        self.observe(&mut s, model, now);
         if let Some(r) = s.latest.as_mut() {
             r.cached = cached as u64;
             r.prefilled_at = Some(Instant::now());
@@ -445,9 +457,8 @@ impl Live {
 
     /// One decode forward (one token) finished.
     pub(crate) fn decoded(&self, model: &dyn Model) {
-        let now = Experts::of(model);
+        self.observe(model);
         let mut s = self.lock();
-        self.observe(&mut s, model, now);
         if let Some(r) = s.latest.as_mut() {
             r.decode_tokens += 1;
             r.last_forward = Some(Instant::now());
@@ -457,9 +468,8 @@ impl Live {
     /// The request ended with `finish` (`stop`, `length`, `tool_calls`, `cancelled`, `error`)
     /// after `completion` generated tokens.
     pub(crate) fn end(&self, completion: usize, finish: &'static str, model: &dyn Model) {
-        let now = Experts::of(model);
+        self.observe(model);
         let mut s = self.lock();
-        self.observe(&mut s, model, now);
         let Some(r) = s.latest.as_mut() else { return };
         r.completion = Some(completion as u64);
         r.finish = Some(finish);
@@ -485,19 +495,15 @@ impl Live {
         }
     }
 
-    /// The model-wide figures every hook refreshes.
-    fn observe(&self, s: &mut State, model: &dyn Model, now: Experts) {
-        s.experts = now;
-        s.kv_bytes = model.kv_bytes() as u64;
-        s.kv_tokens = model.position() as u64;
-        s.opened_layers = model
-            .expert_stats()
-            .iter()
-            .filter(|l| l.hits + l.misses > 0)
-            .count();
+    /// Reads the model and records it; returns its expert counters.
+    fn observe(&self, model: &dyn Model) -> Experts {
+        let reading = Reading::of(model);
+        let mut s = self.lock();
+        s.model = reading;
         if let Some(r) = s.latest.as_mut() {
-            r.now = now;
+            r.now = reading.experts;
         }
+        reading.experts
     }
 
     /// The figures now, with `waiting` requests in the job queue.
@@ -532,7 +538,7 @@ impl Live {
             }),
             decode: plus(t.decode_tokens, t.decode_s, t.decode_experts, |r| &r.decode),
             ttft_mean_s: (t.ttft_count > 0).then(|| t.ttft_sum_s / t.ttft_count as f64),
-            experts: s.experts,
+            experts: s.model.experts,
         };
         Snapshot {
             uptime_s: self.since.elapsed().as_secs_f64(),
@@ -541,11 +547,11 @@ impl Live {
                 rss_bytes: rss,
                 peak_rss_bytes: peak,
                 resident_weights_bytes: self.info.resident_weights_bytes,
-                expert_slot_bytes: self.info.slot_bytes(s.opened_layers),
+                expert_slot_bytes: self.info.slot_bytes(s.model.opened_layers),
                 expert_slot_capacity_bytes: self.info.slot_bytes(self.info.moe_layers),
-                kv_cache_bytes: s.kv_bytes,
+                kv_cache_bytes: s.model.kv_bytes,
             },
-            kv_cache_tokens: s.kv_tokens,
+            kv_cache_tokens: s.model.kv_tokens,
             last,
             session,
             ttft_buckets: t.ttft_buckets.clone(),
