@@ -319,8 +319,9 @@ impl Worker {
     /// and in the statistics.
     fn forward(&mut self, tokens: &[u32], want: Want) -> Result<Logits, ApiError> {
         let r = self.cache.forward(self.model.as_mut(), tokens, want);
+        let out = self.api(r)?;
         self.live.decoded(self.model.as_ref());
-        self.api(r)
+        Ok(out)
     }
 
     fn generate(&mut self, job: &Job, usage: &mut Usage) -> Result<Done, ApiError> {
