@@ -333,6 +333,19 @@ async fn chat_page_streams_the_greedy_reply_shows_the_hud_stops_and_survives_a_r
     assert!(device.as_str().unwrap().starts_with("cpu"), "{device}");
     screenshot(&c, "chat.png").await;
 
+    // Copy answers (the clipboard itself is the browser's).
+    js(
+        &c,
+        "document.querySelector('.msg.assistant .copy').click(); return true;",
+    )
+    .await;
+    until(
+        &c,
+        "the copy button's answer",
+        "return document.querySelector('.msg.assistant .copy').textContent === 'copied';",
+    )
+    .await;
+
     // Regenerate replaces the reply with the same greedy one.
     click(&c, "regenerate").await;
     reply_done(&c, 2).await;

@@ -4,7 +4,8 @@
 //! (layers with a layer file, `top_k_experts`, the expert stride) against the install, sizes
 //! against the files on disk, the RSS against this process's `/proc/self/status`, and the
 //! `/metrics` text through the official Prometheus client's parser
-//! (`prometheus_client.parser`, in the reference venv).
+//! (`prometheus_client.parser`, in the reference venv). Also: the chat page and its files are
+//! served from the binary under a Content-Security-Policy that allows only this server.
 
 mod common;
 
@@ -307,4 +308,49 @@ fn stats_follow_a_running_stream_and_its_cancellation() {
     assert!(u(&last["last"]["completion_tokens"]) < 2000);
     assert_eq!(u(&last["session"]["requests"]["cancelled"]), 1);
     assert_eq!(u(&last["queue"]["running"]), 0);
+}
+
+#[test]
+fn the_chat_page_comes_from_the_binary_and_may_reach_only_this_server() {
+    let server = common::start(Opts::default());
+    let addr = server.local_addr();
+    let agent = mference_testkit::http::agent();
+    let fetch = |path: &str| {
+        let r = agent.get(format!("http://{addr}{path}")).call().unwrap();
+        assert_eq!(r.status(), 200, "{path}");
+        let h = |k: &str| {
+            r.headers()
+                .get(k)
+                .map(|v| v.to_str().unwrap().to_string())
+                .unwrap_or_default()
+        };
+        let (ctype, csp) = (h("content-type"), h("content-security-policy"));
+        (ctype, csp, r.into_body().read_to_string().unwrap())
+    };
+    let (ctype, csp, html) = fetch("/");
+    assert!(ctype.starts_with("text/html"), "{ctype}");
+    for rule in [
+        "default-src 'none'",
+        "script-src 'self'",
+        "connect-src 'self'",
+    ] {
+        assert!(csp.contains(rule), "{rule} missing from {csp}");
+    }
+    // Every file the page loads is one of ours, by path.
+    let refs: Vec<&str> = html
+        .split(['"', '\''])
+        .filter(|s| s.starts_with('/') || s.contains("://"))
+        .collect();
+    assert!(!refs.is_empty());
+    for r in &refs {
+        assert!(r.starts_with("/ui/"), "the page loads {r}");
+        let (ctype, _, body) = fetch(r);
+        let want = if r.ends_with(".js") {
+            "text/javascript"
+        } else {
+            "text/css"
+        };
+        assert!(ctype.starts_with(want), "{r}: {ctype}");
+        assert!(!body.contains("://"), "{r} names another origin");
+    }
 }
