@@ -267,6 +267,19 @@ async fn chat_page_streams_the_greedy_reply_shows_the_hud_stops_and_survives_a_r
         "<p>&lt;img src=x onerror=alert(1)&gt; <strong>b</strong> <code>&lt;i&gt;</code></p>\n\
          <pre><code>&lt;b&gt;</code></pre>"
     );
+    let html = js(
+        &c,
+        "return mferenceMarkdown.render('# T\\n- a\\n- *b*\\n\\n3. x\\n4. y\\n\
+         [l](https://e.org/?a=1&b=2) [j](javascript:alert(1)) [k](https://a.b/\"onclick=\"x)');",
+    )
+    .await;
+    assert_eq!(
+        html,
+        "<h1>T</h1>\n<ul><li>a</li><li><em>b</em></li></ul>\n<ol start=\"3\"><li>x</li><li>y</li></ol>\n\
+         <p><a href=\"https://e.org/?a=1&amp;b=2\" target=\"_blank\" rel=\"noopener noreferrer\">l</a> \
+         [j](javascript:alert(1)) \
+         <a href=\"https://a.b/&quot;onclick=&quot;x\" target=\"_blank\" rel=\"noopener noreferrer\">k</a></p>"
+    );
     let split = js(
         &c,
         "return mferenceChat.splitReasoning('<|channel>thought\\nhmm<channel|>Yes.');",
