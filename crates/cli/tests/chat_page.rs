@@ -8,7 +8,7 @@
 //! reply to the same messages, the page's system prompt included; finish `cancelled`) and leave
 //! the server healthy; a reload must bring the conversation back; a reasoning block must show
 //! folded; Clear must empty it. Screenshots go to `target/chat-page/` (`chat.png`,
-//! `reasoning.png`).
+//! `streaming.png`, `reasoning.png`).
 //!
 //! Without `/usr/bin/chromium` and `/usr/bin/chromedriver` the test is skipped with a message,
 //! unless `MFERENCE_REQUIRE_BROWSER=1` (set by `.ci/run`, which installs both) makes that a failure.
@@ -376,6 +376,7 @@ async fn chat_page_streams_the_greedy_reply_shows_the_hud_stops_and_survives_a_r
          return m.length === 4 && m[3].content.length > 40;",
     )
     .await;
+    screenshot(&c, "streaming.png").await;
     click(&c, "stop").await;
     until(
         &c,

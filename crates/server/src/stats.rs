@@ -10,7 +10,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use serde::Serialize;
 
@@ -217,8 +217,8 @@ pub struct ReplyStats {
     pub phase: Phase,
     /// Prompt tokens, cached ones included.
     pub prompt_tokens: u64,
-    /// Prompt tokens whose KV came from the retained prefix (known once prefill starts).
-    pub cached_tokens: u64,
+    /// Prompt tokens whose KV came from the retained prefix (`None` until prefill ends).
+    pub cached_tokens: Option<u64>,
     /// Generated tokens as in `usage.completion_tokens` (known when the request ends).
     pub completion_tokens: Option<u64>,
     /// Seconds from the request's arrival to the first token's logits (queue wait, prompt
@@ -245,9 +245,9 @@ pub struct SessionStats {
     pub cached_tokens: u64,
     /// Generated tokens of finished requests (`usage.completion_tokens`).
     pub completion_tokens: u64,
-    /// Every prefill so far (the running request's included).
+    /// Every prefill so far (a running request's once its prefill is complete).
     pub prefill: Pass,
-    /// Every decode forward so far (the running request's included).
+    /// Every decode forward so far (a running request's included).
     pub decode: Pass,
     /// Mean TTFT of the finished requests that reached their first token.
     pub ttft_mean_s: Option<f64>,
@@ -331,14 +331,26 @@ struct Running {
 impl Running {
     fn reply(&self) -> ReplyStats {
         let prefill_end = self.prefilled_at;
-        let prefill_s = prefill_end.or(self.ended_at).unwrap_or_else(Instant::now) - self.started;
-        let prefill_x = match prefill_end {
-            Some(_) => self.at_prefilled.since(self.at_start),
-            None => self.now.since(self.at_start),
+        let prefill = match prefill_end {
+            Some(p) => Pass::new(
+                self.prompt.saturating_sub(self.cached),
+                (p - self.started).as_secs_f64(),
+                self.at_prefilled.since(self.at_start),
+            ),
+            // Still running (or failed): the time so far, no rate.
+            None => Pass {
+                seconds: (self.ended_at.unwrap_or_else(Instant::now) - self.started).as_secs_f64(),
+                experts: self.now.since(self.at_start),
+                ..Pass::default()
+            },
         };
-        let decode_s = match (prefill_end, self.last_forward) {
-            (Some(p), Some(l)) => l - p,
-            _ => Duration::ZERO,
+        let decode = match (prefill_end, self.last_forward) {
+            (Some(p), Some(l)) => Pass::new(
+                self.decode_tokens,
+                (l - p).as_secs_f64(),
+                self.now.since(self.at_prefilled),
+            ),
+            _ => Pass::default(),
         };
         ReplyStats {
             id: self.id.clone(),
@@ -348,23 +360,12 @@ impl Running {
                 (None, None) => Phase::Prefill,
             },
             prompt_tokens: self.prompt,
-            cached_tokens: self.cached,
+            cached_tokens: prefill_end.map(|_| self.cached),
             completion_tokens: self.completion,
             ttft_s: prefill_end.map(|p| (p - self.received).as_secs_f64()),
             queue_s: (self.started - self.received).as_secs_f64(),
-            prefill: Pass::new(
-                self.prompt.saturating_sub(self.cached),
-                prefill_s.as_secs_f64(),
-                prefill_x,
-            ),
-            decode: Pass::new(
-                self.decode_tokens,
-                decode_s.as_secs_f64(),
-                match prefill_end {
-                    Some(_) => self.now.since(self.at_prefilled),
-                    None => Experts::default(),
-                },
-            ),
+            prefill,
+            decode,
             finish_reason: self.finish,
         }
     }
@@ -478,7 +479,7 @@ impl Live {
         let t = &mut s.totals;
         *t.requests.entry(finish).or_default() += 1;
         t.prompt += reply.prompt_tokens;
-        t.cached += reply.cached_tokens;
+        t.cached += reply.cached_tokens.unwrap_or(0);
         t.completion += completion as u64;
         t.prefill_tokens += reply.prefill.tokens;
         t.prefill_s += reply.prefill.seconds;
@@ -517,8 +518,8 @@ impl Live {
         };
         let t = &s.totals;
         let last = s.latest.as_ref().map(Running::reply);
-        // The running request's figures count in the session as they happen.
-        let live = last.as_ref().filter(|r| r.phase != Phase::Done);
+        // A running request's prefill counts once it is complete, its decode as it goes.
+        let live = last.as_ref().filter(|r| r.phase == Phase::Decode);
         let plus = |tokens: u64, secs: f64, x: Experts, f: fn(&ReplyStats) -> &Pass| {
             let (mut tokens, mut secs, mut x) = (tokens, secs, x);
             if let Some(p) = live.map(f) {

@@ -258,7 +258,10 @@
           if (data === "[DONE]") return;
           const chunk = JSON.parse(data);
           if (chunk.error) throw new Error(chunk.error.message);
-          if (chunk.id) streaming.id = chunk.id;
+          if (chunk.id && !streaming.id) {
+            streaming.id = chunk.id;
+            poll(); // the HUD switches to this reply now rather than at the next tick
+          }
           const delta = chunk.choices && chunk.choices[0] && chunk.choices[0].delta;
           if (delta && delta.content) {
             message.content += delta.content;
