@@ -425,7 +425,7 @@
   async function poll() {
     clearTimeout(timer);
     await fetchStats();
-    timer = setTimeout(poll, streaming ? 250 : 2000);
+    timer = setTimeout(poll, streaming ? 100 : 2000);
   }
 
   async function health() {
