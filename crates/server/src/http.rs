@@ -189,10 +189,13 @@ async fn read_json(req: Request) -> Result<Value, ApiError> {
         .map_err(|e| ApiError::invalid(format!("the request body is not valid JSON: {e}")))
 }
 
-fn log_rejected(id: &str, received: Instant, e: &ApiError) {
+/// Logs (and counts in the statistics) a request answered with an error before or instead of a
+/// generation; a generation's own failure was logged and counted by the generation thread.
+fn log_rejected(st: &AppState, id: &str, received: Instant, e: &ApiError) {
     if e.logged {
         return;
     }
+    st.live.rejected(e.status.as_u16());
     eprintln!(
         "{} request {id} rejected in {:.3}s status={} ({})",
         timestamp(),
@@ -224,7 +227,7 @@ async fn chat(State(st): State<Shared>, req: Request) -> Response {
     match chat_inner(&st, req, &id, received).await {
         Ok(r) => r,
         Err(e) => {
-            log_rejected(&id, received, &e);
+            log_rejected(&st, &id, received, &e);
             e.into_response()
         }
     }
@@ -300,7 +303,7 @@ async fn completions(State(st): State<Shared>, req: Request) -> Response {
     match res {
         Ok(r) => r,
         Err(e) => {
-            log_rejected(&id, received, &e);
+            log_rejected(&st, &id, received, &e);
             e.into_response()
         }
     }

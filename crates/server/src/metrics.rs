@@ -109,6 +109,15 @@ pub(crate) fn render(s: &Snapshot) -> String {
     for (reason, n) in &s.session.requests {
         requests.sample("", &[("finish_reason", reason)], *n as f64);
     }
+    let mut rejected = family(
+        &mut o,
+        "mference_requests_rejected_total",
+        "counter",
+        "Requests answered with an error status instead of a generation, by status.",
+    );
+    for (status, n) in &s.session.rejected {
+        rejected.sample("", &[("status", &status.to_string())], *n as f64);
+    }
     let ss = &s.session;
     let mut h = family(
         &mut o,
@@ -283,6 +292,7 @@ mod tests {
         let mut s = Live::new(info).snapshot(2);
         s.session.requests.insert("stop", 3);
         s.session.requests.insert("length", 1);
+        s.session.rejected.insert(429, 2);
         s.session.prompt_tokens = 120;
         // TTFTs 0.05, 0.3, 0.3, 20 s: cumulative counts per bound.
         for t in [0.05, 0.3, 0.3, 20.0] {
@@ -353,6 +363,7 @@ mod tests {
         assert!(text.contains("mference_requests_total{finish_reason=\"length\"} 1\n"));
         assert!(text.contains("mference_requests_total{finish_reason=\"stop\"} 3\n"));
         assert!(text.contains("mference_prompt_tokens_total 120\n"));
+        assert!(text.contains("mference_requests_rejected_total{status=\"429\"} 2\n"));
         assert!(text.contains("mference_requests_waiting 2\n"));
         // 30 layers x 16 slots x 1 MiB.
         assert!(text.contains("mference_expert_slot_capacity_bytes 503316480\n"));

@@ -239,6 +239,9 @@ pub struct ReplyStats {
 pub struct SessionStats {
     /// Finished requests, by finish reason.
     pub requests: BTreeMap<&'static str, u64>,
+    /// Requests answered with an error status instead of a generation (400, 413, 415, 429, …), by
+    /// status.
+    pub rejected: BTreeMap<u16, u64>,
     /// Prompt tokens of finished requests, cached ones included.
     pub prompt_tokens: u64,
     /// Prompt tokens whose KV came from the retained prefix.
@@ -374,6 +377,7 @@ impl Running {
 #[derive(Default)]
 struct Totals {
     requests: BTreeMap<&'static str, u64>,
+    rejected: BTreeMap<u16, u64>,
     prompt: u64,
     cached: u64,
     completion: u64,
@@ -496,6 +500,11 @@ impl Live {
         }
     }
 
+    /// A request was answered with `status` instead of being generated.
+    pub(crate) fn rejected(&self, status: u16) {
+        *self.lock().totals.rejected.entry(status).or_default() += 1;
+    }
+
     /// Reads the model and records it; returns its expert counters.
     fn observe(&self, model: &dyn Model) -> Experts {
         let reading = Reading::of(model);
@@ -531,6 +540,7 @@ impl Live {
         };
         let session = SessionStats {
             requests: t.requests.clone(),
+            rejected: t.rejected.clone(),
             prompt_tokens: t.prompt,
             cached_tokens: t.cached,
             completion_tokens: t.completion,

@@ -192,6 +192,14 @@ fn stats_and_metrics_report_the_servers_real_counters() {
     assert_eq!(u(&session["completion_tokens"]), sum("completion_tokens"));
     assert_eq!(u(&session["requests"]["length"]), 2);
 
+    // A refused request counts by its status, not as a generation.
+    let mut bad = body.clone();
+    bad["temperature"] = json!(5);
+    assert_eq!(post(addr, "/v1/chat/completions", &bad).0, 400);
+    let (_, s) = get(addr, "/v1/stats");
+    assert_eq!(s["session"]["rejected"], json!({"400": 1}));
+    assert_eq!(u(&s["session"]["requests"]["length"]), 2);
+
     // /metrics: the same numbers, in a text the official parser reads.
     let r = mference_testkit::http::agent()
         .get(format!("http://{addr}/metrics"))
@@ -239,6 +247,7 @@ fn stats_and_metrics_report_the_servers_real_counters() {
             &session["experts"]["bytes_read"],
         ),
         ("mference_requests_total{finish_reason=length}", &json!(2)),
+        ("mference_requests_rejected_total{status=400}", &json!(1)),
         ("mference_time_to_first_token_seconds_count{}", &json!(2)),
         (
             "mference_time_to_first_token_seconds_bucket{le=+Inf}",
