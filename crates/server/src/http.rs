@@ -40,6 +40,8 @@ pub(crate) struct AppState {
     /// Set by the generation thread when the model can no longer serve (a damaged or
     /// unreadable install file): `/health` reports it.
     pub broken: Arc<std::sync::Mutex<Option<String>>>,
+    /// The generation thread's statistics (`/v1/stats`, `/metrics`).
+    pub live: Arc<crate::stats::Live>,
 }
 
 /// Resolves once the server has begun shutting down, or its [`crate::Server`] is gone.
@@ -57,7 +59,7 @@ fn shutting_down() -> ApiError {
     .with_code("server_shutting_down")
 }
 
-type Shared = Arc<AppState>;
+pub(crate) type Shared = Arc<AppState>;
 
 pub(crate) fn router(state: Shared) -> Router {
     Router::new()
@@ -66,6 +68,9 @@ pub(crate) fn router(state: Shared) -> Router {
         .route("/v1/models/{id}", get(model))
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
+        .route("/v1/stats", get(crate::ui::stats))
+        .route("/metrics", get(crate::ui::metrics))
+        .merge(crate::ui::routes())
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(state)
@@ -109,7 +114,7 @@ async fn not_found(req: Request) -> ApiError {
     ApiError::new(
         StatusCode::NOT_FOUND,
         format!(
-            "no route {} {} (this server has GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/completions)",
+            "no route {} {} (this server has GET / (the chat page), GET /health, GET /v1/models, GET /v1/stats, GET /metrics, POST /v1/chat/completions, POST /v1/completions)",
             req.method(),
             req.uri().path()
         ),
@@ -187,10 +192,13 @@ async fn read_json(req: Request) -> Result<Value, ApiError> {
         .map_err(|e| ApiError::invalid(format!("the request body is not valid JSON: {e}")))
 }
 
-fn log_rejected(id: &str, received: Instant, e: &ApiError) {
+/// Logs (and counts in the statistics) a request answered with an error before or instead of a
+/// generation; a generation's own failure was logged and counted by the generation thread.
+fn log_rejected(st: &AppState, id: &str, received: Instant, e: &ApiError) {
     if e.logged {
         return;
     }
+    st.live.rejected(e.status.as_u16());
     eprintln!(
         "{} request {id} rejected in {:.3}s status={} ({})",
         timestamp(),
@@ -222,7 +230,7 @@ async fn chat(State(st): State<Shared>, req: Request) -> Response {
     match chat_inner(&st, req, &id, received).await {
         Ok(r) => r,
         Err(e) => {
-            log_rejected(&id, received, &e);
+            log_rejected(&st, &id, received, &e);
             e.into_response()
         }
     }
@@ -294,7 +302,7 @@ async fn completions(State(st): State<Shared>, req: Request) -> Response {
     match res {
         Ok(r) => r,
         Err(e) => {
-            log_rejected(&id, received, &e);
+            log_rejected(&st, &id, received, &e);
             e.into_response()
         }
     }

@@ -4,6 +4,8 @@
 //!
 //! - `GET /health`, `GET /v1/models`, `POST /v1/chat/completions` and `POST /v1/completions`, JSON
 //!   or SSE (`stream_options.include_usage`, `: ping` heartbeats, in-band errors after the head).
+//! - `GET /` the chat page (built in), `GET /v1/stats` its HUD's live figures and `GET /metrics`
+//!   the same in the Prometheus text format (`docs/STATS.md`).
 //! - Every check (content type 415, body size 413, options 400, model 404, queue 429, context 400)
 //!   runs before any byte of the response is written.
 //! - One model, owned by one generation thread; requests wait in a bounded queue. The thread keeps
@@ -24,6 +26,9 @@ mod error;
 pub mod fuzz;
 mod http;
 mod messages;
+mod metrics;
+mod stats;
+mod ui;
 mod worker;
 
 use std::future::IntoFuture;
@@ -297,12 +302,18 @@ pub fn start_on(
     let max_context = model.engine().max_context;
     let text = Arc::new(text);
     let broken = Arc::new(std::sync::Mutex::new(None));
+    let live = Arc::new(stats::Live::new(stats::ServerInfo::of(
+        model.as_ref(),
+        &cfg.model_id,
+        cfg.prompt_cache,
+    )));
     let (jobs, _worker) = worker::spawn(
         model,
         Arc::clone(&text),
         cfg.prompt_cache,
         cfg.queue_limit,
         Arc::clone(&broken),
+        Arc::clone(&live),
     )
     .map_err(ServerError::Runtime)?;
     let (stop, stop_rx) = tokio::sync::watch::channel(false);
@@ -314,6 +325,7 @@ pub fn start_on(
         jobs,
         heartbeat: cfg.heartbeat,
         broken,
+        live,
         started: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())

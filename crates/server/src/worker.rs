@@ -15,6 +15,7 @@ use mference_text::ToolCall;
 pub(crate) use mference_session::TokenLogprob;
 
 use crate::error::ApiError;
+use crate::stats::Live;
 use crate::PromptCacheMode;
 
 /// One queued generation.
@@ -107,6 +108,8 @@ struct Worker {
     cache_mode: PromptCacheMode,
     /// Shared with `/health`: why the model cannot serve, once a request has found out.
     broken: Arc<std::sync::Mutex<Option<String>>>,
+    /// Shared with `/v1/stats` and `/metrics`.
+    live: Arc<Live>,
 }
 
 /// Starts the generation thread. The queue holds up to `queue_limit` waiting jobs besides the
@@ -117,12 +120,14 @@ pub(crate) fn spawn(
     cache_mode: PromptCacheMode,
     queue_limit: usize,
     broken: Arc<std::sync::Mutex<Option<String>>>,
+    live: Arc<Live>,
 ) -> std::io::Result<(mpsc::Sender<Job>, std::thread::JoinHandle<()>)> {
     let (tx, mut rx) = mpsc::channel::<Job>(queue_limit.max(1));
     let mut w = Worker {
         session: Session::new(model, text),
         cache_mode,
         broken,
+        live,
     };
     let handle = std::thread::Builder::new()
         .name("mference-generate".into())
@@ -175,8 +180,9 @@ fn cannot_serve(e: &ModelError) -> bool {
     )
 }
 
-/// Events of one job: a delta is sent while the client listens.
-struct Events<'a>(&'a mpsc::UnboundedSender<Event>);
+/// Events of one job: a delta is sent while the client listens; prefill and decode steps are
+/// counted in the live statistics.
+struct Events<'a>(&'a mpsc::UnboundedSender<Event>, &'a Live);
 
 impl Sink for Events<'_> {
     fn delta(&mut self, text: String, logprobs: Vec<TokenLogprob>) -> bool {
@@ -184,6 +190,12 @@ impl Sink for Events<'_> {
     }
     fn cancelled(&self) -> bool {
         self.0.is_closed()
+    }
+    fn prefilled(&mut self, cached: usize, model: &dyn Model) {
+        self.1.prefilled(cached, model);
+    }
+    fn decoded(&mut self, model: &dyn Model) {
+        self.1.decoded(model);
     }
 }
 
@@ -202,9 +214,13 @@ impl Worker {
         let mut request = job.request;
         request.reuse_prefix = self.cache_mode == PromptCacheMode::SinglePrefix;
         request.hide_reasoning = true;
+        let prompt_len = request.prompt.len();
+        self.live
+            .begin(&job.id, job.received, prompt_len, self.session.model());
+        let live = Arc::clone(&self.live);
         let result = self
             .session
-            .generate(request, &mut Events(&job.events), &mut stats)
+            .generate(request, &mut Events(&job.events, &live), &mut stats)
             .map(|o| Done {
                 finish: Finish::of(o.finish),
                 usage: Usage::of(&stats),
@@ -213,6 +229,9 @@ impl Worker {
             })
             .map_err(|e| self.api_error(e));
         let usage = Usage::of(&stats);
+        let reason = result.as_ref().map_or("error", |d| d.finish.as_str());
+        self.live
+            .end(usage.completion, reason, self.session.model());
         let secs = job.received.elapsed().as_secs_f64();
         let finish = match &result {
             Ok(d) => d.finish.as_str().to_string(),

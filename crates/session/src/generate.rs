@@ -68,6 +68,15 @@ pub trait Sink {
     fn delta(&mut self, text: String, logprobs: Vec<TokenLogprob>) -> bool;
     /// Checked after every token: `true` stops generation ([`Finish::Cancelled`]).
     fn cancelled(&self) -> bool;
+    /// After the prompt's forward pass, `cached` of its tokens reused (live statistics).
+    /// Default: nothing.
+    fn prefilled(&mut self, cached: usize, model: &dyn Model) {
+        let _ = (cached, model);
+    }
+    /// After each decode step's forward pass (live statistics). Default: nothing.
+    fn decoded(&mut self, model: &dyn Model) {
+        let _ = model;
+    }
 }
 
 /// Why a generation ended.
@@ -205,6 +214,7 @@ impl Session {
             want,
         )?;
         stats.prefill = t0.elapsed();
+        sink.prefilled(stats.cached_tokens, self.model.as_ref());
         let t1 = Instant::now();
 
         let mut history = req.prompt.clone();
@@ -274,7 +284,10 @@ impl Session {
                 break;
             }
             out = match self.cache.forward(self.model.as_mut(), &[next], want) {
-                Ok(o) => o,
+                Ok(o) => {
+                    sink.decoded(self.model.as_ref());
+                    o
+                }
                 Err(e) => {
                     stats.decode = t1.elapsed();
                     return Err(e.into());
