@@ -474,6 +474,13 @@ pub(crate) fn load_options(
         flash_head: m.flash_head,
         ..Default::default()
     };
+    if o.device == mference_models::Device::Cpu
+        && (m.gpu_expert_budget != "auto" || m.gpu_force_miss)
+    {
+        bail!(
+            "--gpu-expert-budget and --gpu-force-miss apply on CUDA: add --device cuda (or auto)"
+        );
+    }
     if let Some(t) = m.threads {
         if t == 0 {
             bail!("--threads must be at least 1");

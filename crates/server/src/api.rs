@@ -226,6 +226,15 @@ fn common(o: &Map<String, Value>, logprobs: Option<usize>) -> Result<Common, Api
         }
     };
     let response_format = response_format(o)?;
+    if response_format.is_some() && !stop.iter().all(String::is_empty) {
+        // A stop string can match inside the JSON and end the reply with `stop` on text that
+        // does not parse; the grammar already ends the reply when the JSON is complete.
+        return Err(ApiError::param(
+            "stop",
+            "`stop` cannot be combined with `response_format`: a stop string could cut the JSON; \
+             the reply already ends when the JSON is complete",
+        ));
+    }
     Ok(Common {
         stream,
         include_usage,

@@ -130,7 +130,8 @@ impl ServerInfo {
         let mapped = e.slots == CacheSlots::Resident && !e.direct_io;
         ServerInfo {
             model: model_id.to_string(),
-            device: e.device.clone(),
+            // The backend's name, and on CUDA its GPU expert slots.
+            device: model.device(),
             threads: e.threads,
             max_context: e.max_context,
             prefill_chunk: e.prefill_chunk,

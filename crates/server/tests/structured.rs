@@ -216,7 +216,28 @@ fn structured_replies(addr: SocketAddr, model: &str) {
         assert_eq!(b["error"]["param"], "response_format", "{b}");
         let msg = b["error"]["message"].as_str().unwrap();
         assert!(msg.contains(reason), "{schema}: {msg}");
+        assert!(!msg.contains('\n'), "one line, no parser state: {msg}");
     }
+    // A `$ref` loop compiles but can produce no first token: refused before generating.
+    let looped = json!({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+                        "$ref": "#/$defs/a"});
+    let (s, b) = post(
+        addr,
+        "/v1/chat/completions",
+        &chat(json_schema_format(&looped, false), 0.0),
+    );
+    assert_eq!(s, 400, "$ref loop: {b}");
+    assert_eq!(b["error"]["param"], "response_format", "{b}");
+    assert!(
+        !b["error"]["message"].as_str().unwrap().contains('\n'),
+        "{b}"
+    );
+    // A stop string could cut the JSON: the combination is refused.
+    let mut body = chat(json_schema_format(&person_schema(), true), 0.0);
+    body["stop"] = json!([","]);
+    let (s, b) = post(addr, "/v1/chat/completions", &body);
+    assert_eq!(s, 400, "stop + response_format: {b}");
+    assert_eq!(b["error"]["param"], "stop", "{b}");
 }
 
 #[test]

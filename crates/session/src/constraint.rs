@@ -179,10 +179,15 @@ impl TextSide {
         let parser = g
             .factory
             .create_parser(TopLevelGrammar::from_json_schema(schema))
-            .map_err(|e| SessionError::Schema(e.to_string()))?;
-        let matcher = Matcher::new(Ok(parser));
+            .map_err(|e| SessionError::Schema(first_line(&e.to_string())))?;
+        let mut matcher = Matcher::new(Ok(parser));
         if let Some(e) = matcher.get_error() {
-            return Err(SessionError::Schema(e));
+            return Err(SessionError::Schema(first_line(&e)));
+        }
+        // Some schemas compile but cannot produce a first token (a `$ref` loop): find out
+        // before generating, so the request gets its 400.
+        if let Err(e) = matcher.compute_mask_or_eos() {
+            return Err(SessionError::Schema(first_line(&e.to_string())));
         }
         Ok(Constraint {
             matcher,
@@ -191,6 +196,12 @@ impl TextSide {
             masks: 0,
         })
     }
+}
+
+/// llguidance's message without the parser state it appends on the following lines (kept out
+/// of error replies and the one-line request log).
+fn first_line(e: &str) -> String {
+    e.lines().next().unwrap_or("").trim().to_string()
 }
 
 impl Constraint {
@@ -205,7 +216,7 @@ impl Constraint {
         let vob = self
             .matcher
             .compute_mask_or_eos()
-            .map_err(|e| SessionError::Constraint(e.to_string()))?;
+            .map_err(|e| SessionError::Constraint(first_line(&e.to_string())))?;
         if vob.is_zero() {
             return Err(SessionError::Constraint(
                 "the grammar allows no token here".into(),
@@ -234,7 +245,7 @@ impl Constraint {
     pub fn advance(&mut self, id: u32) -> Result<(), SessionError> {
         self.matcher
             .consume_token(id)
-            .map_err(|e| SessionError::Constraint(e.to_string()))
+            .map_err(|e| SessionError::Constraint(first_line(&e.to_string())))
     }
 
     /// The output is complete and nothing but a stop token may follow.
