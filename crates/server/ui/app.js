@@ -14,6 +14,10 @@
   let modelId = null;
   let streaming = null; // { controller, id, message }
   let stats = null;
+  // The id of this page's latest finished request: the HUD's "this reply" column shows the
+  // server's figures only for this page's own requests (not another client's).
+  let lastId = null;
+  let storageFull = false;
 
   function load() {
     try {
@@ -30,9 +34,40 @@
     return { messages: [], settings: Object.assign({}, DEFAULTS) };
   }
 
+  // Keeps the conversation; when the browser's storage is full it says so once and goes on in
+  // memory (nothing typed or streamed is dropped).
   function save() {
-    localStorage.setItem(STORE, JSON.stringify(state));
+    try {
+      localStorage.setItem(STORE, JSON.stringify(state));
+      storageFull = false;
+    } catch (e) {
+      if (!storageFull) {
+        storageFull = true;
+        notice("The browser's storage is full (" + (e.name || e) + "): this conversation is no " +
+          "longer saved across reloads. Clear frees it.");
+      }
+    }
   }
+
+  function notice(text) {
+    let n = $("notice");
+    if (!n) {
+      n = document.createElement("p");
+      n.id = "notice";
+      n.className = "notice";
+      $("chat").insertBefore(n, $("composer"));
+    }
+    n.textContent = text;
+  }
+
+  // Another tab of this page changed the stored conversation: take it over unless this tab is
+  // streaming (its own save then wins, and the other tab follows).
+  window.addEventListener("storage", (e) => {
+    if (e.key !== STORE || streaming) return;
+    state = load();
+    showSettings();
+    renderMessages();
+  });
 
   // ---- reasoning ---------------------------------------------------------------------------
   // Gemma 4 writes its thoughts in a `<|channel>thought … <channel|>` block, Qwen 3.6 in
@@ -196,12 +231,23 @@
       messages.push({ role: m.role, content: m.content });
     }
     const body = { model: modelId, messages, stream: true, stream_options: { include_usage: true } };
-    const num = (k, parse) => { const v = String(s[k]).trim(); if (v !== "") body[k] = parse(v); };
-    num("temperature", Number);
-    num("top_p", Number);
-    num("top_k", (v) => parseInt(v, 10));
-    num("max_tokens", (v) => parseInt(v, 10));
-    num("seed", (v) => parseInt(v, 10));
+    // The value as typed, or a refusal that names the field: never a silently different number.
+    const num = (k, whole) => {
+      if ($(k).validity && $(k).validity.badInput) throw new Error(k + ": not a number");
+      const v = String(s[k]).trim();
+      if (v === "") return;
+      const x = Number(v);
+      if (!Number.isFinite(x)) throw new Error(k + ": not a number: " + v);
+      if (whole && !(Number.isInteger(x) && Number.isSafeInteger(x))) {
+        throw new Error(k + ": must be a whole number below 2^53, got " + v);
+      }
+      body[k] = x;
+    };
+    num("temperature", false);
+    num("top_p", false);
+    num("top_k", true);
+    num("max_tokens", true);
+    num("seed", true);
     return body;
   }
 
@@ -234,6 +280,7 @@
     }
     delete message.pending;
     const id = streaming.id;
+    lastId = id;
     streaming = null;
     setBusy(false);
     save();
@@ -373,7 +420,8 @@
 
   function renderHud(s) {
     const rows = $("hud-rows");
-    const r = s.last;
+    const mine = streaming ? streaming.id : lastId;
+    const r = s.last && mine && s.last.id === mine ? s.last : null;
     for (const [key, label, format, ofReply, ofSession] of ROWS) {
       let tr = document.getElementById("hud-row-" + key);
       if (!tr) {
