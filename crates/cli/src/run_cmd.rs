@@ -458,6 +458,18 @@ pub(crate) fn load_options(
             bail!("invalid --verify '{other}': allowed values are full-sha256, trusted-receipt")
         }
     };
+    // Every flag is checked before the expert-cache sizing prints its line.
+    let device = mference_models::Device::parse(&m.device).map_err(anyhow::Error::msg)?;
+    let gpu_expert_budget = mference_models::GpuExpertBudget::parse(&m.gpu_expert_budget)
+        .map_err(|e| anyhow::anyhow!("--gpu-expert-budget: {e}"))?;
+    if device == mference_models::Device::Cpu && (m.gpu_expert_budget != "auto" || m.gpu_force_miss)
+    {
+        bail!(
+            "--gpu-expert-budget and --gpu-force-miss apply on CUDA: add --device cuda (or auto)"
+        );
+    }
+    let kernels = kernels(&m.kernels)?;
+    let kv_dtype = KvDtype::parse(&m.kv_cache).map_err(anyhow::Error::msg)?;
     let (slots, direct_io) = resolve_slots(m, prefill_chunk, max_context)?;
     let mut o = LoadOptions {
         slots,
@@ -465,22 +477,14 @@ pub(crate) fn load_options(
         prefill_chunk,
         max_context,
         verify,
-        kernels: kernels(&m.kernels)?,
-        kv_dtype: KvDtype::parse(&m.kv_cache).map_err(anyhow::Error::msg)?,
-        device: mference_models::Device::parse(&m.device).map_err(anyhow::Error::msg)?,
-        gpu_expert_budget: mference_models::GpuExpertBudget::parse(&m.gpu_expert_budget)
-            .map_err(|e| anyhow::anyhow!("--gpu-expert-budget: {e}"))?,
+        kernels,
+        kv_dtype,
+        device,
+        gpu_expert_budget,
         gpu_force_miss: m.gpu_force_miss,
         flash_head: m.flash_head,
         ..Default::default()
     };
-    if o.device == mference_models::Device::Cpu
-        && (m.gpu_expert_budget != "auto" || m.gpu_force_miss)
-    {
-        bail!(
-            "--gpu-expert-budget and --gpu-force-miss apply on CUDA: add --device cuda (or auto)"
-        );
-    }
     if let Some(t) = m.threads {
         if t == 0 {
             bail!("--threads must be at least 1");
