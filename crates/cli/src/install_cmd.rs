@@ -217,7 +217,7 @@ pub fn inspect(a: InspectArgs) -> anyhow::Result<()> {
                 "sizes:   {} bytes total, model_weights.bin {} bytes, {} expert layers × {} experts × {} bytes stride",
                 r.installed_bytes,
                 resident,
-                m.files.keys().filter(|k| k.starts_with("packed_experts/layer_")).count(),
+                m.expert_layer_files(),
                 m.experts_per_layer,
                 m.expert_stride
             );

@@ -336,11 +336,7 @@ fn resolve_slots(
         kv,
         scratch: (256 << 20) + prefill_chunk as u64 * a.vocab_size * 4,
         expert_files: size("packed_experts/layer_"),
-        moe_layers: man
-            .files
-            .keys()
-            .filter(|k| k.starts_with("packed_experts/layer_"))
-            .count() as u64,
+        moe_layers: man.expert_layer_files() as u64,
         stride: man.expert_stride,
         experts_per_layer: man.experts_per_layer,
         top_k: a.top_k_experts as usize,
@@ -367,11 +363,7 @@ fn resolve_slots(
 /// Slots per layer for `--host-expert-cache BYTES`: the bytes over every expert layer, at least
 /// top-k per layer (one token's experts), at most every expert.
 fn host_tier_slots(man: &mference_format::Manifest, bytes: u64) -> Result<CacheSlots> {
-    let layers = man
-        .files
-        .keys()
-        .filter(|k| k.starts_with("packed_experts/layer_"))
-        .count() as u64;
+    let layers = man.expert_layer_files() as u64;
     let per_slot = man.expert_stride * layers.max(1);
     let n = (bytes / per_slot) as usize;
     let top_k = man.arch.top_k_experts as usize;

@@ -99,6 +99,11 @@ pub(crate) enum CacheError {
     Refused(String),
 }
 
+/// Names the driver call `what` in its failure (as `lib.rs`'s `driver` does for start-up).
+fn driver(what: &'static str) -> impl FnOnce(DriverError) -> CacheError {
+    move |e| CacheError::Driver(what, e)
+}
+
 /// One layer's device slots.
 struct LayerSlots {
     slab: CudaSlice<u8>,
@@ -208,23 +213,20 @@ impl GpuExperts {
 
     fn size(&mut self, compute: &Arc<CudaStream>) -> Result<(), CacheError> {
         let ctx = compute.context();
-        let (free, total) = ctx
-            .mem_get_info()
-            .map_err(|e| CacheError::Driver("cuMemGetInfo", e))?;
+        let (free, total) = ctx.mem_get_info().map_err(driver("cuMemGetInfo"))?;
         let g = self.opts.geometry.clone();
         let slots =
             Self::slots_for(&g, self.opts.budget, free, total).map_err(CacheError::Refused)?;
-        let ev = |what| move |e| CacheError::Driver(what, e);
         for &l in &g.layers {
             // SAFETY: a slot is read only after its copy (the `filled` event orders it).
             let slab = unsafe { compute.alloc::<u8>(slots * g.stride) }
-                .map_err(ev("allocating the GPU expert slots"))?;
+                .map_err(driver("allocating the GPU expert slots"))?;
             let flags = Some(CUevent_flags::CU_EVENT_DISABLE_TIMING);
             let mut filled = Vec::with_capacity(slots);
             let mut read = Vec::with_capacity(slots);
             for _ in 0..slots {
-                filled.push(ctx.new_event(flags).map_err(ev("cuEventCreate"))?);
-                read.push(ctx.new_event(flags).map_err(ev("cuEventCreate"))?);
+                filled.push(ctx.new_event(flags).map_err(driver("cuEventCreate"))?);
+                read.push(ctx.new_event(flags).map_err(driver("cuEventCreate"))?);
             }
             self.layers.insert(
                 l,
@@ -237,7 +239,9 @@ impl GpuExperts {
             );
         }
         // The allocations are ordered on the compute stream; the copy stream uses them next.
-        compute.synchronize().map_err(ev("cuStreamSynchronize"))?;
+        compute
+            .synchronize()
+            .map_err(driver("cuStreamSynchronize"))?;
         self.stats.slots_per_layer = slots;
         self.stats.slab_bytes = (slots * g.stride * g.layers.len()) as u64;
         self.sized = true;
@@ -304,8 +308,7 @@ impl GpuExperts {
                 s
             }
         };
-        let drv = |what| move |err| CacheError::Driver(what, err);
-        copy.wait(&l.read[s]).map_err(drv("cuStreamWaitEvent"))?;
+        copy.wait(&l.read[s]).map_err(driver("cuStreamWaitEvent"))?;
         let (base, _sync) = l.slab.device_ptr(&copy);
         // SAFETY: the destination lies in the slab (slot `s` of `stride` bytes, `blob.len()`
         // checked equal); the source stays unchanged until `copies_done` has waited for this
@@ -317,8 +320,8 @@ impl GpuExperts {
                 copy.cu_stream(),
             )
         }
-        .map_err(drv("cuMemcpyHtoDAsync (expert slot)"))?;
-        l.filled[s].record(&copy).map_err(drv("cuEventRecord"))?;
+        .map_err(driver("cuMemcpyHtoDAsync (expert slot)"))?;
+        l.filled[s].record(&copy).map_err(driver("cuEventRecord"))?;
         self.in_flight.push((layer, s));
         self.stats.misses += 1;
         self.stats.h2d_bytes += stride as u64;
@@ -342,7 +345,7 @@ impl GpuExperts {
         })?;
         compute
             .wait(&l.filled[s])
-            .map_err(|err| CacheError::Driver("cuStreamWaitEvent", err))?;
+            .map_err(driver("cuStreamWaitEvent"))?;
         let (base, _sync) = l.slab.device_ptr(compute);
         Ok((base + (s * self.opts.geometry.stride) as u64, s))
     }
@@ -355,9 +358,7 @@ impl GpuExperts {
         s: usize,
     ) -> Result<(), CacheError> {
         let l = &self.layers[&layer];
-        l.read[s]
-            .record(compute)
-            .map_err(|err| CacheError::Driver("cuEventRecord", err))
+        l.read[s].record(compute).map_err(driver("cuEventRecord"))
     }
 
     /// Blocks until every copy since the last call has left its host slot.
@@ -369,7 +370,7 @@ impl GpuExperts {
         for (layer, s) in std::mem::take(&mut self.in_flight) {
             self.layers[&layer].filled[s]
                 .synchronize()
-                .map_err(|err| CacheError::Driver("cuEventSynchronize", err))?;
+                .map_err(driver("cuEventSynchronize"))?;
         }
         self.stats.copy_wait += t0.elapsed();
         Ok(())
@@ -390,7 +391,7 @@ impl GpuExperts {
             )
         }
         .result()
-        .map_err(|e| CacheError::Driver("cuMemHostRegister (page-locking the host expert slots; lower --host-expert-cache or raise `ulimit -l`)", e))?;
+        .map_err(driver("cuMemHostRegister (page-locking the host expert slots; lower --host-expert-cache or raise `ulimit -l`)"))?;
         self.pinned
             .insert(layer, (mem.as_ptr() as usize, mem.len()));
         Ok(())

@@ -153,6 +153,13 @@ pub fn to_pretty_sorted(v: &Value) -> Vec<u8> {
 }
 
 impl Manifest {
+    /// How many per-layer expert files (`packed_experts/layer_NN.bin`) the manifest lists: the
+    /// MoE layers.
+    pub fn expert_layer_files(&self) -> usize {
+        let prefix = format!("{}/layer_", crate::EXPERTS_DIR);
+        self.files.keys().filter(|k| k.starts_with(&prefix)).count()
+    }
+
     /// Parse and validate the structure of `manifest.json`. Errors: bad magic or major
     /// version, unknown flag keys ([`FormatError::UnknownFlag`]), `turboQuantKV: true`
     /// ([`FormatError::UnsupportedFeature`]), missing fields.
