@@ -51,13 +51,20 @@ fn bf16_bytes(v: f32) -> [u8; 2] {
 /// A resident buffer in the install's layout, built tensor by tensor.
 struct Buf {
     bytes: Vec<u8>,
+    /// Tensors placed so far (each gets the next even offset modulo 16 of `RESIDUES`).
+    placed: usize,
 }
 
+/// The offsets modulo 16 tensors start at in turn: every 2-byte alignment the install format
+/// allows, starting with the worst (2 past a 4-byte boundary).
+const RESIDUES: [usize; 8] = [2, 6, 10, 14, 4, 12, 8, 0];
+
 impl Buf {
-    /// Pads so the next tensor starts 2 bytes past a 4-byte boundary (the worst alignment the
-    /// install format allows).
+    /// Pads so the next tensor starts at the next of [`RESIDUES`] modulo 16.
     fn pad(&mut self) {
-        while self.bytes.len() % 4 != 2 {
+        let r = RESIDUES[self.placed % RESIDUES.len()];
+        self.placed += 1;
+        while self.bytes.len() % 16 != r {
             self.bytes.push(0);
         }
     }
@@ -295,7 +302,10 @@ pub struct TestWeights {
 /// Random weights of every tested format (`bits` each with groups 32, 64, 128) in one resident
 /// buffer, returned with their views.
 pub fn test_weights(rng: &mut Rng, bits: &[usize]) -> (Vec<u8>, TestWeights) {
-    let mut b = Buf { bytes: Vec::new() };
+    let mut b = Buf {
+        bytes: Vec::new(),
+        placed: 0,
+    };
     let mut mats = Vec::new();
     for &bits in bits {
         for gs in [32, 64, 128] {
@@ -339,6 +349,62 @@ pub fn test_weights(rng: &mut Rng, bits: &[usize]) -> (Vec<u8>, TestWeights) {
             dense,
         },
     )
+}
+
+/// `glu_mlp_rows`: three experts (a blob, the resident bytes, the blob again) of one row into
+/// rows 2, 0, 3 of a 4-row stack whose row 1 must stay zero.
+fn glu_rows<B: Backend>(
+    h: &mut Harness<B>,
+    w: &TestWeights,
+    blob: &[u8],
+    x: &[f32],
+    xt: &B::Tensor,
+) {
+    let buf = h.buf;
+    for (i, mlp) in w.mlps.iter().enumerate() {
+        let want = refr::glu_mlp(
+            &mlp.gate_proj,
+            &mlp.up_proj,
+            &mlp.down_proj,
+            Act::Silu,
+            buf,
+            x,
+        );
+        let r = h.be.zeros(4, 256);
+        let Some(mut out) = h.ok("zeros", r) else {
+            return;
+        };
+        let srcs = [Weights::Blob(blob), Weights::Resident, Weights::Blob(blob)];
+        let r =
+            h.be.glu_mlp_rows(mlp, Act::Silu, &srcs, xt, &mut out, &[2, 0, 3]);
+        if h.ok("glu_mlp_rows", r).is_none() {
+            continue;
+        }
+        let Some(got) = h.read(&out) else { continue };
+        let budget = match h.budget_q(1) {
+            EXACT_REL => EXACT_REL,
+            _ => Q8_GLU_REL,
+        };
+        for row in [2, 0, 3] {
+            let op = format!("glu_mlp_rows {i} row {row}");
+            h.expect_close(&op, &got[row * 256..(row + 1) * 256], &want, budget);
+        }
+        if got[256..512].iter().any(|&v| v != 0.0) {
+            h.fail(
+                "glu_mlp_rows",
+                format!("mlp {i}: an unnamed row was written"),
+            );
+        }
+        // Rows out of range or named twice are refused.
+        for bad in [[2usize, 0, 4], [2, 2, 3]] {
+            if h.be
+                .glu_mlp_rows(mlp, Act::Silu, &srcs, xt, &mut out, &bad)
+                .is_ok()
+            {
+                h.fail("glu_mlp_rows", format!("rows {bad:?} were accepted"));
+            }
+        }
+    }
 }
 
 fn products<B: Backend>(h: &mut Harness<B>, rng: &mut Rng, w: &TestWeights) {
@@ -418,6 +484,7 @@ fn products<B: Backend>(h: &mut Harness<B>, rng: &mut Rng, w: &TestWeights) {
             }
         }
         if t == 1 {
+            glu_rows(h, w, &blob, &x, &xt);
             for (m, bits, gs) in &w.mats {
                 let r = h.be.head_argmax(m, &xt);
                 let Some((id, _)) = h.ok("head_argmax", r) else {

@@ -380,6 +380,28 @@ pub trait Backend: Send + Sync + Sized {
     ) -> OpResult<Self::Tensor> {
         Err(self.missing("glu_mlp"))
     }
+    /// Several experts of one decode row: row `rows[j]` of `out` (`[n, down.rows]`) ←
+    /// `glu_mlp(srcs[j], x)` for a one-row `x`; the rows are distinct and every other row of `out`
+    /// is left as it was. The routed-experts step stacks a token's experts this way and adds them
+    /// in expert order afterwards ([`Backend::scatter_add`]), so a backend can run all of them
+    /// in a few launches. The default runs [`Backend::glu_mlp`] and [`Backend::set_rows`] per
+    /// expert.
+    fn glu_mlp_rows(
+        &self,
+        mlp: &Mlp,
+        act: Act,
+        srcs: &[Weights],
+        x: &Self::Tensor,
+        out: &mut Self::Tensor,
+        rows: &[usize],
+    ) -> OpResult<()> {
+        check_glu_rows("glu_mlp_rows", mlp, srcs.len(), x, out, rows)?;
+        for (src, &r) in srcs.iter().zip(rows) {
+            let y = self.glu_mlp(mlp, act, *src, x)?;
+            self.set_rows(out, r, &y)?;
+        }
+        Ok(())
+    }
     /// The head of one row with a fused greedy argmax: `argmax_r (W x)_r` without materialising
     /// the logits (softcap is monotonic, so it does not change the index). The readback is the id
     /// and its raw logit (NaN when every logit is NaN).
@@ -703,6 +725,48 @@ pub fn check(op: &'static str, ok: bool, why: impl FnOnce() -> String) -> OpResu
     } else {
         Err(OpError::Shape { op, why: why() })
     }
+}
+
+/// Checks `mlp`'s projections chain from rows of `cols` inputs (gate and up of one shape).
+pub fn check_mlp(op: &'static str, mlp: &Mlp, cols: usize) -> OpResult<()> {
+    check(
+        op,
+        mlp.gate_proj.cols == cols
+            && mlp.up_proj.cols == cols
+            && mlp.up_proj.rows == mlp.gate_proj.rows
+            && mlp.down_proj.cols == mlp.gate_proj.rows,
+        || format!("projections do not chain from {cols} columns"),
+    )
+}
+
+/// The operand check of [`Backend::glu_mlp_rows`] shared by the backends: `x` one row of the
+/// MLP's input width, one distinct row of `out` (`[_, down.rows]`) per source.
+pub fn check_glu_rows<T: Tensor>(
+    op: &'static str,
+    mlp: &Mlp,
+    n_srcs: usize,
+    x: &T,
+    out: &T,
+    rows: &[usize],
+) -> OpResult<()> {
+    check_mlp(op, mlp, x.cols())?;
+    check(
+        op,
+        x.rows() == 1
+            && out.cols() == mlp.down_proj.rows
+            && rows.len() == n_srcs
+            && rows.iter().all(|&r| r < out.rows())
+            && rows.iter().enumerate().all(|(i, r)| !rows[..i].contains(r)),
+        || {
+            format!(
+                "{n_srcs} experts of a [{}, {}] input into rows {rows:?} of [{}, {}]",
+                x.rows(),
+                x.cols(),
+                out.rows(),
+                out.cols()
+            )
+        },
+    )
 }
 
 /// The operand check of [`RouterSpec::forced`] shared by the backends: `[rows, top_k]` ids, each

@@ -18,7 +18,9 @@ use crate::{Act, Backend, Mlp, OpError, Routes, Tensor, Weights};
 /// the shared expert's output when the family sums into it).
 ///
 /// Tiles: one for decode (every expert of the token), otherwise half the slots (at most 8), so the
-/// current and the next tile fit in the cache together.
+/// current and the next tile fit in the cache together. Decode stacks the token's experts
+/// ([`Backend::glu_mlp_rows`], one call per group: held, host hits, host misses) and adds the stack
+/// in expert order at the end.
 ///
 /// Errors: a failed read or a full cache ([`RuntimeError`]), an op error ([`OpError`]).
 pub fn routed_experts<B, S, E>(
@@ -34,6 +36,9 @@ where
     B: Backend,
     E: From<OpError> + From<RuntimeError>,
 {
+    if x.rows() == 1 {
+        return one_row(be, streamer, experts, act, x, routes, meanwhile);
+    }
     let layer = streamer.layer();
     be.attach_host_slots(layer, streamer.slot_memory())?;
     let routed: Vec<usize> = routes.experts.keys().copied().collect();
@@ -45,11 +50,7 @@ where
         .filter(|(_, &h)| !h)
         .map(|(&e, _)| e)
         .collect();
-    let tile = if x.rows() == 1 {
-        needed.len().max(1)
-    } else {
-        (streamer.slots() / 2).clamp(1, 8)
-    };
+    let tile = (streamer.slots() / 2).clamp(1, 8);
     let tiles: Vec<&[usize]> = needed.chunks(tile).collect();
     let mut next_slots = match tiles.first() {
         Some(first) => Some(streamer.acquire(first)?),
@@ -97,6 +98,82 @@ where
     for (e, rows) in &routes.experts {
         let ye = out[*e].as_ref().expect("every routed expert ran");
         be.scatter_add(&mut acc, ye, rows)?;
+    }
+    Ok((carry, acc))
+}
+
+/// [`routed_experts`] for one row: every expert of the token in one tile, computed into row `j`
+/// of a stack (`j` = the expert's place in expert order), then added to the accumulator in that
+/// order, so the sum is the same whichever group an expert was computed in.
+fn one_row<B, S, E>(
+    be: &B,
+    streamer: &mut ExpertStreamer,
+    experts: &Mlp,
+    act: Act,
+    x: &B::Tensor,
+    routes: &Routes,
+    meanwhile: impl FnOnce() -> Result<(S, B::Tensor), E>,
+) -> Result<(S, B::Tensor), E>
+where
+    B: Backend,
+    E: From<OpError> + From<RuntimeError>,
+{
+    let layer = streamer.layer();
+    be.attach_host_slots(layer, streamer.slot_memory())?;
+    let routed: Vec<usize> = routes.experts.keys().copied().collect();
+    let held = be.held_experts(layer, &routed)?;
+    // (row of the stack, expert) of the experts the host streamer must provide.
+    let needed: Vec<(usize, usize)> = routed
+        .iter()
+        .enumerate()
+        .zip(&held)
+        .filter(|(_, &h)| !h)
+        .map(|((j, &e), _)| (j, e))
+        .collect();
+    let ids: Vec<usize> = needed.iter().map(|&(_, e)| e).collect();
+    let slots = if ids.is_empty() {
+        Vec::new()
+    } else {
+        streamer.acquire(&ids)?
+    };
+    let (carry, mut acc) = meanwhile()?;
+    let mut stack = be.zeros(routed.len().max(1), acc.cols())?;
+
+    // Held experts first: their bytes are in place while the host reads the rest.
+    let (rows, srcs): (Vec<usize>, Vec<Weights>) = routed
+        .iter()
+        .enumerate()
+        .zip(&held)
+        .filter(|(_, &h)| h)
+        .map(|((j, &e), _)| (j, Weights::Held { layer, expert: e }))
+        .unzip();
+    be.glu_mlp_rows(experts, act, &srcs, x, &mut stack, &rows)?;
+    if !ids.is_empty() {
+        // Host hits are in memory already: compute them while the misses are read.
+        for want_hit in [true, false] {
+            if !want_hit {
+                streamer.wait()?;
+            }
+            let mut rows = Vec::new();
+            let mut srcs = Vec::new();
+            for (&(j, e), &(slot, hit)) in needed.iter().zip(&slots) {
+                if hit == want_hit {
+                    rows.push(j);
+                    srcs.push(be.load_expert(layer, e, streamer.blob(slot))?);
+                }
+            }
+            be.glu_mlp_rows(experts, act, &srcs, x, &mut stack, &rows)?;
+        }
+        // The host slots may be refilled once the copies out of them are done.
+        be.expert_copies_done()?;
+        streamer.release(&ids);
+    }
+    let pairs: Vec<(usize, f32)> = routed
+        .iter()
+        .map(|e| (0, routes.experts[e].first().map_or(0.0, |&(_, w)| w)))
+        .collect();
+    if !pairs.is_empty() {
+        be.scatter_add(&mut acc, &stack, &pairs)?;
     }
     Ok((carry, acc))
 }

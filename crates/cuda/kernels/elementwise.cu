@@ -84,14 +84,21 @@ extern "C" __global__ void add_scaled(float* x, const float* y, u64 n, float s) 
     FOR_EACH(i, n) { x[i] = (x[i] + y[i]) * s; }
 }
 
-// acc[rows[j], c] += w[j] * y[j, c] for j in order (one thread per column, so rows routed to
-// twice accumulate in the caller's order, as the CPU does).
-extern "C" __global__ void scatter_add(float* acc, const float* y, const u32* rows,
-                                       const float* w, u64 n_pairs, u64 cols) {
+// Up to SCATTER_PAIRS (row, weight) pairs, passed by value.
+#define SCATTER_PAIRS 64
+struct Pairs {
+    u32 rows[SCATTER_PAIRS];
+    float w[SCATTER_PAIRS];
+};
+
+// acc[p.rows[j], c] += p.w[j] * y[j, c] for j < n_pairs in order (one thread per column, so rows
+// routed to twice accumulate in the caller's order, as the CPU does).
+extern "C" __global__ void scatter_add(float* acc, const float* y, Pairs p, int n_pairs,
+                                       u64 cols) {
     FOR_EACH(c, cols) {
-        for (u64 j = 0; j < n_pairs; ++j) {
-            u64 o = (u64)rows[j] * cols + c;
-            acc[o] += w[j] * y[j * cols + c];
+        for (int j = 0; j < n_pairs; ++j) {
+            u64 o = (u64)p.rows[j] * cols + c;
+            acc[o] += p.w[j] * y[(u64)j * cols + c];
         }
     }
 }

@@ -6,49 +6,111 @@
 // are only 2-byte aligned, so codes are read as u16 pieces (2/4/8 codes, never straddling a
 // group) and nothing assumes a 4-byte-aligned word.
 
-// Threads per output row of qmatmul (a multiple of 32; the launch in lib.rs uses the same).
-#define QM_THREADS 256
+// Rows per qmatmul block (one warp each), jobs per launch, rows of x per pass over a weight row
+// (the launch in lib.rs uses the same numbers).
+#define QM_ROWS 8
+#define QM_JOBS 32
+#define QM_TT 4
 
-// y[t, r] = sum_c w[r, c] * x[t, c]: one block of QM_THREADS threads per output row r, rows of x
-// over grid.y. Each thread sums a strided share of the row's u16 pieces; the warps' sums are added
-// in warp order, so the result is deterministic (and independent of which slot holds the bytes).
-// A block per row keeps enough warps in flight to hide the load latency of small expert matrices.
-extern "C" __global__ void qmatmul(const unsigned char* base, u64 w_off, u64 s_off, u64 b_off,
-                                   int rows, int cols, int bits, int group, const float* x,
-                                   int t_rows, float* y) {
-    __shared__ float part[QM_THREADS / 32];
-    int r = blockIdx.x;
-    if (r >= rows) return;
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    int per = 16 / bits;              // codes per u16
-    int n16 = cols / per;             // u16 pieces per row
-    u32 mask = (1u << bits) - 1u;
+// Up to QM_JOBS products of one shape in one launch (blockIdx.y = job): job j reads the matrix
+// whose codes, BF16 scales and biases start at device addresses w[j], s[j], b[j], the rows of x
+// at x[j] ([t_rows, cols] f32) and writes y[j] ([t_rows, rows] f32). Passed by value.
+struct QJobs {
+    u64 w[QM_JOBS];
+    u64 s[QM_JOBS];
+    u64 b[QM_JOBS];
+    u64 x[QM_JOBS];
+    u64 y[QM_JOBS];
+};
+
+// x[c .. c + PER) as floats (c a multiple of PER, x rows 16-byte aligned: cols % 32 == 0).
+template <int PER>
+__device__ __forceinline__ void load_x(const float* x, float* v) {
+    if (PER == 2) {
+        float2 a = *(const float2*)x;
+        v[0] = a.x; v[1] = a.y;
+    } else {
+        for (int h = 0; h < PER / 4; ++h) {
+            float4 a = *(const float4*)(x + 4 * h);
+            v[4 * h] = a.x; v[4 * h + 1] = a.y; v[4 * h + 2] = a.z; v[4 * h + 3] = a.w;
+        }
+    }
+}
+
+// One warp computes y[t, r] = sum_c w[r, c] x[t, c] for its row r and every t of its share.
+// The row's codes are read as 8-byte words from the 8-byte boundary at or below the row's start
+// (tensors are only 2-byte aligned): word k holds u16 pieces 4k - m .. 4k - m + 3 of the row
+// (m = pieces before the row in word 0); pieces outside the row are skipped. Each lane sums
+// scale * (codes . x) + bias * sum(x) per piece in word order, the lanes are added by warp_sum:
+// the result depends only on the bytes and their alignment modulo 8 (a slot, the staging buffer
+// and the resident copy give an expert's matrices the same alignment).
+template <int BITS>
+__device__ void qmatmul_row(const QJobs& jobs, int j, int r, int rows, int cols, int group,
+                            int t_rows, int lane) {
+    const int PER = 16 / BITS;
+    const u32 mask = (1u << BITS) - 1u;
+    int n16 = cols / PER;
     int groups = cols / group;
-    const u16* w = (const u16*)(base + w_off) + (u64)r * n16;
-    const u16* sc = (const u16*)(base + s_off) + (u64)r * groups;
-    const u16* bi = (const u16*)(base + b_off) + (u64)r * groups;
-    for (int t = blockIdx.y; t < t_rows; t += gridDim.y) {
-        const float* xr = x + (u64)t * cols;
-        float acc = 0.0f;
-        for (int i = threadIdx.x; i < n16; i += QM_THREADS) {
-            u32 v = w[i];
-            int c0 = i * per;
-            int g = c0 / group;
-            float s = bf16_to_f32(sc[g]), b = bf16_to_f32(bi[g]);
-            for (int j = 0; j < per; ++j) {
-                float q = (float)((v >> (j * bits)) & mask);
-                acc += (s * q + b) * xr[c0 + j];
+    u64 row = jobs.w[j] + (u64)r * n16 * 2;
+    u64 a0 = row & ~(u64)7;
+    int m = (int)(row - a0) / 2;
+    int words = (m + n16 + 3) / 4;
+    const uint2* wv = (const uint2*)a0;
+    const u16* sc = (const u16*)jobs.s[j] + (u64)r * groups;
+    const u16* bi = (const u16*)jobs.b[j] + (u64)r * groups;
+    const float* x = (const float*)jobs.x[j];
+    float* y = (float*)jobs.y[j];
+    int tiles = (t_rows + QM_TT - 1) / QM_TT;
+    for (int tile = blockIdx.z; tile < tiles; tile += gridDim.z) {
+        int t0 = tile * QM_TT;
+        int nt = min(QM_TT, t_rows - t0);
+        float acc[QM_TT] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int k = lane; k < words; k += 32) {
+            uint2 v = wv[k];
+#pragma unroll
+            for (int p = 0; p < 4; ++p) {
+                int i = 4 * k + p - m;
+                if (i < 0 || i >= n16) continue;
+                u32 piece = ((p < 2 ? v.x : v.y) >> (16 * (p & 1))) & 0xffffu;
+                int c0 = i * PER;
+                int g = c0 / group;
+                float s = bf16_to_f32(sc[g]), b = bf16_to_f32(bi[g]);
+                float q[PER];
+                for (int e = 0; e < PER; ++e) q[e] = (float)((piece >> (e * BITS)) & mask);
+#pragma unroll
+                for (int tt = 0; tt < QM_TT; ++tt) {
+                    if (tt >= nt) continue;
+                    float xv[PER];
+                    load_x<PER>(x + (u64)(t0 + tt) * cols + c0, xv);
+                    float dot = 0.0f, xs = 0.0f;
+                    for (int e = 0; e < PER; ++e) {
+                        dot += q[e] * xv[e];
+                        xs += xv[e];
+                    }
+                    acc[tt] += s * dot + b * xs;
+                }
             }
         }
-        acc = warp_sum(acc);
-        if (lane == 0) part[warp] = acc;
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            float sum = 0.0f;
-            for (int k = 0; k < QM_THREADS / 32; ++k) sum += part[k];
-            y[(u64)t * rows + r] = sum;
+#pragma unroll
+        for (int tt = 0; tt < QM_TT; ++tt) {
+            if (tt >= nt) continue;
+            float sum = warp_sum(acc[tt]);
+            if (lane == 0) y[(u64)(t0 + tt) * rows + r] = sum;
         }
-        __syncthreads();
+    }
+}
+
+// The jobs of one launch: blockIdx.x * QM_ROWS + warp = output row, blockIdx.y = job,
+// blockIdx.z = share of the x rows (tiles of QM_TT). bits 2, 4 or 8; cols a multiple of group.
+extern "C" __global__ void qmatmul(QJobs jobs, int rows, int cols, int bits, int group,
+                                   int t_rows) {
+    int r = blockIdx.x * QM_ROWS + (threadIdx.x >> 5);
+    if (r >= rows) return;
+    int lane = threadIdx.x & 31, j = blockIdx.y;
+    switch (bits) {
+        case 2: qmatmul_row<2>(jobs, j, r, rows, cols, group, t_rows, lane); break;
+        case 4: qmatmul_row<4>(jobs, j, r, rows, cols, group, t_rows, lane); break;
+        default: qmatmul_row<8>(jobs, j, r, rows, cols, group, t_rows, lane); break;
     }
 }
 

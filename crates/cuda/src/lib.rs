@@ -35,9 +35,9 @@ use cudarc::nvrtc::Ptx;
 use experts::{CacheError, GpuExperts};
 use mference_backend::cpu::ResidentBytes;
 use mference_backend::{
-    check, check_forced, Act, AttnShape, Backend, DeltaShape, DeviceExpertStats, KvDtype, KvState,
-    Mlp, Norm, OpError, OpResult, QRef, Rope, RopeStyle, RouterSpec, Routes, Scoring, Tensor,
-    Unary, VRef, Weights,
+    check, check_forced, check_glu_rows, check_mlp, Act, AttnShape, Backend, DeltaShape,
+    DeviceExpertStats, KvDtype, KvState, Mlp, Norm, OpError, OpResult, QRef, Rope, RopeStyle,
+    RouterSpec, Routes, Scoring, Tensor, Unary, VRef, Weights,
 };
 
 /// Why the CUDA backend could not start. Each names what is missing and what to do.
@@ -191,14 +191,58 @@ pub enum KernelOrigin {
     Compiled(Option<PathBuf>),
 }
 
-/// Threads per output row of the `qmatmul` kernel (`QM_THREADS` in kernels/quant.cu).
-const QM_THREADS: u32 = 256;
+/// `qmatmul` (kernels/quant.cu): output rows per block (a warp each), products per launch, rows
+/// of x per pass over a weight row.
+const QM_ROWS: usize = 8;
+const QM_JOBS: usize = 32;
+const QM_TT: usize = 4;
+/// Blocks a `qmatmul` launch aims for before it splits the rows of x over more of them (two per
+/// SM of an H200).
+const QM_BLOCKS: usize = 264;
+/// (row, weight) pairs per `scatter_add` launch (`SCATTER_PAIRS` in kernels/elementwise.cu).
+const SCATTER_PAIRS: usize = 64;
 /// The attention kernel keeps 16 dimensions of a head per lane: `head_dim <= 32 * 16`.
 const ATTN_MAX_HEAD_DIM: usize = 512;
 /// Most experts per token the router kernel keeps per row.
 const ROUTE_MAX_K: usize = 64;
 /// Small constant vectors kept on the device (RoPE frequencies, attention sinks).
 const CONSTS_KEPT: usize = 64;
+
+/// The `QJobs` argument of `qmatmul`: device addresses of each product's codes, scales, biases,
+/// input rows and output rows.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct QJobs {
+    w: [u64; QM_JOBS],
+    s: [u64; QM_JOBS],
+    b: [u64; QM_JOBS],
+    x: [u64; QM_JOBS],
+    y: [u64; QM_JOBS],
+}
+
+// SAFETY: plain `repr(C)` u64 arrays, laid out as `struct QJobs` in kernels/quant.cu.
+unsafe impl cudarc::driver::DeviceRepr for QJobs {}
+
+/// The `Pairs` argument of `scatter_add`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Pairs {
+    rows: [u32; SCATTER_PAIRS],
+    w: [f32; SCATTER_PAIRS],
+}
+
+// SAFETY: plain `repr(C)` arrays of u32 and f32, laid out as `struct Pairs` in the kernel.
+unsafe impl cudarc::driver::DeviceRepr for Pairs {}
+
+/// One product of a `qmatmul` launch: matrix `w` in the bytes at device address `buf` (`len` of
+/// them valid), the rows of x at device address `x`, the output rows at `y`.
+struct QJob<'a> {
+    w: &'a QRef,
+    buf: u64,
+    len: usize,
+    x: u64,
+    y: u64,
+}
 
 /// A small host vector (by its bit patterns) and its device copy.
 type Constant = (Vec<u32>, Arc<CudaSlice<f32>>);
@@ -217,7 +261,13 @@ pub struct CudaBackend {
     experts: Option<Mutex<GpuExperts>>,
     name: String,
     origin: KernelOrigin,
+    /// Launches and device time per (op, kernel), with `MFERENCE_CUDA_PROFILE` set: every launch
+    /// is then synchronized before and after (slow; for finding where the time goes).
+    profile: Option<Mutex<Profile>>,
 }
+
+/// (op, kernel) → (launches, time from launch to its end).
+type Profile = BTreeMap<(&'static str, &'static str), (u64, std::time::Duration)>;
 
 /// Launches kernel `$k` for op `$op` with `$cfg` and the arguments (references to locals or
 /// device buffers, in the order of the kernel's parameters); an empty grid launches nothing.
@@ -227,13 +277,17 @@ macro_rules! launch {
         if cfg.grid_dim.0 == 0 || cfg.grid_dim.1 == 0 {
             Ok(())
         } else {
-            let mut b = $be.stream.launch_builder(&$be.funcs[$k]);
+            let kernel: &'static str = $k;
+            let t0 = $be.profile_start();
+            let mut b = $be.stream.launch_builder(&$be.funcs[kernel]);
             $( b.arg($arg); )+
             // SAFETY: the arguments follow the kernel's parameter list in kernels/*.cu (device
             // buffers, or their `u64` addresses, as pointers; `i32` as int, `u64` as u64, `f32`
-            // as float), and the op checked that every buffer holds what the launch's shape
-            // reads or writes.
-            unsafe { b.launch(cfg) }.map(|_| ()).map_err(|e| $be.dev($op, e))
+            // as float; `QJobs` / `Pairs` by value), and the op checked that every buffer holds
+            // what the launch's shape reads or writes.
+            let r = unsafe { b.launch(cfg) }.map(|_| ()).map_err(|e| $be.dev($op, e));
+            $be.profile_end($op, kernel, t0);
+            r
         }
     }};
 }
@@ -307,6 +361,7 @@ impl CudaBackend {
         // in stream order, so the per-buffer events cudarc records for multi-stream use are
         // not needed.
         unsafe { ctx.disable_event_tracking() };
+        keep_pool_memory(&ctx)?;
         let stream = ctx.new_stream().map_err(driver("cuStreamCreate"))?;
         let (major, minor) = ctx
             .compute_capability()
@@ -346,6 +401,7 @@ impl CudaBackend {
             experts: None,
             name: format!("cuda:{device_ordinal} {dev} {}", target.arch),
             origin,
+            profile: std::env::var_os("MFERENCE_CUDA_PROFILE").map(|_| Mutex::new(BTreeMap::new())),
         })
     }
 
@@ -382,6 +438,25 @@ impl CudaBackend {
     /// Where the kernels came from (cache entry or a fresh compile).
     pub fn kernel_origin(&self) -> &KernelOrigin {
         &self.origin
+    }
+
+    /// With profiling on: waits for the queued work, returns the start of the next launch.
+    fn profile_start(&self) -> Option<std::time::Instant> {
+        self.profile.as_ref()?;
+        let _ = self.stream.synchronize();
+        Some(std::time::Instant::now())
+    }
+
+    /// With profiling on: waits for the launch begun at `t0`, adds its time.
+    fn profile_end(&self, op: &'static str, kernel: &'static str, t0: Option<std::time::Instant>) {
+        let (Some(p), Some(t0)) = (&self.profile, t0) else {
+            return;
+        };
+        let _ = self.stream.synchronize();
+        let mut p = p.lock().unwrap_or_else(|e| e.into_inner());
+        let e = p.entry((op, kernel)).or_default();
+        e.0 += 1;
+        e.1 += t0.elapsed();
     }
 
     fn dev(&self, op: &'static str, e: DriverError) -> OpError {
@@ -510,20 +585,8 @@ impl CudaBackend {
                 r
             }
             Weights::Blob(b) => {
-                let mut g = self.staging.lock().unwrap_or_else(|e| e.into_inner());
-                if g.as_ref().is_none_or(|s| s.len() < b.len()) {
-                    *g = None; // free the smaller buffer first
-                    *g = Some(
-                        self.stream
-                            .alloc_zeros(b.len())
-                            .map_err(|e| self.dev(op, e))?,
-                    );
-                }
-                let s = g.as_mut().expect("allocated above");
-                // From pageable memory the copy is staged before this returns, and it is
-                // ordered after every queued kernel that reads the previous blob.
-                self.stream.memcpy_htod(b, s).map_err(|e| self.dev(op, e))?;
-                f(self.addr(s), b.len())
+                let at = self.stage(op, &[b])?;
+                f(at[0], b.len())
             }
         }
     }
@@ -540,38 +603,153 @@ impl CudaBackend {
         check(op, w.cols == x.cols, || {
             format!("a [{}, {}] matrix for rows of {}", w.rows, w.cols, x.cols)
         })?;
-        let [wo, so, bo] = qref_offsets(op, w, len)?;
         // Every element is written by the kernel: no zeroing pass.
-        let mut y = self.uninit_tensor(op, x.rows, w.rows)?;
-        let (rows, cols, bits, group, t) = (
-            w.rows as i32,
-            w.cols as i32,
-            w.bits as i32,
-            w.group_size as i32,
-            x.rows as i32,
-        );
+        let y = self.uninit_tensor(op, x.rows, w.rows)?;
+        let job = QJob {
+            w,
+            buf,
+            len,
+            x: self.addr(&x.buf),
+            y: self.addr(&y.buf),
+        };
+        self.products(op, &[job], x.rows)?;
+        Ok(y)
+    }
+
+    /// Runs `jobs` (each `[t_rows, cols]` rows of x into `[t_rows, rows]` outputs; the caller
+    /// gives every job an input and an output of that size), one `qmatmul` launch per shape and
+    /// at most `QM_JOBS` jobs.
+    fn products(&self, op: &'static str, jobs: &[QJob], t_rows: usize) -> OpResult<()> {
+        let shape = |w: &QRef| (w.rows, w.cols, w.bits as usize, w.group_size);
+        let mut shapes: Vec<(usize, usize, usize, usize)> =
+            jobs.iter().map(|j| shape(j.w)).collect();
+        shapes.sort_unstable();
+        shapes.dedup();
+        for sh in shapes {
+            let (rows, cols, bits, group) = sh;
+            // Rows of x start 16-byte aligned (the kernel reads them as float2/float4).
+            check(
+                op,
+                cols.is_multiple_of(32) && matches!(bits, 2 | 4 | 8),
+                || {
+                    format!("a {bits}-bit matrix of {cols} columns (2/4/8 bits, a multiple of 32 columns)")
+                },
+            )?;
+            let same: Vec<&QJob> = jobs.iter().filter(|j| shape(j.w) == sh).collect();
+            for chunk in same.chunks(QM_JOBS) {
+                let mut a = QJobs {
+                    w: [0; QM_JOBS],
+                    s: [0; QM_JOBS],
+                    b: [0; QM_JOBS],
+                    x: [0; QM_JOBS],
+                    y: [0; QM_JOBS],
+                };
+                for (i, j) in chunk.iter().enumerate() {
+                    let [wo, so, bo] = qref_offsets(op, j.w, j.len)?;
+                    a.w[i] = j.buf + wo;
+                    a.s[i] = j.buf + so;
+                    a.b[i] = j.buf + bo;
+                    a.x[i] = j.x;
+                    a.y[i] = j.y;
+                }
+                let blocks = rows.div_ceil(QM_ROWS);
+                let tiles = t_rows.div_ceil(QM_TT).max(1);
+                let z = QM_BLOCKS
+                    .div_ceil(blocks * chunk.len())
+                    .clamp(1, tiles.min(65535));
+                let (ri, ci, bi, gi, ti) = (
+                    rows as i32,
+                    cols as i32,
+                    bits as i32,
+                    group as i32,
+                    t_rows as i32,
+                );
+                launch!(
+                    self,
+                    op,
+                    "qmatmul",
+                    LaunchConfig {
+                        grid_dim: (blocks as u32, chunk.len() as u32, z as u32),
+                        block_dim: (32 * QM_ROWS as u32, 1, 1),
+                        shared_mem_bytes: 0,
+                    },
+                    &a,
+                    &ri,
+                    &ci,
+                    &bi,
+                    &gi,
+                    &ti
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    /// `g ← act(g) ⊙ u` over every element.
+    fn glu_act(
+        &self,
+        op: &'static str,
+        act: Act,
+        g: &mut CudaTensor,
+        u: &CudaTensor,
+    ) -> OpResult<()> {
+        let (code, limit) = match act {
+            Act::GeluTanh => (0i32, 0.0f32),
+            Act::Silu => (1, 0.0),
+            Act::SiluClamped(l) => (2, l),
+        };
+        let n = g.len() as u64;
         launch!(
             self,
             op,
-            "qmatmul",
-            LaunchConfig {
-                grid_dim: (w.rows as u32, x.rows.min(65535) as u32, 1),
-                block_dim: (QM_THREADS, 1, 1),
-                shared_mem_bytes: 0,
-            },
-            &buf,
-            &wo,
-            &so,
-            &bo,
-            &rows,
-            &cols,
-            &bits,
-            &group,
-            &x.buf,
-            &t,
-            &mut y.buf
-        )?;
-        Ok(y)
+            "glu_act",
+            elems(g.len()),
+            &mut g.buf,
+            &u.buf,
+            &n,
+            &code,
+            &limit
+        )
+    }
+
+    /// Copies the blobs into the staging buffer, each at a 256-byte boundary (their alignment
+    /// modulo 256 is that of a GPU slot); returns each one's device address.
+    fn stage(&self, op: &'static str, blobs: &[&[u8]]) -> OpResult<Vec<u64>> {
+        let at: Vec<usize> = blobs
+            .iter()
+            .scan(0usize, |end, b| {
+                let o = *end;
+                *end += b.len().div_ceil(256) * 256;
+                Some(o)
+            })
+            .collect();
+        let total = blobs
+            .last()
+            .map_or(0, |b| at[at.len() - 1] + b.len().div_ceil(256) * 256);
+        let mut g = self.staging.lock().unwrap_or_else(|e| e.into_inner());
+        if g.as_ref().is_none_or(|s| s.len() < total) {
+            *g = None; // free the smaller buffer first
+            *g = Some(
+                self.stream
+                    .alloc_zeros(total)
+                    .map_err(|e| self.dev(op, e))?,
+            );
+        }
+        let base = self.addr(g.as_ref().expect("allocated above"));
+        for (b, &o) in blobs.iter().zip(&at) {
+            // SAFETY: the destination lies in the staging buffer (`total` bytes checked above).
+            // From pageable memory the copy is staged before this returns, and it is ordered
+            // after every queued kernel that reads the previous contents.
+            unsafe {
+                cudarc::driver::result::memcpy_htod_async(
+                    base + o as u64,
+                    b,
+                    self.stream.cu_stream(),
+                )
+            }
+            .map_err(|e| self.dev(op, e))?;
+        }
+        Ok(at.iter().map(|&o| base + o as u64).collect())
     }
 
     fn rms_norm_impl(
@@ -618,6 +796,50 @@ fn qref_offsets(op: &'static str, w: &QRef, len: usize) -> OpResult<[u64; 3]> {
         || format!("matrix ranges {r:?} do not lie 2-byte aligned in {len} bytes"),
     )?;
     Ok(r.map(|(o, _)| o as u64))
+}
+
+impl Drop for CudaBackend {
+    /// Prints the profile (`MFERENCE_CUDA_PROFILE`) to stderr.
+    fn drop(&mut self) {
+        let Some(p) = self.profile.take() else { return };
+        let p = p.into_inner().unwrap_or_else(|e| e.into_inner());
+        let total: f64 = p.values().map(|(_, d)| d.as_secs_f64()).sum();
+        eprintln!(
+            "cuda profile: {:.1} ms in launches (each synchronized)",
+            1e3 * total
+        );
+        let mut rows: Vec<_> = p.into_iter().collect();
+        rows.sort_by_key(|r| std::cmp::Reverse(r.1 .1));
+        for ((op, kernel), (n, d)) in rows {
+            eprintln!(
+                "  {op:<18} {kernel:<18} {n:>8} launches {:>10.2} ms {:>8.1} µs each",
+                1e3 * d.as_secs_f64(),
+                1e6 * d.as_secs_f64() / n as f64
+            );
+        }
+    }
+}
+
+/// Makes the device's default memory pool keep freed memory instead of returning it to the
+/// driver at every synchronization (its default threshold is 0): activations are allocated and
+/// freed in stream order every op, and each layer synchronizes once for the router's readback.
+fn keep_pool_memory(ctx: &Arc<CudaContext>) -> Result<(), CudaError> {
+    use cudarc::driver::sys;
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    let mut keep = u64::MAX;
+    // SAFETY: valid out-pointers; the device handle belongs to the live context.
+    unsafe {
+        sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device())
+            .result()
+            .map_err(driver("cuDeviceGetDefaultMemPool"))?;
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            &mut keep as *mut u64 as *mut std::ffi::c_void,
+        )
+        .result()
+        .map_err(driver("cuMemPoolSetAttribute (release threshold)"))
+    }
 }
 
 /// Loads the kernel module: a valid cache entry, else a fresh NVRTC compile (written back).
@@ -769,7 +991,7 @@ impl Backend for CudaBackend {
         })?;
         let idx: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
         let idx = self.to_device(op, &idx)?;
-        let mut out = self.tensor(op, rows.len(), x.cols)?;
+        let mut out = self.uninit_tensor(op, rows.len(), x.cols)?;
         let (cols, n) = (x.cols as u64, rows.len() as u64);
         launch!(
             self,
@@ -797,7 +1019,7 @@ impl Backend for CudaBackend {
         let mut out = Vec::with_capacity(parts.len());
         let mut off = 0usize;
         for &p in parts {
-            let mut t = self.tensor(op, x.rows, per_row * p)?;
+            let mut t = self.uninit_tensor(op, x.rows, per_row * p)?;
             let (g, o, pp) = (group as i32, off as i32, p as i32);
             launch!(
                 self,
@@ -824,7 +1046,7 @@ impl Backend for CudaBackend {
         })?;
         let [wo, so, bo] = qref_offsets(op, table, self.resident.len())?;
         let d_ids = self.to_device(op, ids)?;
-        let mut out = self.tensor(op, ids.len(), table.cols)?;
+        let mut out = self.uninit_tensor(op, ids.len(), table.cols)?;
         let (cols, bits, group) = (
             table.cols as i32,
             table.bits as i32,
@@ -852,45 +1074,144 @@ impl Backend for CudaBackend {
     }
 
     fn matmul(&self, ws: &[&QRef], src: Weights, x: &CudaTensor) -> OpResult<Vec<CudaTensor>> {
-        self.with_weights("matmul", src, |buf, len| {
-            ws.iter()
-                .map(|w| self.qmatmul("matmul", w, buf, len, x))
-                .collect()
-        })
+        let op = "matmul";
+        for w in ws {
+            check(op, w.cols == x.cols, || {
+                format!("a [{}, {}] matrix for rows of {}", w.rows, w.cols, x.cols)
+            })?;
+        }
+        let ys = ws
+            .iter()
+            .map(|w| self.uninit_tensor(op, x.rows, w.rows))
+            .collect::<OpResult<Vec<_>>>()?;
+        self.with_weights(op, src, |buf, len| {
+            let xa = self.addr(&x.buf);
+            let jobs: Vec<QJob> = ws
+                .iter()
+                .zip(&ys)
+                .map(|(w, y)| QJob {
+                    w,
+                    buf,
+                    len,
+                    x: xa,
+                    y: self.addr(&y.buf),
+                })
+                .collect();
+            self.products(op, &jobs, x.rows)
+        })?;
+        Ok(ys)
     }
 
     fn glu_mlp(&self, mlp: &Mlp, act: Act, src: Weights, x: &CudaTensor) -> OpResult<CudaTensor> {
         let op = "glu_mlp";
-        check(
-            op,
-            mlp.gate_proj.cols == x.cols
-                && mlp.up_proj.cols == x.cols
-                && mlp.up_proj.rows == mlp.gate_proj.rows
-                && mlp.down_proj.cols == mlp.gate_proj.rows,
-            || format!("projections do not chain from {} columns", x.cols),
-        )?;
+        check_mlp(op, mlp, x.cols)?;
+        let mut g = self.uninit_tensor(op, x.rows, mlp.gate_proj.rows)?;
+        let u = self.uninit_tensor(op, x.rows, mlp.up_proj.rows)?;
+        let y = self.uninit_tensor(op, x.rows, mlp.down_proj.rows)?;
         self.with_weights(op, src, |buf, len| {
-            let mut g = self.qmatmul(op, &mlp.gate_proj, buf, len, x)?;
-            let u = self.qmatmul(op, &mlp.up_proj, buf, len, x)?;
-            let (code, limit) = match act {
-                Act::GeluTanh => (0i32, 0.0f32),
-                Act::Silu => (1, 0.0),
-                Act::SiluClamped(l) => (2, l),
-            };
-            let n = g.len() as u64;
-            launch!(
-                self,
+            let xa = self.addr(&x.buf);
+            let job = |w, x, y| QJob { w, buf, len, x, y };
+            self.products(
                 op,
-                "glu_act",
-                elems(g.len()),
-                &mut g.buf,
-                &u.buf,
-                &n,
-                &code,
-                &limit
+                &[
+                    job(&mlp.gate_proj, xa, self.addr(&g.buf)),
+                    job(&mlp.up_proj, xa, self.addr(&u.buf)),
+                ],
+                x.rows,
             )?;
-            self.qmatmul(op, &mlp.down_proj, buf, len, &g)
-        })
+            self.glu_act(op, act, &mut g, &u)?;
+            self.products(
+                op,
+                &[job(&mlp.down_proj, self.addr(&g.buf), self.addr(&y.buf))],
+                x.rows,
+            )
+        })?;
+        Ok(y)
+    }
+
+    fn glu_mlp_rows(
+        &self,
+        mlp: &Mlp,
+        act: Act,
+        srcs: &[Weights],
+        x: &CudaTensor,
+        out: &mut CudaTensor,
+        rows: &[usize],
+    ) -> OpResult<()> {
+        let op = "glu_mlp_rows";
+        check_glu_rows(op, mlp, srcs.len(), x, out, rows)?;
+        let n = srcs.len();
+        if n == 0 {
+            return Ok(());
+        }
+        // Each source's device address: a GPU slot (the compute stream waits for its copy and
+        // records its read after the launches) or the staging buffer.
+        let blobs: Vec<&[u8]> = srcs
+            .iter()
+            .filter_map(|s| match s {
+                Weights::Blob(b) => Some(*b),
+                _ => None,
+            })
+            .collect();
+        let staged = self.stage(op, &blobs)?;
+        let mut staged = staged.iter().zip(&blobs);
+        let cache = self.cache();
+        let mut held = Vec::new();
+        let mut at = Vec::with_capacity(n);
+        for src in srcs {
+            at.push(match *src {
+                Weights::Resident => (self.addr(&self.resident), self.resident.len()),
+                Weights::Blob(_) => {
+                    let (&a, b) = staged.next().expect("one staged copy per blob");
+                    (a, b.len())
+                }
+                Weights::Held { layer, expert } => {
+                    let Some(c) = cache.as_ref() else {
+                        return Err(OpError::Shape {
+                            op,
+                            why: format!("expert {expert} of layer {layer}: no GPU expert cache"),
+                        });
+                    };
+                    let (a, slot) = c
+                        .slot_addr(&self.stream, layer, expert)
+                        .map_err(|e| self.cache_err(op, e))?;
+                    held.push((layer, slot));
+                    (a, c.stride())
+                }
+            });
+        }
+        let (inner, h) = (mlp.gate_proj.rows, mlp.down_proj.rows);
+        let mut g = self.uninit_tensor(op, n, inner)?;
+        let u = self.uninit_tensor(op, n, inner)?;
+        let (xa, ga, ua, oa) = (
+            self.addr(&x.buf),
+            self.addr(&g.buf),
+            self.addr(&u.buf),
+            self.addr(&out.buf),
+        );
+        let row = |base: u64, r: usize, width: usize| base + (4 * r * width) as u64;
+        let job = |w, (buf, len): (u64, usize), x, y| QJob { w, buf, len, x, y };
+        let mut gate_up = Vec::with_capacity(2 * n);
+        for (j, &a) in at.iter().enumerate() {
+            gate_up.push(job(&mlp.gate_proj, a, xa, row(ga, j, inner)));
+            gate_up.push(job(&mlp.up_proj, a, xa, row(ua, j, inner)));
+        }
+        self.products(op, &gate_up, 1)?;
+        self.glu_act(op, act, &mut g, &u)?;
+        let down: Vec<QJob> = at
+            .iter()
+            .zip(rows)
+            .enumerate()
+            .map(|(j, (&a, &r))| job(&mlp.down_proj, a, row(ga, j, inner), row(oa, r, h)))
+            .collect();
+        self.products(op, &down, 1)?;
+        if let Some(c) = cache.as_ref() {
+            for (layer, slot) in held {
+                c.after_read(&self.stream, layer, slot)
+                    .map_err(|e| self.cache_err(op, e))?;
+            }
+        }
+        Ok(())
     }
 
     fn head_argmax(&self, w: &QRef, x: &CudaTensor) -> OpResult<(u32, f32)> {
@@ -1070,22 +1391,31 @@ impl Backend for CudaBackend {
         if rows.is_empty() {
             return Ok(());
         }
-        let idx: Vec<u32> = rows.iter().map(|&(r, _)| r as u32).collect();
-        let wts: Vec<f32> = rows.iter().map(|&(_, w)| w).collect();
-        let (idx, wts) = (self.to_device(op, &idx)?, self.to_device(op, &wts)?);
-        let (np, cols) = (rows.len() as u64, h as u64);
-        launch!(
-            self,
-            op,
-            "scatter_add",
-            elems(h),
-            &mut acc.buf,
-            &y.buf,
-            &idx,
-            &wts,
-            &np,
-            &cols
-        )
+        let cols = h as u64;
+        let ya = self.addr(&y.buf);
+        for (ci, chunk) in rows.chunks(SCATTER_PAIRS).enumerate() {
+            let mut p = Pairs {
+                rows: [0; SCATTER_PAIRS],
+                w: [0.0; SCATTER_PAIRS],
+            };
+            for (i, &(r, w)) in chunk.iter().enumerate() {
+                p.rows[i] = r as u32;
+                p.w[i] = w;
+            }
+            let (np, yc) = (chunk.len() as i32, ya + (4 * ci * SCATTER_PAIRS * h) as u64);
+            launch!(
+                self,
+                op,
+                "scatter_add",
+                elems(h),
+                &mut acc.buf,
+                &yc,
+                &p,
+                &np,
+                &cols
+            )?;
+        }
+        Ok(())
     }
 
     fn new_kv(
@@ -1281,7 +1611,7 @@ impl Backend for CudaBackend {
             None => None,
         };
         let sp = sinks.as_deref().map_or(0, |b| self.addr(b));
-        let mut out = self.tensor(op, q.rows, q.cols)?;
+        let mut out = self.uninit_tensor(op, q.rows, q.cols)?;
         let (t, nh, nkv, d, rows, ring, p0, win) = (
             q.rows as i32,
             s.n_heads as i32,
@@ -1457,26 +1787,29 @@ impl Backend for CudaBackend {
             None => None,
         };
         check_forced(op, spec, t, n_exp)?;
-        let forced_ids: Vec<u32> = match spec.forced {
-            Some(f) => f.iter().map(|&e| e as u32).collect(),
-            None => vec![0],
-        };
-        let forced = self
-            .stream
-            .clone_htod(&forced_ids)
-            .map_err(|e| self.dev(op, e))?;
-        let has_forced = spec.forced.is_some() as i32;
         let (scoring, norm) = match spec.scoring {
             Scoring::SoftmaxOfTopK => (0i32, 0i32),
             Scoring::TopKOfSoftmax { norm_topk_prob } => (1, norm_topk_prob as i32),
             Scoring::SqrtSoftplus { .. } => return Err(self.missing("route (sqrt-softplus)")),
         };
-        let mut ids = self
+        // One readback: ids, then weight bits, then margin bits.
+        let out = self
             .stream
-            .alloc_zeros::<u32>(t * k)
+            .alloc_zeros::<u32>(2 * t * k + t.max(1))
             .map_err(|e| self.dev(op, e))?;
-        let mut wts = self.zeros_f32(op, t * k)?;
-        let mut margins = self.zeros_f32(op, t.max(1))?;
+        let base = self.addr(&out);
+        let (ids_at, wts_at, margins_at) =
+            (base, base + (4 * t * k) as u64, base + (8 * t * k) as u64);
+        let forced = match spec.forced {
+            Some(f) => {
+                let v: Vec<u32> = f.iter().map(|&e| e as u32).collect();
+                Some(self.to_device(op, &v)?)
+            }
+            None => None,
+        };
+        // Without forced ids the kernel never reads the pointer.
+        let forced_at = forced.as_ref().map_or(base, |f| self.addr(f));
+        let has_forced = spec.forced.is_some() as i32;
         let (ti, ni, ki) = (t as i32, n_exp as i32, k as i32);
         let (pes_off, has_pes, trace) = (pes.unwrap_or(0), pes.is_some() as i32, spec.trace as i32);
         launch!(
@@ -1498,14 +1831,16 @@ impl Backend for CudaBackend {
             &pes_off,
             &has_pes,
             &trace,
-            &forced,
+            &forced_at,
             &has_forced,
-            &mut ids,
-            &mut wts,
-            &mut margins
+            &ids_at,
+            &wts_at,
+            &margins_at
         )?;
-        let ids = self.to_host(op, &ids)?;
-        let wts = self.to_host(op, &wts)?;
+        let back = self.to_host(op, &out)?;
+        let (ids, rest) = back.split_at(t * k);
+        let (wts, margins) = rest.split_at(t * k);
+        let wts: Vec<f32> = wts.iter().map(|&b| f32::from_bits(b)).collect();
         let mut experts: BTreeMap<usize, Vec<(usize, f32)>> = BTreeMap::new();
         for (row, (ri, rw)) in ids.chunks_exact(k).zip(wts.chunks_exact(k)).enumerate() {
             for (&e, &w) in ri.iter().zip(rw) {
@@ -1513,9 +1848,7 @@ impl Backend for CudaBackend {
             }
         }
         let margins = if spec.trace {
-            let mut m = self.to_host(op, &margins)?;
-            m.truncate(t);
-            m
+            margins.iter().map(|&b| f32::from_bits(b)).collect()
         } else {
             Vec::new()
         };

@@ -14,8 +14,9 @@ use mference_kernels::{Kernels, MatJob, PreparedX, QMatrix, ThreadPool};
 use mference_runtime::{KvDtype, KvLayer};
 
 use crate::{
-    check, check_forced, Act, AttnShape, Backend, DeltaShape, HcSpec, Mlp, Norm, OpResult, QRef,
-    RelBias, Rope, RouterSpec, Routes, Scoring, SinkRouter, Tensor, Unary, VRef, Weights,
+    check, check_forced, check_mlp, Act, AttnShape, Backend, DeltaShape, HcSpec, Mlp, Norm,
+    OpResult, QRef, RelBias, Rope, RouterSpec, Routes, Scoring, SinkRouter, Tensor, Unary, VRef,
+    Weights,
 };
 
 /// Resident bytes the backend reads weights from (the mapped `model_weights.bin`, or any buffer
@@ -255,13 +256,7 @@ impl Backend for CpuBackend {
 
     fn glu_mlp(&self, mlp: &Mlp, act: Act, src: Weights, x: &CpuTensor) -> OpResult<CpuTensor> {
         let t = x.rows();
-        check(
-            "glu_mlp",
-            mlp.gate_proj.cols == x.cols
-                && mlp.up_proj.cols == x.cols
-                && mlp.down_proj.cols == mlp.gate_proj.rows,
-            || format!("projections do not chain from {} columns", x.cols),
-        )?;
+        check_mlp("glu_mlp", mlp, x.cols)?;
         let buf = self.buf(src);
         let mut gu = self.products(&[mlp.gate_proj.mat(buf), mlp.up_proj.mat(buf)], &x.data, t);
         let u = gu.pop().expect("two products");
