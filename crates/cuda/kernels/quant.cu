@@ -65,29 +65,37 @@ __device__ void qmatmul_row(const QJobs& jobs, int j, int r, int rows, int cols,
         int t0 = tile * QM_TT;
         int nt = min(QM_TT, t_rows - t0);
         float acc[QM_TT] = {0.0f, 0.0f, 0.0f, 0.0f};
-        for (int k = lane; k < words; k += 32) {
-            uint2 v = wv[k];
+        // Two words per lane per step, both loads issued before either is used.
+        for (int k0 = lane; k0 < words; k0 += 64) {
+            uint2 w2[2];
+            w2[0] = wv[k0];
+            w2[1] = k0 + 32 < words ? wv[k0 + 32] : make_uint2(0u, 0u);
 #pragma unroll
-            for (int p = 0; p < 4; ++p) {
-                int i = 4 * k + p - m;
-                if (i < 0 || i >= n16) continue;
-                u32 piece = ((p < 2 ? v.x : v.y) >> (16 * (p & 1))) & 0xffffu;
-                int c0 = i * PER;
-                int g = c0 / group;
-                float s = bf16_to_f32(sc[g]), b = bf16_to_f32(bi[g]);
-                float q[PER];
-                for (int e = 0; e < PER; ++e) q[e] = (float)((piece >> (e * BITS)) & mask);
+            for (int h = 0; h < 2; ++h) {
+                int k = k0 + 32 * h;
+                uint2 v = w2[h];
 #pragma unroll
-                for (int tt = 0; tt < QM_TT; ++tt) {
-                    if (tt >= nt) continue;
-                    float xv[PER];
-                    load_x<PER>(x + (u64)(t0 + tt) * cols + c0, xv);
-                    float dot = 0.0f, xs = 0.0f;
-                    for (int e = 0; e < PER; ++e) {
-                        dot += q[e] * xv[e];
-                        xs += xv[e];
+                for (int p = 0; p < 4; ++p) {
+                    int i = 4 * k + p - m;
+                    if (i < 0 || i >= n16) continue;
+                    u32 piece = ((p < 2 ? v.x : v.y) >> (16 * (p & 1))) & 0xffffu;
+                    int c0 = i * PER;
+                    int g = c0 / group;
+                    float s = bf16_to_f32(sc[g]), b = bf16_to_f32(bi[g]);
+                    float q[PER];
+                    for (int e = 0; e < PER; ++e) q[e] = (float)((piece >> (e * BITS)) & mask);
+#pragma unroll
+                    for (int tt = 0; tt < QM_TT; ++tt) {
+                        if (tt >= nt) continue;
+                        float xv[PER];
+                        load_x<PER>(x + (u64)(t0 + tt) * cols + c0, xv);
+                        float dot = 0.0f, xs = 0.0f;
+                        for (int e = 0; e < PER; ++e) {
+                            dot += q[e] * xv[e];
+                            xs += xv[e];
+                        }
+                        acc[tt] += s * dot + b * xs;
                     }
-                    acc[tt] += s * dot + b * xs;
                 }
             }
         }

@@ -308,6 +308,9 @@ impl GpuExperts {
                 s
             }
         };
+        // Not given up before the kernels reading it are queued (`after_read`): the experts of
+        // one token may be copied in before any of them is computed.
+        l.table.set_pinned(s, true);
         copy.wait(&l.read[s]).map_err(driver("cuStreamWaitEvent"))?;
         let (base, _sync) = l.slab.device_ptr(&copy);
         // SAFETY: the destination lies in the slab (slot `s` of `stride` bytes, `blob.len()`
@@ -350,14 +353,19 @@ impl GpuExperts {
         Ok((base + (s * self.opts.geometry.stride) as u64, s))
     }
 
-    /// Records that the kernels reading slot `s` of `layer` are queued on `compute`.
+    /// Records that the kernels reading slot `s` of `layer` are queued on `compute`; the slot
+    /// may be refilled from now on (its copy waits for that record).
     pub(crate) fn after_read(
-        &self,
+        &mut self,
         compute: &Arc<CudaStream>,
         layer: usize,
         s: usize,
     ) -> Result<(), CacheError> {
-        let l = &self.layers[&layer];
+        let l = self
+            .layers
+            .get_mut(&layer)
+            .ok_or_else(|| CacheError::Refused(format!("layer {layer} has no GPU expert slots")))?;
+        l.table.set_pinned(s, false);
         l.read[s].record(compute).map_err(driver("cuEventRecord"))
     }
 

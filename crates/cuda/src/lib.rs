@@ -261,9 +261,11 @@ pub struct CudaBackend {
     experts: Option<Mutex<GpuExperts>>,
     name: String,
     origin: KernelOrigin,
-    /// Launches and device time per (op, kernel), with `MFERENCE_CUDA_PROFILE` set: every launch
-    /// is then synchronized before and after (slow; for finding where the time goes).
-    profile: Option<Mutex<Profile>>,
+    /// Launches and their time per (op, kernel), with `MFERENCE_CUDA_PROFILE` set: `host` times
+    /// only the host's side of each launch (and each readback's wait); any other value
+    /// synchronizes every launch before and after, timing the device (slow; for finding where
+    /// the time goes).
+    profile: Option<(bool, Mutex<Profile>)>,
 }
 
 /// (op, kernel) → (launches, time from launch to its end).
@@ -401,7 +403,8 @@ impl CudaBackend {
             experts: None,
             name: format!("cuda:{device_ordinal} {dev} {}", target.arch),
             origin,
-            profile: std::env::var_os("MFERENCE_CUDA_PROFILE").map(|_| Mutex::new(BTreeMap::new())),
+            profile: std::env::var_os("MFERENCE_CUDA_PROFILE")
+                .map(|v| (v != "host", Mutex::new(BTreeMap::new()))),
         })
     }
 
@@ -442,17 +445,21 @@ impl CudaBackend {
 
     /// With profiling on: waits for the queued work, returns the start of the next launch.
     fn profile_start(&self) -> Option<std::time::Instant> {
-        self.profile.as_ref()?;
-        let _ = self.stream.synchronize();
+        let (sync, _) = self.profile.as_ref()?;
+        if *sync {
+            let _ = self.stream.synchronize();
+        }
         Some(std::time::Instant::now())
     }
 
     /// With profiling on: waits for the launch begun at `t0`, adds its time.
     fn profile_end(&self, op: &'static str, kernel: &'static str, t0: Option<std::time::Instant>) {
-        let (Some(p), Some(t0)) = (&self.profile, t0) else {
+        let (Some((sync, p)), Some(t0)) = (&self.profile, t0) else {
             return;
         };
-        let _ = self.stream.synchronize();
+        if *sync {
+            let _ = self.stream.synchronize();
+        }
         let mut p = p.lock().unwrap_or_else(|e| e.into_inner());
         let e = p.entry((op, kernel)).or_default();
         e.0 += 1;
@@ -500,8 +507,15 @@ impl CudaBackend {
         op: &'static str,
         v: &CudaSlice<T>,
     ) -> OpResult<Vec<T>> {
+        let t0 = self.profile.as_ref().map(|_| std::time::Instant::now());
         let out = self.stream.clone_dtoh(v).map_err(|e| self.dev(op, e))?;
         self.stream.synchronize().map_err(|e| self.dev(op, e))?;
+        if let (Some((_, p)), Some(t0)) = (&self.profile, t0) {
+            let mut p = p.lock().unwrap_or_else(|e| e.into_inner());
+            let e = p.entry((op, "(readback)")).or_default();
+            e.0 += 1;
+            e.1 += t0.elapsed();
+        }
         Ok(out)
     }
 
@@ -569,7 +583,7 @@ impl CudaBackend {
         match src {
             Weights::Resident => f(self.addr(&self.resident), self.resident.len()),
             Weights::Held { layer, expert } => {
-                let Some(cache) = self.cache() else {
+                let Some(mut cache) = self.cache() else {
                     return Err(OpError::Shape {
                         op,
                         why: format!("expert {expert} of layer {layer}: no GPU expert cache"),
@@ -801,13 +815,17 @@ fn qref_offsets(op: &'static str, w: &QRef, len: usize) -> OpResult<[u64; 3]> {
 impl Drop for CudaBackend {
     /// Prints the profile (`MFERENCE_CUDA_PROFILE`) to stderr.
     fn drop(&mut self) {
-        let Some(p) = self.profile.take() else { return };
+        let Some((sync, p)) = self.profile.take() else {
+            return;
+        };
         let p = p.into_inner().unwrap_or_else(|e| e.into_inner());
         let total: f64 = p.values().map(|(_, d)| d.as_secs_f64()).sum();
-        eprintln!(
-            "cuda profile: {:.1} ms in launches (each synchronized)",
-            1e3 * total
-        );
+        let how = if sync {
+            "each launch synchronized"
+        } else {
+            "host side only"
+        };
+        eprintln!("cuda profile: {:.1} ms ({how})", 1e3 * total);
         let mut rows: Vec<_> = p.into_iter().collect();
         rows.sort_by_key(|r| std::cmp::Reverse(r.1 .1));
         for ((op, kernel), (n, d)) in rows {
@@ -1155,7 +1173,7 @@ impl Backend for CudaBackend {
             .collect();
         let staged = self.stage(op, &blobs)?;
         let mut staged = staged.iter().zip(&blobs);
-        let cache = self.cache();
+        let mut cache = self.cache();
         let mut held = Vec::new();
         let mut at = Vec::with_capacity(n);
         for src in srcs {
@@ -1205,7 +1223,7 @@ impl Backend for CudaBackend {
             .map(|(j, (&a, &r))| job(&mlp.down_proj, a, row(ga, j, inner), row(oa, r, h)))
             .collect();
         self.products(op, &down, 1)?;
-        if let Some(c) = cache.as_ref() {
+        if let Some(c) = cache.as_mut() {
             for (layer, slot) in held {
                 c.after_read(&self.stream, layer, slot)
                     .map_err(|e| self.cache_err(op, e))?;
