@@ -58,16 +58,50 @@ __device__ __forceinline__ float load_kv(const float* p, u64 i) { return p[i]; }
 
 // Dimensions of a head one lane holds (head_dim <= 32 * ATTN_PER_LANE).
 #define ATTN_PER_LANE 16
+// Warps per (query row, head): each takes every ATTN_WARPS-th visible position.
+#define ATTN_WARPS 16
 
-// softmax(q k^T * scale) v for one (query row, head) per warp, over the visible positions
-// lo..=p (p = pos0 + row; lo = p + 1 - window for a sliding window), in one pass with a running
-// maximum (online softmax); a sink logit starts the running sum with e^(sink - m).
+// q . k for one position: the lane's dims, summed over the warp.
+template <typename S>
+__device__ __forceinline__ float attn_dot(const float* qv, const S* ks, u64 base, int d, int lane) {
+    float dot = 0.0f;
+#pragma unroll
+    for (int k = 0; k < ATTN_PER_LANE; ++k) {
+        int c = lane + 32 * k;
+        if (c < d) dot += qv[k] * load_kv(ks, base + c);
+    }
+    return warp_sum(dot);
+}
+
+// One online-softmax step: position with logit s and value row at base.
+template <typename S>
+__device__ __forceinline__ void attn_step(float s, const S* vs, u64 base, int d, int lane, float& m,
+                                          float& l, float* o) {
+    float mn = fmaxf(m, s);
+    float corr = m == -F32_INF ? 0.0f : expf(m - mn);
+    float e = expf(s - mn);
+    l = l * corr + e;
+#pragma unroll
+    for (int k = 0; k < ATTN_PER_LANE; ++k) {
+        int c = lane + 32 * k;
+        if (c < d) o[k] = o[k] * corr + e * load_kv(vs, base + c);
+    }
+    m = mn;
+}
+
+// softmax(q k^T * scale) v for one (query row, head) per block of ATTN_WARPS warps, over the
+// visible positions lo..=p (p = pos0 + row; lo = p + 1 - window for a sliding window). Warp w
+// runs an online softmax (running maximum) over positions lo + w, lo + w + ATTN_WARPS, ..., two
+// at a time; the warps' (maximum, sum, output) are then merged in warp order, and a sink logit
+// adds e^(sink - m) to the sum once. The result depends only on the inputs and ATTN_WARPS.
 template <typename S>
 __device__ void attention_impl(const float* q, const S* ks, const S* vs, int t_rows, int nh,
                                int nkv, int d, int rows, int ring, int pos0, int window,
                                float scale, const float* sinks, float* out) {
-    int item = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5);
-    int lane = threadIdx.x & 31;
+    __shared__ float wm[ATTN_WARPS], wl[ATTN_WARPS];
+    __shared__ float wo[ATTN_WARPS][32 * ATTN_PER_LANE];
+    int item = blockIdx.x;
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     if (item >= t_rows * nh) return;
     int r = item / nh, h = item % nh;
     int kvh = h / (nh / nkv);
@@ -81,34 +115,39 @@ __device__ void attention_impl(const float* q, const S* ks, const S* vs, int t_r
         qv[k] = c < d ? qh[c] : 0.0f;
         o[k] = 0.0f;
     }
-    float m = sinks ? sinks[h] : -F32_INF;
-    float l = sinks ? 1.0f : 0.0f;
-    for (int j = lo; j <= p; ++j) {
-        u64 row = ring ? (u64)(j % rows) : (u64)j;
-        u64 base = (row * nkv + kvh) * d;
-        float dot = 0.0f;
-#pragma unroll
-        for (int k = 0; k < ATTN_PER_LANE; ++k) {
-            int c = lane + 32 * k;
-            if (c < d) dot += qv[k] * load_kv(ks, base + c);
-        }
-        float s = warp_sum(dot) * scale;
-        float mn = fmaxf(m, s);
-        float corr = m == -F32_INF ? 0.0f : expf(m - mn);
-        float e = expf(s - mn);
-        l = l * corr + e;
-#pragma unroll
-        for (int k = 0; k < ATTN_PER_LANE; ++k) {
-            int c = lane + 32 * k;
-            if (c < d) o[k] = o[k] * corr + e * load_kv(vs, base + c);
-        }
-        m = mn;
+    float m = -F32_INF, l = 0.0f;
+    for (int j = lo + w; j <= p; j += 2 * ATTN_WARPS) {
+        int j2 = j + ATTN_WARPS;
+        u64 b1 = ((ring ? (u64)(j % rows) : (u64)j) * nkv + kvh) * d;
+        u64 b2 = ((ring ? (u64)(j2 % rows) : (u64)j2) * nkv + kvh) * d;
+        float s1 = attn_dot(qv, ks, b1, d, lane) * scale;
+        float s2 = j2 <= p ? attn_dot(qv, ks, b2, d, lane) * scale : 0.0f;
+        attn_step(s1, vs, b1, d, lane, m, l, o);
+        if (j2 <= p) attn_step(s2, vs, b2, d, lane, m, l, o);
     }
-    float* oh = out + (u64)item * d;
+    if (lane == 0) {
+        wm[w] = m;
+        wl[w] = l;
+    }
 #pragma unroll
     for (int k = 0; k < ATTN_PER_LANE; ++k) {
         int c = lane + 32 * k;
-        if (c < d) oh[c] = o[k] / l;
+        if (c < d) wo[w][c] = o[k];
+    }
+    __syncthreads();
+    float mt = sinks ? sinks[h] : -F32_INF;
+    for (int x = 0; x < ATTN_WARPS; ++x) mt = fmaxf(mt, wm[x]);
+    float lt = sinks ? expf(sinks[h] - mt) : 0.0f;
+    for (int x = 0; x < ATTN_WARPS; ++x) {
+        if (wm[x] != -F32_INF) lt += wl[x] * expf(wm[x] - mt);
+    }
+    float* oh = out + (u64)item * d;
+    for (int c = threadIdx.x; c < d; c += blockDim.x) {
+        float acc = 0.0f;
+        for (int x = 0; x < ATTN_WARPS; ++x) {
+            if (wm[x] != -F32_INF) acc += wo[x][c] * expf(wm[x] - mt);
+        }
+        oh[c] = acc / lt;
     }
 }
 

@@ -11,6 +11,8 @@
 #define QM_ROWS 8
 #define QM_JOBS 32
 #define QM_TT 4
+// Words of codes each lane loads per step.
+#define QM_UNROLL 4
 
 // Up to QM_JOBS products of one shape in one launch (blockIdx.y = job): job j reads the matrix
 // whose codes, BF16 scales and biases start at device addresses w[j], s[j], b[j], the rows of x
@@ -65,13 +67,14 @@ __device__ void qmatmul_row(const QJobs& jobs, int j, int r, int rows, int cols,
         int t0 = tile * QM_TT;
         int nt = min(QM_TT, t_rows - t0);
         float acc[QM_TT] = {0.0f, 0.0f, 0.0f, 0.0f};
-        // Two words per lane per step, both loads issued before either is used.
-        for (int k0 = lane; k0 < words; k0 += 64) {
-            uint2 w2[2];
-            w2[0] = wv[k0];
-            w2[1] = k0 + 32 < words ? wv[k0 + 32] : make_uint2(0u, 0u);
+        // QM_UNROLL words per lane per step, every load issued before any is used.
+        for (int k0 = lane; k0 < words; k0 += 32 * QM_UNROLL) {
+            uint2 w2[QM_UNROLL];
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
+            for (int h = 0; h < QM_UNROLL; ++h)
+                w2[h] = k0 + 32 * h < words ? wv[k0 + 32 * h] : make_uint2(0u, 0u);
+#pragma unroll
+            for (int h = 0; h < QM_UNROLL; ++h) {
                 int k = k0 + 32 * h;
                 uint2 v = w2[h];
 #pragma unroll

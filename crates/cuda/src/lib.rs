@@ -203,6 +203,8 @@ const QM_BLOCKS: usize = 264;
 const SCATTER_PAIRS: usize = 64;
 /// The attention kernel keeps 16 dimensions of a head per lane: `head_dim <= 32 * 16`.
 const ATTN_MAX_HEAD_DIM: usize = 512;
+/// Warps per (query row, head) of the attention kernel (`ATTN_WARPS` in kernels/attention.cu).
+const ATTN_WARPS: u32 = 16;
 /// Most experts per token the router kernel keeps per row.
 const ROUTE_MAX_K: usize = 64;
 /// Small constant vectors kept on the device (RoPE frequencies, attention sinks).
@@ -299,15 +301,6 @@ fn elems(n: usize) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (n.div_ceil(256).min(1 << 20) as u32, 1, 1),
         block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    }
-}
-
-/// One warp per item, 4 warps a block, `y` blocks along the grid's second axis.
-fn warps(items: usize, y: usize) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (items.div_ceil(4) as u32, y.min(65535) as u32, 1),
-        block_dim: (128, 1, 1),
         shared_mem_bytes: 0,
     }
 }
@@ -1645,7 +1638,7 @@ impl Backend for CudaBackend {
             self,
             op,
             kernel,
-            warps(q.rows * s.n_heads, 1),
+            blocks(q.rows * s.n_heads, 32 * ATTN_WARPS),
             &q.buf,
             &ks,
             &vs,
