@@ -679,17 +679,27 @@ fn kv_rounded(dtype: KvDtype, x: &[f32]) -> Vec<f32> {
 }
 
 fn attention_ops<B: Backend>(h: &mut Harness<B>, rng: &mut Rng) {
-    // (dtype, ring rows / window, GQA heads, sinks)
-    let cases = [
-        (KvDtype::F32, None, (4, 2), false),
-        (KvDtype::F16, None, (4, 1), false),
-        (KvDtype::F32, Some(5), (2, 2), false),
-        (KvDtype::F16, Some(4), (6, 2), true),
-        (KvDtype::F32, None, (3, 3), true),
+    // (dtype, ring rows / window, GQA heads, sinks, chunks); the long ones give one-row steps
+    // over more than a hundred positions (a backend may split those over several blocks).
+    let short: &[usize] = &[5, 1, 3, 1];
+    let long: &[usize] = &[150, 1, 70, 1];
+    // A ring of window + 5 rows takes chunks of at most 6 rows (a longer chunk overwrites rows
+    // its own first queries still see): 121 positions in chunks of 6.
+    let ring_long: &[usize] = &[
+        6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 1,
     ];
-    for (dtype, window, (nh, nkv), sinks) in cases {
+    let cases = [
+        (KvDtype::F32, None, (4, 2), false, short),
+        (KvDtype::F16, None, (4, 1), false, short),
+        (KvDtype::F32, Some(5), (2, 2), false, short),
+        (KvDtype::F16, Some(4), (6, 2), true, short),
+        (KvDtype::F32, None, (3, 3), true, short),
+        (KvDtype::F16, None, (4, 2), true, long),
+        (KvDtype::F32, Some(100), (2, 1), false, ring_long),
+    ];
+    for (dtype, window, (nh, nkv), sinks, chunks) in cases {
+        let chunks = chunks.to_vec();
         let d = 32;
-        let chunks = [5usize, 1, 3, 1];
         let total: usize = chunks.iter().sum();
         let (rows, ring) = match window {
             Some(w) => (w + 5, true),

@@ -89,24 +89,28 @@ __device__ __forceinline__ void attn_step(float s, const S* vs, u64 base, int d,
     m = mn;
 }
 
-// softmax(q k^T * scale) v for one (query row, head) per block of ATTN_WARPS warps, over the
-// visible positions lo..=p (p = pos0 + row; lo = p + 1 - window for a sliding window). Warp w
-// runs an online softmax (running maximum) over positions lo + w, lo + w + ATTN_WARPS, ..., two
-// at a time; the warps' (maximum, sum, output) are then merged in warp order, and a sink logit
-// adds e^(sink - m) to the sum once. The result depends only on the inputs and ATTN_WARPS.
+// Part `sp` of `splits` of softmax(q k^T * scale) v for one (query row, head) per block of
+// ATTN_WARPS warps: the visible positions lo..=p (p = pos0 + row; lo = p + 1 - window for a
+// sliding window) are cut into `splits` runs of equal length, and this block takes run sp. Warp
+// w runs an online softmax (running maximum) over positions w, w + ATTN_WARPS, ... of the run,
+// two at a time; the warps' (maximum, sum, output) are merged in warp order into part_m, part_l
+// and part_o (row item * splits + sp). An empty run gives m = -inf, l = 0, o = 0.
 template <typename S>
 __device__ void attention_impl(const float* q, const S* ks, const S* vs, int t_rows, int nh,
                                int nkv, int d, int rows, int ring, int pos0, int window,
-                               float scale, const float* sinks, float* out) {
+                               float scale, int splits, float* part_m, float* part_l,
+                               float* part_o) {
     __shared__ float wm[ATTN_WARPS], wl[ATTN_WARPS];
     __shared__ float wo[ATTN_WARPS][32 * ATTN_PER_LANE];
-    int item = blockIdx.x;
+    int item = blockIdx.x, sp = blockIdx.y;
     int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     if (item >= t_rows * nh) return;
     int r = item / nh, h = item % nh;
     int kvh = h / (nh / nkv);
     int p = pos0 + r;
     int lo = window > 0 ? max(0, p + 1 - window) : 0;
+    int run = (p - lo + splits) / splits;  // ceil((p - lo + 1) / splits)
+    int first = lo + sp * run, last = min(p, first + run - 1);
     const float* qh = q + (u64)item * d;
     float qv[ATTN_PER_LANE], o[ATTN_PER_LANE];
 #pragma unroll
@@ -116,14 +120,14 @@ __device__ void attention_impl(const float* q, const S* ks, const S* vs, int t_r
         o[k] = 0.0f;
     }
     float m = -F32_INF, l = 0.0f;
-    for (int j = lo + w; j <= p; j += 2 * ATTN_WARPS) {
+    for (int j = first + w; j <= last; j += 2 * ATTN_WARPS) {
         int j2 = j + ATTN_WARPS;
         u64 b1 = ((ring ? (u64)(j % rows) : (u64)j) * nkv + kvh) * d;
         u64 b2 = ((ring ? (u64)(j2 % rows) : (u64)j2) * nkv + kvh) * d;
         float s1 = attn_dot(qv, ks, b1, d, lane) * scale;
-        float s2 = j2 <= p ? attn_dot(qv, ks, b2, d, lane) * scale : 0.0f;
+        float s2 = j2 <= last ? attn_dot(qv, ks, b2, d, lane) * scale : 0.0f;
         attn_step(s1, vs, b1, d, lane, m, l, o);
-        if (j2 <= p) attn_step(s2, vs, b2, d, lane, m, l, o);
+        if (j2 <= last) attn_step(s2, vs, b2, d, lane, m, l, o);
     }
     if (lane == 0) {
         wm[w] = m;
@@ -135,32 +139,63 @@ __device__ void attention_impl(const float* q, const S* ks, const S* vs, int t_r
         if (c < d) wo[w][c] = o[k];
     }
     __syncthreads();
-    float mt = sinks ? sinks[h] : -F32_INF;
+    float mt = -F32_INF;
     for (int x = 0; x < ATTN_WARPS; ++x) mt = fmaxf(mt, wm[x]);
-    float lt = sinks ? expf(sinks[h] - mt) : 0.0f;
+    float lt = 0.0f;
     for (int x = 0; x < ATTN_WARPS; ++x) {
         if (wm[x] != -F32_INF) lt += wl[x] * expf(wm[x] - mt);
     }
-    float* oh = out + (u64)item * d;
+    u64 part = (u64)item * splits + sp;
+    if (threadIdx.x == 0) {
+        part_m[part] = mt;
+        part_l[part] = lt;
+    }
     for (int c = threadIdx.x; c < d; c += blockDim.x) {
         float acc = 0.0f;
         for (int x = 0; x < ATTN_WARPS; ++x) {
             if (wm[x] != -F32_INF) acc += wo[x][c] * expf(wm[x] - mt);
         }
-        oh[c] = acc / lt;
+        part_o[part * d + c] = acc;
+    }
+}
+
+// out[item] = the parts of attention_impl merged in order, a sink logit (sinks[h]) adding
+// e^(sink - m) to the sum once. One block per (row, head).
+extern "C" __global__ void attention_merge(const float* part_m, const float* part_l,
+                                           const float* part_o, int items, int nh, int d,
+                                           int splits, const float* sinks, float* out) {
+    int item = blockIdx.x;
+    if (item >= items) return;
+    int h = item % nh;
+    const float* pm = part_m + (u64)item * splits;
+    const float* pl = part_l + (u64)item * splits;
+    float mt = sinks ? sinks[h] : -F32_INF;
+    for (int x = 0; x < splits; ++x) mt = fmaxf(mt, pm[x]);
+    float lt = sinks ? expf(sinks[h] - mt) : 0.0f;
+    for (int x = 0; x < splits; ++x) {
+        if (pm[x] != -F32_INF) lt += pl[x] * expf(pm[x] - mt);
+    }
+    for (int c = threadIdx.x; c < d; c += blockDim.x) {
+        float acc = 0.0f;
+        for (int x = 0; x < splits; ++x) {
+            if (pm[x] != -F32_INF) acc += part_o[((u64)item * splits + x) * d + c] * expf(pm[x] - mt);
+        }
+        out[(u64)item * d + c] = acc / lt;
     }
 }
 
 extern "C" __global__ void attention_f16(const float* q, const u16* ks, const u16* vs,
                                          int t_rows, int nh, int nkv, int d, int rows, int ring,
-                                         int pos0, int window, float scale, const float* sinks,
-                                         float* out) {
-    attention_impl(q, ks, vs, t_rows, nh, nkv, d, rows, ring, pos0, window, scale, sinks, out);
+                                         int pos0, int window, float scale, int splits,
+                                         float* part_m, float* part_l, float* part_o) {
+    attention_impl(q, ks, vs, t_rows, nh, nkv, d, rows, ring, pos0, window, scale, splits,
+                   part_m, part_l, part_o);
 }
 
 extern "C" __global__ void attention_f32(const float* q, const float* ks, const float* vs,
                                          int t_rows, int nh, int nkv, int d, int rows, int ring,
-                                         int pos0, int window, float scale, const float* sinks,
-                                         float* out) {
-    attention_impl(q, ks, vs, t_rows, nh, nkv, d, rows, ring, pos0, window, scale, sinks, out);
+                                         int pos0, int window, float scale, int splits,
+                                         float* part_m, float* part_l, float* part_o) {
+    attention_impl(q, ks, vs, t_rows, nh, nkv, d, rows, ring, pos0, window, scale, splits,
+                   part_m, part_l, part_o);
 }

@@ -153,7 +153,7 @@ pub struct CudaState {
 }
 
 /// Every kernel of `kernels/`, loaded at startup (a missing one fails [`CudaBackend::new`]).
-const KERNELS: [&str; 25] = [
+const KERNELS: [&str; 26] = [
     "all_finite",
     "matmul_bf16",
     "gather_rows",
@@ -175,6 +175,7 @@ const KERNELS: [&str; 25] = [
     "kv_write_f32",
     "attention_f16",
     "attention_f32",
+    "attention_merge",
     "conv1d_silu",
     "delta_gates",
     "gated_delta_rule",
@@ -203,8 +204,13 @@ const QM_BLOCKS: usize = 264;
 const SCATTER_PAIRS: usize = 64;
 /// The attention kernel keeps 16 dimensions of a head per lane: `head_dim <= 32 * 16`.
 const ATTN_MAX_HEAD_DIM: usize = 512;
-/// Warps per (query row, head) of the attention kernel (`ATTN_WARPS` in kernels/attention.cu).
+/// Warps per block of the attention kernel (`ATTN_WARPS` in kernels/attention.cu).
 const ATTN_WARPS: u32 = 16;
+/// Attention launches with fewer (row, head) items than this (decode) split the visible
+/// positions over blocks of about `ATTN_SPLIT_POSITIONS` each, at most `ATTN_MAX_SPLITS`.
+const ATTN_SPLIT_BELOW_ITEMS: usize = 132;
+const ATTN_SPLIT_POSITIONS: usize = 64;
+const ATTN_MAX_SPLITS: usize = 16;
 /// Most experts per token the router kernel keeps per row.
 const ROUTE_MAX_K: usize = 64;
 /// Small constant vectors kept on the device (RoPE frequencies, attention sinks).
@@ -1623,6 +1629,29 @@ impl Backend for CudaBackend {
         };
         let sp = sinks.as_deref().map_or(0, |b| self.addr(b));
         let mut out = self.uninit_tensor(op, q.rows, q.cols)?;
+        // Few (row, head) items (decode): the visible positions are cut into runs of about
+        // ATTN_SPLIT_POSITIONS, one block each, merged by a second kernel.
+        let items = q.rows * s.n_heads;
+        let last = pos0 + q.rows - 1;
+        let visible = match s.window {
+            Some(w) => (last + 1).min(w),
+            None => last + 1,
+        };
+        let splits = if items >= ATTN_SPLIT_BELOW_ITEMS {
+            1
+        } else {
+            visible
+                .div_ceil(ATTN_SPLIT_POSITIONS)
+                .clamp(1, ATTN_MAX_SPLITS)
+        };
+        // (maximum, sum) per part, then each part's output row.
+        let parts = self.uninit_tensor(op, items * splits, s.head_dim + 2)?;
+        let pa = self.addr(&parts.buf);
+        let (pm, pl, po) = (
+            pa,
+            pa + (4 * items * splits) as u64,
+            pa + (8 * items * splits) as u64,
+        );
         let (t, nh, nkv, d, rows, ring, p0, win) = (
             q.rows as i32,
             s.n_heads as i32,
@@ -1633,12 +1662,17 @@ impl Backend for CudaBackend {
             pos0 as i32,
             s.window.unwrap_or(0) as i32,
         );
+        let (ni, si) = (items as i32, splits as i32);
         let (kernel, ks, vs) = self.kv_ptrs(kv, "attention_f16", "attention_f32");
         launch!(
             self,
             op,
             kernel,
-            blocks(q.rows * s.n_heads, 32 * ATTN_WARPS),
+            LaunchConfig {
+                grid_dim: (items as u32, splits as u32, 1),
+                block_dim: (32 * ATTN_WARPS, 1, 1),
+                shared_mem_bytes: 0,
+            },
             &q.buf,
             &ks,
             &vs,
@@ -1651,6 +1685,23 @@ impl Backend for CudaBackend {
             &p0,
             &win,
             &s.scale,
+            &si,
+            &pm,
+            &pl,
+            &po
+        )?;
+        launch!(
+            self,
+            op,
+            "attention_merge",
+            blocks(items, 256),
+            &pm,
+            &pl,
+            &po,
+            &ni,
+            &nh,
+            &d,
+            &si,
             &sp,
             &mut out.buf
         )?;
