@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Full-size synthetic Gemma 4 26B-A4B on one NVIDIA GPU: mference (--device cuda) at GPU expert
+# Full-size synthetic Gemma 4 26B-A4B (or, with FAMILY=qwen36-35b, Qwen 3.6 35B-A3B) on one NVIDIA GPU: mference (--device cuda) at GPU expert
 # budgets of resident / 25% / 10% of the expert bytes, side by side with llama.cpp built with CUDA
 # (fully offloaded, and with --n-cpu-moe at the GPU memory of those budgets), as recorded in
-# docs/BENCHMARKS.md. Needs nvcc, cmake, ninja, python3 with numpy, ~45 GB free under WORK.
+# docs/BENCHMARKS.md. Needs nvcc, cmake, ninja, python3 with numpy, ~30 GB (Gemma) / ~40 GB
+# (Qwen) free under WORK.
 #
 #   tools/bench/cuda_side_by_side.sh prepare WORK LLAMA_SRC   # llama.cpp build, checkpoint, GGUF, install
 #   tools/bench/cuda_side_by_side.sh run WORK                 # the measurements, JSON under WORK
@@ -14,24 +15,32 @@
 set -euo pipefail
 REPO="$(cd "$(dirname "$0")/../.." && pwd)"
 MF="${MF:-$REPO/target/release/mference}"
-M=gemma4-26b
-TRACE="$REPO/assets/traces/gemma4-26b-a4b-routing.npy"
+M="${FAMILY:-gemma4-26b}"
+case "$M" in
+  gemma4-26b) TRACE="$REPO/assets/traces/gemma4-26b-a4b-routing.npy" ;;
+  qwen36-35b) TRACE="$REPO/assets/traces/qwen3_6-35b-a3b-routing.npy" ;;
+  *) echo "FAMILY must be gemma4-26b or qwen36-35b" >&2; exit 2 ;;
+esac
 cmd="$1"
 W="$2"
 mkdir -p "$W"
 case "$cmd" in
 prepare)
   SRC="$3"
-  (cmake -S "$SRC" -B "$W/llama-build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
+  # llama.cpp is built once per machine (a later family reuses it).
+  ([ -x "$W/llama-build/bin/llama-bench" ] && echo "llama build reused" >"$W/build.done" ||
+   { cmake -S "$SRC" -B "$W/llama-build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
       -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
       -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
       -DBUILD_SHARED_LIBS=OFF >"$W/cmake.log" 2>&1 &&
     cmake --build "$W/llama-build" -j "$(nproc)" --target llama-bench >"$W/build.log" 2>&1;
-    echo "llama build rc=$?" >"$W/build.done") &
+    echo "llama build rc=$?" >"$W/build.done"; }) &
+  # The checkpoint, its install (the source deleted after it), then the GGUF: one after the
+  # other, so the disk holds at most two copies of the model.
   (python3 "$REPO/tools/synth/synth.py" mlx --model $M --out "$W/$M-src" >"$W/synth-mlx.log" 2>&1 &&
     "$MF" install "$W/$M-src" --output "$W/$M.gturbo" >"$W/install.log" 2>&1 &&
-    rm -rf "$W/$M-src"; echo "install rc=$?" >"$W/install.done") &
-  (python3 "$REPO/tools/synth/synth.py" gguf --model $M --out "$W/$M.gguf" >"$W/synth-gguf.log" 2>&1;
+    rm -rf "$W/$M-src"; echo "install rc=$?" >"$W/install.done"
+   python3 "$REPO/tools/synth/synth.py" gguf --model $M --out "$W/$M.gguf" >"$W/synth-gguf.log" 2>&1;
     echo "gguf rc=$?" >"$W/gguf.done") &
   wait
   cat "$W"/*.done
@@ -39,26 +48,28 @@ prepare)
 run)
   I="$W/$M.gturbo"
   # Expert bytes: stride x experts x layers with an expert file.
-  read -r EXPERT_BYTES < <(python3 -c "
+  read -r EXPERT_BYTES LAYERS < <(python3 -c "
 import json,sys; m=json.load(open('$I/manifest.json'))
 n=sum(1 for k in m['files'] if k.startswith('packed_experts/layer_'))
-print(m['expertStride']*m['expertsPerLayer']*n)")
-  echo "expert bytes: $EXPERT_BYTES"
+print(m['expertStride']*m['expertsPerLayer']*n, n)")
+  echo "expert bytes: $EXPERT_BYTES over $LAYERS layers"
   for b in resident 25 10; do
     case $b in
       resident) budget=resident ;;
       *) budget=$((EXPERT_BYTES * b / 100)) ;;
     esac
     "$MF" bench --device cuda --model "$I" --prompts 512 --gen 64 --repeats 3 --decode forced \
-      --routing-trace "$TRACE" --gpu-expert-budget "$budget" --host-expert-cache 16G \
+      --routing-trace "$TRACE" --gpu-expert-budget "$budget" --host-expert-cache "$EXPERT_BYTES" \
       --json "$W/ours-$b.json" 2>&1 | tail -4
   done
   LB="$W/llama-build/bin/llama-bench"
-  # -ncmoe N keeps the experts of the first N layers in host memory: 0 = fully offloaded, 22 and
-  # 27 of 30 = about the GPU memory of our 25% and 10% budgets, 30 = --cpu-moe.
-  "$LB" -m "$W/$M.gguf" -ngl 99 -ncmoe 0,22,27,30 -p 512 -n 0 -r 3 -t "$(nproc)" -o json \
+  # -ncmoe N keeps the experts of the first N layers in host memory: 0 = fully offloaded, 3/4 and
+  # 9/10 of the layers = about the GPU memory of our 25% and 10% budgets (22 and 27 of Gemma's
+  # 30), all of them = --cpu-moe.
+  NC="0,$((LAYERS * 3 / 4)),$((LAYERS * 9 / 10)),$LAYERS"
+  "$LB" -m "$W/$M.gguf" -ngl 99 -ncmoe "$NC" -p 512 -n 0 -r 3 -t "$(nproc)" -o json \
     >"$W/llama-pp.json"
-  "$LB" -m "$W/$M.gguf" -ngl 99 -ncmoe 0,22,27,30 -p 0 -n 64 -d 512 -r 3 -t "$(nproc)" -o json \
+  "$LB" -m "$W/$M.gguf" -ngl 99 -ncmoe "$NC" -p 0 -n 64 -d 512 -r 3 -t "$(nproc)" -o json \
     >"$W/llama-tg.json"
   python3 - "$W" <<'EOF'
 import json, sys
