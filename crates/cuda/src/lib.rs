@@ -582,16 +582,10 @@ impl CudaBackend {
         match src {
             Weights::Resident => f(self.addr(&self.resident), self.resident.len()),
             Weights::Held { layer, expert } => {
-                let Some(mut cache) = self.cache() else {
-                    return Err(OpError::Shape {
-                        op,
-                        why: format!("expert {expert} of layer {layer}: no GPU expert cache"),
-                    });
-                };
-                let (addr, slot) = cache
-                    .slot_addr(&self.stream, layer, expert)
-                    .map_err(|e| self.cache_err(op, e))?;
-                let r = f(addr, cache.stride());
+                let mut cache = self.cache();
+                let (addr, len, slot) = self.held_addr(op, cache.as_deref(), layer, expert)?;
+                let cache = cache.as_mut().expect("held_addr found the cache");
+                let r = f(addr, len);
                 cache
                     .after_read(&self.stream, layer, slot)
                     .map_err(|e| self.cache_err(op, e))?;
@@ -602,6 +596,28 @@ impl CudaBackend {
                 f(at[0], b.len())
             }
         }
+    }
+
+    /// The device address, valid length and slot of expert `expert` of `layer` in `cache`, the
+    /// compute stream made to wait for its copy (the caller calls `after_read` once the kernels
+    /// reading it are queued).
+    fn held_addr(
+        &self,
+        op: &'static str,
+        cache: Option<&GpuExperts>,
+        layer: usize,
+        expert: usize,
+    ) -> OpResult<(u64, usize, usize)> {
+        let Some(c) = cache else {
+            return Err(OpError::Shape {
+                op,
+                why: format!("expert {expert} of layer {layer}: no GPU expert cache"),
+            });
+        };
+        let (addr, slot) = c
+            .slot_addr(&self.stream, layer, expert)
+            .map_err(|e| self.cache_err(op, e))?;
+        Ok((addr, c.stride(), slot))
     }
 
     /// `y[T, w.rows] = x · wᵀ` from the bytes at device address `buf` (`len` of them valid).
@@ -1183,17 +1199,9 @@ impl Backend for CudaBackend {
                     (a, b.len())
                 }
                 Weights::Held { layer, expert } => {
-                    let Some(c) = cache.as_ref() else {
-                        return Err(OpError::Shape {
-                            op,
-                            why: format!("expert {expert} of layer {layer}: no GPU expert cache"),
-                        });
-                    };
-                    let (a, slot) = c
-                        .slot_addr(&self.stream, layer, expert)
-                        .map_err(|e| self.cache_err(op, e))?;
+                    let (a, len, slot) = self.held_addr(op, cache.as_deref(), layer, expert)?;
                     held.push((layer, slot));
-                    (a, c.stride())
+                    (a, len)
                 }
             });
         }
