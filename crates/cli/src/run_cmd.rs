@@ -283,9 +283,9 @@ fn resolve_slots(
         return Ok((s, m.direct_io));
     }
     let host_bytes = match &m.host_expert_cache {
-        Some(v) => match mference_models::GpuExpertBudget::parse(v) {
-            Ok(mference_models::GpuExpertBudget::Bytes(b)) => Some(b),
-            _ => bail!("invalid --host-expert-cache '{v}': expected bytes such as 16G or 512M"),
+        Some(v) => match mference_runtime::parse_bytes(v) {
+            Some(b) => Some(b),
+            None => bail!("invalid --host-expert-cache '{v}': expected bytes such as 16G or 512M"),
         },
         None => None,
     };

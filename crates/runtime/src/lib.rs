@@ -10,12 +10,14 @@ pub mod slab;
 pub mod slots;
 pub mod streamer;
 pub mod trace;
+pub mod units;
 
 pub use kv::{KvDtype, KvLayer, KvRow};
 pub use sampler::{Sampler, SamplerConfig};
 pub use slots::SlotTable;
 pub use streamer::{CacheSlots, ExpertStreamer, StreamerStats};
 pub use trace::RoutingTrace;
+pub use units::parse_bytes;
 
 /// Errors raised by the runtime building blocks.
 #[derive(Debug, thiserror::Error)]
