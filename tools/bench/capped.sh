@@ -8,7 +8,8 @@
 #
 # Env: LLAMA_BENCH (default work/llama/build/bin/llama-bench), MFERENCE (target/release/mference),
 # CAPS (8,4), PROMPTS (64,512), GEN (32), REPEATS (3), ENGINES (ours,llama; ours-router adds
-# mference on its own random routers, the routing llama.cpp runs), LOCK (a file: every timed step runs under
+# mference on its own random routers, the routing llama.cpp runs), LLAMA_NO_PP=1 (skip llama.cpp's
+# prefill runs: decode only), LOCK (a file: every timed step runs under
 # `flock $LOCK`; compare.py takes it per engine run, for machines shared with other benchmarks).
 set -euo pipefail
 REPO="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -41,5 +42,5 @@ echo "floor terms: O_DIRECT $bw GB/s; warm ms/token $warm"
 "$PY" "$REPO/tools/bench/compare.py" --ours "$INSTALL" --gguf "$GGUF" --mference "$MFERENCE" \
   --llama-bench "$LLAMA_BENCH" --threads 2 --prompts "$PROMPTS" --gen "$GEN" --repeats "$REPEATS" \
   --slots auto --routing-trace "$TRACE" --modes capped --cap-gib "$CAPS" --llama-args "--repack 0" \
-  --engines "${ENGINES:-ours,llama}" --odirect-GBps "$bw" --warm-ms "$warm" ${LOCK:+--lock "$LOCK"} \
+  --engines "${ENGINES:-ours,llama}" ${LLAMA_NO_PP:+--llama-no-pp} --odirect-GBps "$bw" --warm-ms "$warm" ${LOCK:+--lock "$LOCK"} \
   --out "$OUT/capped-$name.json"

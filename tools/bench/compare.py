@@ -408,7 +408,9 @@ def capped_mode(a, prompts: list, engines: list, cap_gib: float) -> dict:
     try:
         for i in range(a.repeats):
             for eng in engines if i % 2 == 0 else engines[::-1]:
-                files = files_of(a.ours) if eng.startswith("ours") else [a.gguf]
+                # Both engines' files: what the other engine left cached stays charged to the
+                # cgroup otherwise (and is not a cold start).
+                files = files_of(a.ours) + [a.gguf]
                 print(f"[compare] capped {cap_gib:g} GiB: {eng} repeat {i + 1}/{a.repeats} ...",
                       file=sys.stderr, flush=True)
                 with timed():
