@@ -198,32 +198,26 @@ def ours(a, prompts: list, capped: bool, repeats: int, trace: bool = True) -> di
 
 
 def llama(a, prompts: list, capped: bool, repeats: int, evict_first=None) -> dict:
-    """llama-bench prefill (-p N -n 0) and decode at depth N (-p 0 -n G -d N), `repeats` each;
-    `evict_first` (capped) is called before each of the two invocations, so both start cold."""
+    """llama-bench prefill (-p N -n 0, skipped with --llama-no-pp) and decode at depth N
+    (-p 0 -n G -d N), `repeats` each; `evict_first` (capped) is called before each invocation, so
+    both start cold. Keys are suffixed _pp / _tg."""
     extra = a.llama_args.split() if a.llama_args else []
-    cmd = [str(a.llama_bench), "-m", str(a.gguf), "-t", str(a.threads),
-           "-p", ",".join(map(str, prompts)), "-n", "0", "-r", str(repeats), "-o", "json"] + extra
-    res = {}
+    base = [str(a.llama_bench), "-m", str(a.gguf), "-t", str(a.threads)]
+    tail = ["-r", str(repeats), "-o", "json"] + extra
+    n = ",".join(map(str, prompts))
+    res = {"pp": []}
+    steps = [("tg", ["-p", "0", "-n", str(a.gen), "-d", n])]
     if not a.llama_no_pp:
+        steps.insert(0, ("pp", ["-p", n, "-n", "0"]))
+    for kind, args in steps:
+        cmd = base + args + tail
         if evict_first:
             evict_first()
-        out, dt_p, rss_p, _, peaks = run(cmd, capped, a.timeout)
-        res.update(pp_cmd=" ".join(cmd), pp=json.loads(out), max_rss_kib_time_pp=rss_p,
-                   cgroup_rss_peaks_pp=peaks, wall_pp_s=dt_p)
+        out, dt, rss, _, peaks = run(cmd, capped, a.timeout)
+        res.update({kind: json.loads(out), f"{kind}_cmd": " ".join(cmd), f"wall_{kind}_s": dt,
+                    f"max_rss_kib_time_{kind}": rss, f"cgroup_rss_peaks_{kind}": peaks})
         if capped:
-            res["cgroup_pp"] = cgroup_stats()
-    else:
-        res["pp"] = []
-    cmd = [str(a.llama_bench), "-m", str(a.gguf), "-t", str(a.threads), "-p", "0",
-           "-n", str(a.gen), "-d", ",".join(map(str, prompts)), "-r", str(repeats), "-o", "json"]
-    cmd += extra
-    if evict_first:
-        evict_first()
-    out, dt_g, rss_g, _, peaks = run(cmd, capped, a.timeout)
-    res.update(tg_cmd=" ".join(cmd), tg=json.loads(out), max_rss_kib_time_tg=rss_g,
-               cgroup_rss_peaks_tg=peaks, wall_tg_s=dt_g)
-    if capped:
-        res["cgroup_tg"] = cgroup_stats()
+            res[f"cgroup_{kind}"] = cgroup_stats()
     return res
 
 
