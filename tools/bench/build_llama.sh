@@ -7,7 +7,7 @@
 set -euo pipefail
 REPO="$(cd "$(dirname "$0")/../.." && pwd)"
 VENV="$REPO/.venv-bench"
-W="$REPO/work/llama"
+W="${LLAMA_DIR:-$REPO/work/llama}"  # LLAMA_DIR: build elsewhere (a shared copy)
 VER=0.3.36
 SRC="$W/llama_cpp_python-$VER/vendor/llama.cpp"
 mkdir -p "$W"

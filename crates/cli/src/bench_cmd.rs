@@ -1,6 +1,7 @@
 //! `bench`: fixed prompts (short, medium, long) each in a fresh process, one table and one JSON
 //! document. The parent re-executes this binary with the hidden `--child` flag; the child loads the
-//! model, runs one prompt, and prints one JSON line (peak RSS is the child's VmHWM).
+//! model, runs one prompt, and prints one JSON line (peak RSS is the child's VmHWM, and the peaks of
+//! its anonymous and file-backed parts, sampled: [`crate::rss_peak`]).
 //!
 //! Prompts are deterministic pseudo-random token ids inside the vocabulary (no tokenizer involved),
 //! as llama-bench uses random ids: both engines then see the same kind of input. Decode feeds the
@@ -161,7 +162,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     let doc = json!({
         "model": a.model.display().to_string(),
         "settings": {
-            "slots": first["slots"], "threads": first["threads"], "direct_io": a.direct_io,
+            "slots": first["slots"], "threads": first["threads"], "direct_io": first["direct_io"],
             "prefill_chunk": a.prefill_chunk, "prefill_chunk_effective": effective, "ctx": a.ctx, "gen": a.gen, "decode": a.decode,
             "repeats": a.repeats, "warmup": a.warmup, "kernels": first["kernels"],
             "routing": first["routing"], "device": first["device"], "flash_head": a.flash_head,
@@ -334,6 +335,7 @@ fn argmax(row: &[f32]) -> u32 {
 
 /// One prompt in this process: load, prefill, decode; returns the JSON line.
 fn child(a: &BenchArgs, n: usize) -> Result<Value> {
+    let rss = crate::rss_peak::PeakSampler::start(std::time::Duration::from_millis(20));
     let chunk = crate::run_cmd::parse_prefill_chunk(&a.prefill_chunk, Some(n))?;
     let margs = ModelArgs {
         model: a.model.clone(),
@@ -363,6 +365,7 @@ fn child(a: &BenchArgs, n: usize) -> Result<Value> {
     let t_load = Instant::now();
     let mut model = mference_models::load(&a.model, &opts)?;
     let load_s = t_load.elapsed().as_secs_f64();
+    rss.sample_now();
     let vocab = model.vocab_size();
     let prompt = prompt_ids(n, vocab, 0x6D66_6572_656E_6365 ^ n as u64);
 
@@ -371,6 +374,7 @@ fn child(a: &BenchArgs, n: usize) -> Result<Value> {
         bail!("the model returned no logits for the prompt")
     };
     let prefill_s = t0.elapsed().as_secs_f64();
+    rss.sample_now();
     let mut finite = last.iter().all(|v| v.is_finite());
     let after_prefill = sum(&model.expert_stats());
     let gpu_prefill = model.device_expert_stats().unwrap_or_default();
@@ -410,6 +414,7 @@ fn child(a: &BenchArgs, n: usize) -> Result<Value> {
         generated.push(next);
     }
     let decode_s = t1.elapsed().as_secs_f64();
+    let peaks = rss.finish();
     let total = sum(&model.expert_stats());
     let gpu = model.device_expert_stats();
     let steps = (a.gen - 1) as f64;
@@ -461,6 +466,11 @@ fn child(a: &BenchArgs, n: usize) -> Result<Value> {
         "peak_rss_bytes": status_bytes("VmHWM"),
         "rss_anon_bytes": status_bytes("RssAnon"),
         "rss_file_bytes": status_bytes("RssFile"),
+        // The peaks of each part (sampled every 20 ms and at the end of load, prefill and decode;
+        // not necessarily at the same moment).
+        "peak_rss_anon_bytes": peaks.anon,
+        "peak_rss_file_bytes": peaks.file,
+        "rss_samples": peaks.samples,
         "kv_bytes": model.kv_bytes(),
         "prefill_hit_rate": rate(after_prefill.hits, after_prefill.misses),
         "prefill_bytes_read": after_prefill.bytes_read,
@@ -477,7 +487,8 @@ fn child(a: &BenchArgs, n: usize) -> Result<Value> {
         "generated": generated,
         "slots": slots,
         "threads": model.engine().threads,
-        "direct_io": a.direct_io,
+        // What the load used: `--slots auto` turns O_DIRECT on by itself under a cap.
+        "direct_io": opts.direct_io,
         "prefill_chunk": chunk,
         "ctx": a.ctx,
         "decode": a.decode,
@@ -567,6 +578,8 @@ fn median_row(name: &str, runs: &[Value]) -> Value {
         "peak_rss_bytes": m("peak_rss_bytes"),
         "rss_anon_bytes": m("rss_anon_bytes"),
         "rss_file_bytes": m("rss_file_bytes"),
+        "peak_rss_anon_bytes": m("peak_rss_anon_bytes"),
+        "peak_rss_file_bytes": m("peak_rss_file_bytes"),
         "hit_rate": m("hit_rate"),
         "bytes_per_token": m("bytes_per_token"),
         "read_wait_per_token_s": m("read_wait_per_token_s"),
@@ -601,7 +614,7 @@ fn print_table(doc: &Value) {
         s["repeats"]
     );
     println!(
-        "{:<8} {:>7} {:>9} {:>10} {:>8} {:>10} {:>9} {:>9} {:>6} {:>9} {:>10} {:>10}",
+        "{:<8} {:>7} {:>9} {:>10} {:>8} {:>10} {:>9} {:>9} {:>9} {:>6} {:>9} {:>10} {:>10}",
         "prompt",
         "tokens",
         "prefill_s",
@@ -610,6 +623,7 @@ fn print_table(doc: &Value) {
         "decode/s",
         "RSS_MiB",
         "anon_MiB",
+        "file_MiB",
         "hit%",
         "MiB/tok",
         "wait_ms/t",
@@ -618,7 +632,7 @@ fn print_table(doc: &Value) {
     for r in doc["summary"].as_array().into_iter().flatten() {
         let f = |k: &str| r[k].as_f64().unwrap_or(0.0);
         println!(
-            "{:<8} {:>7} {:>9.3} {:>10.2} {:>8.3} {:>10.3} {:>9.0} {:>9.0} {:>6.1} {:>9.1} {:>10.2} {:>10.2}{}",
+            "{:<8} {:>7} {:>9.3} {:>10.2} {:>8.3} {:>10.3} {:>9.0} {:>9.0} {:>9.0} {:>6.1} {:>9.1} {:>10.2} {:>10.2}{}",
             r["prompt"].as_str().unwrap_or(""),
             r["prompt_tokens"],
             f("prefill_s"),
@@ -626,7 +640,8 @@ fn print_table(doc: &Value) {
             f("ttft_s"),
             f("decode_tok_s"),
             f("peak_rss_bytes") / 1048576.0,
-            f("rss_anon_bytes") / 1048576.0,
+            f("peak_rss_anon_bytes") / 1048576.0,
+            f("peak_rss_file_bytes") / 1048576.0,
             f("hit_rate") * 100.0,
             f("bytes_per_token") / 1048576.0,
             f("read_wait_per_token_s") * 1e3,

@@ -5,6 +5,7 @@ use clap::{Parser, Subcommand};
 mod bench_cmd;
 mod install_cmd;
 mod logits_cmd;
+mod rss_peak;
 mod run_cmd;
 mod serve_cmd;
 

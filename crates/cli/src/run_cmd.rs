@@ -334,7 +334,11 @@ fn resolve_slots(
         limit,
         resident_weights: size(mference_format::WEIGHTS_FILE),
         kv,
-        scratch: (256 << 20) + prefill_chunk as u64 * a.vocab_size * 4,
+        // 256 MiB, plus ~400 KB per prefill row (measured on Gemma 26B: a 4,000-token prompt in
+        // one 4,096-row chunk peaked 1.6 GB above chunk 256; at chunk 64 / 512 everything besides
+        // the slots, KV and mapped weights was 70 / 150 MB), i.e. 36 f32 rows of the hidden size,
+        // plus one head row: prefill computes the logits of the rows wanted, the last one here.
+        scratch: (256 << 20) + prefill_chunk as u64 * a.hidden_size * 4 * 36 + a.vocab_size * 4,
         expert_files: size("packed_experts/layer_"),
         moe_layers: man.expert_layer_files() as u64,
         stride: man.expert_stride,
@@ -384,7 +388,8 @@ fn host_tier_slots(man: &mference_format::Manifest, bytes: u64) -> Result<CacheS
 
 /// Bytes this process can use and where that number comes from: MemAvailable, lowered to the
 /// memory cgroup's limit minus its usage when one is set (cgroup v1 `memory.limit_in_bytes` or v2
-/// `memory.max`).
+/// `memory.max`), the page cache charged to the cgroup not counted as used
+/// ([`mference_runtime::sizing::cgroup_headroom`]).
 fn usable_memory() -> (u64, &'static str) {
     let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
     let avail = meminfo
@@ -413,8 +418,11 @@ fn usable_memory() -> (u64, &'static str) {
                 read(format!("{base}/memory.limit_in_bytes")),
                 read(format!("{base}/memory.usage_in_bytes")),
             ) {
-                if l.saturating_sub(u) < limit {
-                    limit = l.saturating_sub(u);
+                let stat =
+                    std::fs::read_to_string(format!("{base}/memory.stat")).unwrap_or_default();
+                let room = mference_runtime::sizing::cgroup_headroom(l, u, &stat);
+                if room < limit {
+                    limit = room;
                     from = "cgroup v1 memory.limit_in_bytes";
                 }
             }
@@ -424,8 +432,11 @@ fn usable_memory() -> (u64, &'static str) {
                 read(format!("{base}/memory.max")),
                 read(format!("{base}/memory.current")),
             ) {
-                if l.saturating_sub(u) < limit {
-                    limit = l.saturating_sub(u);
+                let stat =
+                    std::fs::read_to_string(format!("{base}/memory.stat")).unwrap_or_default();
+                let room = mference_runtime::sizing::cgroup_headroom(l, u, &stat);
+                if room < limit {
+                    limit = room;
                     from = "cgroup v2 memory.max";
                 }
             }

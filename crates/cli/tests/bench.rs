@@ -77,6 +77,20 @@ fn bench_runs_each_prompt_in_a_fresh_process_and_reports_sane_json() {
             anon > 0 && file > 0 && anon + file <= rss,
             "resident split anon {anon} + file {file} vs peak {rss}"
         );
+        // The sampled peaks of each part: each at most VmHWM, the anonymous one at least the KV
+        // cache (allocated at load, anonymous), the file one at least the mapped weights' pages
+        // still resident at the end.
+        let (peak_anon, peak_file) = (
+            r["peak_rss_anon_bytes"].as_u64().unwrap(),
+            r["peak_rss_file_bytes"].as_u64().unwrap(),
+        );
+        assert!(r["rss_samples"].as_u64().unwrap() >= 4, "{r}");
+        assert!(
+            peak_anon <= rss && peak_file <= rss,
+            "peaks anon {peak_anon} file {peak_file} vs VmHWM {rss}"
+        );
+        assert!(peak_anon >= r["kv_bytes"].as_u64().unwrap(), "{r}");
+        assert!(peak_file + (1 << 20) >= file, "{r}");
         let hit = r["hit_rate"].as_f64().unwrap();
         assert!((0.0..=1.0).contains(&hit), "hit rate {hit}");
         assert!(

@@ -63,9 +63,52 @@ pub fn auto_slots(i: &SizingInput) -> Sizing {
     }
 }
 
+/// Bytes a memory cgroup still has room for: `limit - (usage - file cache)`. The cgroup's usage
+/// counts the page cache charged to it (v1 `memory.usage_in_bytes`, v2 `memory.current`), which
+/// the kernel reclaims under the limit; counting it as used would size the slots to whatever an
+/// earlier process left cached (the weights' own pages would be subtracted twice). `memory_stat` is
+/// the cgroup's `memory.stat`: the file cache is `total_active_file + total_inactive_file` (v1,
+/// hierarchical) or `active_file + inactive_file` (v1 local, v2); without them nothing is excused.
+pub fn cgroup_headroom(limit: u64, usage: u64, memory_stat: &str) -> u64 {
+    let field = |k: &str| -> Option<u64> {
+        memory_stat.lines().find_map(|l| {
+            let (key, v) = l.split_once(' ')?;
+            (key == k).then(|| v.trim().parse().ok())?
+        })
+    };
+    let file = match (field("total_active_file"), field("total_inactive_file")) {
+        (Some(a), Some(i)) => a + i,
+        _ => field("active_file").unwrap_or(0) + field("inactive_file").unwrap_or(0),
+    };
+    limit.saturating_sub(usage.saturating_sub(file))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cgroup_headroom_excuses_the_reclaimable_file_cache() {
+        let gib = 1u64 << 30;
+        // v1: 8 GiB limit, 3 GiB used of which 2.5 GiB page cache (an earlier run's weights).
+        let v1 = format!(
+            "cache {}\nrss {}\nactive_file {}\ninactive_file {}\ntotal_active_file {}\ntotal_inactive_file {}\n",
+            5 * gib / 2, gib / 2, gib, gib, gib, 3 * gib / 2
+        );
+        assert_eq!(cgroup_headroom(8 * gib, 3 * gib, &v1), 15 * gib / 2);
+        // v2 keys; anonymous memory still counts.
+        let v2 = format!(
+            "anon {}\nfile {}\nactive_file {}\ninactive_file {}\n",
+            gib,
+            gib,
+            gib / 4,
+            3 * gib / 4
+        );
+        assert_eq!(cgroup_headroom(4 * gib, 2 * gib, &v2), 3 * gib);
+        // No file counters: all of the usage counts; a usage above the limit leaves nothing.
+        assert_eq!(cgroup_headroom(4 * gib, gib, ""), 3 * gib);
+        assert_eq!(cgroup_headroom(gib, 2 * gib, "total_active_file 1\n"), 0);
+    }
 
     const GIB: u64 = 1 << 30;
 
