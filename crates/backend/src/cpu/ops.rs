@@ -7,7 +7,7 @@ use std::sync::Mutex;
 use mference_kernels::{Kernels, ThreadPool};
 use mference_runtime::{KvLayer, KvRow};
 
-use crate::{AttnShape, DeltaShape, LogScaling, Norm};
+use crate::{Act, AttnShape, DeltaShape, LogScaling, Norm};
 
 /// `x ← x · rsqrt(mean(x²) + eps) · s` over each `dim` piece of `x` (mlx `fast.rms_norm`), `s` as
 /// [`Norm`] says; weights are read from `buf` (the resident bytes).
@@ -44,6 +44,21 @@ pub fn rms_norm(x: &mut [f32], dim: usize, norm: Norm, buf: &[u8], eps: f32) {
 pub fn gelu_tanh(x: f32) -> f32 {
     const C: f32 = 0.797_884_6; // sqrt(2/π)
     0.5 * x * (1.0 + tanh(C * (x + 0.044715 * x * x * x)))
+}
+
+/// `g ← act(g) ⊙ u`, the gated activation of a GLU MLP (`g` the gate projection, `u` the up).
+pub fn glu(act: Act, g: &mut [f32], u: &[f32]) {
+    match act {
+        Act::GeluTanh => g
+            .iter_mut()
+            .zip(u)
+            .for_each(|(a, b)| *a = gelu_tanh(*a) * b),
+        Act::Silu => g.iter_mut().zip(u).for_each(|(a, b)| *a = silu(*a) * b),
+        Act::SiluClamped(l) => g
+            .iter_mut()
+            .zip(u)
+            .for_each(|(a, b)| *a = silu(a.min(l)) * b.clamp(-l, l)),
+    }
 }
 
 /// `c · tanh(z / c)` on every logit (Gemma's final logit softcap).
