@@ -290,6 +290,54 @@ impl ThreadPool {
         });
     }
 
+    /// For every job, `y = A x` and `B x` with rows split across threads, then `f(y[r0..r1],
+    /// (B x)[r0..r1])` on each chunk of rows inside the same work item: an elementwise combine (a
+    /// GLU's activation) runs in parallel with the products that feed it, in one region for all
+    /// jobs. With an elementwise `f`, bit-identical to the two products one by one and `f` over
+    /// the whole vectors.
+    ///
+    /// Panics if a job's `x` was not prepared by `k` for both matrices as one row, the matrices'
+    /// rows differ, or `y.len() != a.rows`.
+    pub fn gemv_pairs<F: Fn(&mut [f32], &[f32]) + Sync>(
+        &self,
+        k: &Kernels,
+        jobs: &mut [PairJob<'_>],
+        f: F,
+    ) {
+        let mut items = Vec::new();
+        let mut outs = Vec::with_capacity(jobs.len());
+        for (j, job) in jobs.iter_mut().enumerate() {
+            assert!(
+                job.x.n() == 1 && job.a.rows == job.b.rows && job.y.len() == job.a.rows,
+                "gemv_pairs: one row into y[rows] of two matrices of the same rows"
+            );
+            outs.push(SyncPtr(job.y.as_mut_ptr()));
+            let chunk = self.row_chunk(&job.a);
+            let mut r = 0;
+            while r < job.a.rows {
+                let e = (r + chunk).min(job.a.rows);
+                items.push((j, r, e));
+                r = e;
+            }
+        }
+        let jobs = &*jobs;
+        self.for_chunks(items.len(), 1, |i0, i1| {
+            for &(j, r0, r1) in &items[i0..i1] {
+                let PairJob { a, b, x, .. } = &jobs[j];
+                // SAFETY: chunks are disjoint row ranges inside job j's `y`, which outlives the region.
+                let ya = unsafe { std::slice::from_raw_parts_mut(outs[j].get().add(r0), r1 - r0) };
+                k.gemv_prepared(a, x, ya, r0, r1);
+                OUT_TILE.with(|cell| {
+                    let mut yb = cell.borrow_mut();
+                    yb.clear();
+                    yb.resize(r1 - r0, 0.0);
+                    k.gemv_prepared(b, x, &mut yb, r0, r1);
+                    f(ya, &yb);
+                });
+            }
+        });
+    }
+
     /// Fused greedy head: `argmax_r (W x)_r`, computing logits in per-thread tiles (never the full vector).
     ///
     /// Returns `(index, logit)`; with `softcap = Some(c)` the returned logit is `c · tanh(logit / c)` (monotonic,
@@ -414,6 +462,18 @@ pub struct MatJob<'a> {
     /// Activations prepared for `m` by the `Kernels` passed to `gemm_batch`.
     pub x: &'a PreparedX,
     /// Output, `[x.n(), m.rows]` row-major.
+    pub y: &'a mut [f32],
+}
+
+/// One pair of a [`ThreadPool::gemv_pairs`]: `y ← f(A x, B x)` for one prepared row `x`.
+pub struct PairJob<'a> {
+    /// The first matrix (its product is written to `y`, then combined in place).
+    pub a: QMatrix<'a>,
+    /// The second matrix, of the same rows.
+    pub b: QMatrix<'a>,
+    /// One activation row prepared by the `Kernels` passed to `gemv_pairs` for both matrices.
+    pub x: &'a PreparedX,
+    /// Output, `[a.rows]`.
     pub y: &'a mut [f32],
 }
 

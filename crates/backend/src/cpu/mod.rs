@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use std::ops::Deref;
 use std::sync::Arc;
 
-use mference_kernels::{Kernels, MatJob, PreparedX, QMatrix, ThreadPool};
+use mference_kernels::{Kernels, MatJob, PairJob, PreparedX, QMatrix, ThreadPool};
 use mference_runtime::{KvDtype, KvLayer};
 
 use crate::{
@@ -144,18 +144,42 @@ impl CpuBackend {
             .iter()
             .map(|b| [mlp.gate_proj.mat(b), mlp.up_proj.mat(b)])
             .collect();
-        let groups: Vec<(&[QMatrix], &[f32], usize)> =
-            gate_up.iter().map(|m| (&m[..], x, t)).collect();
-        let hidden: Vec<Vec<f32>> = self
-            .batched_products(&groups)
-            .into_iter()
-            .map(|mut gu| {
-                let u = gu.pop().expect("two products");
-                let mut g = gu.pop().expect("two products");
-                ops::glu(act, &mut g, &u);
-                g
-            })
-            .collect();
+        let (g, u) = (&mlp.gate_proj, &mlp.up_proj);
+        let hidden: Vec<Vec<f32>> = if t == 1 && (g.bits, g.group_size) == (u.bits, u.group_size) {
+            // Decode: one preparation of the row for every expert, the activation applied to
+            // each chunk of rows by the thread that computed it.
+            let (k, rows) = (self.kernels, mlp.gate_proj.rows);
+            let mut hidden = vec![vec![0.0f32; rows]; srcs.len()];
+            let Some([g0, _]) = gate_up.first() else {
+                return Vec::new();
+            };
+            let p = k.prepare(g0, x, 1);
+            let mut jobs: Vec<PairJob> = gate_up
+                .iter()
+                .zip(hidden.iter_mut())
+                .map(|([a, b], y)| PairJob {
+                    a: *a,
+                    b: *b,
+                    x: &p,
+                    y,
+                })
+                .collect();
+            self.pool
+                .gemv_pairs(k, &mut jobs, |g, u| ops::glu(act, g, u));
+            hidden
+        } else {
+            let groups: Vec<(&[QMatrix], &[f32], usize)> =
+                gate_up.iter().map(|m| (&m[..], x, t)).collect();
+            self.batched_products(&groups)
+                .into_iter()
+                .map(|mut gu| {
+                    let u = gu.pop().expect("two products");
+                    let mut g = gu.pop().expect("two products");
+                    ops::glu(act, &mut g, &u);
+                    g
+                })
+                .collect()
+        };
         let downs: Vec<[QMatrix; 1]> = bufs.iter().map(|b| [mlp.down_proj.mat(b)]).collect();
         let groups: Vec<(&[QMatrix], &[f32], usize)> = downs
             .iter()
@@ -352,7 +376,7 @@ impl Backend for CpuBackend {
         check("rms_norm", dim > 0 && x.cols.is_multiple_of(dim), || {
             format!("pieces of {dim} in rows of {}", x.cols)
         })?;
-        ops::rms_norm(&mut x.data, dim, norm, &self.resident, eps);
+        ops::rms_norm(self.kernels, &mut x.data, dim, norm, &self.resident, eps);
         Ok(())
     }
 
@@ -365,7 +389,14 @@ impl Backend for CpuBackend {
         eps: f32,
     ) -> OpResult<()> {
         same_shape("rms_norm_gated", x, z)?;
-        ops::rms_norm(&mut x.data, dim, Norm::Weight(w), &self.resident, eps);
+        ops::rms_norm(
+            self.kernels,
+            &mut x.data,
+            dim,
+            Norm::Weight(w),
+            &self.resident,
+            eps,
+        );
         x.data
             .iter_mut()
             .zip(&z.data)
@@ -392,8 +423,8 @@ impl Backend for CpuBackend {
         })?;
         for row in x.data.chunks_exact_mut(x.cols) {
             row.iter_mut()
-                .enumerate()
-                .for_each(|(i, v)| *v *= w.get(&self.resident, i) * c);
+                .zip(w.iter(&self.resident))
+                .for_each(|(v, s)| *v *= s * c);
         }
         Ok(())
     }

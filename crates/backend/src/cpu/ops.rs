@@ -10,27 +10,22 @@ use mference_runtime::{KvLayer, KvRow};
 use crate::{Act, AttnShape, DeltaShape, LogScaling, Norm};
 
 /// `x ← x · rsqrt(mean(x²) + eps) · s` over each `dim` piece of `x` (mlx `fast.rms_norm`), `s` as
-/// [`Norm`] says; weights are read from `buf` (the resident bytes).
-pub fn rms_norm(x: &mut [f32], dim: usize, norm: Norm, buf: &[u8], eps: f32) {
+/// [`Norm`] says; weights (`dim` of them) are read from `buf` (the resident bytes). The sum of
+/// squares is the kernel table's dot product (SIMD partial sums).
+pub fn rms_norm(k: &Kernels, x: &mut [f32], dim: usize, norm: Norm, buf: &[u8], eps: f32) {
     for row in x.chunks_exact_mut(dim) {
-        let ms = row.iter().map(|v| v * v).sum::<f32>() / dim as f32;
+        let ms = k.dot_f32(row, row) / dim as f32;
+        let r = 1.0 / (ms + eps).sqrt();
         match norm {
-            Norm::NoScale => {
-                let r = 1.0 / (ms + eps).sqrt();
-                row.iter_mut().for_each(|v| *v *= r)
-            }
-            Norm::Weight(w) => {
-                let r = 1.0 / (ms + eps).sqrt();
-                row.iter_mut()
-                    .enumerate()
-                    .for_each(|(i, v)| *v *= r * w.get(buf, i))
-            }
-            Norm::OnePlusWeight(w) => {
-                let r = 1.0 / (ms + eps).sqrt();
-                row.iter_mut()
-                    .enumerate()
-                    .for_each(|(i, v)| *v *= r * (1.0 + w.get(buf, i)))
-            }
+            Norm::NoScale => row.iter_mut().for_each(|v| *v *= r),
+            Norm::Weight(w) => row
+                .iter_mut()
+                .zip(w.iter(buf).take(dim))
+                .for_each(|(v, s)| *v *= r * s),
+            Norm::OnePlusWeight(w) => row
+                .iter_mut()
+                .zip(w.iter(buf).take(dim))
+                .for_each(|(v, s)| *v *= r * (1.0 + s)),
             Norm::Scaled(c) => {
                 let r = c / (ms + eps).sqrt();
                 row.iter_mut().for_each(|v| *v *= r)
