@@ -145,46 +145,49 @@ impl CpuBackend {
             .map(|b| [mlp.gate_proj.mat(b), mlp.up_proj.mat(b)])
             .collect();
         let (g, u) = (&mlp.gate_proj, &mlp.up_proj);
-        let hidden: Vec<Vec<f32>> = if t == 1 && (g.bits, g.group_size) == (u.bits, u.group_size) {
-            // Decode: one preparation of the row for every expert, the activation applied to
-            // each chunk of rows by the thread that computed it.
-            let (k, rows) = (self.kernels, mlp.gate_proj.rows);
-            let mut hidden = vec![vec![0.0f32; rows]; srcs.len()];
-            let Some([g0, _]) = gate_up.first() else {
-                return Vec::new();
-            };
-            let p = k.prepare(g0, x, 1);
-            let mut jobs: Vec<PairJob> = gate_up
+        if t != 1 || (g.bits, g.group_size) != (u.bits, u.group_size) {
+            // Prefill: one MLP at a time (its rows are the batch); the row preparations reuse
+            // the thread's scratch.
+            return gate_up
                 .iter()
-                .zip(hidden.iter_mut())
-                .map(|([a, b], y)| PairJob {
-                    a: *a,
-                    b: *b,
-                    x: &p,
-                    y,
-                })
-                .collect();
-            self.pool
-                .gemv_pairs(k, &mut jobs, |g, u| ops::glu(act, g, u));
-            hidden
-        } else {
-            let groups: Vec<(&[QMatrix], &[f32], usize)> =
-                gate_up.iter().map(|m| (&m[..], x, t)).collect();
-            self.batched_products(&groups)
-                .into_iter()
-                .map(|mut gu| {
+                .zip(&bufs)
+                .map(|([g, u], buf)| {
+                    let mut gu = self.products(&[*g, *u], x, t);
                     let u = gu.pop().expect("two products");
                     let mut g = gu.pop().expect("two products");
                     ops::glu(act, &mut g, &u);
-                    g
+                    let mut y = vec![0.0f32; t * mlp.down_proj.rows];
+                    let down = mlp.down_proj.mat(buf);
+                    self.pool.gemm(self.kernels, &down, &g, t, &mut y);
+                    y
                 })
-                .collect()
+                .collect();
+        }
+        // Decode: one preparation of the row for every expert, the activation applied to each
+        // chunk of rows by the thread that computed it, then every down projection.
+        let (k, rows) = (self.kernels, mlp.gate_proj.rows);
+        let mut hidden = vec![vec![0.0f32; rows]; srcs.len()];
+        let Some([g0, _]) = gate_up.first() else {
+            return Vec::new();
         };
+        let p = k.prepare(g0, x, 1);
+        let mut jobs: Vec<PairJob> = gate_up
+            .iter()
+            .zip(hidden.iter_mut())
+            .map(|([a, b], y)| PairJob {
+                a: *a,
+                b: *b,
+                x: &p,
+                y,
+            })
+            .collect();
+        self.pool
+            .gemv_pairs(k, &mut jobs, |g, u| ops::glu(act, g, u));
         let downs: Vec<[QMatrix; 1]> = bufs.iter().map(|b| [mlp.down_proj.mat(b)]).collect();
         let groups: Vec<(&[QMatrix], &[f32], usize)> = downs
             .iter()
             .zip(&hidden)
-            .map(|(m, g)| (&m[..], &g[..], t))
+            .map(|(m, g)| (&m[..], &g[..], 1))
             .collect();
         self.batched_products(&groups)
             .into_iter()
