@@ -180,6 +180,9 @@ unsafe fn wsum_f16_block<const NB: usize>(
     }
 }
 
+/// Rows ahead that the grouped attention kernels prefetch.
+const KV_PF_ROWS: usize = 8;
+
 /// `Kernels::dots_f16_group` for 2..=8 queries of a width that is a multiple of 32 (false
 /// otherwise, and for one query, which `dots_f16` keeps in registers).
 pub(super) fn dots_f16_group(
@@ -230,6 +233,11 @@ unsafe fn dots_f16_group_impl<const G: usize>(
     unsafe {
         for i in 0..n {
             let r = rp.add(i * stride);
+            // The rows of one head are a KV row apart (often a page): fetch a few rows ahead.
+            let ahead = r.wrapping_add(KV_PF_ROWS * stride);
+            for line in (0..d).step_by(32) {
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line) as *const i8);
+            }
             let mut acc = [[_mm512_setzero_ps(); 2]; G];
             let mut c = 0;
             while c < d {
@@ -337,6 +345,11 @@ unsafe fn wsum_f16_group_block<const G: usize, const NB: usize>(
         for i in 0..n {
             let a: [__m512; G] = std::array::from_fn(|h| _mm512_set1_ps(*wp.add(h * ld + i)));
             let r = rp.add(i * stride + c0);
+            // As in `dots_f16_group_impl`: this block's columns a few rows ahead.
+            let ahead = r.wrapping_add(KV_PF_ROWS * stride);
+            for line in (0..16 * NB).step_by(32) {
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line) as *const i8);
+            }
             for v in 0..NB {
                 let vf = _mm512_cvtph_ps(_mm256_loadu_si256(r.add(16 * v) as *const __m256i));
                 for h in 0..G {
