@@ -208,6 +208,22 @@ impl ThreadPool {
         balanced.max(min_rows).div_ceil(16) * 16
     }
 
+    /// Work items `(job, first row, end row)`: the rows of each matrix in chunks of
+    /// [`ThreadPool::row_chunk`], job by job.
+    fn row_items<'a>(&self, mats: impl Iterator<Item = QMatrix<'a>>) -> Vec<(usize, usize, usize)> {
+        let mut items = Vec::new();
+        for (j, m) in mats.enumerate() {
+            let chunk = self.row_chunk(&m);
+            let mut r = 0;
+            while r < m.rows {
+                let e = (r + chunk).min(m.rows);
+                items.push((j, r, e));
+                r = e;
+            }
+        }
+        items
+    }
+
     /// Parallel `y[rows] = W x`, rows split across threads.
     pub fn gemv(&self, k: &Kernels, m: &QMatrix, x: &[f32], y: &mut [f32]) {
         with_scratch(|p| {
@@ -244,23 +260,16 @@ impl ThreadPool {
     ///
     /// Panics if a job's `x` was not prepared by `k` for its matrix, or `y.len() != x.n() · m.rows`.
     pub fn gemm_batch(&self, k: &Kernels, jobs: &mut [MatJob<'_>]) {
-        let mut items = Vec::new();
         let mut outs = Vec::with_capacity(jobs.len());
-        for (j, job) in jobs.iter_mut().enumerate() {
+        for job in jobs.iter_mut() {
             assert_eq!(
                 job.y.len(),
                 job.x.n() * job.m.rows,
                 "gemm_batch: y must be [n, rows]"
             );
             outs.push(SyncPtr(job.y.as_mut_ptr()));
-            let chunk = self.row_chunk(&job.m);
-            let mut r = 0;
-            while r < job.m.rows {
-                let e = (r + chunk).min(job.m.rows);
-                items.push((j, r, e));
-                r = e;
-            }
         }
+        let items = self.row_items(jobs.iter().map(|j| j.m));
         let jobs = &*jobs;
         self.for_chunks(items.len(), 1, |i0, i1| {
             for &(j, r0, r1) in &items[i0..i1] {
@@ -304,22 +313,15 @@ impl ThreadPool {
         jobs: &mut [PairJob<'_>],
         f: F,
     ) {
-        let mut items = Vec::new();
         let mut outs = Vec::with_capacity(jobs.len());
-        for (j, job) in jobs.iter_mut().enumerate() {
+        for job in jobs.iter_mut() {
             assert!(
                 job.x.n() == 1 && job.a.rows == job.b.rows && job.y.len() == job.a.rows,
                 "gemv_pairs: one row into y[rows] of two matrices of the same rows"
             );
             outs.push(SyncPtr(job.y.as_mut_ptr()));
-            let chunk = self.row_chunk(&job.a);
-            let mut r = 0;
-            while r < job.a.rows {
-                let e = (r + chunk).min(job.a.rows);
-                items.push((j, r, e));
-                r = e;
-            }
         }
+        let items = self.row_items(jobs.iter().map(|j| j.a));
         let jobs = &*jobs;
         self.for_chunks(items.len(), 1, |i0, i1| {
             for &(j, r0, r1) in &items[i0..i1] {
