@@ -17,6 +17,10 @@ pub(crate) type DotF16Fn = fn(&[f32], &[f16]) -> f32;
 pub(crate) type AxpyF16Fn = fn(f32, &[f16], &mut [f32]);
 pub(crate) type WsumF16Fn = fn(&[f32], &[f16], usize, &mut [f32]);
 pub(crate) type DotsF16Fn = fn(&[f32], &[f16], usize, &mut [f32]);
+/// `(q, g, rows, stride, n, out, ld)`: [`Kernels::dots_f16_group`]; `None` when not done.
+pub(crate) type DotsGroupFn = fn(&[f32], usize, &[f16], usize, usize, &mut [f32], usize) -> bool;
+/// `(w, ld, n, rows, stride, out, g)`: [`Kernels::wsum_f16_group`]; `None` when not done.
+pub(crate) type WsumGroupFn = fn(&[f32], usize, usize, &[f16], usize, &mut [f32], usize) -> bool;
 
 /// Kernel table picked once at startup (scalar / avx2 / avx512), function pointers.
 ///
@@ -46,6 +50,12 @@ pub struct Kernels {
     pub(crate) wsum_f16: Option<WsumF16Fn>,
     /// A [`Kernels::dots_f16`] that keeps the query in registers; `None` loops over `dot_f16`.
     pub(crate) dots_f16: Option<DotsF16Fn>,
+    /// A [`Kernels::dots_f16_group`] that converts each row once for every query (returns false
+    /// for a shape it does not cover); `None` loops over `dots_f16`.
+    pub(crate) dots_f16_group: Option<DotsGroupFn>,
+    /// A [`Kernels::wsum_f16_group`] that converts each row once for every output (returns
+    /// false for a shape it does not cover); `None` loops over `wsum_f16`.
+    pub(crate) wsum_f16_group: Option<WsumGroupFn>,
 }
 
 static SCALAR: Kernels = Kernels {
@@ -64,6 +74,8 @@ static SCALAR: Kernels = Kernels {
     axpy_f16: scalar::axpy_f16,
     wsum_f16: None,
     dots_f16: None,
+    dots_f16_group: None,
+    wsum_f16_group: None,
 };
 
 thread_local! {
@@ -270,6 +282,88 @@ impl Kernels {
                     (self.axpy_f16)(wi, &rows[i * stride..i * stride + out.len()], out);
                 }
             }
+        }
+    }
+
+    /// [`Kernels::dots_f16`] of `g` queries against the same rows (the query heads of one KV
+    /// head): `out[h·ld + i] = q[h·d .. (h+1)·d] · rows[i·stride .. i·stride + d]` for `h < g`,
+    /// `i < n`, `d = q.len() / g`. Bit-identical to one `dots_f16` per query; SIMD tables convert
+    /// each f16 row once for all `g`. Panics if `q` does not split into `g` queries, `ld < n`, or
+    /// a row or an output runs past its slice.
+    #[allow(clippy::too_many_arguments)]
+    pub fn dots_f16_group(
+        &self,
+        q: &[f32],
+        g: usize,
+        rows: &[f16],
+        stride: usize,
+        n: usize,
+        out: &mut [f32],
+        ld: usize,
+    ) {
+        assert!(
+            g > 0 && q.len().is_multiple_of(g) && ld >= n,
+            "dots_f16_group: {g} queries in {} values, ld {ld} < n {n}",
+            q.len()
+        );
+        let d = q.len() / g;
+        assert_rows_fit("dots_f16_group", n, stride, d, rows.len());
+        assert_rows_fit("dots_f16_group", g, ld, n, out.len());
+        if n == 0
+            || self
+                .dots_f16_group
+                .is_some_and(|f| f(q, g, rows, stride, n, out, ld))
+        {
+            return;
+        }
+        for h in 0..g {
+            self.dots_f16(
+                &q[h * d..(h + 1) * d],
+                rows,
+                stride,
+                &mut out[h * ld..h * ld + n],
+            );
+        }
+    }
+
+    /// [`Kernels::wsum_f16`] of `g` outputs over the same rows: `out[h·d .. (h+1)·d] += Σ_i
+    /// w[h·ld + i] · rows[i·stride .. i·stride + d]` for `h < g`, `i < n`, `d = out.len() / g`.
+    /// Bit-identical to one `wsum_f16` per output; SIMD tables convert each f16 row once for all
+    /// `g`. Panics if `out` does not split into `g` outputs, `ld < n`, or a row or a weight runs
+    /// past its slice.
+    #[allow(clippy::too_many_arguments)]
+    pub fn wsum_f16_group(
+        &self,
+        w: &[f32],
+        ld: usize,
+        n: usize,
+        rows: &[f16],
+        stride: usize,
+        out: &mut [f32],
+        g: usize,
+    ) {
+        assert!(
+            g > 0 && out.len().is_multiple_of(g) && ld >= n,
+            "wsum_f16_group: {g} outputs in {} values, ld {ld} < n {n}",
+            out.len()
+        );
+        let d = out.len() / g;
+        assert_rows_fit("wsum_f16_group", n, stride, d, rows.len());
+        assert_rows_fit("wsum_f16_group", g, ld, n, w.len());
+        if n == 0
+            || self
+                .wsum_f16_group
+                .is_some_and(|f| f(w, ld, n, rows, stride, out, g))
+        {
+            return;
+        }
+        for h in 0..g {
+            self.wsum_f16(
+                &w[h * ld..h * ld + n],
+                rows,
+                stride,
+                &mut out[h * d..(h + 1) * d],
+            );
         }
     }
 

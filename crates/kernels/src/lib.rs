@@ -53,7 +53,7 @@ mod x86;
 
 pub use dispatch::Kernels;
 pub use half::f16;
-pub use pool::{MatJob, ThreadPool, DEFAULT_SPIN};
+pub use pool::{MatJob, PairJob, ThreadPool, DEFAULT_SPIN};
 pub use prepared::PreparedX;
 pub use qmatrix::{bf16_to_f32, QMatrix};
 

@@ -208,6 +208,22 @@ impl ThreadPool {
         balanced.max(min_rows).div_ceil(16) * 16
     }
 
+    /// Work items `(job, first row, end row)`: the rows of each matrix in chunks of
+    /// [`ThreadPool::row_chunk`], job by job.
+    fn row_items<'a>(&self, mats: impl Iterator<Item = QMatrix<'a>>) -> Vec<(usize, usize, usize)> {
+        let mut items = Vec::new();
+        for (j, m) in mats.enumerate() {
+            let chunk = self.row_chunk(&m);
+            let mut r = 0;
+            while r < m.rows {
+                let e = (r + chunk).min(m.rows);
+                items.push((j, r, e));
+                r = e;
+            }
+        }
+        items
+    }
+
     /// Parallel `y[rows] = W x`, rows split across threads.
     pub fn gemv(&self, k: &Kernels, m: &QMatrix, x: &[f32], y: &mut [f32]) {
         with_scratch(|p| {
@@ -244,23 +260,16 @@ impl ThreadPool {
     ///
     /// Panics if a job's `x` was not prepared by `k` for its matrix, or `y.len() != x.n() · m.rows`.
     pub fn gemm_batch(&self, k: &Kernels, jobs: &mut [MatJob<'_>]) {
-        let mut items = Vec::new();
         let mut outs = Vec::with_capacity(jobs.len());
-        for (j, job) in jobs.iter_mut().enumerate() {
+        for job in jobs.iter_mut() {
             assert_eq!(
                 job.y.len(),
                 job.x.n() * job.m.rows,
                 "gemm_batch: y must be [n, rows]"
             );
             outs.push(SyncPtr(job.y.as_mut_ptr()));
-            let chunk = self.row_chunk(&job.m);
-            let mut r = 0;
-            while r < job.m.rows {
-                let e = (r + chunk).min(job.m.rows);
-                items.push((j, r, e));
-                r = e;
-            }
         }
+        let items = self.row_items(jobs.iter().map(|j| j.m));
         let jobs = &*jobs;
         self.for_chunks(items.len(), 1, |i0, i1| {
             for &(j, r0, r1) in &items[i0..i1] {
@@ -285,6 +294,47 @@ impl ThreadPool {
                         };
                         dst.copy_from_slice(&tile[t * w..(t + 1) * w]);
                     }
+                });
+            }
+        });
+    }
+
+    /// For every job, `y = A x` and `B x` with rows split across threads, then `f(y[r0..r1],
+    /// (B x)[r0..r1])` on each chunk of rows inside the same work item: an elementwise combine (a
+    /// GLU's activation) runs in parallel with the products that feed it, in one region for all
+    /// jobs. With an elementwise `f`, bit-identical to the two products one by one and `f` over
+    /// the whole vectors.
+    ///
+    /// Panics if a job's `x` was not prepared by `k` for both matrices as one row, the matrices'
+    /// rows differ, or `y.len() != a.rows`.
+    pub fn gemv_pairs<F: Fn(&mut [f32], &[f32]) + Sync>(
+        &self,
+        k: &Kernels,
+        jobs: &mut [PairJob<'_>],
+        f: F,
+    ) {
+        let mut outs = Vec::with_capacity(jobs.len());
+        for job in jobs.iter_mut() {
+            assert!(
+                job.x.n() == 1 && job.a.rows == job.b.rows && job.y.len() == job.a.rows,
+                "gemv_pairs: one row into y[rows] of two matrices of the same rows"
+            );
+            outs.push(SyncPtr(job.y.as_mut_ptr()));
+        }
+        let items = self.row_items(jobs.iter().map(|j| j.a));
+        let jobs = &*jobs;
+        self.for_chunks(items.len(), 1, |i0, i1| {
+            for &(j, r0, r1) in &items[i0..i1] {
+                let PairJob { a, b, x, .. } = &jobs[j];
+                // SAFETY: chunks are disjoint row ranges inside job j's `y`, which outlives the region.
+                let ya = unsafe { std::slice::from_raw_parts_mut(outs[j].get().add(r0), r1 - r0) };
+                k.gemv_prepared(a, x, ya, r0, r1);
+                OUT_TILE.with(|cell| {
+                    let mut yb = cell.borrow_mut();
+                    yb.clear();
+                    yb.resize(r1 - r0, 0.0);
+                    k.gemv_prepared(b, x, &mut yb, r0, r1);
+                    f(ya, &yb);
                 });
             }
         });
@@ -414,6 +464,18 @@ pub struct MatJob<'a> {
     /// Activations prepared for `m` by the `Kernels` passed to `gemm_batch`.
     pub x: &'a PreparedX,
     /// Output, `[x.n(), m.rows]` row-major.
+    pub y: &'a mut [f32],
+}
+
+/// One pair of a [`ThreadPool::gemv_pairs`]: `y ← f(A x, B x)` for one prepared row `x`.
+pub struct PairJob<'a> {
+    /// The first matrix (its product is written to `y`, then combined in place).
+    pub a: QMatrix<'a>,
+    /// The second matrix, of the same rows.
+    pub b: QMatrix<'a>,
+    /// One activation row prepared by the `Kernels` passed to `gemv_pairs` for both matrices.
+    pub x: &'a PreparedX,
+    /// Output, `[a.rows]`.
     pub y: &'a mut [f32],
 }
 

@@ -195,3 +195,83 @@ fn dots_f16_equal_dot_f16_row_by_row() {
         }
     }
 }
+
+/// Scores of g queries at once equal one `dots_f16` per query on the same table, bit for bit,
+/// and the f64 dot products within `DOT_REL` of `Σ |q_i k_i|`.
+#[test]
+fn dots_f16_group_equals_dots_f16_per_query() {
+    let mut rng = Rng::new(13);
+    for k in Kernels::available() {
+        for d in [16usize, 64, 100, 256, 512] {
+            for g in [1usize, 2, 3, 8, 9] {
+                for n in [0usize, 1, 5, 40] {
+                    let (stride, rows) = strided_rows(&mut rng, n, d);
+                    let q = rng.vec_sym(g * d, 1.0);
+                    let ld = n + rng.below(3);
+                    let mut want = vec![f32::NAN; g * ld];
+                    for h in 0..g {
+                        let o = &mut want[h * ld..h * ld + n];
+                        k.dots_f16(&q[h * d..(h + 1) * d], &rows, stride, o);
+                    }
+                    let mut got = vec![f32::NAN; g * ld];
+                    k.dots_f16_group(&q, g, &rows, stride, n, &mut got, ld);
+                    let what = format!("{} d {d} g {g} n {n} stride {stride} ld {ld}", k.name());
+                    assert_eq!(bits(&got), bits(&want), "{what}: differs from dots_f16");
+                    for h in 0..g {
+                        for i in 0..n {
+                            let (qh, r) = (&q[h * d..(h + 1) * d], &rows[i * stride..][..d]);
+                            let exact: f64 =
+                                qh.iter().zip(r).map(|(a, b)| *a as f64 * b.to_f64()).sum();
+                            let mag: f64 = qh
+                                .iter()
+                                .zip(r)
+                                .map(|(a, b)| (*a as f64 * b.to_f64()).abs())
+                                .sum();
+                            let e = (got[h * ld + i] as f64 - exact).abs() / mag.max(1e-30);
+                            assert!(e <= DOT_REL as f64, "{what}: {e:e} from f64");
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Weighted sums into g outputs at once equal one `wsum_f16` per output on the same table, bit
+/// for bit, and the f64 sums within `DOT_REL` of `|start| + Σ |w_i v_i|`.
+#[test]
+fn wsum_f16_group_equals_wsum_f16_per_output() {
+    let mut rng = Rng::new(14);
+    for k in Kernels::available() {
+        for d in [16usize, 100, 128, 256, 512, 520] {
+            for g in [1usize, 2, 3, 5, 8, 9] {
+                for n in [0usize, 1, 7, 40] {
+                    let (stride, rows) = strided_rows(&mut rng, n, d);
+                    let ld = n + rng.below(3);
+                    let w = rng.vec_sym(g * ld.max(1), 1.0);
+                    let start = rng.vec_sym(g * d, 1.0);
+                    let mut want = start.clone();
+                    for h in 0..g {
+                        let o = &mut want[h * d..(h + 1) * d];
+                        k.wsum_f16(&w[h * ld..h * ld + n], &rows, stride, o);
+                    }
+                    let mut got = start.clone();
+                    k.wsum_f16_group(&w, ld, n, &rows, stride, &mut got, g);
+                    let what = format!("{} d {d} g {g} n {n} stride {stride} ld {ld}", k.name());
+                    assert_eq!(bits(&got), bits(&want), "{what}: differs from wsum_f16");
+                    for h in 0..g {
+                        for c in 0..d {
+                            let s0 = start[h * d + c] as f64;
+                            let terms = (0..n)
+                                .map(|i| w[h * ld + i] as f64 * rows[i * stride + c].to_f64());
+                            let (exact, mag) =
+                                terms.fold((s0, s0.abs()), |(e, m), t| (e + t, m + t.abs()));
+                            let e = (got[h * d + c] as f64 - exact).abs() / mag.max(1e-30);
+                            assert!(e <= DOT_REL as f64, "{what}: {e:e} from f64");
+                        }
+                    }
+                }
+            }
+        }
+    }
+}

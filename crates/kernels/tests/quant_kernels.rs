@@ -7,7 +7,7 @@
 mod common;
 
 use common::{max_rel_err, naive_gemm, OwnedQ, Rng};
-use mference_kernels::{Kernels, MatJob, ThreadPool};
+use mference_kernels::{Kernels, MatJob, PairJob, ThreadPool};
 use proptest::prelude::*;
 
 /// Scalar f32 reference vs exact f64: error relative to `Σ (|scale|·q + |bias|)·|x|` (see `naive_gemm`).
@@ -355,6 +355,66 @@ fn gemm_batch_equals_one_by_one() {
                 .map(|((q, x), y)| MatJob { m: q.view(), x, y })
                 .collect();
             pool.gemm_batch(k, &mut jobs);
+            assert_eq!(outs, want, "{} threads {threads}", k.name());
+        }
+    }
+}
+
+/// `gemv_pairs` with a combine `f(a, b) = a - 2b`: against the f64 products (combined in f64),
+/// and bit for bit against the two one-row products and `f` over the whole vectors.
+#[test]
+fn gemv_pairs_equal_two_products_and_the_combine() {
+    let mut rng = Rng::new(23);
+    // (rows, cols, bits, group, offset): several row chunks (700 rows), a short one, 8-bit.
+    let shapes = [
+        (700usize, 256usize, 4u32, 64usize, 2usize),
+        (45, 256, 4, 32, 0),
+        (33, 128, 8, 32, 6),
+        (70, 256, 2, 64, 2),
+    ];
+    let f = |a: &mut [f32], b: &[f32]| a.iter_mut().zip(b).for_each(|(a, b)| *a -= 2.0 * b);
+    for k in Kernels::available() {
+        let pairs: Vec<(OwnedQ, OwnedQ, Vec<f32>)> = shapes
+            .iter()
+            .map(|&(r, c, bits, gs, off)| {
+                let a = OwnedQ::random(&mut rng, r, c, bits, gs, off);
+                let b = OwnedQ::random(&mut rng, r, c, bits, gs, off);
+                (a, b, activations(&mut rng, c))
+            })
+            .collect();
+        let preps: Vec<_> = pairs
+            .iter()
+            .map(|(a, _, x)| k.prepare(&a.view(), x, 1))
+            .collect();
+        let mut want = Vec::new();
+        for ((a, b, x), p) in pairs.iter().zip(&preps) {
+            let (mut ya, mut yb) = (vec![0.0f32; a.rows], vec![0.0f32; a.rows]);
+            k.gemv_prepared(&a.view(), p, &mut ya, 0, a.rows);
+            k.gemv_prepared(&b.view(), p, &mut yb, 0, a.rows);
+            f(&mut ya, &yb);
+            // The f64 reference: A x − 2 B x, error measured against both products' magnitudes.
+            let ((ra, ma), (rb, mb)) = (naive_gemm(&a.view(), x, 1), naive_gemm(&b.view(), x, 1));
+            let r: Vec<f64> = ra.iter().zip(&rb).map(|(a, b)| a - 2.0 * b).collect();
+            let m: Vec<f64> = ma.iter().zip(&mb).map(|(a, b)| a + 2.0 * b).collect();
+            let err = max_rel_err(&ya, &r, &m);
+            assert!(err <= budget(k), "{}: {err:.2e} vs f64", k.name());
+            want.push(ya);
+        }
+        for threads in [1, 2, 3] {
+            let pool = ThreadPool::new(threads);
+            let mut outs: Vec<Vec<f32>> = want.iter().map(|w| vec![f32::NAN; w.len()]).collect();
+            let mut jobs: Vec<PairJob> = pairs
+                .iter()
+                .zip(&preps)
+                .zip(outs.iter_mut())
+                .map(|(((a, b, _), x), y)| PairJob {
+                    a: a.view(),
+                    b: b.view(),
+                    x,
+                    y,
+                })
+                .collect();
+            pool.gemv_pairs(k, &mut jobs, f);
             assert_eq!(outs, want, "{} threads {threads}", k.name());
         }
     }

@@ -14,7 +14,11 @@ use mference_backend::{
     VRef,
 };
 
-use crate::{check_ids, one, ChunkWant, Engine, LoadOptions, Logits, ModelError, Streamers, Want};
+use std::time::Instant;
+
+use crate::{
+    check_ids, one, ChunkWant, Engine, LoadOptions, Logits, ModelError, StepTimes, Streamers, Want,
+};
 
 /// `text_config` of a Gemma 4 `config.json` (HF keys; defaults as mlx-lm's `ModelArgs`).
 #[derive(Clone, Debug, Deserialize)]
@@ -166,6 +170,8 @@ pub struct Gemma4<B: Backend> {
     /// rewind there after the rings have wrapped.
     ring_snapshot: Option<(usize, Vec<Option<B::Kv>>)>,
     streamers: Streamers,
+    /// [`crate::Model::step_times`].
+    times: StepTimes,
 }
 
 const P: &str = "language_model.model";
@@ -277,7 +283,8 @@ impl<B: Backend> Gemma4<B> {
                 be.new_kv(rows, l.sliding, l.n_kv_heads, l.head_dim, opts.kv_dtype)
             })
             .collect::<Result<_, _>>()?;
-        let streamers = Streamers::new(cfg.num_hidden_layers);
+        let n_layers = cfg.num_hidden_layers;
+        let streamers = Streamers::new(n_layers);
         Ok(Self {
             cfg,
             engine,
@@ -289,6 +296,10 @@ impl<B: Backend> Gemma4<B> {
             kv: KvCache::new(kv),
             ring_snapshot: None,
             streamers,
+            times: StepTimes {
+                layers: vec![Default::default(); n_layers],
+                head: Default::default(),
+            },
         })
     }
 
@@ -311,6 +322,7 @@ impl<B: Backend> Gemma4<B> {
 
         let mut x = be.embed(&self.embed_tokens, tokens, Some(self.embed_scale))?; // [T, hidden]
         for (li, layer) in self.layers.iter().enumerate() {
+            let started = Instant::now();
             let d = layer.head_dim;
             // Attention block.
             let mut attn_norm = be.copy(&x)?;
@@ -349,6 +361,8 @@ impl<B: Backend> Gemma4<B> {
             let mut o = one(be.matmul(&[&layer.o_proj], Resident, &attn)?);
             norm(&mut o, &layer.post_attention_layernorm)?;
             be.add(&mut x, &o, 1.0)?;
+            let attended = Instant::now();
+            self.times.layers[li][0] += attended - started;
 
             // Router on the raw post-attention residual: no-scale norm × scale × hidden^-0.5.
             let mut r = be.copy(&x)?;
@@ -390,8 +404,10 @@ impl<B: Backend> Gemma4<B> {
             be.add(&mut shared, &moe_out, 1.0)?;
             norm(&mut shared, &layer.post_feedforward_layernorm)?;
             be.add(&mut x, &shared, layer.layer_scalar)?;
+            self.times.layers[li][1] += attended.elapsed();
         }
         self.kv.len = pos0 + t;
+        let started = Instant::now();
 
         // Final norm and the tied head, only for the rows asked for.
         let head = crate::Head {
@@ -400,7 +416,9 @@ impl<B: Backend> Gemma4<B> {
             weight: &self.embed_tokens,
             softcap: cfg.final_logit_softcapping,
         };
-        crate::head(be, &x, pos0, want, &head)
+        let logits = crate::head(be, &x, pos0, want, &head);
+        self.times.head += started.elapsed();
+        logits
     }
 }
 
@@ -562,5 +580,9 @@ impl<B: Backend + 'static> crate::Model for Gemma4<B> {
 
     fn kv_bytes(&self) -> usize {
         self.kv.bytes()
+    }
+
+    fn step_times(&self) -> StepTimes {
+        self.times.clone()
     }
 }

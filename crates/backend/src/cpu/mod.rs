@@ -10,13 +10,13 @@ use std::collections::BTreeMap;
 use std::ops::Deref;
 use std::sync::Arc;
 
-use mference_kernels::{Kernels, MatJob, PreparedX, QMatrix, ThreadPool};
+use mference_kernels::{Kernels, MatJob, PairJob, PreparedX, QMatrix, ThreadPool};
 use mference_runtime::{KvDtype, KvLayer};
 
 use crate::{
-    check, check_forced, check_mlp, Act, AttnShape, Backend, DeltaShape, HcSpec, Mlp, Norm,
-    OpResult, QRef, RelBias, Rope, RouterSpec, Routes, Scoring, SinkRouter, Tensor, Unary, VRef,
-    Weights,
+    check, check_forced, check_glu_rows, check_mlp, Act, AttnShape, Backend, DeltaShape, HcSpec,
+    Mlp, Norm, OpResult, QRef, RelBias, Rope, RouterSpec, Routes, Scoring, SinkRouter, Tensor,
+    Unary, VRef, Weights,
 };
 
 /// Resident bytes the backend reads weights from (the mapped `model_weights.bin`, or any buffer
@@ -86,30 +86,113 @@ impl CpuBackend {
     /// Several products of the same rows `x` in one parallel region, `x` prepared once per
     /// quantization layout (bit-identical to one product at a time).
     fn products(&self, mats: &[QMatrix], x: &[f32], t: usize) -> Vec<Vec<f32>> {
+        self.batched_products(&[(mats, x, t)])
+            .pop()
+            .expect("one group")
+    }
+
+    /// [`CpuBackend::products`] of several inputs in one parallel region: group `i` is
+    /// `(matrices, rows x [t, cols], t)` and gets one output per matrix (bit-identical to one
+    /// product at a time).
+    fn batched_products(&self, groups: &[(&[QMatrix], &[f32], usize)]) -> Vec<Vec<Vec<f32>>> {
         let k = self.kernels;
-        let mut layouts: Vec<((usize, u32), PreparedX)> = Vec::new();
-        for m in mats {
-            let key = (m.group_size, m.bits);
-            if !layouts.iter().any(|(l, _)| *l == key) {
-                layouts.push((key, k.prepare(m, x, t)));
-            }
-        }
-        let mut ys: Vec<Vec<f32>> = mats.iter().map(|m| vec![0.0f32; t * m.rows]).collect();
-        let mut jobs: Vec<MatJob> = mats
+        let layouts: Vec<Vec<((usize, u32), PreparedX)>> = groups
             .iter()
-            .zip(ys.iter_mut())
-            .map(|(m, y)| MatJob {
-                m: *m,
-                x: &layouts
+            .map(|&(mats, x, t)| {
+                let mut layouts: Vec<((usize, u32), PreparedX)> = Vec::new();
+                for m in mats {
+                    let key = (m.group_size, m.bits);
+                    if !layouts.iter().any(|(l, _)| *l == key) {
+                        layouts.push((key, k.prepare(m, x, t)));
+                    }
+                }
+                layouts
+            })
+            .collect();
+        let mut ys: Vec<Vec<Vec<f32>>> = groups
+            .iter()
+            .map(|&(mats, _, t)| mats.iter().map(|m| vec![0.0f32; t * m.rows]).collect())
+            .collect();
+        let mut jobs: Vec<MatJob> = Vec::new();
+        for ((&(mats, _, _), ys), layouts) in groups.iter().zip(ys.iter_mut()).zip(&layouts) {
+            for (m, y) in mats.iter().zip(ys.iter_mut()) {
+                let x = &layouts
                     .iter()
                     .find(|(l, _)| *l == (m.group_size, m.bits))
                     .expect("prepared above")
-                    .1,
+                    .1;
+                jobs.push(MatJob { m: *m, x, y });
+            }
+        }
+        self.pool.gemm_batch(k, &mut jobs);
+        ys
+    }
+
+    /// `down(act(gate(x)) ⊙ up(x))` of the same rows `x` (`[t, cols]`) for every weight source
+    /// in `srcs` (the experts of one decode token): every gate and up projection in one parallel
+    /// region, every down projection in a second (bit-identical to one MLP at a time).
+    fn glu_mlps(
+        &self,
+        mlp: &Mlp,
+        act: Act,
+        srcs: &[Weights],
+        x: &[f32],
+        t: usize,
+    ) -> Vec<Vec<f32>> {
+        let bufs: Vec<&[u8]> = srcs.iter().map(|w| self.buf(*w)).collect();
+        let gate_up: Vec<[QMatrix; 2]> = bufs
+            .iter()
+            .map(|b| [mlp.gate_proj.mat(b), mlp.up_proj.mat(b)])
+            .collect();
+        let (g, u) = (&mlp.gate_proj, &mlp.up_proj);
+        if t != 1 || (g.bits, g.group_size) != (u.bits, u.group_size) {
+            // Prefill: one MLP at a time (its rows are the batch); the row preparations reuse
+            // the thread's scratch.
+            return gate_up
+                .iter()
+                .zip(&bufs)
+                .map(|([g, u], buf)| {
+                    let mut gu = self.products(&[*g, *u], x, t);
+                    let u = gu.pop().expect("two products");
+                    let mut g = gu.pop().expect("two products");
+                    ops::glu(act, &mut g, &u);
+                    let mut y = vec![0.0f32; t * mlp.down_proj.rows];
+                    let down = mlp.down_proj.mat(buf);
+                    self.pool.gemm(self.kernels, &down, &g, t, &mut y);
+                    y
+                })
+                .collect();
+        }
+        // Decode: one preparation of the row for every expert, the activation applied to each
+        // chunk of rows by the thread that computed it, then every down projection.
+        let (k, rows) = (self.kernels, mlp.gate_proj.rows);
+        let mut hidden = vec![vec![0.0f32; rows]; srcs.len()];
+        let Some([g0, _]) = gate_up.first() else {
+            return Vec::new();
+        };
+        let p = k.prepare(g0, x, 1);
+        let mut jobs: Vec<PairJob> = gate_up
+            .iter()
+            .zip(hidden.iter_mut())
+            .map(|([a, b], y)| PairJob {
+                a: *a,
+                b: *b,
+                x: &p,
                 y,
             })
             .collect();
-        self.pool.gemm_batch(k, &mut jobs);
-        ys
+        self.pool
+            .gemv_pairs(k, &mut jobs, |g, u| ops::glu(act, g, u));
+        let downs: Vec<[QMatrix; 1]> = bufs.iter().map(|b| [mlp.down_proj.mat(b)]).collect();
+        let groups: Vec<(&[QMatrix], &[f32], usize)> = downs
+            .iter()
+            .zip(&hidden)
+            .map(|(m, g)| (&m[..], &g[..], 1))
+            .collect();
+        self.batched_products(&groups)
+            .into_iter()
+            .map(|mut y| y.pop().expect("one product"))
+            .collect()
     }
 }
 
@@ -255,30 +338,26 @@ impl Backend for CpuBackend {
     }
 
     fn glu_mlp(&self, mlp: &Mlp, act: Act, src: Weights, x: &CpuTensor) -> OpResult<CpuTensor> {
-        let t = x.rows();
         check_mlp("glu_mlp", mlp, x.cols)?;
-        let buf = self.buf(src);
-        let mut gu = self.products(&[mlp.gate_proj.mat(buf), mlp.up_proj.mat(buf)], &x.data, t);
-        let u = gu.pop().expect("two products");
-        let mut g = gu.pop().expect("two products");
-        match act {
-            Act::GeluTanh => g
-                .iter_mut()
-                .zip(&u)
-                .for_each(|(a, b)| *a = ops::gelu_tanh(*a) * b),
-            Act::Silu => g
-                .iter_mut()
-                .zip(&u)
-                .for_each(|(a, b)| *a = ops::silu(*a) * b),
-            Act::SiluClamped(l) => g
-                .iter_mut()
-                .zip(&u)
-                .for_each(|(a, b)| *a = ops::silu(a.min(l)) * b.clamp(-l, l)),
+        let y = self.glu_mlps(mlp, act, &[src], &x.data, x.rows()).pop();
+        Ok(CpuTensor::new(y.expect("one MLP"), mlp.down_proj.rows))
+    }
+
+    fn glu_mlp_rows(
+        &self,
+        mlp: &Mlp,
+        act: Act,
+        srcs: &[Weights],
+        x: &CpuTensor,
+        out: &mut CpuTensor,
+        rows: &[usize],
+    ) -> OpResult<()> {
+        check_glu_rows("glu_mlp_rows", mlp, srcs.len(), x, out, rows)?;
+        let c = out.cols;
+        for (y, &r) in self.glu_mlps(mlp, act, srcs, &x.data, 1).iter().zip(rows) {
+            out.data[r * c..(r + 1) * c].copy_from_slice(y);
         }
-        let mut y = vec![0.0f32; t * mlp.down_proj.rows];
-        self.pool
-            .gemm(self.kernels, &mlp.down_proj.mat(buf), &g, t, &mut y);
-        Ok(CpuTensor::new(y, mlp.down_proj.rows))
+        Ok(())
     }
 
     fn head_argmax(&self, w: &QRef, x: &CpuTensor) -> OpResult<(u32, f32)> {
@@ -300,7 +379,7 @@ impl Backend for CpuBackend {
         check("rms_norm", dim > 0 && x.cols.is_multiple_of(dim), || {
             format!("pieces of {dim} in rows of {}", x.cols)
         })?;
-        ops::rms_norm(&mut x.data, dim, norm, &self.resident, eps);
+        ops::rms_norm(self.kernels, &mut x.data, dim, norm, &self.resident, eps);
         Ok(())
     }
 
@@ -313,7 +392,14 @@ impl Backend for CpuBackend {
         eps: f32,
     ) -> OpResult<()> {
         same_shape("rms_norm_gated", x, z)?;
-        ops::rms_norm(&mut x.data, dim, Norm::Weight(w), &self.resident, eps);
+        ops::rms_norm(
+            self.kernels,
+            &mut x.data,
+            dim,
+            Norm::Weight(w),
+            &self.resident,
+            eps,
+        );
         x.data
             .iter_mut()
             .zip(&z.data)
@@ -340,8 +426,8 @@ impl Backend for CpuBackend {
         })?;
         for row in x.data.chunks_exact_mut(x.cols) {
             row.iter_mut()
-                .enumerate()
-                .for_each(|(i, v)| *v *= w.get(&self.resident, i) * c);
+                .zip(w.iter(&self.resident))
+                .for_each(|(v, s)| *v *= s * c);
         }
         Ok(())
     }

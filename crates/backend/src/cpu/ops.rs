@@ -7,30 +7,25 @@ use std::sync::Mutex;
 use mference_kernels::{Kernels, ThreadPool};
 use mference_runtime::{KvLayer, KvRow};
 
-use crate::{AttnShape, DeltaShape, LogScaling, Norm};
+use crate::{Act, AttnShape, DeltaShape, LogScaling, Norm};
 
 /// `x ← x · rsqrt(mean(x²) + eps) · s` over each `dim` piece of `x` (mlx `fast.rms_norm`), `s` as
-/// [`Norm`] says; weights are read from `buf` (the resident bytes).
-pub fn rms_norm(x: &mut [f32], dim: usize, norm: Norm, buf: &[u8], eps: f32) {
+/// [`Norm`] says; weights (`dim` of them) are read from `buf` (the resident bytes). The sum of
+/// squares is the kernel table's dot product (SIMD partial sums).
+pub fn rms_norm(k: &Kernels, x: &mut [f32], dim: usize, norm: Norm, buf: &[u8], eps: f32) {
     for row in x.chunks_exact_mut(dim) {
-        let ms = row.iter().map(|v| v * v).sum::<f32>() / dim as f32;
+        let ms = k.dot_f32(row, row) / dim as f32;
+        let r = 1.0 / (ms + eps).sqrt();
         match norm {
-            Norm::NoScale => {
-                let r = 1.0 / (ms + eps).sqrt();
-                row.iter_mut().for_each(|v| *v *= r)
-            }
-            Norm::Weight(w) => {
-                let r = 1.0 / (ms + eps).sqrt();
-                row.iter_mut()
-                    .enumerate()
-                    .for_each(|(i, v)| *v *= r * w.get(buf, i))
-            }
-            Norm::OnePlusWeight(w) => {
-                let r = 1.0 / (ms + eps).sqrt();
-                row.iter_mut()
-                    .enumerate()
-                    .for_each(|(i, v)| *v *= r * (1.0 + w.get(buf, i)))
-            }
+            Norm::NoScale => row.iter_mut().for_each(|v| *v *= r),
+            Norm::Weight(w) => row
+                .iter_mut()
+                .zip(w.iter(buf).take(dim))
+                .for_each(|(v, s)| *v *= r * s),
+            Norm::OnePlusWeight(w) => row
+                .iter_mut()
+                .zip(w.iter(buf).take(dim))
+                .for_each(|(v, s)| *v *= r * (1.0 + s)),
             Norm::Scaled(c) => {
                 let r = c / (ms + eps).sqrt();
                 row.iter_mut().for_each(|v| *v *= r)
@@ -44,6 +39,21 @@ pub fn rms_norm(x: &mut [f32], dim: usize, norm: Norm, buf: &[u8], eps: f32) {
 pub fn gelu_tanh(x: f32) -> f32 {
     const C: f32 = 0.797_884_6; // sqrt(2/π)
     0.5 * x * (1.0 + tanh(C * (x + 0.044715 * x * x * x)))
+}
+
+/// `g ← act(g) ⊙ u`, the gated activation of a GLU MLP (`g` the gate projection, `u` the up).
+pub fn glu(act: Act, g: &mut [f32], u: &[f32]) {
+    match act {
+        Act::GeluTanh => g
+            .iter_mut()
+            .zip(u)
+            .for_each(|(a, b)| *a = gelu_tanh(*a) * b),
+        Act::Silu => g.iter_mut().zip(u).for_each(|(a, b)| *a = silu(*a) * b),
+        Act::SiluClamped(l) => g
+            .iter_mut()
+            .zip(u)
+            .for_each(|(a, b)| *a = silu(a.min(l)) * b.clamp(-l, l)),
+    }
 }
 
 /// `c · tanh(z / c)` on every logit (Gemma's final logit softcap).
@@ -130,6 +140,10 @@ pub struct RelSlices<'a> {
 /// Causal attention for `t` query rows at positions `pos0..pos0+t` against the cache (which already
 /// holds those rows): `out[t, n_heads·head_dim] = softmax(q·kᵀ·scale) v`, GQA by `n_heads / n_kv_heads`;
 /// with `rel`, the logits are `τ_p · (q·kᵀ·scale + bias)` ([`crate::Backend::attention_rel`]).
+///
+/// Work items are (row, KV head) pairs, so the query heads that share a KV head read (and convert)
+/// its rows once ([`Kernels::dots_f16_group`], [`Kernels::wsum_f16_group`]); per head the result
+/// is the one-head computation's, bit for bit.
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
     pool: &ThreadPool,
@@ -142,12 +156,12 @@ pub fn attention(
     out: &mut [f32],
 ) {
     let d = s.head_dim;
-    let items = q.len() / d; // (row, head) pairs
     let group = s.n_heads / s.n_kv_heads;
+    let items = q.len() / (d * group); // (row, KV head) pairs
     let threads = pool.threads().min(items).max(1);
     let per = items.div_ceil(threads);
     let pieces: Vec<Mutex<Option<&mut [f32]>>> = out
-        .chunks_mut(per * d)
+        .chunks_mut(per * group * d)
         .map(|c| Mutex::new(Some(c)))
         .collect();
     pool.run(|tid, _n| {
@@ -155,48 +169,59 @@ pub fn attention(
             return;
         };
         let mut scores = Vec::new();
-        for (j, o) in piece.chunks_exact_mut(d).enumerate() {
+        for (j, o) in piece.chunks_exact_mut(group * d).enumerate() {
             let item = tid * per + j;
-            let (row, head) = (item / s.n_heads, item % s.n_heads);
-            let kvh = head / group;
+            let (row, kvh) = (item / s.n_kv_heads, item % s.n_kv_heads);
+            // The group's first (row, head) item; its heads are contiguous in q and out.
+            let first = row * s.n_heads + kvh * group;
             let p = pos0 + row;
             let lo = s.window.map_or(0, |w| (p + 1).saturating_sub(w));
-            let qh = &q[item * d..(item + 1) * d];
-            // q·K over the positions, run by run (the query stays in registers).
+            let n = p + 1 - lo;
+            let qg = &q[first * d..(first + group) * d];
+            // q·K over the positions, run by run: scores[h · n + i] for head h of the group.
             let stride = kv.row_stride();
             scores.clear();
-            scores.resize(p + 1 - lo, 0.0);
+            scores.resize(group * n, 0.0);
             let mut i0 = 0;
             for (count, run) in kv.k_runs(lo, p, kvh) {
-                let out = &mut scores[i0..i0 + count];
                 match run {
-                    KvRow::F16(r) => k.dots_f16(qh, r, stride, out),
+                    KvRow::F16(r) => {
+                        k.dots_f16_group(qg, group, r, stride, count, &mut scores[i0..], n)
+                    }
                     KvRow::F32(r) => {
-                        for (i, o) in out.iter_mut().enumerate() {
-                            *o = k.dot_f32(qh, &r[i * stride..i * stride + d]);
+                        for h in 0..group {
+                            let qh = &qg[h * d..(h + 1) * d];
+                            for i in 0..count {
+                                let ki = &r[i * stride..i * stride + d];
+                                scores[h * n + i0 + i] = k.dot_f32(qh, ki);
+                            }
                         }
                     }
                 }
                 i0 += count;
             }
-            scores.iter_mut().for_each(|x| *x *= s.scale);
-            if let Some(rb) = rel {
-                add_rel_bias(&mut scores, rb, item, p);
-            }
-            match &s.sinks {
-                None => softmax(&mut scores),
-                Some(sinks) => softmax_with_sink(&mut scores, sinks[head]),
+            for (h, sc) in scores.chunks_exact_mut(n).enumerate() {
+                sc.iter_mut().for_each(|x| *x *= s.scale);
+                if let Some(rb) = rel {
+                    add_rel_bias(sc, rb, first + h, p);
+                }
+                match &s.sinks {
+                    None => softmax(sc),
+                    Some(sinks) => softmax_with_sink(sc, sinks[kvh * group + h]),
+                }
             }
             o.fill(0.0);
-            // Σ w·V over the positions, in order, run by run (the output stays in registers).
+            // Σ w·V over the positions, in order, run by run.
             let mut i0 = 0;
             for (count, run) in kv.v_runs(lo, p, kvh) {
-                let w = &scores[i0..i0 + count];
                 match run {
-                    KvRow::F16(r) => k.wsum_f16(w, r, stride, o),
+                    KvRow::F16(r) => k.wsum_f16_group(&scores[i0..], n, count, r, stride, o, group),
                     KvRow::F32(r) => {
-                        for (i, &wi) in w.iter().enumerate() {
-                            k.axpy(wi, &r[i * stride..i * stride + d], o);
+                        for (h, oh) in o.chunks_exact_mut(d).enumerate() {
+                            for i in 0..count {
+                                let wi = scores[h * n + i0 + i];
+                                k.axpy(wi, &r[i * stride..i * stride + d], oh);
+                            }
                         }
                     }
                 }

@@ -34,6 +34,8 @@ pub(super) static TABLE: Kernels = Kernels {
     axpy_f16,
     wsum_f16: None,
     dots_f16: None,
+    dots_f16_group: None,
+    wsum_f16_group: None,
 };
 
 // The safe wrappers below are only reachable through `TABLE`, which `super::available` hands out only after

@@ -39,6 +39,8 @@ pub(super) static TABLE: Kernels = Kernels {
     axpy_f16,
     wsum_f16: Some(wsum_f16),
     dots_f16: Some(dots_f16),
+    dots_f16_group: Some(dots_f16_group),
+    wsum_f16_group: Some(wsum_f16_group),
 };
 
 // The safe wrappers below are only reachable through `TABLE`, which `super::available` hands out only after
@@ -174,6 +176,191 @@ unsafe fn wsum_f16_block<const NB: usize>(
         }
         for v in 0..NB {
             _mm512_storeu_ps(op.add(c0 + 16 * v), acc[v]);
+        }
+    }
+}
+
+/// Rows ahead that the grouped attention kernels prefetch.
+const KV_PF_ROWS: usize = 8;
+
+/// `Kernels::dots_f16_group` for 2..=8 queries of a width that is a multiple of 32 (false
+/// otherwise, and for one query, which `dots_f16` keeps in registers).
+pub(super) fn dots_f16_group(
+    q: &[f32],
+    g: usize,
+    rows: &[f16],
+    stride: usize,
+    n: usize,
+    out: &mut [f32],
+    ld: usize,
+) -> bool {
+    let d = q.len() / g;
+    if !d.is_multiple_of(32) {
+        return false;
+    }
+    // SAFETY: AVX-512F/BW/VL, FMA and F16C are present; `Kernels::dots_f16_group` checked that
+    // the n rows of width d and the g outputs of n (ld apart) fit.
+    unsafe {
+        match g {
+            2 => dots_f16_group_impl::<2>(q, d, rows, stride, n, out, ld),
+            3 => dots_f16_group_impl::<3>(q, d, rows, stride, n, out, ld),
+            4 => dots_f16_group_impl::<4>(q, d, rows, stride, n, out, ld),
+            5 => dots_f16_group_impl::<5>(q, d, rows, stride, n, out, ld),
+            6 => dots_f16_group_impl::<6>(q, d, rows, stride, n, out, ld),
+            7 => dots_f16_group_impl::<7>(q, d, rows, stride, n, out, ld),
+            8 => dots_f16_group_impl::<8>(q, d, rows, stride, n, out, ld),
+            _ => return false,
+        }
+    }
+    true
+}
+
+/// G queries of width d (a multiple of 32) against each row: per (query, row) the same two
+/// accumulators, multiply-adds and final reduction as `dot_f16_impl`, the row converted once.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
+unsafe fn dots_f16_group_impl<const G: usize>(
+    q: &[f32],
+    d: usize,
+    rows: &[f16],
+    stride: usize,
+    n: usize,
+    out: &mut [f32],
+    ld: usize,
+) {
+    let (rp, qp, op) = (rows.as_ptr() as *const i16, q.as_ptr(), out.as_mut_ptr());
+    // SAFETY: q holds G·d floats; row i's d elements lie inside `rows`; (G-1)·ld + n <= out.len()
+    // (the caller's checks).
+    unsafe {
+        for i in 0..n {
+            let r = rp.add(i * stride);
+            // The rows of one head are a KV row apart (often a page): fetch a few rows ahead.
+            let ahead = r.wrapping_add(KV_PF_ROWS * stride);
+            for line in (0..d).step_by(32) {
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line) as *const i8);
+            }
+            let mut acc = [[_mm512_setzero_ps(); 2]; G];
+            let mut c = 0;
+            while c < d {
+                for k in 0..2 {
+                    let kf =
+                        _mm512_cvtph_ps(_mm256_loadu_si256(r.add(c + 16 * k) as *const __m256i));
+                    for (h, acc) in acc.iter_mut().enumerate() {
+                        let qv = _mm512_loadu_ps(qp.add(h * d + c + 16 * k));
+                        acc[k] = _mm512_fmadd_ps(qv, kf, acc[k]);
+                    }
+                }
+                c += 32;
+            }
+            for (h, acc) in acc.iter().enumerate() {
+                *op.add(h * ld + i) = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
+            }
+        }
+    }
+}
+
+/// `Kernels::wsum_f16_group` for 2..=8 outputs (false otherwise: one output is `wsum_f16`).
+pub(super) fn wsum_f16_group(
+    w: &[f32],
+    ld: usize,
+    n: usize,
+    rows: &[f16],
+    stride: usize,
+    out: &mut [f32],
+    g: usize,
+) -> bool {
+    let d = out.len() / g;
+    // SAFETY: AVX-512F/BW/VL, FMA and F16C are present; `Kernels::wsum_f16_group` checked that
+    // the n rows of width d and the g weight runs of n (ld apart) fit.
+    unsafe {
+        match g {
+            2 => wsum_f16_group_cols::<2, 8>(w, ld, n, rows, stride, out, d),
+            3 => wsum_f16_group_cols::<3, 4>(w, ld, n, rows, stride, out, d),
+            4 => wsum_f16_group_cols::<4, 4>(w, ld, n, rows, stride, out, d),
+            5 => wsum_f16_group_cols::<5, 2>(w, ld, n, rows, stride, out, d),
+            6 => wsum_f16_group_cols::<6, 2>(w, ld, n, rows, stride, out, d),
+            7 => wsum_f16_group_cols::<7, 2>(w, ld, n, rows, stride, out, d),
+            8 => wsum_f16_group_cols::<8, 2>(w, ld, n, rows, stride, out, d),
+            _ => return false,
+        }
+    }
+    // The last d % 16 columns of each output, as axpy_f16 computes them (as in `wsum_f16`).
+    if !d.is_multiple_of(16) {
+        let c0 = d - d % 16;
+        for h in 0..g {
+            for i in 0..n {
+                let o = &mut out[h * d + c0..(h + 1) * d];
+                axpy_f16(w[h * ld + i], &rows[i * stride + c0..i * stride + d], o);
+            }
+        }
+    }
+    true
+}
+
+/// Columns `0 .. d - d % 16` of G outputs, in blocks of 16·NB then 16 columns, each block's G·NB
+/// accumulators kept in registers across all rows: per element the same fused multiply-adds, in
+/// row order, as `wsum_f16_block` (so as `axpy_f16` row by row).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
+unsafe fn wsum_f16_group_cols<const G: usize, const NB: usize>(
+    w: &[f32],
+    ld: usize,
+    n: usize,
+    rows: &[f16],
+    stride: usize,
+    out: &mut [f32],
+    d: usize,
+) {
+    let mut c0 = 0;
+    // SAFETY: the caller's contract, passed on; each block stays below d.
+    unsafe {
+        while c0 + 16 * NB <= d {
+            wsum_f16_group_block::<G, NB>(w, ld, n, rows, stride, out, d, c0);
+            c0 += 16 * NB;
+        }
+        while c0 + 16 <= d {
+            wsum_f16_group_block::<G, 1>(w, ld, n, rows, stride, out, d, c0);
+            c0 += 16;
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
+unsafe fn wsum_f16_group_block<const G: usize, const NB: usize>(
+    w: &[f32],
+    ld: usize,
+    n: usize,
+    rows: &[f16],
+    stride: usize,
+    out: &mut [f32],
+    d: usize,
+    c0: usize,
+) {
+    let (rp, wp, op) = (rows.as_ptr() as *const i16, w.as_ptr(), out.as_mut_ptr());
+    // SAFETY: c0 + 16·NB <= d; output h's block lies at h·d + c0 inside `out` (G·d floats); row
+    // i's columns c0 .. c0 + 16·NB lie inside `rows`; weight (h, i) at h·ld + i < w.len().
+    unsafe {
+        let mut acc: [[__m512; NB]; G] = std::array::from_fn(|h| {
+            std::array::from_fn(|v| _mm512_loadu_ps(op.add(h * d + c0 + 16 * v)))
+        });
+        for i in 0..n {
+            let a: [__m512; G] = std::array::from_fn(|h| _mm512_set1_ps(*wp.add(h * ld + i)));
+            let r = rp.add(i * stride + c0);
+            // As in `dots_f16_group_impl`: this block's columns a few rows ahead.
+            let ahead = r.wrapping_add(KV_PF_ROWS * stride);
+            for line in (0..16 * NB).step_by(32) {
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line) as *const i8);
+            }
+            for v in 0..NB {
+                let vf = _mm512_cvtph_ps(_mm256_loadu_si256(r.add(16 * v) as *const __m256i));
+                for h in 0..G {
+                    acc[h][v] = _mm512_fmadd_ps(a[h], vf, acc[h][v]);
+                }
+            }
+        }
+        for (h, acc) in acc.iter().enumerate() {
+            for (v, acc) in acc.iter().enumerate() {
+                _mm512_storeu_ps(op.add(h * d + c0 + 16 * v), *acc);
+            }
         }
     }
 }

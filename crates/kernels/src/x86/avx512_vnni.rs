@@ -42,6 +42,8 @@ pub(super) static TABLE: Kernels = Kernels {
     axpy_f16: avx512::axpy_f16,
     wsum_f16: Some(avx512::wsum_f16),
     dots_f16: Some(avx512::dots_f16),
+    dots_f16_group: Some(avx512::dots_f16_group),
+    wsum_f16_group: Some(avx512::wsum_f16_group),
 };
 
 fn gemm(m: &QMatrix, p: &PreparedX, y: &mut [f32], r0: usize, r1: usize) {
