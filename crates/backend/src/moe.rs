@@ -50,10 +50,11 @@ where
         .filter(|(_, &h)| !h)
         .map(|(&e, _)| e)
         .collect();
-    let tile = (streamer.slots() / 2).clamp(1, 8);
-    let tiles: Vec<&[usize]> = needed.chunks(tile).collect();
+    let tiles = prefill_tiles(needed, routes, streamer.slots());
+    let acquire =
+        |s: &mut ExpertStreamer, (tl, uses): &(Vec<usize>, Vec<u64>)| s.acquire_uses(tl, uses);
     let mut next_slots = match tiles.first() {
-        Some(first) => Some(streamer.acquire(first)?),
+        Some(first) => Some(acquire(streamer, first)?),
         None => None,
     };
     let (carry, mut acc) = meanwhile()?;
@@ -74,7 +75,7 @@ where
         let w = be.load_expert(layer, e, blob)?;
         run(e, w)
     };
-    for (ti, tl) in tiles.iter().enumerate() {
+    for (ti, (tl, _)) in tiles.iter().enumerate() {
         let slots = next_slots.take().expect("tile acquired one step ahead");
         // Hits are in memory already: compute them while this tile's misses are read.
         for (&e, &(slot, hit)) in tl.iter().zip(&slots) {
@@ -84,7 +85,7 @@ where
         }
         streamer.wait()?;
         if let Some(next) = tiles.get(ti + 1) {
-            next_slots = Some(streamer.acquire(next)?);
+            next_slots = Some(acquire(streamer, next)?);
         }
         for (&e, &(slot, hit)) in tl.iter().zip(&slots) {
             if !hit {
@@ -100,6 +101,24 @@ where
         be.scatter_add(&mut acc, ye, rows)?;
     }
     Ok((carry, acc))
+}
+
+/// The host streamer's tiles for several rows: `needed` (the routed experts the backend does not
+/// hold) in tiles of half the `slots` (at most 8), so the current and the next tile fit in the
+/// cache together, each expert with its use count (the rows routed to it, as decode counts one
+/// use per token). The most used experts come last, so the cache the next step starts from holds
+/// them rather than the highest ids; the sum is in expert order whatever the tile order.
+pub fn prefill_tiles(
+    mut needed: Vec<usize>,
+    routes: &Routes,
+    slots: usize,
+) -> Vec<(Vec<usize>, Vec<u64>)> {
+    let uses = |e: &usize| routes.experts.get(e).map_or(0, |r| r.len() as u64);
+    needed.sort_by_key(|e| (uses(e), *e));
+    needed
+        .chunks((slots / 2).clamp(1, 8))
+        .map(|tl| (tl.to_vec(), tl.iter().map(uses).collect()))
+        .collect()
 }
 
 /// [`routed_experts`] for one row: every expert of the token in one tile, computed into row `j`

@@ -58,7 +58,13 @@ impl SlotTable {
 
     /// Counts one use of expert `e` at the current time step.
     pub fn touch(&mut self, e: usize) {
-        self.use_count[e] += 1;
+        self.touch_uses(e, 1);
+    }
+
+    /// Counts `uses` uses of expert `e` at the current time step: a prefill tile counts each row
+    /// routed to `e`, as decode counts each token, so the counts mean the same in both.
+    pub fn touch_uses(&mut self, e: usize, uses: u64) {
+        self.use_count[e] += uses;
         self.last_used[e] = self.clock;
     }
 

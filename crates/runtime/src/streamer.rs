@@ -264,6 +264,11 @@ impl ExpertStreamer {
         }
     }
 
+    /// Whether expert `e` is in a slot now (landed or landing).
+    pub fn cached(&self, e: usize) -> bool {
+        e < self.experts && self.table.slot_of(e).is_some()
+    }
+
     /// Number of slots.
     pub fn slots(&self) -> usize {
         self.table.slots()
@@ -280,6 +285,24 @@ impl ExpertStreamer {
     /// Errors when the request plus the already pinned slots exceed the slot count: callers tile their
     /// requests (prefill uses tiles of at most half the slots).
     pub fn acquire(&mut self, experts: &[usize]) -> Result<Vec<(usize, bool)>, RuntimeError> {
+        self.acquire_uses(experts, &vec![1; experts.len()])
+    }
+
+    /// [`acquire`](Self::acquire) where `experts[i]` counts `uses[i]` uses for the eviction
+    /// policy (a prefill tile: the rows routed to each expert). Errors as `acquire`, and when the
+    /// two slices differ in length.
+    pub fn acquire_uses(
+        &mut self,
+        experts: &[usize],
+        uses: &[u64],
+    ) -> Result<Vec<(usize, bool)>, RuntimeError> {
+        if uses.len() != experts.len() {
+            return Err(RuntimeError::Invalid(format!(
+                "{} use counts for {} experts",
+                uses.len(),
+                experts.len()
+            )));
+        }
         // Speculative reads: settle the landed ones; join them only when this request needs one
         // of their experts or their slots.
         self.settle_prefetch(false);
@@ -346,8 +369,8 @@ impl ExpertStreamer {
         }
         // Count and pin every requested expert that is cached before choosing any victim, so a
         // miss never evicts an expert this same request needs.
-        for &e in experts {
-            self.table.touch(e);
+        for (&e, &n) in experts.iter().zip(uses) {
+            self.table.touch_uses(e, n);
             if let Some(s) = self.table.slot_of(e) {
                 self.table.set_pinned(s, true);
             }
