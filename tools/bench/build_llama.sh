@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds llama.cpp (CPU only, -march=native) from the llama-cpp-python 0.3.36 PyPI source package,
-# whose vendored llama.cpp knows gemma4 and qwen35moe. Output: work/llama/build/bin/{llama-bench,
-# llama-simple,llama-completion}. Needs tools/bench/setup.sh first (cmake, ninja from PyPI).
+# whose vendored llama.cpp knows gemma4 and qwen35moe, with our routing patch applied (inert unless
+# its variables are set). Output: work/llama/build/bin/{llama-bench,llama-simple,llama-completion}. Needs tools/bench/setup.sh first (cmake, ninja from PyPI).
 #
 #   tools/bench/build_llama.sh            # idempotent: skips the download / build if already there
 set -euo pipefail
@@ -16,6 +16,11 @@ if [ ! -d "$SRC" ]; then
   # The sdist only (no wheel, no dependencies): its metadata step needs just scikit-build-core.
   pip download --no-deps --no-binary llama-cpp-python "llama-cpp-python==$VER" -d "$W"
   tar -xzf "$W/llama_cpp_python-$VER.tar.gz" -C "$W"
+fi
+# The routing patch (llama-routing-trace.patch): inert unless MFERENCE_ROUTING_TRACE (replay recorded
+# expert ids, as `mference bench --routing-trace` does) or MFERENCE_ROUTING_LOG is set.
+if ! grep -q MFERENCE_ROUTING_TRACE "$SRC/src/llama-graph.cpp"; then
+  patch -d "$SRC" -p1 <"$REPO/tools/bench/llama-routing-trace.patch"
 fi
 cmake -S "$SRC" -B "$W/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
   -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF \

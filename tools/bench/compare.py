@@ -16,9 +16,10 @@ Modes:
           removed afterwards.
 
 --routing-trace FILE makes mference replay recorded expert choices (`mference bench
---routing-trace`); llama.cpp cannot, so it runs its own random routers (near-uniform, the worst
-case for any cache, its page cache included). The engine `ours-router` runs mference without the
-trace beside it, for the like-for-like routing. Peak RSS: mference reports its own sampled peaks of
+--routing-trace`). The engine `llama` runs llama.cpp on its own random routers; `llama-trace` runs
+the same binary replaying the same trace (tools/bench/llama-routing-trace.patch, applied by
+build_llama.sh: each MoE layer takes the trace's ids row by row, the router's own weights of
+them), the like-for-like comparison. The engine `ours-router` runs mference without the trace. Peak RSS: mference reports its own sampled peaks of
 RssAnon / RssFile in the bench JSON; for every engine this script also samples the sum over the
 processes of the cgroup (capped) every 50 ms.
 
@@ -144,9 +145,10 @@ class CgroupRss(threading.Thread):
             self.samples += 1
 
 
-def run(cmd: list, capped: bool, timeout: float) -> tuple:
-    """Runs cmd (optionally inside the cgroup); returns (stdout, seconds, max RSS KiB from
-    /usr/bin/time, stderr, sampled peaks {anon, file} bytes or None)."""
+def run(cmd: list, capped: bool, timeout: float, env: dict = None) -> tuple:
+    """Runs cmd (optionally inside the cgroup; `env`: extra environment variables); returns
+    (stdout, seconds, max RSS KiB from /usr/bin/time, stderr, sampled peaks {anon, file} bytes or
+    None)."""
     wrapped = ["/usr/bin/time", "-f", "MAXRSS_KIB %M"] + cmd
     sampler = None
     if capped:
@@ -157,7 +159,8 @@ def run(cmd: list, capped: bool, timeout: float) -> tuple:
         sampler.start()
     t0 = time.time()
     try:
-        p = subprocess.run(wrapped, capture_output=True, text=True, timeout=timeout)
+        p = subprocess.run(wrapped, capture_output=True, text=True, timeout=timeout,
+                           env={**os.environ, **(env or {})})
     finally:
         if sampler:
             sampler.stop.set()
@@ -197,10 +200,13 @@ def ours(a, prompts: list, capped: bool, repeats: int, trace: bool = True) -> di
     return res
 
 
-def llama(a, prompts: list, capped: bool, repeats: int, evict_first=None) -> dict:
+def llama(a, prompts: list, capped: bool, repeats: int, evict_first=None,
+          trace: bool = False) -> dict:
     """llama-bench prefill (-p N -n 0, skipped with --llama-no-pp) and decode at depth N
     (-p 0 -n G -d N), `repeats` each; `evict_first` (capped) is called before each invocation, so
-    both start cold. Keys are suffixed _pp / _tg."""
+    both start cold. `trace`: llama.cpp replays --routing-trace (our patch, build_llama.sh; a
+    build without it refuses to say so, below). Keys are suffixed _pp / _tg."""
+    env = {"MFERENCE_ROUTING_TRACE": str(a.routing_trace)} if trace else None
     extra = a.llama_args.split() if a.llama_args else []
     base = [str(a.llama_bench), "-m", str(a.gguf), "-t", str(a.threads)]
     tail = ["-r", str(repeats), "-o", "json"] + extra
@@ -213,7 +219,10 @@ def llama(a, prompts: list, capped: bool, repeats: int, evict_first=None) -> dic
         cmd = base + args + tail
         if evict_first:
             evict_first()
-        out, dt, rss, _, peaks = run(cmd, capped, a.timeout)
+        out, dt, rss, err, peaks = run(cmd, capped, a.timeout, env)
+        if trace and "routing trace:" not in err:
+            raise SystemExit(f"{a.llama_bench} did not replay the trace: build it with "
+                             "tools/bench/build_llama.sh (llama-routing-trace.patch)")
         res.update({kind: json.loads(out), f"{kind}_cmd": " ".join(cmd), f"wall_{kind}_s": dt,
                     f"max_rss_kib_time_{kind}": rss, f"cgroup_rss_peaks_{kind}": peaks})
         if capped:
@@ -332,7 +341,9 @@ def main() -> None:
     ap.add_argument("--kernels", default="auto",
                     help="mference kernel table: auto (exact), or avx512vnni (int8 prefill)")
     ap.add_argument("--modes", default="warm,capped")
-    ap.add_argument("--engines", default="ours,llama")
+    ap.add_argument("--engines", default="ours,llama",
+                    help="of ours, ours-router (mference on its own routers), llama, llama-trace "
+                         "(llama.cpp replaying --routing-trace: needs the patched build)")
     ap.add_argument("--cap-gib", default="8", help="one cap or a list (8,4), GiB")
     ap.add_argument("--routing-trace", type=Path,
                     help="mference replays this routing (.npy); llama.cpp keeps its own routers")
@@ -365,10 +376,13 @@ def main() -> None:
         for cap in caps:
             key = mode if cap is None else f"capped-{cap:g}GiB"
             res = capped_mode(a, prompts, engines, cap) if cap else warm_mode(a, prompts, engines)
-            if "ours" in res and "llama" in res:
-                res["ratios"] = ratios(res["ours"], res["llama"])
-                if cap and a.odirect_GBps:
-                    floor(res["ratios"], a.odirect_GBps, warm_ms)
+            # "ratios": against llama.cpp on its own routers; "ratios_trace": against llama.cpp
+            # replaying the same trace as mference (engine llama-trace).
+            for peer, rkey in (("llama", "ratios"), ("llama-trace", "ratios_trace")):
+                if "ours" in res and peer in res:
+                    res[rkey] = ratios(res["ours"], res[peer])
+                    if cap and a.odirect_GBps:
+                        floor(res[rkey], a.odirect_GBps, warm_ms)
             result[key] = res
             a.out.write_text(json.dumps(result, indent=1) + "\n")
             print_mode(key, res)
@@ -385,7 +399,8 @@ def warm_mode(a, prompts: list, engines: list) -> dict:
             res[f"{eng}_warm_read_s"] = warm(files)
             print(f"[compare] warm: {eng} ...", file=sys.stderr, flush=True)
             load0 = os.getloadavg()
-            res[eng] = (llama(a, prompts, False, a.repeats) if eng == "llama"
+            res[eng] = (llama(a, prompts, False, a.repeats, trace=eng == "llama-trace")
+                        if eng.startswith("llama")
                         else ours(a, prompts, False, a.repeats, trace=eng == "ours"))
             res[eng]["loadavg_before"], res[eng]["loadavg_after"] = load0, os.getloadavg()
         evict(files)  # leave room in RAM for the other engine's warm run
@@ -409,8 +424,9 @@ def capped_mode(a, prompts: list, engines: list, cap_gib: float) -> dict:
                       file=sys.stderr, flush=True)
                 with timed():
                     load0 = os.getloadavg()
-                    if eng == "llama":
-                        r = llama(a, prompts, True, 1, evict_first=lambda: evict(files))
+                    if eng.startswith("llama"):
+                        r = llama(a, prompts, True, 1, evict_first=lambda: evict(files),
+                                  trace=eng == "llama-trace")
                     else:
                         evict(files)
                         r = ours(a, prompts, True, 1, trace=eng == "ours")
@@ -420,7 +436,7 @@ def capped_mode(a, prompts: list, engines: list, cap_gib: float) -> dict:
     finally:
         cgroup_remove()
     for eng, p in parts.items():
-        res[eng] = merge_llama(p) if eng == "llama" else merge_ours(p)
+        res[eng] = merge_llama(p) if eng.startswith("llama") else merge_ours(p)
     res["loadavg_after"] = os.getloadavg()
     return res
 
@@ -438,8 +454,9 @@ def floor(rows: list, odirect_gbps: float, warm_ms: dict) -> None:
 
 
 def print_mode(mode: str, res: dict) -> None:
-    for r in res.get("ratios", []):
-        print(f"{mode:7} prompt {r['prompt_tokens']:5}: prefill ours {r['ours_prefill_tok_s']:8.2f} "
+    for peer, r in [(p, r) for p, k in (("llama", "ratios"), ("llama-trace", "ratios_trace"))
+                    for r in res.get(k, [])]:
+        print(f"{mode:7} vs {peer} prompt {r['prompt_tokens']:5}: prefill ours {r['ours_prefill_tok_s']:8.2f} "
               f"llama {r['llama_prefill_tok_s'] or 0:8.2f} ratio {r['prefill_ratio'] or 0:5.2f} | decode ours "
               f"{r['ours_decode_tok_s']:6.2f} llama {r['llama_decode_tok_s'] or 0:6.2f} ratio "
               f"{r['decode_ratio'] or 0:5.2f} | hit {r['ours_hit_rate'] * 100:4.1f}% wait "
