@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds llama.cpp (CPU only, -march=native) from the llama-cpp-python 0.3.36 PyPI source package,
 # whose vendored llama.cpp knows gemma4 and qwen35moe, with our routing patch applied (inert unless
-# its variables are set). Output: work/llama/build/bin/{llama-bench,llama-simple,llama-completion}. Needs tools/bench/setup.sh first (cmake, ninja from PyPI).
+# its variables are set). Output: work/llama/build/bin/{llama-bench,llama-simple,llama-completion}.
+# Needs tools/bench/setup.sh first (cmake, ninja from PyPI).
 #
 #   tools/bench/build_llama.sh            # idempotent: skips the download / build if already there
 set -euo pipefail
