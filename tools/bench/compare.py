@@ -68,7 +68,10 @@ def warm(paths: list) -> float:
 
 
 def evict(paths: list) -> None:
+    """Drops `paths` from the page cache (those that exist: the other engine's file may be gone)."""
     for p in paths:
+        if not os.path.exists(p):
+            continue
         fd = os.open(p, os.O_RDONLY)
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
