@@ -8,7 +8,40 @@
 
 use mference_runtime::{ExpertStreamer, RuntimeError};
 
-use crate::{Act, Backend, Mlp, OpError, Routes, Tensor, Weights};
+use crate::{Act, Backend, Mlp, OpError, RouterSpec, Routes, Tensor, Weights};
+
+/// Routes the rows of `x` by `logits` (`[T, num_experts]`) and runs their experts: for one row
+/// of a layer whose experts the backend holds for good ([`Backend::routes_on_device`]) without a
+/// readback ([`Backend::routed_experts_held`], after `meanwhile`), otherwise through
+/// [`Backend::route`] and [`routed_experts`]. Both give the same bits. Returns what
+/// [`routed_experts`] returns and the router's margins (empty unless `spec.trace`).
+///
+/// Errors: as [`Backend::route`] and [`routed_experts`].
+#[allow(clippy::too_many_arguments)]
+pub fn route_and_run<B, S, E>(
+    be: &B,
+    streamer: &mut ExpertStreamer,
+    experts: &Mlp,
+    act: Act,
+    x: &B::Tensor,
+    logits: &B::Tensor,
+    spec: &RouterSpec,
+    meanwhile: impl FnOnce() -> Result<(S, B::Tensor), E>,
+) -> Result<(S, B::Tensor, Vec<f32>), E>
+where
+    B: Backend,
+    E: From<OpError> + From<RuntimeError>,
+{
+    let layer = streamer.layer();
+    if x.rows() == 1 && !spec.trace && be.routes_on_device(layer, spec.top_k)? {
+        let (carry, mut acc) = meanwhile()?;
+        be.routed_experts_held(layer, experts, act, x, logits, spec, &mut acc)?;
+        return Ok((carry, acc, Vec::new()));
+    }
+    let routes = be.route(logits, spec)?;
+    let (carry, acc) = routed_experts(be, streamer, experts, act, x, &routes, meanwhile)?;
+    Ok((carry, acc, routes.margins))
+}
 
 /// Runs the experts of `routes` on the rows of `x` (`[T, hidden]`) and adds each expert's output,
 /// times its weight, to an accumulator.

@@ -47,21 +47,22 @@ __device__ __forceinline__ void load_x(const float* x, float* v) {
 // the result depends only on the bytes and their alignment modulo 8 (a slot, the staging buffer
 // and the resident copy give an expert's matrices the same alignment).
 template <int BITS>
-__device__ void qmatmul_row(const QJobs& jobs, int j, int r, int rows, int cols, int group,
-                            int t_rows, int lane) {
+__device__ void qmatmul_row(u64 w_at, u64 s_at, u64 b_at, u64 x_at, u64 y_at, int r, int rows,
+                            int cols, int group, int t_rows, int lane) {
     const int PER = 16 / BITS;
     const u32 mask = (1u << BITS) - 1u;
     int n16 = cols / PER;
     int groups = cols / group;
-    u64 row = jobs.w[j] + (u64)r * n16 * 2;
+    int gshift = 31 - __clz(group);  // group is a power of two (checked by the launch)
+    u64 row = w_at + (u64)r * n16 * 2;
     u64 a0 = row & ~(u64)7;
     int m = (int)(row - a0) / 2;
     int words = (m + n16 + 3) / 4;
     const uint2* wv = (const uint2*)a0;
-    const u16* sc = (const u16*)jobs.s[j] + (u64)r * groups;
-    const u16* bi = (const u16*)jobs.b[j] + (u64)r * groups;
-    const float* x = (const float*)jobs.x[j];
-    float* y = (float*)jobs.y[j];
+    const u16* sc = (const u16*)s_at + (u64)r * groups;
+    const u16* bi = (const u16*)b_at + (u64)r * groups;
+    const float* x = (const float*)x_at;
+    float* y = (float*)y_at;
     int tiles = (t_rows + QM_TT - 1) / QM_TT;
     for (int tile = blockIdx.z; tile < tiles; tile += gridDim.z) {
         int t0 = tile * QM_TT;
@@ -83,7 +84,7 @@ __device__ void qmatmul_row(const QJobs& jobs, int j, int r, int rows, int cols,
                     if (i < 0 || i >= n16) continue;
                     u32 piece = ((p < 2 ? v.x : v.y) >> (16 * (p & 1))) & 0xffffu;
                     int c0 = i * PER;
-                    int g = c0 / group;
+                    int g = c0 >> gshift;
                     float s = bf16_to_f32(sc[g]), b = bf16_to_f32(bi[g]);
                     float q[PER];
                     for (int e = 0; e < PER; ++e) q[e] = (float)((piece >> (e * BITS)) & mask);
@@ -111,6 +112,16 @@ __device__ void qmatmul_row(const QJobs& jobs, int j, int r, int rows, int cols,
     }
 }
 
+// Row r of one product, dispatched on the bit width (2, 4 or 8).
+__device__ __forceinline__ void qmatmul_any(u64 w, u64 s, u64 b, u64 x, u64 y, int r, int rows,
+                                            int cols, int bits, int group, int t_rows, int lane) {
+    switch (bits) {
+        case 2: qmatmul_row<2>(w, s, b, x, y, r, rows, cols, group, t_rows, lane); break;
+        case 4: qmatmul_row<4>(w, s, b, x, y, r, rows, cols, group, t_rows, lane); break;
+        default: qmatmul_row<8>(w, s, b, x, y, r, rows, cols, group, t_rows, lane); break;
+    }
+}
+
 // The jobs of one launch: blockIdx.x * QM_ROWS + warp = output row, blockIdx.y = job,
 // blockIdx.z = share of the x rows (tiles of QM_TT). bits 2, 4 or 8; cols a multiple of group.
 extern "C" __global__ void qmatmul(QJobs jobs, int rows, int cols, int bits, int group,
@@ -118,11 +129,33 @@ extern "C" __global__ void qmatmul(QJobs jobs, int rows, int cols, int bits, int
     int r = blockIdx.x * QM_ROWS + (threadIdx.x >> 5);
     if (r >= rows) return;
     int lane = threadIdx.x & 31, j = blockIdx.y;
-    switch (bits) {
-        case 2: qmatmul_row<2>(jobs, j, r, rows, cols, group, t_rows, lane); break;
-        case 4: qmatmul_row<4>(jobs, j, r, rows, cols, group, t_rows, lane); break;
-        default: qmatmul_row<8>(jobs, j, r, rows, cols, group, t_rows, lane); break;
-    }
+    qmatmul_any(jobs.w[j], jobs.s[j], jobs.b[j], jobs.x[j], jobs.y[j], r, rows, cols, bits, group,
+                t_rows, lane);
+}
+
+// qmatmul for experts named by device-side ids (decode's routed experts without a readback):
+// job j multiplies matrix mat[j] (0 or 1: byte offsets w_off/s_off/b_off[mat[j]], the same in
+// every expert blob) of expert ids[pick[j]], whose blob starts at slots[ids[pick[j]]], by the
+// rows at x[j] into y[j]. Each product is computed by qmatmul_row from the same bytes at the same
+// address as a qmatmul launch would: the results are bit-identical.
+struct QIdJobs {
+    u64 w_off[2];
+    u64 s_off[2];
+    u64 b_off[2];
+    u64 x[QM_JOBS];
+    u64 y[QM_JOBS];
+    int pick[QM_JOBS];
+    int mat[QM_JOBS];
+};
+
+extern "C" __global__ void qmatmul_ids(QIdJobs jobs, const u64* slots, const u32* ids, int rows,
+                                       int cols, int bits, int group, int t_rows) {
+    int r = blockIdx.x * QM_ROWS + (threadIdx.x >> 5);
+    if (r >= rows) return;
+    int lane = threadIdx.x & 31, j = blockIdx.y, m = jobs.mat[j];
+    u64 base = slots[ids[jobs.pick[j]]];
+    qmatmul_any(base + jobs.w_off[m], base + jobs.s_off[m], base + jobs.b_off[m], jobs.x[j],
+                jobs.y[j], r, rows, cols, bits, group, t_rows, lane);
 }
 
 // out[j, c] = w[ids[j], c] * scale (dequantized embedding rows).
