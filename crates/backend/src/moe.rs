@@ -85,6 +85,8 @@ where
         .collect();
     let tile = (streamer.slots() / 2).clamp(1, 8);
     let tiles: Vec<&[usize]> = needed.chunks(tile).collect();
+    // A decode step may have left copies reading host slots that these reads could refill.
+    be.expert_copies_done()?;
     let mut next_slots = match tiles.first() {
         Some(first) => Some(streamer.acquire(first)?),
         None => None,
@@ -164,6 +166,12 @@ where
         .map(|((j, &e), _)| (j, e))
         .collect();
     let ids: Vec<usize> = needed.iter().map(|&(_, e)| e).collect();
+    // The backend's copies out of the host slots (this layer's earlier steps) are waited for
+    // only when this step's reads could refill a slot: with every expert in a host slot the
+    // copies run on while the host queues the next layers.
+    if !streamer.holds(&ids) {
+        be.expert_copies_done()?;
+    }
     let slots = if ids.is_empty() {
         Vec::new()
     } else {
@@ -197,8 +205,8 @@ where
             }
             be.glu_mlp_rows(experts, act, &srcs, x, &mut stack, &rows)?;
         }
-        // The host slots may be refilled once the copies out of them are done.
-        be.expert_copies_done()?;
+        // Released with their copies possibly still in flight: a later read into one of these
+        // slots waits for them first (above, and before every prefill tile).
         streamer.release(&ids);
     }
     let pairs: Vec<(usize, f32)> = routed

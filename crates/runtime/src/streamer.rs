@@ -480,6 +480,14 @@ impl ExpertStreamer {
         }
     }
 
+    /// Whether every one of `experts` is in a slot already, so that
+    /// [`acquire`](Self::acquire) of them starts no read and refills no slot.
+    pub fn holds(&self, experts: &[usize]) -> bool {
+        experts
+            .iter()
+            .all(|&e| e < self.experts && self.table.slot_of(e).is_some())
+    }
+
     /// Unpins the slots of `experts` (their bytes stay cached).
     pub fn release(&mut self, experts: &[usize]) {
         for &e in experts {
