@@ -667,8 +667,12 @@ mod tests {
             IoPool::new(2),
         )
         .unwrap();
+        assert!(!s.holds(&[0]));
         let first = s.acquire(&[0, 1, 2, 3]).unwrap();
         s.wait().unwrap();
+        // Present experts need no read; an absent one or an id out of range does.
+        assert!(s.holds(&[3, 0]) && s.holds(&[]));
+        assert!(!s.holds(&[0, 8]) && !s.holds(&[10]));
         let second = s.acquire(&[4, 5, 6, 7]).unwrap();
         s.wait().unwrap();
         // All 8 slots pinned: a 9th expert cannot be placed.
