@@ -312,6 +312,13 @@ pub trait Backend: Send + Sync + Sized {
     fn device_expert_stats(&self) -> Option<DeviceExpertStats> {
         None
     }
+    /// The experts of MoE layer `layer` the backend's own cache has room to hold for good
+    /// (every expert of the layer fits, e.g. `--gpu-expert-budget resident`) but does not hold
+    /// yet: the decode step loads them once ([`moe::route_and_run`]), so that
+    /// [`routes_on_device`](Backend::routes_on_device) holds from then on. Default: none.
+    fn experts_to_complete(&self, layer: usize) -> OpResult<Vec<usize>> {
+        Ok(Vec::new())
+    }
     /// Whether [`routed_experts_held`](Backend::routed_experts_held) can run a decode step of
     /// MoE layer `layer` with `top_k` experts per token: the backend holds every expert of the
     /// layer for good, so the router's choice needs no readback. Default: no.

@@ -33,6 +33,12 @@ where
     E: From<OpError> + From<RuntimeError>,
 {
     let layer = streamer.layer();
+    if x.rows() == 1 && !spec.trace {
+        let missing = be.experts_to_complete(layer)?;
+        if !missing.is_empty() {
+            complete::<B, E>(be, streamer, &missing)?;
+        }
+    }
     if x.rows() == 1 && !spec.trace && be.routes_on_device(layer, spec.top_k)? {
         let (carry, mut acc) = meanwhile()?;
         be.routed_experts_held(layer, experts, act, x, logits, spec, &mut acc)?;
@@ -41,6 +47,32 @@ where
     let routes = be.route(logits, spec)?;
     let (carry, acc) = routed_experts(be, streamer, experts, act, x, &routes, meanwhile)?;
     Ok((carry, acc, routes.margins))
+}
+
+/// Loads `experts` of the streamer's layer into the backend's own cache, through the host
+/// streamer in tiles of half its slots (at most 8), waiting for each tile's copies before its
+/// host slots are released.
+fn complete<B: Backend, E>(
+    be: &B,
+    streamer: &mut ExpertStreamer,
+    experts: &[usize],
+) -> Result<(), E>
+where
+    E: From<OpError> + From<RuntimeError>,
+{
+    let layer = streamer.layer();
+    be.attach_host_slots(layer, streamer.slot_memory())?;
+    be.expert_copies_done()?;
+    for tile in experts.chunks((streamer.slots() / 2).clamp(1, 8)) {
+        let slots = streamer.acquire(tile)?;
+        streamer.wait()?;
+        for (&e, &(slot, _)) in tile.iter().zip(&slots) {
+            be.load_expert(layer, e, streamer.blob(slot))?;
+        }
+        be.expert_copies_done()?;
+        streamer.release(tile);
+    }
+    Ok(())
 }
 
 /// Runs the experts of `routes` on the rows of `x` (`[T, hidden]`) and adds each expert's output,

@@ -11,8 +11,12 @@
 #define QM_ROWS 8
 #define QM_JOBS 32
 #define QM_TT 4
-// Words of codes each lane loads per step.
+// Words of codes each lane loads per step (lane l reads words l, l + 32, l + 64, ... in that
+// order whatever the step, so the value changes only how many loads are in flight, never a
+// result; MFERENCE_CUDA_QM_UNROLL sets it for measurements, compile.rs).
+#ifndef QM_UNROLL
 #define QM_UNROLL 4
+#endif
 
 // Up to QM_JOBS products of one shape in one launch (blockIdx.y = job): job j reads the matrix
 // whose codes, BF16 scales and biases start at device addresses w[j], s[j], b[j], the rows of x

@@ -387,6 +387,9 @@ impl GpuExperts {
                 compute
                     .wait(&l.filled[s])
                     .map_err(driver("cuStreamWaitEvent"))?;
+                // Nothing is evicted from a complete layer: slots loaded without a reader
+                // (`to_complete`) need no pin.
+                l.table.set_pinned(s, false);
             }
             let (base, _sync) = l.slab.device_ptr(compute);
             let addrs: Vec<u64> = slots.iter().map(|&s| base + (s * stride) as u64).collect();
@@ -399,6 +402,24 @@ impl GpuExperts {
         let t = l.by_id.as_ref().expect("built above");
         let (addr, _sync) = t.device_ptr(compute);
         Ok(Some(addr))
+    }
+
+    /// The experts of `layer` not in a slot, when the layer has a slot for every expert
+    /// (and `force_miss` is off); else none.
+    pub(crate) fn to_complete(
+        &mut self,
+        compute: &Arc<CudaStream>,
+        layer: usize,
+    ) -> Result<Vec<usize>, CacheError> {
+        self.ensure_sized(compute)?;
+        match self.layers.get(&layer) {
+            Some(l) if !self.opts.force_miss && l.table.slots() >= l.table.experts() => {
+                Ok((0..l.table.experts())
+                    .filter(|&e| l.table.slot_of(e).is_none())
+                    .collect())
+            }
+            _ => Ok(Vec::new()),
+        }
     }
 
     /// Counts a decode step of `layer` routed on the device: `uses` hits.

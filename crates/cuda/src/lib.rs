@@ -1160,6 +1160,15 @@ impl Backend for CudaBackend {
         self.cache().map(|c| c.stats())
     }
 
+    fn experts_to_complete(&self, layer: usize) -> OpResult<Vec<usize>> {
+        match self.cache() {
+            Some(mut c) => c
+                .to_complete(&self.stream, layer)
+                .map_err(|e| self.cache_err("experts_to_complete", e)),
+            None => Ok(Vec::new()),
+        }
+    }
+
     fn routes_on_device(&self, layer: usize, top_k: usize) -> OpResult<bool> {
         if 2 * top_k > QM_JOBS {
             return Ok(false);

@@ -472,11 +472,13 @@ fn decode_experts_routed_on_the_device_equal_the_readback_path() {
         "an empty layer was routed on the device"
     );
     let all: Vec<usize> = (0..n_exp).collect();
+    assert_eq!(be.experts_to_complete(0).expect("to complete"), all);
     be.held_experts(0, &all).expect("held");
     for (e, b) in blobs.iter().enumerate() {
         be.load_expert(0, e, b).expect("load_expert");
     }
     be.expert_copies_done().expect("copies");
+    assert!(be.experts_to_complete(0).expect("to complete").is_empty());
     assert!(be.routes_on_device(0, k).expect("routes_on_device"));
     assert!(!be.routes_on_device(0, 17).expect("routes_on_device"));
 
