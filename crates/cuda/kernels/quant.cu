@@ -50,7 +50,9 @@ __device__ __forceinline__ void load_x(const float* x, float* v) {
 // scale * (codes . x) + bias * sum(x) per piece in word order, the lanes are added by warp_sum:
 // the result depends only on the bytes and their alignment modulo 8 (a slot, the staging buffer
 // and the resident copy give an expert's matrices the same alignment).
-template <int BITS>
+// TT rows of x per pass (QM_TT, or 1 for a decode row: the same operations in the same order for
+// that row, with fewer registers and no per-row branches).
+template <int BITS, int TT>
 __device__ void qmatmul_row(u64 w_at, u64 s_at, u64 b_at, u64 x_at, u64 y_at, int r, int rows,
                             int cols, int group, int t_rows, int lane) {
     const int PER = 16 / BITS;
@@ -67,11 +69,16 @@ __device__ void qmatmul_row(u64 w_at, u64 s_at, u64 b_at, u64 x_at, u64 y_at, in
     const u16* bi = (const u16*)b_at + (u64)r * groups;
     const float* x = (const float*)x_at;
     float* y = (float*)y_at;
-    int tiles = (t_rows + QM_TT - 1) / QM_TT;
+    int tiles = (t_rows + TT - 1) / TT;
     for (int tile = blockIdx.z; tile < tiles; tile += gridDim.z) {
-        int t0 = tile * QM_TT;
-        int nt = min(QM_TT, t_rows - t0);
-        float acc[QM_TT] = {0.0f, 0.0f, 0.0f, 0.0f};
+        int t0 = tile * TT;
+        int nt = min(TT, t_rows - t0);
+        float acc[TT];
+#pragma unroll
+        for (int tt = 0; tt < TT; ++tt) acc[tt] = 0.0f;
+        // The group's scale and bias, loaded when the group changes (pieces come in order).
+        int gp = -1;
+        float s = 0.0f, b = 0.0f;
         // QM_UNROLL words per lane per step, every load issued before any is used.
         for (int k0 = lane; k0 < words; k0 += 32 * QM_UNROLL) {
             uint2 w2[QM_UNROLL];
@@ -89,11 +96,15 @@ __device__ void qmatmul_row(u64 w_at, u64 s_at, u64 b_at, u64 x_at, u64 y_at, in
                     u32 piece = ((p < 2 ? v.x : v.y) >> (16 * (p & 1))) & 0xffffu;
                     int c0 = i * PER;
                     int g = c0 >> gshift;
-                    float s = bf16_to_f32(sc[g]), b = bf16_to_f32(bi[g]);
+                    if (g != gp) {
+                        gp = g;
+                        s = bf16_to_f32(sc[g]);
+                        b = bf16_to_f32(bi[g]);
+                    }
                     float q[PER];
                     for (int e = 0; e < PER; ++e) q[e] = (float)((piece >> (e * BITS)) & mask);
 #pragma unroll
-                    for (int tt = 0; tt < QM_TT; ++tt) {
+                    for (int tt = 0; tt < TT; ++tt) {
                         if (tt >= nt) continue;
                         float xv[PER];
                         load_x<PER>(x + (u64)(t0 + tt) * cols + c0, xv);
@@ -108,7 +119,7 @@ __device__ void qmatmul_row(u64 w_at, u64 s_at, u64 b_at, u64 x_at, u64 y_at, in
             }
         }
 #pragma unroll
-        for (int tt = 0; tt < QM_TT; ++tt) {
+        for (int tt = 0; tt < TT; ++tt) {
             if (tt >= nt) continue;
             float sum = warp_sum(acc[tt]);
             if (lane == 0) y[(u64)(t0 + tt) * rows + r] = sum;
@@ -116,13 +127,21 @@ __device__ void qmatmul_row(u64 w_at, u64 s_at, u64 b_at, u64 x_at, u64 y_at, in
     }
 }
 
-// Row r of one product, dispatched on the bit width (2, 4 or 8).
+// Row r of one product, dispatched on the bit width (2, 4 or 8) and on decode (one row of x).
 __device__ __forceinline__ void qmatmul_any(u64 w, u64 s, u64 b, u64 x, u64 y, int r, int rows,
                                             int cols, int bits, int group, int t_rows, int lane) {
+    if (t_rows == 1) {
+        switch (bits) {
+            case 2: qmatmul_row<2, 1>(w, s, b, x, y, r, rows, cols, group, 1, lane); break;
+            case 4: qmatmul_row<4, 1>(w, s, b, x, y, r, rows, cols, group, 1, lane); break;
+            default: qmatmul_row<8, 1>(w, s, b, x, y, r, rows, cols, group, 1, lane); break;
+        }
+        return;
+    }
     switch (bits) {
-        case 2: qmatmul_row<2>(w, s, b, x, y, r, rows, cols, group, t_rows, lane); break;
-        case 4: qmatmul_row<4>(w, s, b, x, y, r, rows, cols, group, t_rows, lane); break;
-        default: qmatmul_row<8>(w, s, b, x, y, r, rows, cols, group, t_rows, lane); break;
+        case 2: qmatmul_row<2, QM_TT>(w, s, b, x, y, r, rows, cols, group, t_rows, lane); break;
+        case 4: qmatmul_row<4, QM_TT>(w, s, b, x, y, r, rows, cols, group, t_rows, lane); break;
+        default: qmatmul_row<8, QM_TT>(w, s, b, x, y, r, rows, cols, group, t_rows, lane); break;
     }
 }
 
