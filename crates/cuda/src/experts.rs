@@ -388,7 +388,7 @@ impl GpuExperts {
                     .wait(&l.filled[s])
                     .map_err(driver("cuStreamWaitEvent"))?;
                 // Nothing is evicted from a complete layer: slots loaded without a reader
-                // (`to_complete`) need no pin.
+                // (`not_yet_held`) need no pin.
                 l.table.set_pinned(s, false);
             }
             let (base, _sync) = l.slab.device_ptr(compute);
@@ -406,7 +406,7 @@ impl GpuExperts {
 
     /// The experts of `layer` not in a slot, when the layer has a slot for every expert
     /// (and `force_miss` is off); else none.
-    pub(crate) fn to_complete(
+    pub(crate) fn not_yet_held(
         &mut self,
         compute: &Arc<CudaStream>,
         layer: usize,

@@ -1163,7 +1163,7 @@ impl Backend for CudaBackend {
     fn experts_to_complete(&self, layer: usize) -> OpResult<Vec<usize>> {
         match self.cache() {
             Some(mut c) => c
-                .to_complete(&self.stream, layer)
+                .not_yet_held(&self.stream, layer)
                 .map_err(|e| self.cache_err("experts_to_complete", e)),
             None => Ok(Vec::new()),
         }
