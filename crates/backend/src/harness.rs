@@ -517,9 +517,19 @@ fn norms_and_elementwise<B: Backend>(h: &mut Harness<B>, rng: &mut Rng, w: &Test
     ];
     for (dim, norm, name) in cases {
         let Some(mut xt) = h.up(&x, 256) else { return };
+        let want = refr::rms_norm(&x, dim, norm, buf, 1e-6);
+        // Out of place first: the source must come back unchanged.
+        let r = h.be.rms_norm_to(&xt, dim, norm, 1e-6);
+        if let Some(yt) = h.ok("rms_norm_to", r) {
+            if let (Some(got), Some(src)) = (h.read(&yt), h.read(&xt)) {
+                h.expect_close(&format!("rms_norm_to {name}"), &got, &want, EXACT_REL);
+                if src != x {
+                    h.fail("rms_norm_to", format!("{name}: the source was changed"));
+                }
+            }
+        }
         let r = h.be.rms_norm(&mut xt, dim, norm, 1e-6);
         if h.ok("rms_norm", r).is_some() {
-            let want = refr::rms_norm(&x, dim, norm, buf, 1e-6);
             if let Some(got) = h.read(&xt) {
                 h.expect_close(&format!("rms_norm {name}"), &got, &want, EXACT_REL);
             }

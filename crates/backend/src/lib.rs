@@ -86,6 +86,9 @@ pub struct DeviceExpertStats {
     pub h2d_bytes: u64,
     /// Time the host thread spent waiting for those copies to leave the host slots.
     pub copy_wait: std::time::Duration,
+    /// Decode steps of a layer routed on the device without a readback
+    /// ([`Backend::routed_experts_held`]); their uses count as hits.
+    pub device_routed: u64,
 }
 
 /// The scale of an RMSNorm `x · rsqrt(mean(x²) + eps) · s` (mlx `fast.rms_norm`).
@@ -309,6 +312,39 @@ pub trait Backend: Send + Sync + Sized {
     fn device_expert_stats(&self) -> Option<DeviceExpertStats> {
         None
     }
+    /// The experts of MoE layer `layer` the backend's own cache has room to hold for good
+    /// (every expert of the layer fits, e.g. `--gpu-expert-budget resident`) but does not hold
+    /// yet: the decode step loads them once ([`moe::route_and_run`]), so that
+    /// [`routes_on_device`](Backend::routes_on_device) holds from then on. Default: none.
+    fn experts_to_complete(&self, layer: usize) -> OpResult<Vec<usize>> {
+        Ok(Vec::new())
+    }
+    /// Whether [`routed_experts_held`](Backend::routed_experts_held) can run a decode step of
+    /// MoE layer `layer` with `top_k` experts per token: the backend holds every expert of the
+    /// layer for good, so the router's choice needs no readback. Default: no.
+    fn routes_on_device(&self, layer: usize, top_k: usize) -> OpResult<bool> {
+        Ok(false)
+    }
+    /// A decode step's routed experts without a readback (only after
+    /// [`routes_on_device`](Backend::routes_on_device) said yes): routes the one row of `logits`
+    /// (`[1, num_experts]`, as [`Backend::route`]; `spec.trace` must be off), computes the chosen
+    /// experts of `layer` from its held copies on the one row `x` (as
+    /// [`Backend::glu_mlp_rows`]) and adds each output times its weight to `acc` (`[1, hidden]`)
+    /// in ascending expert id, as [`moe::routed_experts`] does after the readback: the same
+    /// arithmetic in the same order, so the result is bit-identical to that path's.
+    #[allow(clippy::too_many_arguments)]
+    fn routed_experts_held(
+        &self,
+        layer: usize,
+        experts: &Mlp,
+        act: Act,
+        x: &Self::Tensor,
+        logits: &Self::Tensor,
+        spec: &RouterSpec,
+        acc: &mut Self::Tensor,
+    ) -> OpResult<()> {
+        Err(self.missing("routed_experts_held"))
+    }
     /// Allocates the backend's own expert cache from what memory is left (called once the
     /// weights and the KV cache are placed; later calls do nothing). Default: nothing to size.
     fn size_expert_cache(&self) -> OpResult<()> {
@@ -414,6 +450,20 @@ pub trait Backend: Send + Sync + Sized {
     /// RMSNorm of every `dim`-wide piece of each row (`dim = cols`: per row; `head_dim`: per head).
     fn rms_norm(&self, x: &mut Self::Tensor, dim: usize, norm: Norm, eps: f32) -> OpResult<()> {
         Err(self.missing("rms_norm"))
+    }
+    /// [`Backend::rms_norm`] into a new tensor, `x` unchanged (a block's pre-norm of the
+    /// residual). The default copies `x` and normalises the copy; a backend may do both in one
+    /// pass with the same arithmetic.
+    fn rms_norm_to(
+        &self,
+        x: &Self::Tensor,
+        dim: usize,
+        norm: Norm,
+        eps: f32,
+    ) -> OpResult<Self::Tensor> {
+        let mut y = self.copy(x)?;
+        self.rms_norm(&mut y, dim, norm, eps)?;
+        Ok(y)
     }
     /// Gated RMSNorm: `rms_norm(x)·w ⊙ silu(z)` per `dim` piece (`Qwen3NextRMSNormGated`).
     fn rms_norm_gated(

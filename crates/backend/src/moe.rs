@@ -8,7 +8,72 @@
 
 use mference_runtime::{ExpertStreamer, RuntimeError};
 
-use crate::{Act, Backend, Mlp, OpError, Routes, Tensor, Weights};
+use crate::{Act, Backend, Mlp, OpError, RouterSpec, Routes, Tensor, Weights};
+
+/// Routes the rows of `x` by `logits` (`[T, num_experts]`) and runs their experts: for one row
+/// of a layer whose experts the backend holds for good ([`Backend::routes_on_device`]) without a
+/// readback ([`Backend::routed_experts_held`], after `meanwhile`), otherwise through
+/// [`Backend::route`] and [`routed_experts`]. Both give the same bits. Returns what
+/// [`routed_experts`] returns and the router's margins (empty unless `spec.trace`).
+///
+/// Errors: as [`Backend::route`] and [`routed_experts`].
+#[allow(clippy::too_many_arguments)]
+pub fn route_and_run<B, S, E>(
+    be: &B,
+    streamer: &mut ExpertStreamer,
+    experts: &Mlp,
+    act: Act,
+    x: &B::Tensor,
+    logits: &B::Tensor,
+    spec: &RouterSpec,
+    meanwhile: impl FnOnce() -> Result<(S, B::Tensor), E>,
+) -> Result<(S, B::Tensor, Vec<f32>), E>
+where
+    B: Backend,
+    E: From<OpError> + From<RuntimeError>,
+{
+    let layer = streamer.layer();
+    if x.rows() == 1 && !spec.trace {
+        let missing = be.experts_to_complete(layer)?;
+        if !missing.is_empty() {
+            complete::<B, E>(be, streamer, &missing)?;
+        }
+    }
+    if x.rows() == 1 && !spec.trace && be.routes_on_device(layer, spec.top_k)? {
+        let (carry, mut acc) = meanwhile()?;
+        be.routed_experts_held(layer, experts, act, x, logits, spec, &mut acc)?;
+        return Ok((carry, acc, Vec::new()));
+    }
+    let routes = be.route(logits, spec)?;
+    let (carry, acc) = routed_experts(be, streamer, experts, act, x, &routes, meanwhile)?;
+    Ok((carry, acc, routes.margins))
+}
+
+/// Loads `experts` of the streamer's layer into the backend's own cache, through the host
+/// streamer in tiles of half its slots (at most 8), waiting for each tile's copies before its
+/// host slots are released.
+fn complete<B: Backend, E>(
+    be: &B,
+    streamer: &mut ExpertStreamer,
+    experts: &[usize],
+) -> Result<(), E>
+where
+    E: From<OpError> + From<RuntimeError>,
+{
+    let layer = streamer.layer();
+    be.attach_host_slots(layer, streamer.slot_memory())?;
+    be.expert_copies_done()?;
+    for tile in experts.chunks((streamer.slots() / 2).clamp(1, 8)) {
+        let slots = streamer.acquire(tile)?;
+        streamer.wait()?;
+        for (&e, &(slot, _)) in tile.iter().zip(&slots) {
+            be.load_expert(layer, e, streamer.blob(slot))?;
+        }
+        be.expert_copies_done()?;
+        streamer.release(tile);
+    }
+    Ok(())
+}
 
 /// Runs the experts of `routes` on the rows of `x` (`[T, hidden]`) and adds each expert's output,
 /// times its weight, to an accumulator.
@@ -53,6 +118,8 @@ where
     let tiles = prefill_tiles(needed, routes, streamer.slots());
     let acquire =
         |s: &mut ExpertStreamer, (tl, uses): &(Vec<usize>, Vec<u64>)| s.acquire_uses(tl, uses);
+    // A decode step may have left copies reading host slots that these reads could refill.
+    be.expert_copies_done()?;
     let mut next_slots = match tiles.first() {
         Some(first) => Some(acquire(streamer, first)?),
         None => None,
@@ -150,6 +217,12 @@ where
         .map(|((j, &e), _)| (j, e))
         .collect();
     let ids: Vec<usize> = needed.iter().map(|&(_, e)| e).collect();
+    // The backend's copies out of the host slots (this layer's earlier steps) are waited for
+    // only when this step's reads could refill a slot: with every expert in a host slot the
+    // copies run on while the host queues the next layers.
+    if !streamer.holds(&ids) {
+        be.expert_copies_done()?;
+    }
     let slots = if ids.is_empty() {
         Vec::new()
     } else {
@@ -183,8 +256,8 @@ where
             }
             be.glu_mlp_rows(experts, act, &srcs, x, &mut stack, &rows)?;
         }
-        // The host slots may be refilled once the copies out of them are done.
-        be.expert_copies_done()?;
+        // Released with their copies possibly still in flight: a later read into one of these
+        // slots waits for them first (above, and before every prefill tile).
         streamer.release(&ids);
     }
     let pairs: Vec<(usize, f32)> = routed

@@ -116,14 +116,15 @@ extern "C" __global__ void glu_act(float* g, const float* u, u64 n, int act, flo
     }
 }
 
-// RMSNorm of each `dim` piece of x, one block per piece:
-// x <- x * rsqrt(mean(x^2) + eps) * s, mode 0 s = 1, 1 s = w, 2 s = 1 + w, 3 s = c (folded
-// into the rsqrt first: c / sqrt(mean + eps)); w BF16 at w_off of the resident buffer.
-extern "C" __global__ void rms_norm(float* x, int dim, int mode, const unsigned char* base,
-                                    u64 w_off, float c, float eps) {
+// RMSNorm of each `dim` piece of src into x (the same buffer when in place), one block per
+// piece: x <- src * rsqrt(mean(src^2) + eps) * s, mode 0 s = 1, 1 s = w, 2 s = 1 + w, 3 s = c
+// (folded into the rsqrt first: c / sqrt(mean + eps)); w BF16 at w_off of the resident buffer.
+extern "C" __global__ void rms_norm(const float* src, float* x, int dim, int mode,
+                                    const unsigned char* base, u64 w_off, float c, float eps) {
+    const float* q = src + (u64)blockIdx.x * dim;
     float* p = x + (u64)blockIdx.x * dim;
     float ss = 0.0f;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) ss += p[i] * p[i];
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) ss += q[i] * q[i];
     float ms = block_sum(ss) / (float)dim;
     const u16* w = (const u16*)(base + w_off);
     float r = (mode == 3 ? c : 1.0f) / sqrtf(ms + eps);
@@ -131,6 +132,6 @@ extern "C" __global__ void rms_norm(float* x, int dim, int mode, const unsigned 
         float s = 1.0f;
         if (mode == 1) s = bf16_to_f32(w[i]);
         else if (mode == 2) s = 1.0f + bf16_to_f32(w[i]);
-        p[i] = p[i] * (r * s);
+        p[i] = q[i] * (r * s);
     }
 }

@@ -11,8 +11,12 @@
 #define QM_ROWS 8
 #define QM_JOBS 32
 #define QM_TT 4
-// Words of codes each lane loads per step.
+// Words of codes each lane loads per step (lane l reads words l, l + 32, l + 64, ... in that
+// order whatever the step, so the value changes only how many loads are in flight, never a
+// result; MFERENCE_CUDA_QM_UNROLL sets it for measurements, compile.rs).
+#ifndef QM_UNROLL
 #define QM_UNROLL 4
+#endif
 
 // Up to QM_JOBS products of one shape in one launch (blockIdx.y = job): job j reads the matrix
 // whose codes, BF16 scales and biases start at device addresses w[j], s[j], b[j], the rows of x
@@ -46,27 +50,35 @@ __device__ __forceinline__ void load_x(const float* x, float* v) {
 // scale * (codes . x) + bias * sum(x) per piece in word order, the lanes are added by warp_sum:
 // the result depends only on the bytes and their alignment modulo 8 (a slot, the staging buffer
 // and the resident copy give an expert's matrices the same alignment).
-template <int BITS>
-__device__ void qmatmul_row(const QJobs& jobs, int j, int r, int rows, int cols, int group,
-                            int t_rows, int lane) {
+// TT rows of x per pass (QM_TT, or 1 for a decode row: the same operations in the same order for
+// that row, with fewer registers and no per-row branches).
+template <int BITS, int TT>
+__device__ void qmatmul_row(u64 w_at, u64 s_at, u64 b_at, u64 x_at, u64 y_at, int r, int rows,
+                            int cols, int group, int t_rows, int lane) {
     const int PER = 16 / BITS;
     const u32 mask = (1u << BITS) - 1u;
     int n16 = cols / PER;
     int groups = cols / group;
-    u64 row = jobs.w[j] + (u64)r * n16 * 2;
+    int gshift = 31 - __clz(group);  // group is a power of two (checked by the launch)
+    u64 row = w_at + (u64)r * n16 * 2;
     u64 a0 = row & ~(u64)7;
     int m = (int)(row - a0) / 2;
     int words = (m + n16 + 3) / 4;
     const uint2* wv = (const uint2*)a0;
-    const u16* sc = (const u16*)jobs.s[j] + (u64)r * groups;
-    const u16* bi = (const u16*)jobs.b[j] + (u64)r * groups;
-    const float* x = (const float*)jobs.x[j];
-    float* y = (float*)jobs.y[j];
-    int tiles = (t_rows + QM_TT - 1) / QM_TT;
+    const u16* sc = (const u16*)s_at + (u64)r * groups;
+    const u16* bi = (const u16*)b_at + (u64)r * groups;
+    const float* x = (const float*)x_at;
+    float* y = (float*)y_at;
+    int tiles = (t_rows + TT - 1) / TT;
     for (int tile = blockIdx.z; tile < tiles; tile += gridDim.z) {
-        int t0 = tile * QM_TT;
-        int nt = min(QM_TT, t_rows - t0);
-        float acc[QM_TT] = {0.0f, 0.0f, 0.0f, 0.0f};
+        int t0 = tile * TT;
+        int nt = min(TT, t_rows - t0);
+        float acc[TT];
+#pragma unroll
+        for (int tt = 0; tt < TT; ++tt) acc[tt] = 0.0f;
+        // The group's scale and bias, loaded when the group changes (pieces come in order).
+        int gp = -1;
+        float s = 0.0f, b = 0.0f;
         // QM_UNROLL words per lane per step, every load issued before any is used.
         for (int k0 = lane; k0 < words; k0 += 32 * QM_UNROLL) {
             uint2 w2[QM_UNROLL];
@@ -83,12 +95,16 @@ __device__ void qmatmul_row(const QJobs& jobs, int j, int r, int rows, int cols,
                     if (i < 0 || i >= n16) continue;
                     u32 piece = ((p < 2 ? v.x : v.y) >> (16 * (p & 1))) & 0xffffu;
                     int c0 = i * PER;
-                    int g = c0 / group;
-                    float s = bf16_to_f32(sc[g]), b = bf16_to_f32(bi[g]);
+                    int g = c0 >> gshift;
+                    if (g != gp) {
+                        gp = g;
+                        s = bf16_to_f32(sc[g]);
+                        b = bf16_to_f32(bi[g]);
+                    }
                     float q[PER];
                     for (int e = 0; e < PER; ++e) q[e] = (float)((piece >> (e * BITS)) & mask);
 #pragma unroll
-                    for (int tt = 0; tt < QM_TT; ++tt) {
+                    for (int tt = 0; tt < TT; ++tt) {
                         if (tt >= nt) continue;
                         float xv[PER];
                         load_x<PER>(x + (u64)(t0 + tt) * cols + c0, xv);
@@ -103,11 +119,29 @@ __device__ void qmatmul_row(const QJobs& jobs, int j, int r, int rows, int cols,
             }
         }
 #pragma unroll
-        for (int tt = 0; tt < QM_TT; ++tt) {
+        for (int tt = 0; tt < TT; ++tt) {
             if (tt >= nt) continue;
             float sum = warp_sum(acc[tt]);
             if (lane == 0) y[(u64)(t0 + tt) * rows + r] = sum;
         }
+    }
+}
+
+// Row r of one product, dispatched on the bit width (2, 4 or 8) and on decode (one row of x).
+__device__ __forceinline__ void qmatmul_any(u64 w, u64 s, u64 b, u64 x, u64 y, int r, int rows,
+                                            int cols, int bits, int group, int t_rows, int lane) {
+    if (t_rows == 1) {
+        switch (bits) {
+            case 2: qmatmul_row<2, 1>(w, s, b, x, y, r, rows, cols, group, 1, lane); break;
+            case 4: qmatmul_row<4, 1>(w, s, b, x, y, r, rows, cols, group, 1, lane); break;
+            default: qmatmul_row<8, 1>(w, s, b, x, y, r, rows, cols, group, 1, lane); break;
+        }
+        return;
+    }
+    switch (bits) {
+        case 2: qmatmul_row<2, QM_TT>(w, s, b, x, y, r, rows, cols, group, t_rows, lane); break;
+        case 4: qmatmul_row<4, QM_TT>(w, s, b, x, y, r, rows, cols, group, t_rows, lane); break;
+        default: qmatmul_row<8, QM_TT>(w, s, b, x, y, r, rows, cols, group, t_rows, lane); break;
     }
 }
 
@@ -118,11 +152,33 @@ extern "C" __global__ void qmatmul(QJobs jobs, int rows, int cols, int bits, int
     int r = blockIdx.x * QM_ROWS + (threadIdx.x >> 5);
     if (r >= rows) return;
     int lane = threadIdx.x & 31, j = blockIdx.y;
-    switch (bits) {
-        case 2: qmatmul_row<2>(jobs, j, r, rows, cols, group, t_rows, lane); break;
-        case 4: qmatmul_row<4>(jobs, j, r, rows, cols, group, t_rows, lane); break;
-        default: qmatmul_row<8>(jobs, j, r, rows, cols, group, t_rows, lane); break;
-    }
+    qmatmul_any(jobs.w[j], jobs.s[j], jobs.b[j], jobs.x[j], jobs.y[j], r, rows, cols, bits, group,
+                t_rows, lane);
+}
+
+// qmatmul for experts named by device-side ids (decode's routed experts without a readback):
+// job j multiplies matrix mat[j] (0 or 1: byte offsets w_off/s_off/b_off[mat[j]], the same in
+// every expert blob) of expert ids[pick[j]], whose blob starts at slots[ids[pick[j]]], by the
+// rows at x[j] into y[j]. Each product is computed by qmatmul_row from the same bytes at the same
+// address as a qmatmul launch would: the results are bit-identical.
+struct QIdJobs {
+    u64 w_off[2];
+    u64 s_off[2];
+    u64 b_off[2];
+    u64 x[QM_JOBS];
+    u64 y[QM_JOBS];
+    int pick[QM_JOBS];
+    int mat[QM_JOBS];
+};
+
+extern "C" __global__ void qmatmul_ids(QIdJobs jobs, const u64* slots, const u32* ids, int rows,
+                                       int cols, int bits, int group, int t_rows) {
+    int r = blockIdx.x * QM_ROWS + (threadIdx.x >> 5);
+    if (r >= rows) return;
+    int lane = threadIdx.x & 31, j = blockIdx.y, m = jobs.mat[j];
+    u64 base = slots[ids[jobs.pick[j]]];
+    qmatmul_any(base + jobs.w_off[m], base + jobs.s_off[m], base + jobs.b_off[m], jobs.x[j],
+                jobs.y[j], r, rows, cols, bits, group, t_rows, lane);
 }
 
 // out[j, c] = w[ids[j], c] * scale (dequantized embedding rows).

@@ -14,19 +14,16 @@ __device__ __forceinline__ bool before(int ka, int ia, int kb, int ib) {
 
 #define ROUTE_MAX_K 64
 
-// scoring 0: top-k of the raw logits, softmax over the k chosen (Gemma 4).
-// scoring 1: softmax over all, top-k of the probabilities, divided by their sum when norm
-// (Qwen 3.6). Each weight is then multiplied by the BF16 per-expert scale at pes_off when
-// has_pes. margins[row] = (k-th largest raw logit) - (k+1-th) when trace. With has_forced, the
-// ids are forced[row * k ..] (a replayed routing trace) instead of the top-k, weighted by the
-// same scoring. One thread per row.
-extern "C" __global__ void route(const float* logits, int t_rows, int n, int k, int scoring,
-                                 int norm, const unsigned char* base, u64 pes_off, int has_pes,
-                                 int trace, const u32* forced, int has_forced, u32* ids,
-                                 float* weights, float* margins) {
-    int row = blockIdx.x * blockDim.x + threadIdx.x;
-    if (row >= t_rows) return;
-    const float* lg = logits + (u64)row * n;
+// One row's routing, lg its n logits. scoring 0: top-k of the raw logits, softmax over the k
+// chosen (Gemma 4). scoring 1: softmax over all, top-k of the probabilities, divided by their sum
+// when norm (Qwen 3.6). Each weight is then multiplied by the BF16 per-expert scale at pes_off
+// when has_pes. *margin = (k-th largest raw logit) - (k+1-th) when trace. With has_forced, the
+// ids are forced[0 .. k) (a replayed routing trace) instead of the top-k, weighted by the same
+// scoring. Writes ids[0 .. k) and weights[0 .. k).
+__device__ void route_row(const float* lg, int n, int k, int scoring, int norm,
+                          const unsigned char* base, u64 pes_off, int has_pes, int trace,
+                          const u32* forced, int has_forced, u32* ids, float* weights,
+                          float* margin) {
     float m = -F32_INF, z = 0.0f;
     if (scoring == 1) {
         for (int e = 0; e < n; ++e) m = fmaxf(m, lg[e]);
@@ -36,7 +33,7 @@ extern "C" __global__ void route(const float* logits, int t_rows, int n, int k, 
     int pk = 0, pi = -1;
     for (int j = 0; j < k; ++j) {
         if (has_forced) {
-            pick[j] = (int)forced[(u64)row * k + j];
+            pick[j] = (int)forced[j];
             continue;
         }
         int best = -1, bk = 0;
@@ -64,8 +61,8 @@ extern "C" __global__ void route(const float* logits, int t_rows, int n, int k, 
     }
     const u16* pes = (const u16*)(base + pes_off);
     for (int j = 0; j < k; ++j) {
-        ids[(u64)row * k + j] = (u32)pick[j];
-        weights[(u64)row * k + j] = has_pes ? w[j] * bf16_to_f32(pes[pick[j]]) : w[j];
+        ids[j] = (u32)pick[j];
+        weights[j] = has_pes ? w[j] * bf16_to_f32(pes[pick[j]]) : w[j];
     }
     if (trace) {
         // The k-th and (k+1)-th raw logits in total order.
@@ -83,6 +80,57 @@ extern "C" __global__ void route(const float* logits, int t_rows, int n, int k, 
             if (j == k - 1) kth = lg[best];
             if (j == k) next = lg[best];
         }
-        margins[row] = k < n ? kth - next : F32_INF;
+        *margin = k < n ? kth - next : F32_INF;
+    }
+}
+
+// route_row for every row of logits [t_rows, n], one thread per row.
+extern "C" __global__ void route(const float* logits, int t_rows, int n, int k, int scoring,
+                                 int norm, const unsigned char* base, u64 pes_off, int has_pes,
+                                 int trace, const u32* forced, int has_forced, u32* ids,
+                                 float* weights, float* margins) {
+    int row = blockIdx.x * blockDim.x + threadIdx.x;
+    if (row >= t_rows) return;
+    u64 at = (u64)row * k;
+    route_row(logits + (u64)row * n, n, k, scoring, norm, base, pes_off, has_pes, trace,
+              forced + (has_forced ? at : 0), has_forced, ids + at, weights + at, margins + row);
+}
+
+// The forced ids of one decode row, passed by value (no host-to-device copy).
+struct ForcedIds {
+    u32 ids[ROUTE_MAX_K];
+};
+
+// route for the one row of a decode step (one thread, no trace), its ids and weights left in
+// device memory for qmatmul_ids and combine_ids.
+extern "C" __global__ void route_one(const float* logits, int n, int k, int scoring, int norm,
+                                     const unsigned char* base, u64 pes_off, int has_pes,
+                                     ForcedIds forced, int has_forced, u32* ids, float* weights) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    float margin;
+    route_row(logits, n, k, scoring, norm, base, pes_off, has_pes, 0, forced.ids, has_forced, ids,
+              weights, &margin);
+}
+
+// acc[c] += weights[i] * y[i * cols + c] over the k experts of one decode row, taken in
+// ascending expert id (scatter_add over a stack in expert order: the same sums in the same
+// order).
+extern "C" __global__ void combine_ids(float* acc, const float* y, const u32* ids,
+                                       const float* weights, int k, u64 cols) {
+    __shared__ int order[ROUTE_MAX_K];
+    if (threadIdx.x == 0) {
+        // Selection by rank: the ids of a row are distinct.
+        for (int i = 0; i < k; ++i) {
+            int rank = 0;
+            for (int j = 0; j < k; ++j) rank += ids[j] < ids[i];
+            order[rank] = i;
+        }
+    }
+    __syncthreads();
+    FOR_EACH(c, cols) {
+        for (int j = 0; j < k; ++j) {
+            int i = order[j];
+            acc[c] += weights[i] * y[(u64)i * cols + c];
+        }
     }
 }

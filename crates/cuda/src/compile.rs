@@ -33,8 +33,18 @@ const OPTIONS: [&str; 1] = ["--std=c++17"];
 const MAGIC: &[u8; 8] = b"MFCUBIN1";
 
 /// The concatenated kernel source, each file introduced by a `#line` so NVRTC's messages name it.
+///
+/// `MFERENCE_CUDA_QM_UNROLL=N` (1-16) defines `QM_UNROLL` (kernels/quant.cu: code words each
+/// lane of `qmatmul` loads per step) ahead of the sources, so the cache keeps one entry per value.
 pub(crate) fn source() -> String {
     let mut s = String::new();
+    if let Some(n) = std::env::var("MFERENCE_CUDA_QM_UNROLL")
+        .ok()
+        .and_then(|v| v.parse::<u32>().ok())
+        .filter(|n| (1..=16).contains(n))
+    {
+        s.push_str(&format!("#define QM_UNROLL {n}\n"));
+    }
     for (name, text) in SOURCES {
         s.push_str(&format!("#line 1 \"{name}\"\n"));
         s.push_str(text);

@@ -101,6 +101,10 @@ struct LayerSlots {
     filled: Vec<CudaEvent>,
     /// Per slot: recorded on the compute stream after the kernels that read it.
     read: Vec<CudaEvent>,
+    /// Once every expert of the layer is in a slot: each expert's slot address by expert id, on
+    /// the device (kernels that read device-side ids). Nothing is copied into the layer again:
+    /// every use is a hit.
+    by_id: Option<CudaSlice<u64>>,
 }
 
 /// The cache state behind [`GpuExperts`]'s lock.
@@ -134,6 +138,11 @@ impl GpuExperts {
 
     pub(crate) fn stats(&self) -> DeviceExpertStats {
         self.stats
+    }
+
+    /// Experts per MoE layer.
+    pub(crate) fn experts(&self) -> usize {
+        self.opts.geometry.experts
     }
 
     /// Bytes per slot.
@@ -224,6 +233,7 @@ impl GpuExperts {
                     table: SlotTable::new(g.experts, slots),
                     filled,
                     read,
+                    by_id: None,
                 },
             );
         }
@@ -287,6 +297,11 @@ impl GpuExperts {
                 blob.len()
             )));
         }
+        if l.by_id.is_some() {
+            return Err(CacheError::Refused(format!(
+                "expert {e} of layer {layer}: the layer holds every expert, nothing is copied in"
+            )));
+        }
         let s = match l.table.slot_of(e) {
             Some(s) => s, // forced miss: copy it again into its own slot
             None => {
@@ -340,6 +355,77 @@ impl GpuExperts {
             .map_err(driver("cuStreamWaitEvent"))?;
         let (base, _sync) = l.slab.device_ptr(compute);
         Ok((base + (s * self.opts.geometry.stride) as u64, s))
+    }
+
+    /// The device address of `layer`'s slot addresses by expert id (`u64` each) once every
+    /// expert of the layer is in a slot, else `None` (always `None` with `force_miss`). The
+    /// table is built once, the compute stream made to wait for every slot's copy first; from
+    /// then on no copy goes into the layer ([`load`](Self::load) refuses), so kernels may read
+    /// any slot without per-slot events.
+    pub(crate) fn slots_by_id(
+        &mut self,
+        compute: &Arc<CudaStream>,
+        layer: usize,
+    ) -> Result<Option<u64>, CacheError> {
+        if self.opts.force_miss {
+            return Ok(None);
+        }
+        self.ensure_sized(compute)?;
+        let stride = self.opts.geometry.stride;
+        let Some(l) = self.layers.get_mut(&layer) else {
+            return Ok(None);
+        };
+        if l.by_id.is_none() {
+            let mut slots = Vec::with_capacity(l.table.experts());
+            for e in 0..l.table.experts() {
+                match l.table.slot_of(e) {
+                    Some(s) => slots.push(s),
+                    None => return Ok(None),
+                }
+            }
+            for &s in &slots {
+                compute
+                    .wait(&l.filled[s])
+                    .map_err(driver("cuStreamWaitEvent"))?;
+                // Nothing is evicted from a complete layer: slots loaded without a reader
+                // (`not_yet_held`) need no pin.
+                l.table.set_pinned(s, false);
+            }
+            let (base, _sync) = l.slab.device_ptr(compute);
+            let addrs: Vec<u64> = slots.iter().map(|&s| base + (s * stride) as u64).collect();
+            l.by_id = Some(
+                compute
+                    .clone_htod(&addrs)
+                    .map_err(driver("copying the slot table"))?,
+            );
+        }
+        let t = l.by_id.as_ref().expect("built above");
+        let (addr, _sync) = t.device_ptr(compute);
+        Ok(Some(addr))
+    }
+
+    /// The experts of `layer` not in a slot, when the layer has a slot for every expert
+    /// (and `force_miss` is off); else none.
+    pub(crate) fn not_yet_held(
+        &mut self,
+        compute: &Arc<CudaStream>,
+        layer: usize,
+    ) -> Result<Vec<usize>, CacheError> {
+        self.ensure_sized(compute)?;
+        match self.layers.get(&layer) {
+            Some(l) if !self.opts.force_miss && l.table.slots() >= l.table.experts() => {
+                Ok((0..l.table.experts())
+                    .filter(|&e| l.table.slot_of(e).is_none())
+                    .collect())
+            }
+            _ => Ok(Vec::new()),
+        }
+    }
+
+    /// Counts a decode step of `layer` routed on the device: `uses` hits.
+    pub(crate) fn count_device_step(&mut self, uses: usize) {
+        self.stats.hits += uses as u64;
+        self.stats.device_routed += 1;
     }
 
     /// Records that the kernels reading slot `s` of `layer` are queued on `compute`; the slot

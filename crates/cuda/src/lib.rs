@@ -24,6 +24,7 @@ pub use compile::default_cache_dir;
 pub use experts::{auto_margin, ExpertCacheOptions, ExpertGeometry, GpuExpertBudget};
 
 use std::collections::{BTreeMap, HashMap};
+use std::mem::ManuallyDrop;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
@@ -86,9 +87,55 @@ fn driver(what: &'static str) -> impl FnOnce(DriverError) -> CudaError {
 
 /// Activations `[rows, cols]` f32 in device memory, row-major.
 pub struct CudaTensor {
-    buf: CudaSlice<f32>,
+    buf: ManuallyDrop<CudaSlice<f32>>,
     rows: usize,
     cols: usize,
+    /// Where the buffer goes when the tensor is dropped.
+    reuse: Arc<Reuse>,
+}
+
+impl Drop for CudaTensor {
+    fn drop(&mut self) {
+        // SAFETY: `buf` is taken once, here, and never used again.
+        let buf = unsafe { ManuallyDrop::take(&mut self.buf) };
+        self.reuse.put(buf);
+    }
+}
+
+/// Activation buffers given back by dropped tensors, kept by length for the next op that asks
+/// for one of that length (decode asks for the same shapes every token): an op then costs one
+/// driver call, its launch, instead of an allocation, a launch and a free. Every tensor lives
+/// on the one compute stream, so a buffer handed out again while queued kernels still use it
+/// is only touched by kernels queued after them.
+#[derive(Default)]
+struct Reuse(Mutex<ReuseInner>);
+
+#[derive(Default)]
+struct ReuseInner {
+    free: HashMap<usize, Vec<CudaSlice<f32>>>,
+    bytes: usize,
+}
+
+/// Bytes of freed activations kept for reuse; beyond it buffers go back to the driver's pool.
+const REUSE_BYTES: usize = 256 << 20;
+
+impl Reuse {
+    fn take(&self, len: usize) -> Option<CudaSlice<f32>> {
+        let mut r = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let buf = r.free.get_mut(&len)?.pop()?;
+        r.bytes -= 4 * len;
+        Some(buf)
+    }
+
+    fn put(&self, buf: CudaSlice<f32>) {
+        let len = buf.len();
+        let mut r = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if len == 0 || r.bytes + 4 * len > REUSE_BYTES {
+            return; // dropped: freed in stream order
+        }
+        r.bytes += 4 * len;
+        r.free.entry(len).or_default().push(buf);
+    }
 }
 
 impl Tensor for CudaTensor {
@@ -153,7 +200,7 @@ pub struct CudaState {
 }
 
 /// Every kernel of `kernels/`, loaded at startup (a missing one fails [`CudaBackend::new`]).
-const KERNELS: [&str; 26] = [
+const KERNELS: [&str; 29] = [
     "all_finite",
     "matmul_bf16",
     "gather_rows",
@@ -168,6 +215,7 @@ const KERNELS: [&str; 26] = [
     "glu_act",
     "rms_norm",
     "qmatmul",
+    "qmatmul_ids",
     "qembed",
     "argmax",
     "rope",
@@ -180,6 +228,8 @@ const KERNELS: [&str; 26] = [
     "delta_gates",
     "gated_delta_rule",
     "route",
+    "route_one",
+    "combine_ids",
 ];
 
 /// Where the kernels came from at startup.
@@ -231,6 +281,34 @@ struct QJobs {
 // SAFETY: plain `repr(C)` u64 arrays, laid out as `struct QJobs` in kernels/quant.cu.
 unsafe impl cudarc::driver::DeviceRepr for QJobs {}
 
+/// The `QIdJobs` argument of `qmatmul_ids`: byte offsets of up to two matrices in an expert
+/// blob, and per product the input and output rows, the place of its expert among the device-side
+/// ids and which matrix it multiplies.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct QIdJobs {
+    w_off: [u64; 2],
+    s_off: [u64; 2],
+    b_off: [u64; 2],
+    x: [u64; QM_JOBS],
+    y: [u64; QM_JOBS],
+    pick: [i32; QM_JOBS],
+    mat: [i32; QM_JOBS],
+}
+
+// SAFETY: plain `repr(C)` arrays of u64 and i32, laid out as `struct QIdJobs` in kernels/quant.cu.
+unsafe impl cudarc::driver::DeviceRepr for QIdJobs {}
+
+/// The `ForcedIds` argument of `route_one`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct ForcedIds {
+    ids: [u32; ROUTE_MAX_K],
+}
+
+// SAFETY: a plain `repr(C)` u32 array, laid out as `struct ForcedIds` in kernels/router.cu.
+unsafe impl cudarc::driver::DeviceRepr for ForcedIds {}
+
 /// The `Pairs` argument of `scatter_add`.
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -274,6 +352,8 @@ pub struct CudaBackend {
     /// synchronizes every launch before and after, timing the device (slow; for finding where
     /// the time goes).
     profile: Option<(bool, Mutex<Profile>)>,
+    /// Freed activation buffers kept for reuse.
+    reuse: Arc<Reuse>,
 }
 
 /// (op, kernel) → (launches, time from launch to its end).
@@ -404,6 +484,7 @@ impl CudaBackend {
             origin,
             profile: std::env::var_os("MFERENCE_CUDA_PROFILE")
                 .map(|v| (v != "host", Mutex::new(BTreeMap::new()))),
+            reuse: Arc::default(),
         })
     }
 
@@ -477,20 +558,35 @@ impl CudaBackend {
         self.stream.alloc_zeros(n).map_err(|e| self.dev(op, e))
     }
 
-    /// A tensor the caller's kernel writes in full (no zeroing pass).
+    /// A tensor over `buf`, given back to the reuse pool when dropped.
+    fn wrap(&self, buf: CudaSlice<f32>, rows: usize, cols: usize) -> CudaTensor {
+        CudaTensor {
+            buf: ManuallyDrop::new(buf),
+            rows,
+            cols,
+            reuse: Arc::clone(&self.reuse),
+        }
+    }
+
+    /// A tensor the caller's kernel writes in full (no zeroing pass): a reused buffer of that
+    /// length, else a fresh one.
     fn uninit_tensor(&self, op: &'static str, rows: usize, cols: usize) -> OpResult<CudaTensor> {
-        // SAFETY: the one kernel that writes it covers every element before anything reads it
-        // (stream order).
-        let buf = unsafe { self.stream.alloc::<f32>(rows * cols) }.map_err(|e| self.dev(op, e))?;
-        Ok(CudaTensor { buf, rows, cols })
+        let len = rows * cols;
+        let buf = match self.reuse.take(len) {
+            Some(b) => b,
+            // SAFETY: the one kernel that writes it covers every element before anything
+            // reads it (stream order).
+            None => unsafe { self.stream.alloc::<f32>(len) }.map_err(|e| self.dev(op, e))?,
+        };
+        Ok(self.wrap(buf, rows, cols))
     }
 
     fn tensor(&self, op: &'static str, rows: usize, cols: usize) -> OpResult<CudaTensor> {
-        Ok(CudaTensor {
-            buf: self.zeros_f32(op, rows * cols)?,
-            rows,
-            cols,
-        })
+        let mut t = self.uninit_tensor(op, rows, cols)?;
+        self.stream
+            .memset_zeros(&mut *t.buf)
+            .map_err(|e| self.dev(op, e))?;
+        Ok(t)
     }
 
     fn to_device<T: cudarc::driver::DeviceRepr>(
@@ -638,8 +734,8 @@ impl CudaBackend {
             w,
             buf,
             len,
-            x: self.addr(&x.buf),
-            y: self.addr(&y.buf),
+            x: self.addr(&*x.buf),
+            y: self.addr(&*y.buf),
         };
         self.products(op, &[job], x.rows)?;
         Ok(y)
@@ -659,9 +755,9 @@ impl CudaBackend {
             // Rows of x start 16-byte aligned (the kernel reads them as float2/float4).
             check(
                 op,
-                cols.is_multiple_of(32) && matches!(bits, 2 | 4 | 8),
+                cols.is_multiple_of(32) && matches!(bits, 2 | 4 | 8) && group.is_power_of_two(),
                 || {
-                    format!("a {bits}-bit matrix of {cols} columns (2/4/8 bits, a multiple of 32 columns)")
+                    format!("a {bits}-bit matrix of {cols} columns in groups of {group} (2/4/8 bits, a multiple of 32 columns, groups a power of two)")
                 },
             )?;
             let same: Vec<&QJob> = jobs.iter().filter(|j| shape(j.w) == sh).collect();
@@ -733,8 +829,8 @@ impl CudaBackend {
             op,
             "glu_act",
             elems(g.len()),
-            &mut g.buf,
-            &u.buf,
+            &mut *g.buf,
+            &*u.buf,
             &n,
             &code,
             &limit
@@ -781,9 +877,115 @@ impl CudaBackend {
         Ok(at.iter().map(|&o| base + o as u64).collect())
     }
 
+    /// The `route` / `route_one` kernels' scoring code, renormalisation flag and per-expert
+    /// scale (offset, present) for `spec` over `n_exp` experts, after checking top-k and the
+    /// forced ids of `rows` rows.
+    fn route_args(
+        &self,
+        op: &'static str,
+        spec: &RouterSpec,
+        rows: usize,
+        n_exp: usize,
+    ) -> OpResult<(i32, i32, u64, i32)> {
+        let k = spec.top_k;
+        check(op, k > 0 && k <= n_exp && k <= ROUTE_MAX_K, || {
+            format!("top-{k} of {n_exp} experts (at most {ROUTE_MAX_K})")
+        })?;
+        let pes = match spec.per_expert_scale {
+            Some(p) => Some(self.vref(op, p, n_exp)?),
+            None => None,
+        };
+        check_forced(op, spec, rows, n_exp)?;
+        let (scoring, norm) = match spec.scoring {
+            Scoring::SoftmaxOfTopK => (0i32, 0i32),
+            Scoring::TopKOfSoftmax { norm_topk_prob } => (1, norm_topk_prob as i32),
+            Scoring::SqrtSoftplus { .. } => return Err(self.missing("route (sqrt-softplus)")),
+        };
+        Ok((scoring, norm, pes.unwrap_or(0), pes.is_some() as i32))
+    }
+
+    /// One `qmatmul_ids` launch: `jobs` (matrix index 0/1 into `mats`, place among the ids at
+    /// `ids`, input rows, output rows; one row of x each) over expert blobs of `stride` bytes
+    /// whose addresses by expert id are at `slots`. The matrices share one shape.
+    #[allow(clippy::too_many_arguments)]
+    fn products_by_id(
+        &self,
+        op: &'static str,
+        mats: &[&QRef],
+        jobs: &[(usize, usize, u64, u64)],
+        slots: u64,
+        ids: u64,
+        stride: usize,
+    ) -> OpResult<()> {
+        let w = mats[0];
+        check(
+            op,
+            jobs.len() <= QM_JOBS
+                && mats.len() <= 2
+                && w.cols.is_multiple_of(32)
+                && matches!(w.bits, 2 | 4 | 8)
+                && w.group_size.is_power_of_two()
+                && mats.iter().all(|m| {
+                    (m.rows, m.cols, m.bits, m.group_size) == (w.rows, w.cols, w.bits, w.group_size)
+                }),
+            || {
+                format!(
+                    "{} products of {} matrices of one shape",
+                    jobs.len(),
+                    mats.len()
+                )
+            },
+        )?;
+        let mut a = QIdJobs {
+            w_off: [0; 2],
+            s_off: [0; 2],
+            b_off: [0; 2],
+            x: [0; QM_JOBS],
+            y: [0; QM_JOBS],
+            pick: [0; QM_JOBS],
+            mat: [0; QM_JOBS],
+        };
+        for (i, m) in mats.iter().enumerate() {
+            [a.w_off[i], a.s_off[i], a.b_off[i]] = qref_offsets(op, m, stride)?;
+        }
+        for (i, &(mat, pick, x, y)) in jobs.iter().enumerate() {
+            a.mat[i] = mat as i32;
+            a.pick[i] = pick as i32;
+            a.x[i] = x;
+            a.y[i] = y;
+        }
+        let (ri, ci, bi, gi, ti) = (
+            w.rows as i32,
+            w.cols as i32,
+            w.bits as i32,
+            w.group_size as i32,
+            1i32,
+        );
+        launch!(
+            self,
+            op,
+            "qmatmul_ids",
+            LaunchConfig {
+                grid_dim: (w.rows.div_ceil(QM_ROWS) as u32, jobs.len() as u32, 1),
+                block_dim: (32 * QM_ROWS as u32, 1, 1),
+                shared_mem_bytes: 0,
+            },
+            &a,
+            &slots,
+            &ids,
+            &ri,
+            &ci,
+            &bi,
+            &gi,
+            &ti
+        )
+    }
+
+    /// RMSNorm of `src`'s pieces into `x` (`src = None`: in place); the shapes are equal.
     fn rms_norm_impl(
         &self,
         op: &'static str,
+        src: Option<&CudaTensor>,
         x: &mut CudaTensor,
         dim: usize,
         norm: Norm,
@@ -799,12 +1001,14 @@ impl CudaBackend {
             Norm::Scaled(c) => (3, 0, c),
         };
         let d = dim as i32;
+        let from = self.addr(&*src.unwrap_or(&*x).buf);
         launch!(
             self,
             op,
             "rms_norm",
             blocks(x.len() / dim, 256),
-            &mut x.buf,
+            &from,
+            &mut *x.buf,
             &d,
             &mode,
             &self.resident,
@@ -956,6 +1160,153 @@ impl Backend for CudaBackend {
         self.cache().map(|c| c.stats())
     }
 
+    fn experts_to_complete(&self, layer: usize) -> OpResult<Vec<usize>> {
+        match self.cache() {
+            Some(mut c) => c
+                .not_yet_held(&self.stream, layer)
+                .map_err(|e| self.cache_err("experts_to_complete", e)),
+            None => Ok(Vec::new()),
+        }
+    }
+
+    fn routes_on_device(&self, layer: usize, top_k: usize) -> OpResult<bool> {
+        if 2 * top_k > QM_JOBS {
+            return Ok(false);
+        }
+        match self.cache() {
+            Some(mut c) => Ok(c
+                .slots_by_id(&self.stream, layer)
+                .map_err(|e| self.cache_err("routes_on_device", e))?
+                .is_some()),
+            None => Ok(false),
+        }
+    }
+
+    fn routed_experts_held(
+        &self,
+        layer: usize,
+        mlp: &Mlp,
+        act: Act,
+        x: &CudaTensor,
+        logits: &CudaTensor,
+        spec: &RouterSpec,
+        acc: &mut CudaTensor,
+    ) -> OpResult<()> {
+        let op = "routed_experts_held";
+        let (n_exp, k) = (logits.cols, spec.top_k);
+        check_mlp(op, mlp, x.cols)?;
+        let (inner, h) = (mlp.gate_proj.rows, mlp.down_proj.rows);
+        check(
+            op,
+            x.rows == 1
+                && logits.rows == 1
+                && (acc.rows, acc.cols) == (1, h)
+                && !spec.trace
+                && 2 * k <= QM_JOBS,
+            || {
+                format!(
+                    "one row of {} into [1, {h}] by [1, {n_exp}] logits, top-{k} (at most {}), \
+                     no trace; got x [{}, {}], logits [{}, {n_exp}], acc [{}, {}]",
+                    x.cols,
+                    QM_JOBS / 2,
+                    x.rows,
+                    x.cols,
+                    logits.rows,
+                    acc.rows,
+                    acc.cols
+                )
+            },
+        )?;
+        let (scoring, norm, pes_off, has_pes) = self.route_args(op, spec, 1, n_exp)?;
+        let (slots, stride) = {
+            let mut cache = self.cache();
+            let Some(c) = cache.as_mut() else {
+                return Err(self.missing("routed_experts_held (no GPU expert cache)"));
+            };
+            let slots = c
+                .slots_by_id(&self.stream, layer)
+                .map_err(|e| self.cache_err(op, e))?;
+            let experts = c.experts();
+            check(op, slots.is_some() && experts == n_exp, || {
+                format!("layer {layer}: not every one of its {experts} experts is held for {n_exp} logits")
+            })?;
+            c.count_device_step(k);
+            (slots.expect("checked"), c.stride())
+        };
+        let mut forced = ForcedIds {
+            ids: [0; ROUTE_MAX_K],
+        };
+        if let Some(f) = spec.forced {
+            for (d, &e) in forced.ids.iter_mut().zip(f) {
+                *d = e as u32;
+            }
+        }
+        let has_forced = spec.forced.is_some() as i32;
+        // The chosen ids, then their weights' bits.
+        // SAFETY: `route_one` writes all 2k values before anything reads them (stream order).
+        let sel = unsafe { self.stream.alloc::<u32>(2 * k) }.map_err(|e| self.dev(op, e))?;
+        let ids = self.addr(&sel);
+        let wts = ids + 4 * k as u64;
+        let (ni, ki) = (n_exp as i32, k as i32);
+        launch!(
+            self,
+            op,
+            "route_one",
+            blocks(1, 32),
+            &*logits.buf,
+            &ni,
+            &ki,
+            &scoring,
+            &norm,
+            &self.resident,
+            &pes_off,
+            &has_pes,
+            &forced,
+            &has_forced,
+            &ids,
+            &wts
+        )?;
+        let mut g = self.uninit_tensor(op, k, inner)?;
+        let u = self.uninit_tensor(op, k, inner)?;
+        let stack = self.uninit_tensor(op, k, h)?;
+        let (xa, ga, ua, sa) = (
+            self.addr(&*x.buf),
+            self.addr(&*g.buf),
+            self.addr(&*u.buf),
+            self.addr(&*stack.buf),
+        );
+        let row = |base: u64, r: usize, width: usize| base + (4 * r * width) as u64;
+        let (gate, up) = (&mlp.gate_proj, &mlp.up_proj);
+        let gate_jobs: Vec<_> = (0..k).map(|i| (0, i, xa, row(ga, i, inner))).collect();
+        let up_jobs: Vec<_> = (0..k).map(|i| (1, i, xa, row(ua, i, inner))).collect();
+        if (gate.bits, gate.group_size) == (up.bits, up.group_size) {
+            let both: Vec<_> = gate_jobs.iter().chain(&up_jobs).copied().collect();
+            self.products_by_id(op, &[gate, up], &both, slots, ids, stride)?;
+        } else {
+            self.products_by_id(op, &[gate], &gate_jobs, slots, ids, stride)?;
+            let up_jobs: Vec<_> = up_jobs.iter().map(|&(_, i, x, y)| (0, i, x, y)).collect();
+            self.products_by_id(op, &[up], &up_jobs, slots, ids, stride)?;
+        }
+        self.glu_act(op, act, &mut g, &u)?;
+        let down: Vec<_> = (0..k)
+            .map(|i| (0, i, row(ga, i, inner), row(sa, i, h)))
+            .collect();
+        self.products_by_id(op, &[&mlp.down_proj], &down, slots, ids, stride)?;
+        let cols = h as u64;
+        launch!(
+            self,
+            op,
+            "combine_ids",
+            elems(h),
+            &mut *acc.buf,
+            &*stack.buf,
+            &ids,
+            &wts,
+            &ki,
+            &cols
+        )
+    }
+
     fn size_expert_cache(&self) -> OpResult<()> {
         match self.cache() {
             Some(mut c) => c
@@ -971,11 +1322,8 @@ impl Backend for CudaBackend {
             cols > 0 && data.len().is_multiple_of(cols),
             || format!("{} values do not fill rows of {cols}", data.len()),
         )?;
-        Ok(CudaTensor {
-            buf: self.to_device("upload", data)?,
-            rows: data.len() / cols,
-            cols,
-        })
+        let buf = self.to_device("upload", data)?;
+        Ok(self.wrap(buf, data.len() / cols, cols))
     }
 
     fn zeros(&self, rows: usize, cols: usize) -> OpResult<CudaTensor> {
@@ -984,18 +1332,15 @@ impl Backend for CudaBackend {
     }
 
     fn copy(&self, x: &CudaTensor) -> OpResult<CudaTensor> {
-        Ok(CudaTensor {
-            buf: self
-                .stream
-                .clone_dtod(&x.buf)
-                .map_err(|e| self.dev("copy", e))?,
-            rows: x.rows,
-            cols: x.cols,
-        })
+        let mut y = self.uninit_tensor("copy", x.rows, x.cols)?;
+        self.stream
+            .memcpy_dtod(&*x.buf, &mut *y.buf)
+            .map_err(|e| self.dev("copy", e))?;
+        Ok(y)
     }
 
     fn read(&self, x: &CudaTensor) -> OpResult<Vec<f32>> {
-        self.to_host("read", &x.buf)
+        self.to_host("read", &*x.buf)
     }
 
     fn all_finite(&self, x: &CudaTensor) -> OpResult<bool> {
@@ -1010,7 +1355,7 @@ impl Backend for CudaBackend {
             op,
             "all_finite",
             elems(x.len()),
-            &x.buf,
+            &*x.buf,
             &n,
             &mut flag
         )?;
@@ -1031,11 +1376,11 @@ impl Backend for CudaBackend {
             op,
             "gather_rows",
             elems(out.len()),
-            &x.buf,
+            &*x.buf,
             &cols,
             &idx,
             &n,
-            &mut out.buf
+            &mut *out.buf
         )?;
         Ok(out)
     }
@@ -1059,12 +1404,12 @@ impl Backend for CudaBackend {
                 op,
                 "split_part",
                 elems(t.len()),
-                &x.buf,
+                &*x.buf,
                 &n_groups,
                 &g,
                 &o,
                 &pp,
-                &mut t.buf
+                &mut *t.buf
             )?;
             out.push(t);
             off += p;
@@ -1101,7 +1446,7 @@ impl Backend for CudaBackend {
             &d_ids,
             &n,
             &s,
-            &mut out.buf
+            &mut *out.buf
         )?;
         Ok(out)
     }
@@ -1118,7 +1463,7 @@ impl Backend for CudaBackend {
             .map(|w| self.uninit_tensor(op, x.rows, w.rows))
             .collect::<OpResult<Vec<_>>>()?;
         self.with_weights(op, src, |buf, len| {
-            let xa = self.addr(&x.buf);
+            let xa = self.addr(&*x.buf);
             let jobs: Vec<QJob> = ws
                 .iter()
                 .zip(&ys)
@@ -1127,7 +1472,7 @@ impl Backend for CudaBackend {
                     buf,
                     len,
                     x: xa,
-                    y: self.addr(&y.buf),
+                    y: self.addr(&*y.buf),
                 })
                 .collect();
             self.products(op, &jobs, x.rows)
@@ -1142,20 +1487,20 @@ impl Backend for CudaBackend {
         let u = self.uninit_tensor(op, x.rows, mlp.up_proj.rows)?;
         let y = self.uninit_tensor(op, x.rows, mlp.down_proj.rows)?;
         self.with_weights(op, src, |buf, len| {
-            let xa = self.addr(&x.buf);
+            let xa = self.addr(&*x.buf);
             let job = |w, x, y| QJob { w, buf, len, x, y };
             self.products(
                 op,
                 &[
-                    job(&mlp.gate_proj, xa, self.addr(&g.buf)),
-                    job(&mlp.up_proj, xa, self.addr(&u.buf)),
+                    job(&mlp.gate_proj, xa, self.addr(&*g.buf)),
+                    job(&mlp.up_proj, xa, self.addr(&*u.buf)),
                 ],
                 x.rows,
             )?;
             self.glu_act(op, act, &mut g, &u)?;
             self.products(
                 op,
-                &[job(&mlp.down_proj, self.addr(&g.buf), self.addr(&y.buf))],
+                &[job(&mlp.down_proj, self.addr(&*g.buf), self.addr(&*y.buf))],
                 x.rows,
             )
         })?;
@@ -1209,10 +1554,10 @@ impl Backend for CudaBackend {
         let mut g = self.uninit_tensor(op, n, inner)?;
         let u = self.uninit_tensor(op, n, inner)?;
         let (xa, ga, ua, oa) = (
-            self.addr(&x.buf),
-            self.addr(&g.buf),
-            self.addr(&u.buf),
-            self.addr(&out.buf),
+            self.addr(&*x.buf),
+            self.addr(&*g.buf),
+            self.addr(&*u.buf),
+            self.addr(&*out.buf),
         );
         let row = |base: u64, r: usize, width: usize| base + (4 * r * width) as u64;
         let job = |w, (buf, len): (u64, usize), x, y| QJob { w, buf, len, x, y };
@@ -1258,7 +1603,7 @@ impl Backend for CudaBackend {
             op,
             "argmax",
             blocks(1, 1024),
-            &logits.buf,
+            &*logits.buf,
             &n,
             &mut out
         )?;
@@ -1271,7 +1616,19 @@ impl Backend for CudaBackend {
     }
 
     fn rms_norm(&self, x: &mut CudaTensor, dim: usize, norm: Norm, eps: f32) -> OpResult<()> {
-        self.rms_norm_impl("rms_norm", x, dim, norm, eps)
+        self.rms_norm_impl("rms_norm", None, x, dim, norm, eps)
+    }
+
+    fn rms_norm_to(
+        &self,
+        x: &CudaTensor,
+        dim: usize,
+        norm: Norm,
+        eps: f32,
+    ) -> OpResult<CudaTensor> {
+        let mut y = self.uninit_tensor("rms_norm_to", x.rows, x.cols)?;
+        self.rms_norm_impl("rms_norm_to", Some(x), &mut y, dim, norm, eps)?;
+        Ok(y)
     }
 
     fn rms_norm_gated(
@@ -1284,9 +1641,17 @@ impl Backend for CudaBackend {
     ) -> OpResult<()> {
         let op = "rms_norm_gated";
         same_shape(op, x, z)?;
-        self.rms_norm_impl(op, x, dim, Norm::Weight(w), eps)?;
+        self.rms_norm_impl(op, None, x, dim, Norm::Weight(w), eps)?;
         let n = x.len() as u64;
-        launch!(self, op, "mul_silu", elems(x.len()), &mut x.buf, &z.buf, &n)
+        launch!(
+            self,
+            op,
+            "mul_silu",
+            elems(x.len()),
+            &mut *x.buf,
+            &*z.buf,
+            &n
+        )
     }
 
     fn unary(&self, x: &mut CudaTensor, op: Unary) -> OpResult<()> {
@@ -1304,7 +1669,7 @@ impl Backend for CudaBackend {
             "unary",
             "unary",
             elems(x.len()),
-            &mut x.buf,
+            &mut *x.buf,
             &n,
             &code,
             &a,
@@ -1322,13 +1687,13 @@ impl Backend for CudaBackend {
             op,
             "matmul_bf16",
             elems(out.len()),
-            &x.buf,
+            &*x.buf,
             &t,
             &r,
             &c,
             &self.resident,
             &off,
-            &mut out.buf
+            &mut *out.buf
         )?;
         Ok(out)
     }
@@ -1342,7 +1707,7 @@ impl Backend for CudaBackend {
             op,
             "mul_cols",
             elems(x.len()),
-            &mut x.buf,
+            &mut *x.buf,
             &n,
             &cols,
             &self.resident,
@@ -1360,8 +1725,8 @@ impl Backend for CudaBackend {
             op,
             "mul_sigmoid",
             elems(x.len()),
-            &mut x.buf,
-            &g.buf,
+            &mut *x.buf,
+            &*g.buf,
             &n
         )
     }
@@ -1377,8 +1742,8 @@ impl Backend for CudaBackend {
             op,
             "mul_rows_sigmoid",
             elems(x.len()),
-            &mut x.buf,
-            &g.buf,
+            &mut *x.buf,
+            &*g.buf,
             &n,
             &cols
         )
@@ -1393,8 +1758,8 @@ impl Backend for CudaBackend {
             op,
             "add_scaled",
             elems(x.len()),
-            &mut x.buf,
-            &y.buf,
+            &mut *x.buf,
+            &*y.buf,
             &n,
             &s
         )
@@ -1417,7 +1782,7 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         let cols = h as u64;
-        let ya = self.addr(&y.buf);
+        let ya = self.addr(&*y.buf);
         for (ci, chunk) in rows.chunks(SCATTER_PAIRS).enumerate() {
             let mut p = Pairs {
                 rows: [0; SCATTER_PAIRS],
@@ -1433,7 +1798,7 @@ impl Backend for CudaBackend {
                 op,
                 "scatter_add",
                 elems(h),
-                &mut acc.buf,
+                &mut *acc.buf,
                 &yc,
                 &p,
                 &np,
@@ -1509,7 +1874,7 @@ impl Backend for CudaBackend {
             op,
             "rope",
             elems(n),
-            &mut x.buf,
+            &mut *x.buf,
             &t,
             &cols,
             &hd,
@@ -1578,8 +1943,8 @@ impl Backend for CudaBackend {
             elems(k.len()),
             &ks,
             &vs,
-            &k.buf,
-            &v.buf,
+            &*k.buf,
+            &*v.buf,
             &t,
             &wi,
             &rows,
@@ -1654,7 +2019,7 @@ impl Backend for CudaBackend {
         };
         // (maximum, sum) per part, then each part's output row.
         let parts = self.uninit_tensor(op, items * splits, s.head_dim + 2)?;
-        let pa = self.addr(&parts.buf);
+        let pa = self.addr(&*parts.buf);
         let (pm, pl, po) = (
             pa,
             pa + (4 * items * splits) as u64,
@@ -1681,7 +2046,7 @@ impl Backend for CudaBackend {
                 block_dim: (32 * ATTN_WARPS, 1, 1),
                 shared_mem_bytes: 0,
             },
-            &q.buf,
+            &*q.buf,
             &ks,
             &vs,
             &t,
@@ -1711,7 +2076,7 @@ impl Backend for CudaBackend {
             &d,
             &si,
             &sp,
-            &mut out.buf
+            &mut *out.buf
         )?;
         Ok(out)
     }
@@ -1753,13 +2118,13 @@ impl Backend for CudaBackend {
             op,
             "conv1d_silu",
             elems(c),
-            &x.buf,
+            &*x.buf,
             &mut state.buf,
-            &w.buf,
+            &*w.buf,
             &t,
             &ci,
             &ki,
-            &mut out.buf
+            &mut *out.buf
         )?;
         Ok(out)
     }
@@ -1785,14 +2150,14 @@ impl Backend for CudaBackend {
             op,
             "delta_gates",
             elems(b.len()),
-            &b.buf,
-            &alpha.buf,
-            &a.buf,
-            &dt_bias.buf,
+            &*b.buf,
+            &*alpha.buf,
+            &*a.buf,
+            &*dt_bias.buf,
             &n,
             &nvi,
-            &mut beta.buf,
-            &mut decay.buf
+            &mut *beta.buf,
+            &mut *decay.buf
         )?;
         Ok((beta, decay))
     }
@@ -1830,18 +2195,18 @@ impl Backend for CudaBackend {
             op,
             "gated_delta_rule",
             blocks(nv, 128),
-            &q.buf,
-            &k.buf,
-            &v.buf,
-            &decay.buf,
-            &beta.buf,
+            &*q.buf,
+            &*k.buf,
+            &*v.buf,
+            &*decay.buf,
+            &*beta.buf,
             &mut state.buf,
             &t,
             &nki,
             &nvi,
             &dki,
             &dvi,
-            &mut out.buf
+            &mut *out.buf
         )?;
         Ok(out)
     }
@@ -1849,19 +2214,7 @@ impl Backend for CudaBackend {
     fn route(&self, logits: &CudaTensor, spec: &RouterSpec) -> OpResult<Routes> {
         let op = "route";
         let (t, n_exp, k) = (logits.rows, logits.cols, spec.top_k);
-        check(op, k > 0 && k <= n_exp && k <= ROUTE_MAX_K, || {
-            format!("top-{k} of {n_exp} experts (at most {ROUTE_MAX_K})")
-        })?;
-        let pes = match spec.per_expert_scale {
-            Some(p) => Some(self.vref(op, p, n_exp)?),
-            None => None,
-        };
-        check_forced(op, spec, t, n_exp)?;
-        let (scoring, norm) = match spec.scoring {
-            Scoring::SoftmaxOfTopK => (0i32, 0i32),
-            Scoring::TopKOfSoftmax { norm_topk_prob } => (1, norm_topk_prob as i32),
-            Scoring::SqrtSoftplus { .. } => return Err(self.missing("route (sqrt-softplus)")),
-        };
+        let (scoring, norm, pes_off, has_pes) = self.route_args(op, spec, t, n_exp)?;
         // One readback: ids, then weight bits, then margin bits.
         let out = self
             .stream
@@ -1881,7 +2234,7 @@ impl Backend for CudaBackend {
         let forced_at = forced.as_ref().map_or(base, |f| self.addr(f));
         let has_forced = spec.forced.is_some() as i32;
         let (ti, ni, ki) = (t as i32, n_exp as i32, k as i32);
-        let (pes_off, has_pes, trace) = (pes.unwrap_or(0), pes.is_some() as i32, spec.trace as i32);
+        let trace = spec.trace as i32;
         launch!(
             self,
             op,
@@ -1891,7 +2244,7 @@ impl Backend for CudaBackend {
                 block_dim: (128, 1, 1),
                 shared_mem_bytes: 0,
             },
-            &logits.buf,
+            &*logits.buf,
             &ti,
             &ni,
             &ki,

@@ -10,9 +10,11 @@ use mference_backend::cpu::ResidentBytes;
 use mference_backend::harness::{run_all, test_weights, Rng, EXACT_REL, F16_KV_REL};
 use mference_backend::reference as refr;
 use mference_backend::{
-    AttnShape, Backend, KvDtype, QRef, RouterSpec, Scoring, Tensor, VRef, Weights,
+    Act, AttnShape, Backend, KvDtype, Mlp, QRef, RouterSpec, Scoring, Tensor, VRef, Weights,
 };
-use mference_cuda::{CudaBackend, CudaError, KernelOrigin};
+use mference_cuda::{
+    CudaBackend, CudaError, ExpertCacheOptions, ExpertGeometry, GpuExpertBudget, KernelOrigin,
+};
 
 /// Bits the kernels implement.
 const BITS: [usize; 3] = [2, 4, 8];
@@ -414,4 +416,192 @@ fn ops_refuse_operands_that_do_not_fit() {
         .rms_norm(&mut y, 4, mference_backend::Norm::Weight(&far), 1e-6)
         .is_err());
     assert_eq!(x.rows(), 2);
+}
+
+/// `routed_experts_held` (a decode step's experts from device-side router ids, no readback)
+/// against the f64-checked reference (route, each expert's GLU MLP from its blob, the weighted
+/// sum in ascending id) and bit for bit against the readback path it replaces (`route`,
+/// `glu_mlp_rows` over held experts in expert order, `scatter_add`): Gemma's scoring with a
+/// per-expert scale and Qwen's, chosen and forced ids.
+#[test]
+fn decode_experts_routed_on_the_device_equal_the_readback_path() {
+    let (n_exp, k, hidden, inner) = (32usize, 8usize, 512usize, 256usize);
+    let mut rng = Rng(777);
+    // Every blob has the same layout (built from an empty buffer by the same calls).
+    let mut blobs = Vec::new();
+    let mut mlp = None;
+    for _ in 0..n_exp {
+        let mut b = Vec::new();
+        let m = Mlp {
+            gate_proj: qmatrix(&mut b, &mut rng, inner, hidden, 4, 64),
+            up_proj: qmatrix(&mut b, &mut rng, inner, hidden, 4, 64),
+            down_proj: qmatrix(&mut b, &mut rng, hidden, inner, 4, 32),
+        };
+        b.extend([0u8; 16]);
+        mlp = Some(m);
+        blobs.push(b);
+    }
+    let mlp = mlp.expect("experts");
+    let stride = blobs[0].len();
+    let mut buf = Vec::new();
+    while buf.len() % 4 != 2 {
+        buf.push(0);
+    }
+    let pes_off = buf.len();
+    for s in vals(&mut rng, n_exp, 0.5) {
+        buf.extend(bf16(1.0 + s));
+    }
+    let pes = VRef::at(pes_off, n_exp);
+    buf.extend([0u8; 64]);
+    let bytes = Arc::new(buf);
+    let Some(be) = start(&bytes) else { return };
+    let opts = ExpertCacheOptions {
+        geometry: ExpertGeometry {
+            layers: vec![0],
+            experts: n_exp,
+            stride,
+            top_k: k,
+        },
+        budget: GpuExpertBudget::Resident,
+        force_miss: false,
+    };
+    let be = be.with_expert_cache(opts).expect("expert cache");
+    be.size_expert_cache().expect("sized");
+    assert!(
+        !be.routes_on_device(0, k).expect("routes_on_device"),
+        "an empty layer was routed on the device"
+    );
+    let all: Vec<usize> = (0..n_exp).collect();
+    assert_eq!(be.experts_to_complete(0).expect("to complete"), all);
+    be.held_experts(0, &all).expect("held");
+    for (e, b) in blobs.iter().enumerate() {
+        be.load_expert(0, e, b).expect("load_expert");
+    }
+    be.expert_copies_done().expect("copies");
+    assert!(be.experts_to_complete(0).expect("to complete").is_empty());
+    assert!(be.routes_on_device(0, k).expect("routes_on_device"));
+    assert!(!be.routes_on_device(0, 17).expect("routes_on_device"));
+
+    let mut fails = Vec::new();
+    let qwen = Scoring::TopKOfSoftmax {
+        norm_topk_prob: true,
+    };
+    for (case, (scoring, pes, act, forced)) in [
+        (Scoring::SoftmaxOfTopK, Some(&pes), Act::GeluTanh, false),
+        (qwen, None, Act::Silu, false),
+        (Scoring::SoftmaxOfTopK, Some(&pes), Act::GeluTanh, true),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let x = vals(&mut rng, hidden, 1.0);
+        let logits = vals(&mut rng, n_exp, 4.0);
+        let acc0 = vals(&mut rng, hidden, 0.5);
+        let ids: Vec<usize> = (0..k).map(|j| (5 * j + 3 * case) % n_exp).collect();
+        let spec = RouterSpec {
+            scoring,
+            top_k: k,
+            per_expert_scale: pes,
+            trace: false,
+            forced: forced.then_some(ids.as_slice()),
+        };
+        let (xt, lt) = (
+            be.upload(&x, hidden).expect("upload"),
+            be.upload(&logits, n_exp).expect("upload"),
+        );
+        let mut acc = be.upload(&acc0, hidden).expect("upload");
+        be.routed_experts_held(0, &mlp, act, &xt, &lt, &spec, &mut acc)
+            .expect("routed_experts_held");
+        let got = be.read(&acc).expect("read");
+
+        // The reference: its routes, each expert from its own blob, summed in ascending id.
+        let mut chosen = refr::route(&logits, n_exp, &spec, &bytes).remove(0);
+        chosen.sort_by_key(|p| p.0);
+        let mut want = acc0.clone();
+        for &(e, w) in &chosen {
+            let (g, u, d) = (&mlp.gate_proj, &mlp.up_proj, &mlp.down_proj);
+            let y = refr::glu_mlp(g, u, d, act, &blobs[e], &x);
+            for (a, v) in want.iter_mut().zip(y) {
+                *a += w * v;
+            }
+        }
+        expect(
+            &mut fails,
+            format!("routed_experts_held case {case}"),
+            &got,
+            &want,
+            EXACT_REL,
+        );
+
+        // The readback path over the same held experts.
+        let routes = be.route(&lt, &spec).expect("route");
+        let experts: Vec<usize> = routes.experts.keys().copied().collect();
+        let srcs: Vec<Weights> = experts
+            .iter()
+            .map(|&e| Weights::Held {
+                layer: 0,
+                expert: e,
+            })
+            .collect();
+        let mut stack = be.zeros(experts.len(), hidden).expect("zeros");
+        let rows: Vec<usize> = (0..experts.len()).collect();
+        be.glu_mlp_rows(&mlp, act, &srcs, &xt, &mut stack, &rows)
+            .expect("glu_mlp_rows");
+        let pairs: Vec<(usize, f32)> = experts
+            .iter()
+            .map(|e| (0, routes.experts[e][0].1))
+            .collect();
+        let mut acc = be.upload(&acc0, hidden).expect("upload");
+        be.scatter_add(&mut acc, &stack, &pairs)
+            .expect("scatter_add");
+        let readback = be.read(&acc).expect("read");
+        if readback
+            .iter()
+            .map(|v| v.to_bits())
+            .ne(got.iter().map(|v| v.to_bits()))
+        {
+            fails.push(format!(
+                "routed_experts_held case {case}: not bit-identical to the readback path \
+                 (max difference {:e})",
+                rel(&got, &readback)
+            ));
+        }
+    }
+    let stats = be.device_expert_stats().expect("stats");
+    if stats.device_routed != 3 {
+        fails.push(format!(
+            "{} device-routed steps counted, 3 ran",
+            stats.device_routed
+        ));
+    }
+    // Refused: a traced router, two rows.
+    let xt = be
+        .upload(&vals(&mut rng, 2 * hidden, 1.0), hidden)
+        .expect("upload");
+    let lt = be
+        .upload(&vals(&mut rng, n_exp, 1.0), n_exp)
+        .expect("upload");
+    let mut acc = be.zeros(1, hidden).expect("zeros");
+    let spec = |trace| RouterSpec {
+        scoring: Scoring::SoftmaxOfTopK,
+        top_k: k,
+        per_expert_scale: None,
+        trace,
+        forced: None,
+    };
+    let one = be.gather_rows(&xt, &[0]).expect("gather_rows");
+    for (x, trace, what) in [(&xt, false, "two rows"), (&one, true, "a traced router")] {
+        if be
+            .routed_experts_held(0, &mlp, Act::Silu, x, &lt, &spec(trace), &mut acc)
+            .is_ok()
+        {
+            fails.push(format!("routed_experts_held accepted {what}"));
+        }
+    }
+    assert!(
+        fails.is_empty(),
+        "{} failures:\n{}",
+        fails.len(),
+        fails.join("\n")
+    );
 }

@@ -319,14 +319,15 @@ impl<B: Backend> Gemma4<B> {
         check_ids(tokens, cfg.vocab_size)?;
         // RMSNorm over the hidden size with a checkpoint weight.
         let norm = |x: &mut B::Tensor, w: &VRef| be.rms_norm(x, h, Norm::Weight(w), eps);
+        // The same norm into a new tensor (a block's input from the residual).
+        let normed = |x: &B::Tensor, w: &VRef| be.rms_norm_to(x, h, Norm::Weight(w), eps);
 
         let mut x = be.embed(&self.embed_tokens, tokens, Some(self.embed_scale))?; // [T, hidden]
         for (li, layer) in self.layers.iter().enumerate() {
             let started = Instant::now();
             let d = layer.head_dim;
             // Attention block.
-            let mut attn_norm = be.copy(&x)?;
-            norm(&mut attn_norm, &layer.input_layernorm)?;
+            let attn_norm = normed(&x, &layer.input_layernorm)?;
             let mut projs = match &layer.v_proj {
                 Some(v_proj) => be.matmul(
                     &[&layer.q_proj, &layer.k_proj, v_proj],
@@ -365,41 +366,37 @@ impl<B: Backend> Gemma4<B> {
             self.times.layers[li][0] += attended - started;
 
             // Router on the raw post-attention residual: no-scale norm × scale × hidden^-0.5.
-            let mut r = be.copy(&x)?;
-            be.rms_norm(&mut r, h, Norm::NoScale, eps)?;
+            let mut r = be.rms_norm_to(&x, h, Norm::NoScale, eps)?;
             be.mul_cols(&mut r, &layer.router_scale, (h as f32).powf(-0.5))?;
             let router_logits = one(be.matmul(&[&layer.router_proj], Resident, &r)?); // [T, num_experts]
-            let routes = be.route(
-                &router_logits,
-                &RouterSpec {
-                    scoring: Scoring::SoftmaxOfTopK,
-                    top_k: cfg.top_k_experts.unwrap_or(0),
-                    per_expert_scale: Some(&layer.per_expert_scale),
-                    trace: self.engine.traces_router(),
-                    forced: self.engine.forced_routes(li, pos0, t).as_deref(),
-                },
-            )?;
-            self.engine.note_router_margins(pos0, &routes.margins);
+            let forced = self.engine.forced_routes(li, pos0, t);
+            let spec = RouterSpec {
+                scoring: Scoring::SoftmaxOfTopK,
+                top_k: cfg.top_k_experts.unwrap_or(0),
+                per_expert_scale: Some(&layer.per_expert_scale),
+                trace: self.engine.traces_router(),
+                forced: forced.as_deref(),
+            };
 
             // Dense shared MLP ‖ routed experts, each with its own pre- and post-norm.
-            let mut u2 = be.copy(&x)?;
-            norm(&mut u2, &layer.pre_feedforward_layernorm_2)?;
+            let u2 = normed(&x, &layer.pre_feedforward_layernorm_2)?;
             let streamer = self.streamers.get(li, &self.engine)?;
-            let (mut shared, mut moe_out) = moe::routed_experts(
+            let (mut shared, mut moe_out, margins) = moe::route_and_run(
                 be,
                 streamer,
                 &layer.experts,
                 Act::GeluTanh,
                 &u2,
-                &routes,
+                &router_logits,
+                &spec,
                 || {
-                    let mut u = be.copy(&x)?;
-                    norm(&mut u, &layer.pre_feedforward_layernorm)?;
+                    let u = normed(&x, &layer.pre_feedforward_layernorm)?;
                     let mut shared = be.glu_mlp(&layer.mlp, Act::GeluTanh, Resident, &u)?;
                     norm(&mut shared, &layer.post_feedforward_layernorm_1)?;
                     Ok::<_, ModelError>((shared, be.zeros(t, h)?))
                 },
             )?;
+            self.engine.note_router_margins(pos0, &margins);
             norm(&mut moe_out, &layer.post_feedforward_layernorm_2)?;
             be.add(&mut shared, &moe_out, 1.0)?;
             norm(&mut shared, &layer.post_feedforward_layernorm)?;

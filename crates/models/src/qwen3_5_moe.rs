@@ -426,8 +426,7 @@ impl<B: Backend> Qwen35Moe<B> {
 
         let mut x = be.embed(&self.embed_tokens, tokens, None)?; // [T, hidden]
         for (li, layer) in self.layers.iter().enumerate() {
-            let mut attn_norm = be.copy(&x)?;
-            be.rms_norm(&mut attn_norm, h, Norm::Weight(&layer.input_layernorm), eps)?;
+            let attn_norm = be.rms_norm_to(&x, h, Norm::Weight(&layer.input_layernorm), eps)?;
             let mixer_out = match &layer.mixer {
                 Mixer::Linear(d) => {
                     let st = self.states[li].as_mut().expect("state of a DeltaNet layer");
@@ -440,13 +439,7 @@ impl<B: Backend> Qwen35Moe<B> {
             };
             be.add(&mut x, &mixer_out, 1.0)?;
 
-            let mut u = be.copy(&x)?;
-            be.rms_norm(
-                &mut u,
-                h,
-                Norm::Weight(&layer.post_attention_layernorm),
-                eps,
-            )?;
+            let u = be.rms_norm_to(&x, h, Norm::Weight(&layer.post_attention_layernorm), eps)?;
             let streamer = self.streamers.get(li, &self.engine)?;
             let moe_out = sparse_moe(cfg, be, layer, streamer, &u, &self.engine, (li, pos0))?;
             be.add(&mut x, &moe_out, 1.0)?;
@@ -563,26 +556,24 @@ fn sparse_moe<B: Backend>(
     (li, pos0): (usize, usize),
 ) -> Result<B::Tensor, ModelError> {
     let router_logits = one(be.matmul(&[&layer.gate], Resident, u)?); // [T, num_experts]
-    let routes = be.route(
-        &router_logits,
-        &RouterSpec {
-            scoring: Scoring::TopKOfSoftmax {
-                norm_topk_prob: cfg.norm_topk_prob,
-            },
-            top_k: cfg.num_experts_per_tok,
-            per_expert_scale: None,
-            trace: engine.traces_router(),
-            forced: engine.forced_routes(li, pos0, u.rows()).as_deref(),
+    let forced = engine.forced_routes(li, pos0, u.rows());
+    let spec = RouterSpec {
+        scoring: Scoring::TopKOfSoftmax {
+            norm_topk_prob: cfg.norm_topk_prob,
         },
-    )?;
-    engine.note_router_margins(pos0, &routes.margins);
-    let ((), moe_out) = moe::routed_experts(
+        top_k: cfg.num_experts_per_tok,
+        per_expert_scale: None,
+        trace: engine.traces_router(),
+        forced: forced.as_deref(),
+    };
+    let ((), moe_out, margins) = moe::route_and_run(
         be,
         streamer,
         &layer.switch_mlp,
         Act::Silu,
         u,
-        &routes,
+        &router_logits,
+        &spec,
         || {
             let mut shared = be.glu_mlp(&layer.shared_expert, Act::Silu, Resident, u)?;
             let shared_gate = one(be.matmul(&[&layer.shared_expert_gate], Resident, u)?); // [T, 1]
@@ -590,6 +581,7 @@ fn sparse_moe<B: Backend>(
             Ok::<_, ModelError>(((), shared))
         },
     )?;
+    engine.note_router_margins(pos0, &margins);
     Ok(moe_out)
 }
 

@@ -503,6 +503,14 @@ impl ExpertStreamer {
         }
     }
 
+    /// Whether every one of `experts` is in a slot already, so that
+    /// [`acquire`](Self::acquire) of them starts no read and refills no slot.
+    pub fn holds(&self, experts: &[usize]) -> bool {
+        experts
+            .iter()
+            .all(|&e| e < self.experts && self.table.slot_of(e).is_some())
+    }
+
     /// Unpins the slots of `experts` (their bytes stay cached).
     pub fn release(&mut self, experts: &[usize]) {
         for &e in experts {
@@ -682,8 +690,12 @@ mod tests {
             IoPool::new(2),
         )
         .unwrap();
+        assert!(!s.holds(&[0]));
         let first = s.acquire(&[0, 1, 2, 3]).unwrap();
         s.wait().unwrap();
+        // Present experts need no read; an absent one or an id out of range does.
+        assert!(s.holds(&[3, 0]) && s.holds(&[]));
+        assert!(!s.holds(&[0, 8]) && !s.holds(&[10]));
         let second = s.acquire(&[4, 5, 6, 7]).unwrap();
         s.wait().unwrap();
         // All 8 slots pinned: a 9th expert cannot be placed.
