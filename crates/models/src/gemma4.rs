@@ -364,27 +364,29 @@ impl<B: Backend> Gemma4<B> {
             let attended = Instant::now();
             self.times.layers[li][0] += attended - started;
 
-            // Router on the raw post-attention residual: no-scale norm × scale × hidden^-0.5.
-            let mut r = be.copy(&x)?;
-            be.rms_norm(&mut r, h, Norm::NoScale, eps)?;
-            be.mul_cols(&mut r, &layer.router_scale, (h as f32).powf(-0.5))?;
-            let router_logits = one(be.matmul(&[&layer.router_proj], Resident, &r)?); // [T, num_experts]
-            let routes = be.route(
-                &router_logits,
-                &RouterSpec {
-                    scoring: Scoring::SoftmaxOfTopK,
-                    top_k: cfg.top_k_experts.unwrap_or(0),
-                    per_expert_scale: Some(&layer.per_expert_scale),
-                    trace: self.engine.traces_router(),
-                    forced: self.engine.forced_routes(li, pos0, t).as_deref(),
-                },
+            let forced = self.engine.forced_routes(li, pos0, t);
+            let routes = route(
+                cfg,
+                be,
+                layer,
+                &x,
+                self.engine.traces_router(),
+                forced.as_deref(),
             )?;
             self.engine.note_router_margins(pos0, &routes.margins);
+            // Router lookahead (decode): layer L+1's router on this post-attention state.
+            let ahead = self.engine.router_lookahead;
+            let guess = match self.layers.get(li + 1) {
+                Some(next) if ahead > 0 && t == 1 => Some(route(cfg, be, next, &x, false, None)?),
+                _ => None,
+            };
 
             // Dense shared MLP ‖ routed experts, each with its own pre- and post-norm.
             let mut u2 = be.copy(&x)?;
             norm(&mut u2, &layer.pre_feedforward_layernorm_2)?;
-            let streamer = self.streamers.get(li, &self.engine)?;
+            let (streamer, next) = self
+                .streamers
+                .with_next(li, guess.is_some(), &self.engine)?;
             let (mut shared, mut moe_out) = moe::routed_experts(
                 be,
                 streamer,
@@ -393,6 +395,10 @@ impl<B: Backend> Gemma4<B> {
                 &u2,
                 &routes,
                 || {
+                    // This layer's reads are queued: the predicted ones go behind them.
+                    if let (Some(next), Some(guess)) = (next, &guess) {
+                        moe::prefetch_predicted(next, guess, ahead);
+                    }
                     let mut u = be.copy(&x)?;
                     norm(&mut u, &layer.pre_feedforward_layernorm)?;
                     let mut shared = be.glu_mlp(&layer.mlp, Act::GeluTanh, Resident, &u)?;
@@ -420,6 +426,34 @@ impl<B: Backend> Gemma4<B> {
         self.times.head += started.elapsed();
         logits
     }
+}
+
+/// `layer`'s router on the post-attention residual `x` (`[T, hidden]`): no-scale norm × scale ×
+/// hidden^-0.5, the projection, softmax over the top-k times the per-expert scale (HF
+/// `Gemma4TextRouter`). `forced` replays recorded ids ([`Engine::forced_routes`]).
+fn route<B: Backend>(
+    cfg: &Config,
+    be: &B,
+    layer: &Layer,
+    x: &B::Tensor,
+    trace: bool,
+    forced: Option<&[usize]>,
+) -> Result<mference_backend::Routes, ModelError> {
+    let h = cfg.hidden_size;
+    let mut r = be.copy(x)?;
+    be.rms_norm(&mut r, h, Norm::NoScale, cfg.rms_norm_eps)?;
+    be.mul_cols(&mut r, &layer.router_scale, (h as f32).powf(-0.5))?;
+    let router_logits = one(be.matmul(&[&layer.router_proj], Resident, &r)?); // [T, num_experts]
+    Ok(be.route(
+        &router_logits,
+        &RouterSpec {
+            scoring: Scoring::SoftmaxOfTopK,
+            top_k: cfg.top_k_experts.unwrap_or(0),
+            per_expert_scale: Some(&layer.per_expert_scale),
+            trace,
+            forced,
+        },
+    )?)
 }
 
 /// Shapes that must agree with config.json: a mismatch means the install and config disagree.

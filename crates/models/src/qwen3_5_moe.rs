@@ -14,8 +14,9 @@ use serde::Deserialize;
 use mference_backend::Weights::Resident;
 use mference_backend::{
     f32_vector, moe, Act, AttnShape, Backend, DeltaShape, KvCache, Mlp, Norm, QRef, Rope,
-    RouterSpec, Scoring, Tensor, VRef, WeightError,
+    RouterSpec, Routes, Scoring, VRef, WeightError,
 };
+use mference_runtime::ExpertStreamer;
 
 use crate::{check_ids, one, ChunkWant, Engine, LoadOptions, Logits, ModelError, Streamers, Want};
 
@@ -447,8 +448,24 @@ impl<B: Backend> Qwen35Moe<B> {
                 Norm::Weight(&layer.post_attention_layernorm),
                 eps,
             )?;
-            let streamer = self.streamers.get(li, &self.engine)?;
-            let moe_out = sparse_moe(cfg, be, layer, streamer, &u, &self.engine, (li, pos0))?;
+            let eng = &self.engine;
+            let forced = eng.forced_routes(li, pos0, t);
+            let routes = route(cfg, be, layer, &u, eng.traces_router(), forced.as_deref())?;
+            eng.note_router_margins(pos0, &routes.margins);
+            // Router lookahead (decode): layer L+1's norm and router on this post-attention state.
+            let ahead = eng.router_lookahead;
+            let guess = match self.layers.get(li + 1) {
+                Some(next) if ahead > 0 && t == 1 => {
+                    let mut u1 = be.copy(&x)?;
+                    let w = &next.post_attention_layernorm;
+                    be.rms_norm(&mut u1, h, Norm::Weight(w), eps)?;
+                    Some(route(cfg, be, next, &u1, false, None)?)
+                }
+                _ => None,
+            };
+            let (streamer, next) = self.streamers.with_next(li, guess.is_some(), eng)?;
+            let ahead = next.zip(guess.as_ref()).map(|(s, g)| (s, g, ahead));
+            let moe_out = sparse_moe(be, layer, streamer, &u, &routes, ahead)?;
             be.add(&mut x, &moe_out, 1.0)?;
         }
         self.kv.len = pos0 + t;
@@ -553,37 +570,28 @@ fn full_attention<B: Backend>(
 /// The MoE block over the rows of `u` (mlx-lm `Qwen3NextSparseMoeBlock`): softmax router, top-k
 /// (renormalised when `norm_topk_prob`), SwiGLU experts, plus the shared expert scaled by
 /// `sigmoid(shared_expert_gate(u))`. Returns `[T, hidden]`.
+///
+/// `ahead`: the next layer's streamer, its router's prediction and how many of its experts to
+/// prefetch ([`moe::prefetch_predicted`]), started once this layer's reads are queued.
 fn sparse_moe<B: Backend>(
-    cfg: &Config,
     be: &B,
     layer: &Layer<B>,
-    streamer: &mut mference_runtime::ExpertStreamer,
+    streamer: &mut ExpertStreamer,
     u: &B::Tensor,
-    engine: &Engine,
-    (li, pos0): (usize, usize),
+    routes: &Routes,
+    ahead: Option<(&mut ExpertStreamer, &Routes, usize)>,
 ) -> Result<B::Tensor, ModelError> {
-    let router_logits = one(be.matmul(&[&layer.gate], Resident, u)?); // [T, num_experts]
-    let routes = be.route(
-        &router_logits,
-        &RouterSpec {
-            scoring: Scoring::TopKOfSoftmax {
-                norm_topk_prob: cfg.norm_topk_prob,
-            },
-            top_k: cfg.num_experts_per_tok,
-            per_expert_scale: None,
-            trace: engine.traces_router(),
-            forced: engine.forced_routes(li, pos0, u.rows()).as_deref(),
-        },
-    )?;
-    engine.note_router_margins(pos0, &routes.margins);
     let ((), moe_out) = moe::routed_experts(
         be,
         streamer,
         &layer.switch_mlp,
         Act::Silu,
         u,
-        &routes,
+        routes,
         || {
+            if let Some((next, guess, n)) = ahead {
+                moe::prefetch_predicted(next, guess, n);
+            }
             let mut shared = be.glu_mlp(&layer.shared_expert, Act::Silu, Resident, u)?;
             let shared_gate = one(be.matmul(&[&layer.shared_expert_gate], Resident, u)?); // [T, 1]
             be.mul_rows_sigmoid(&mut shared, &shared_gate)?;
@@ -591,6 +599,32 @@ fn sparse_moe<B: Backend>(
         },
     )?;
     Ok(moe_out)
+}
+
+/// `layer`'s router on `u` (`[T, hidden]`, after the post-attention norm): softmax, top-k,
+/// renormalised when `norm_topk_prob` (mlx-lm `Qwen3NextSparseMoeBlock`). `forced` replays
+/// recorded ids ([`Engine::forced_routes`]).
+fn route<B: Backend>(
+    cfg: &Config,
+    be: &B,
+    layer: &Layer<B>,
+    u: &B::Tensor,
+    trace: bool,
+    forced: Option<&[usize]>,
+) -> Result<Routes, ModelError> {
+    let router_logits = one(be.matmul(&[&layer.gate], Resident, u)?); // [T, num_experts]
+    Ok(be.route(
+        &router_logits,
+        &RouterSpec {
+            scoring: Scoring::TopKOfSoftmax {
+                norm_topk_prob: cfg.norm_topk_prob,
+            },
+            top_k: cfg.num_experts_per_tok,
+            per_expert_scale: None,
+            trace,
+            forced,
+        },
+    )?)
 }
 
 fn check(name: &str, got: (usize, usize), want: (usize, usize)) -> Result<(), ModelError> {

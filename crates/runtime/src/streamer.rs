@@ -269,6 +269,11 @@ impl ExpertStreamer {
         self.table.slots()
     }
 
+    /// Whether expert `e` has a slot (cached, or a speculative read is landing there).
+    pub fn holds(&self, e: usize) -> bool {
+        e < self.experts && self.table.slot_of(e).is_some()
+    }
+
     /// Counters since open.
     pub fn stats(&self) -> StreamerStats {
         self.stats
