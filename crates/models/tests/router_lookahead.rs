@@ -151,3 +151,20 @@ fn lookahead_accuracy_on_the_trained_tiny_models() {
         }
     }
 }
+
+/// The option belongs to two families: any other install refuses it at load, naming the family.
+#[test]
+fn lookahead_is_refused_for_other_families() {
+    let work = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let src = repo().join("assets/fixtures/deepseek_v4/A/checkpoint");
+    let inst = install(&src, work.path());
+    let Err(e) = mference_models::load(&inst, &options(2, false)) else {
+        panic!("DeepSeek-V4 accepted --router-lookahead");
+    };
+    let msg = e.to_string();
+    assert!(
+        msg.contains("--router-lookahead") && msg.contains("deepseek_v4"),
+        "{msg}"
+    );
+    assert!(mference_models::load(&inst, &options(0, false)).is_ok());
+}
