@@ -269,3 +269,29 @@ where
     }
     Ok((carry, acc))
 }
+
+/// Router lookahead (`shared/reference/family-oracles.md` §5.1, "shadow speculative prefetch"):
+/// starts reads, in the next layer's streamer `next`, of the `n` heaviest experts of `predicted`
+/// that it does not hold yet. `predicted` is the next layer's router applied to this layer's
+/// post-attention state, one row (decode); its weights rank the experts (ties: lower id first).
+///
+/// Never blocks and never pins: the reads go to the shared I/O queue behind the demand reads
+/// already submitted, a misprediction only costs its slot and its read, and the next layer joins a
+/// read only when its router really picks that expert ([`ExpertStreamer::acquire`]). The slots of
+/// the current layer are not touched, so nothing the current token still needs is evicted. The
+/// cached bytes are the file's either way, so results are identical with and without it. Returns
+/// the number of reads started.
+pub fn prefetch_predicted(next: &mut ExpertStreamer, predicted: &Routes, n: usize) -> usize {
+    let mut ranked: Vec<(usize, f32)> = predicted
+        .experts
+        .iter()
+        .filter(|(&e, _)| !next.cached(e))
+        .map(|(&e, rows)| (e, rows.first().map_or(0.0, |&(_, w)| w)))
+        .collect();
+    ranked.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    let ids: Vec<usize> = ranked.iter().take(n).map(|&(e, _)| e).collect();
+    if ids.is_empty() {
+        return 0;
+    }
+    next.prefetch(&ids)
+}

@@ -90,6 +90,10 @@ pub struct BenchArgs {
     /// (other families have none; the output is the same either way).
     #[arg(long, default_value = "on", value_parser = ["on", "off"])]
     pub shadow_prefetch: String,
+    /// Gemma 4 / Qwen 3.6: prefetch up to N experts layer L+1's router predicts from layer L's
+    /// post-attention state, in decode (0 = off; the output is the same either way).
+    #[arg(long, default_value_t = 0)]
+    pub router_lookahead: usize,
     /// Maple only: FlashHead in single-token decode (approximate; prefill keeps the exact head).
     #[arg(long)]
     pub flash_head: bool,
@@ -166,6 +170,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             "prefill_chunk": a.prefill_chunk, "prefill_chunk_effective": effective, "ctx": a.ctx, "gen": a.gen, "decode": a.decode,
             "repeats": a.repeats, "warmup": a.warmup, "kernels": first["kernels"],
             "routing": first["routing"], "device": first["device"], "flash_head": a.flash_head,
+            "router_lookahead": a.router_lookahead,
         },
         "summary": summary,
         "runs": runs,
@@ -250,6 +255,7 @@ fn spawn_child(exe: &std::path::Path, a: &BenchArgs, n: usize) -> Result<Value> 
         .args(["--device", &a.device])
         .args(["--gpu-expert-budget", &a.gpu_expert_budget])
         .args(["--shadow-prefetch", &a.shadow_prefetch])
+        .args(["--router-lookahead", &a.router_lookahead.to_string()])
         .args(["--child", &n.to_string()]);
     if let Some(t) = &a.routing_trace {
         cmd.arg("--routing-trace").arg(t);
@@ -354,6 +360,7 @@ fn child(a: &BenchArgs, n: usize) -> Result<Value> {
         host_expert_cache: a.host_expert_cache.clone(),
         gpu_force_miss: a.gpu_force_miss,
         flash_head: a.flash_head,
+        router_lookahead: a.router_lookahead,
     };
     let mut opts = load_options(&margs, chunk, a.ctx)?;
     opts.routing_trace = a.routing_trace.clone();
@@ -481,6 +488,7 @@ fn child(a: &BenchArgs, n: usize) -> Result<Value> {
         "read_wait_per_token_s": per(dec_wait),
         "compute_per_token_s": per(decode_s - dec_wait),
         "shadow_prefetch": opts.shadow_prefetch,
+        "router_lookahead": opts.router_lookahead,
         "prefetch_reads_per_token": per((total.prefetch_reads - after_prefill.prefetch_reads) as f64),
         "prefetch_used_per_token": per((total.prefetch_used - after_prefill.prefetch_used) as f64),
         "layers": layers,
@@ -601,7 +609,7 @@ fn print_table(doc: &Value) {
         }
     }
     println!(
-        "model {}  slots {}  threads {}  direct-io {}  prefill-chunk {}  ctx {}  gen {}  decode {}  kernels {}  routing {}  device {}  (medians of {} run(s))",
+        "model {}  slots {}  threads {}  direct-io {}  prefill-chunk {}  ctx {}  gen {}  decode {}  kernels {}  routing {}  device {}  router-lookahead {}  (medians of {} run(s))",
         doc["model"].as_str().unwrap_or(""),
         s["slots"].as_str().map_or(s["slots"].to_string(), str::to_string),
         s["threads"],
@@ -613,6 +621,7 @@ fn print_table(doc: &Value) {
         s["kernels"].as_str().unwrap_or(""),
         s["routing"].as_str().unwrap_or(""),
         s["device"].as_str().unwrap_or(""),
+        s["router_lookahead"],
         s["repeats"]
     );
     println!(

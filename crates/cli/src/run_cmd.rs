@@ -65,6 +65,11 @@ pub struct ModelArgs {
     /// head.
     #[arg(long)]
     pub flash_head: bool,
+    /// Gemma 4 and Qwen 3.6 decode: layer L+1's router on layer L's post-attention state starts
+    /// non-blocking reads of its N heaviest predicted experts not yet cached (0 = off; the output
+    /// is the same either way).
+    #[arg(long, default_value_t = 0)]
+    pub router_lookahead: usize,
 }
 
 /// `mference run`.
@@ -486,6 +491,7 @@ pub(crate) fn load_options(
         gpu_expert_budget,
         gpu_force_miss: m.gpu_force_miss,
         flash_head: m.flash_head,
+        router_lookahead: m.router_lookahead,
         ..Default::default()
     };
     if let Some(t) = m.threads {
@@ -645,6 +651,14 @@ fn reply(
     Ok(outcome.content)
 }
 
+/// The load line's note of `--router-lookahead N` (empty when off).
+pub(crate) fn lookahead_note(n: usize) -> String {
+    match n {
+        0 => String::new(),
+        n => format!(", router lookahead {n}"),
+    }
+}
+
 /// Expert-cache counters per MoE layer and in total (`MFERENCE_PHASES=1`).
 fn print_expert_stats(model: &dyn Model) {
     let per_layer = model.expert_stats();
@@ -720,10 +734,11 @@ pub fn run(a: RunArgs) -> Result<()> {
     )?;
     if !a.quiet {
         eprintln!(
-            "[loaded {} (tokenizer, checks, weights) in {:.2}s, device {}]",
+            "[loaded {} (tokenizer, checks, weights) in {:.2}s, device {}{}]",
             a.model.model.display(),
             t0.elapsed().as_secs_f64(),
             model.device(),
+            lookahead_note(a.model.router_lookahead),
         );
     }
     let mut session = Session::new(model, Arc::new(text));
@@ -950,14 +965,15 @@ pub fn perplexity(a: PerplexityArgs) -> Result<()> {
     }
     println!("perplexity: {:.4}", (nll / count as f64).exp());
     eprintln!(
-        "[{} chunks of {}, {} scored tokens, mean NLL {:.6}, {:.1}s, device {}, kernels {}]",
+        "[{} chunks of {}, {} scored tokens, mean NLL {:.6}, {:.1}s, device {}, kernels {}{}]",
         chunks,
         a.ctx,
         count,
         nll / count as f64,
         t0.elapsed().as_secs_f64(),
         model.device(),
-        model.engine().kernels.name()
+        model.engine().kernels.name(),
+        lookahead_note(a.model.router_lookahead)
     );
     Ok(())
 }

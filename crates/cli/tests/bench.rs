@@ -125,6 +125,50 @@ fn bench_runs_each_prompt_in_a_fresh_process_and_reports_sane_json() {
     assert!(summary[1]["decode_tok_s"].as_f64().unwrap() > 0.0);
 }
 
+/// `--router-lookahead 2` is named in the header and the JSON, reads ahead in decode, and changes
+/// no generated id (8 slots: misses are forced).
+#[test]
+fn bench_router_lookahead_is_reported_and_changes_no_output() {
+    let inst = demo_install();
+    let run = |n: &str| {
+        let out = mference(&[
+            "bench",
+            "--model",
+            inst.to_str().unwrap(),
+            "--prompts",
+            "24",
+            "--gen",
+            "12",
+            "--slots",
+            "8",
+            "--threads",
+            "1",
+            "--ctx",
+            "256",
+            "--router-lookahead",
+            n,
+        ]);
+        let stdout = String::from_utf8(out.stdout).unwrap();
+        assert!(
+            stdout.contains(&format!("router-lookahead {n}")),
+            "{stdout}"
+        );
+        let doc: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+        assert_eq!(
+            doc["settings"]["router_lookahead"],
+            n.parse::<u64>().unwrap()
+        );
+        doc["runs"][0].clone()
+    };
+    let (off, on) = (run("0"), run("2"));
+    assert_eq!(off["prefetch_reads_per_token"], 0.0, "{off}");
+    assert!(
+        on["prefetch_reads_per_token"].as_f64().unwrap() > 0.0,
+        "{on}"
+    );
+    assert_eq!(off["generated"], on["generated"]);
+}
+
 #[test]
 fn bench_rejects_bad_flags_before_loading() {
     for (args, msg) in [

@@ -365,22 +365,24 @@ impl<B: Backend> Gemma4<B> {
             let attended = Instant::now();
             self.times.layers[li][0] += attended - started;
 
-            // Router on the raw post-attention residual: no-scale norm × scale × hidden^-0.5.
-            let mut r = be.rms_norm_to(&x, h, Norm::NoScale, eps)?;
-            be.mul_cols(&mut r, &layer.router_scale, (h as f32).powf(-0.5))?;
-            let router_logits = one(be.matmul(&[&layer.router_proj], Resident, &r)?); // [T, num_experts]
             let forced = self.engine.forced_routes(li, pos0, t);
-            let spec = RouterSpec {
-                scoring: Scoring::SoftmaxOfTopK,
-                top_k: cfg.top_k_experts.unwrap_or(0),
-                per_expert_scale: Some(&layer.per_expert_scale),
-                trace: self.engine.traces_router(),
-                forced: forced.as_deref(),
+            let trace = self.engine.traces_router();
+            let (router_logits, spec) = router(cfg, be, layer, &x, trace, forced.as_deref())?;
+            // Router lookahead (decode): layer L+1's router on this post-attention state.
+            let ahead = self.engine.router_lookahead;
+            let guess = match self.layers.get(li + 1) {
+                Some(next) if ahead > 0 && t == 1 => {
+                    let (logits, spec) = router(cfg, be, next, &x, false, None)?;
+                    Some(be.route(&logits, &spec)?)
+                }
+                _ => None,
             };
 
             // Dense shared MLP ‖ routed experts, each with its own pre- and post-norm.
             let u2 = normed(&x, &layer.pre_feedforward_layernorm_2)?;
-            let streamer = self.streamers.get(li, &self.engine)?;
+            let (streamer, next) = self
+                .streamers
+                .with_next(li, guess.is_some(), &self.engine)?;
             let (mut shared, mut moe_out, margins) = moe::route_and_run(
                 be,
                 streamer,
@@ -390,6 +392,10 @@ impl<B: Backend> Gemma4<B> {
                 &router_logits,
                 &spec,
                 || {
+                    // This layer's reads are queued: the predicted ones go behind them.
+                    if let (Some(next), Some(guess)) = (next, &guess) {
+                        moe::prefetch_predicted(next, guess, ahead);
+                    }
                     let u = normed(&x, &layer.pre_feedforward_layernorm)?;
                     let mut shared = be.glu_mlp(&layer.mlp, Act::GeluTanh, Resident, &u)?;
                     norm(&mut shared, &layer.post_feedforward_layernorm_1)?;
@@ -417,6 +423,32 @@ impl<B: Backend> Gemma4<B> {
         self.times.head += started.elapsed();
         logits
     }
+}
+
+/// `layer`'s router on the post-attention residual `x` (`[T, hidden]`): the logits (no-scale
+/// norm × scale × hidden^-0.5, then the projection: `[T, num_experts]`) and the scoring, softmax
+/// over the top-k times the per-expert scale (HF `Gemma4TextRouter`). `forced` replays recorded
+/// ids ([`Engine::forced_routes`]).
+fn router<'a, B: Backend>(
+    cfg: &Config,
+    be: &B,
+    layer: &'a Layer,
+    x: &B::Tensor,
+    trace: bool,
+    forced: Option<&'a [usize]>,
+) -> Result<(B::Tensor, RouterSpec<'a>), ModelError> {
+    let h = cfg.hidden_size;
+    let mut r = be.rms_norm_to(x, h, Norm::NoScale, cfg.rms_norm_eps)?;
+    be.mul_cols(&mut r, &layer.router_scale, (h as f32).powf(-0.5))?;
+    let logits = one(be.matmul(&[&layer.router_proj], Resident, &r)?);
+    let spec = RouterSpec {
+        scoring: Scoring::SoftmaxOfTopK,
+        top_k: cfg.top_k_experts.unwrap_or(0),
+        per_expert_scale: Some(&layer.per_expert_scale),
+        trace,
+        forced,
+    };
+    Ok((logits, spec))
 }
 
 /// Shapes that must agree with config.json: a mismatch means the install and config disagree.

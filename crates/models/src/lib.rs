@@ -291,6 +291,11 @@ pub struct LoadOptions {
     /// layer L+1 joins only if it routes to them. Results are identical either way; other families
     /// ignore it.
     pub shadow_prefetch: bool,
+    /// Gemma 4 and Qwen 3.6 router lookahead in decode (`--router-lookahead N`): layer L+1's
+    /// router applied to layer L's post-attention state starts non-blocking reads of its N heaviest
+    /// predicted experts that are not cached ([`mference_backend::moe::prefetch_predicted`]);
+    /// 0 = off. Results are identical either way; other families ignore it.
+    pub router_lookahead: usize,
     /// Force a kernel variant by name (`scalar`, `avx2`, `avx512`); `None` = best available.
     pub kernels: Option<String>,
     /// Maple only: FlashHead (approximate head from centroid scoring) for single-token decode
@@ -317,6 +322,7 @@ impl Default for LoadOptions {
             gpu_expert_budget: mference_cuda::GpuExpertBudget::Auto,
             gpu_force_miss: false,
             shadow_prefetch: true,
+            router_lookahead: 0,
             flash_head: false,
         }
     }
@@ -402,6 +408,8 @@ pub struct Engine {
     pub direct_io: bool,
     pub prefill_chunk: usize,
     pub max_context: usize,
+    /// [`LoadOptions::router_lookahead`].
+    pub router_lookahead: usize,
     /// Per position, the smallest top-k margin seen by any layer's router (traced runs only).
     router_margins: Option<std::sync::Mutex<Vec<f32>>>,
     /// Recorded routing replayed instead of the routers' top-k ([`LoadOptions::routing_trace`]).
@@ -553,6 +561,7 @@ impl Engine {
             direct_io: opts.direct_io,
             prefill_chunk: opts.prefill_chunk,
             max_context: opts.max_context,
+            router_lookahead: opts.router_lookahead,
             router_margins: opts.trace_router.then(|| std::sync::Mutex::new(Vec::new())),
             routing: opts
                 .routing_trace
@@ -663,6 +672,28 @@ impl Streamers {
         Ok(self.layers[layer].as_mut().expect("opened above"))
     }
 
+    /// The streamer of `layer` and, when `next` and a layer follows, the one of `layer + 1` (both
+    /// opened as by [`Streamers::get`]): the router lookahead prefetches into the second while the
+    /// first serves the current layer.
+    pub fn with_next(
+        &mut self,
+        layer: usize,
+        next: bool,
+        engine: &Engine,
+    ) -> Result<(&mut ExpertStreamer, Option<&mut ExpertStreamer>), ModelError> {
+        let next = next && layer + 1 < self.layers.len();
+        if next {
+            self.get(layer + 1, engine)?;
+        }
+        self.get(layer, engine)?;
+        let (this, rest) = self.layers.split_at_mut(layer + 1);
+        let this = this[layer].as_mut().expect("opened above");
+        Ok((
+            this,
+            rest.first_mut().filter(|_| next).and_then(Option::as_mut),
+        ))
+    }
+
     /// Counters per layer.
     pub fn stats(&self) -> Vec<StreamerStats> {
         self.layers
@@ -699,6 +730,13 @@ pub fn load(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn Model>, ModelError
     if opts.flash_head && model_type != "maple" {
         return Err(ModelError::Config(format!(
             "--flash-head is a Maple option; this install is {model_type}"
+        )));
+    }
+    let lookahead_families = ["gemma4", "gemma4_text", "qwen3_5_moe", "qwen3_5_moe_text"];
+    if opts.router_lookahead > 0 && !lookahead_families.contains(&model_type.as_str()) {
+        return Err(ModelError::Config(format!(
+            "--router-lookahead is a Gemma 4 / Qwen 3.6 option; this install is {model_type} \
+             (DeepSeek-V4 has its own shadow prefetch)"
         )));
     }
     let engine = Engine::new(install, opts)?;

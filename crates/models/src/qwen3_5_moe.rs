@@ -14,8 +14,9 @@ use serde::Deserialize;
 use mference_backend::Weights::Resident;
 use mference_backend::{
     f32_vector, moe, Act, AttnShape, Backend, DeltaShape, KvCache, Mlp, Norm, QRef, Rope,
-    RouterSpec, Scoring, Tensor, VRef, WeightError,
+    RouterSpec, Routes, Scoring, Tensor, VRef, WeightError,
 };
+use mference_runtime::ExpertStreamer;
 
 use crate::{check_ids, one, ChunkWant, Engine, LoadOptions, Logits, ModelError, Streamers, Want};
 
@@ -440,8 +441,21 @@ impl<B: Backend> Qwen35Moe<B> {
             be.add(&mut x, &mixer_out, 1.0)?;
 
             let u = be.rms_norm_to(&x, h, Norm::Weight(&layer.post_attention_layernorm), eps)?;
-            let streamer = self.streamers.get(li, &self.engine)?;
-            let moe_out = sparse_moe(cfg, be, layer, streamer, &u, &self.engine, (li, pos0))?;
+            let eng = &self.engine;
+            // Router lookahead (decode): layer L+1's norm and router on this post-attention state.
+            let ahead = eng.router_lookahead;
+            let guess = match self.layers.get(li + 1) {
+                Some(next) if ahead > 0 && t == 1 => {
+                    let w = &next.post_attention_layernorm;
+                    let u1 = be.rms_norm_to(&x, h, Norm::Weight(w), eps)?;
+                    let (logits, spec) = router(cfg, be, next, &u1, false, None)?;
+                    Some(be.route(&logits, &spec)?)
+                }
+                _ => None,
+            };
+            let (streamer, next) = self.streamers.with_next(li, guess.is_some(), eng)?;
+            let ahead = next.zip(guess.as_ref()).map(|(s, g)| (s, g, ahead));
+            let moe_out = sparse_moe(cfg, be, layer, streamer, &u, eng, (li, pos0), ahead)?;
             be.add(&mut x, &moe_out, 1.0)?;
         }
         self.kv.len = pos0 + t;
@@ -546,26 +560,23 @@ fn full_attention<B: Backend>(
 /// The MoE block over the rows of `u` (mlx-lm `Qwen3NextSparseMoeBlock`): softmax router, top-k
 /// (renormalised when `norm_topk_prob`), SwiGLU experts, plus the shared expert scaled by
 /// `sigmoid(shared_expert_gate(u))`. Returns `[T, hidden]`.
+///
+/// `ahead`: the next layer's streamer, its router's prediction and how many of its experts to
+/// prefetch ([`moe::prefetch_predicted`]), started once this layer's reads are queued.
+#[allow(clippy::too_many_arguments)]
 fn sparse_moe<B: Backend>(
     cfg: &Config,
     be: &B,
     layer: &Layer<B>,
-    streamer: &mut mference_runtime::ExpertStreamer,
+    streamer: &mut ExpertStreamer,
     u: &B::Tensor,
     engine: &Engine,
     (li, pos0): (usize, usize),
+    ahead: Option<(&mut ExpertStreamer, &Routes, usize)>,
 ) -> Result<B::Tensor, ModelError> {
-    let router_logits = one(be.matmul(&[&layer.gate], Resident, u)?); // [T, num_experts]
     let forced = engine.forced_routes(li, pos0, u.rows());
-    let spec = RouterSpec {
-        scoring: Scoring::TopKOfSoftmax {
-            norm_topk_prob: cfg.norm_topk_prob,
-        },
-        top_k: cfg.num_experts_per_tok,
-        per_expert_scale: None,
-        trace: engine.traces_router(),
-        forced: forced.as_deref(),
-    };
+    let (router_logits, spec) =
+        router(cfg, be, layer, u, engine.traces_router(), forced.as_deref())?;
     let ((), moe_out, margins) = moe::route_and_run(
         be,
         streamer,
@@ -575,6 +586,9 @@ fn sparse_moe<B: Backend>(
         &router_logits,
         &spec,
         || {
+            if let Some((next, guess, n)) = ahead {
+                moe::prefetch_predicted(next, guess, n);
+            }
             let mut shared = be.glu_mlp(&layer.shared_expert, Act::Silu, Resident, u)?;
             let shared_gate = one(be.matmul(&[&layer.shared_expert_gate], Resident, u)?); // [T, 1]
             be.mul_rows_sigmoid(&mut shared, &shared_gate)?;
@@ -583,6 +597,30 @@ fn sparse_moe<B: Backend>(
     )?;
     engine.note_router_margins(pos0, &margins);
     Ok(moe_out)
+}
+
+/// `layer`'s router on `u` (`[T, hidden]`, after the post-attention norm): the logits
+/// (`[T, num_experts]`) and the scoring, softmax then top-k, renormalised when `norm_topk_prob`
+/// (mlx-lm `Qwen3NextSparseMoeBlock`). `forced` replays recorded ids ([`Engine::forced_routes`]).
+fn router<'a, B: Backend>(
+    cfg: &Config,
+    be: &B,
+    layer: &Layer<B>,
+    u: &B::Tensor,
+    trace: bool,
+    forced: Option<&'a [usize]>,
+) -> Result<(B::Tensor, RouterSpec<'a>), ModelError> {
+    let logits = one(be.matmul(&[&layer.gate], Resident, u)?);
+    let spec = RouterSpec {
+        scoring: Scoring::TopKOfSoftmax {
+            norm_topk_prob: cfg.norm_topk_prob,
+        },
+        top_k: cfg.num_experts_per_tok,
+        per_expert_scale: None,
+        trace,
+        forced,
+    };
+    Ok((logits, spec))
 }
 
 fn check(name: &str, got: (usize, usize), want: (usize, usize)) -> Result<(), ModelError> {

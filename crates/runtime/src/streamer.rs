@@ -264,7 +264,7 @@ impl ExpertStreamer {
         }
     }
 
-    /// Whether expert `e` is in a slot now (landed or landing).
+    /// Whether expert `e` has a slot (cached, or a read is landing there).
     pub fn cached(&self, e: usize) -> bool {
         e < self.experts && self.table.slot_of(e).is_some()
     }
