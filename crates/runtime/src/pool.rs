@@ -271,3 +271,78 @@ impl CachePlan {
         Ok(layers.iter().map(|s| s.stats()).collect())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    /// A layer file of `experts` blobs of 4096 bytes, blob `e` filled with byte `e`.
+    fn layer_file(experts: usize) -> tempfile::NamedTempFile {
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        for e in 0..experts {
+            f.write_all(&[e as u8; 4096]).unwrap();
+        }
+        f.flush().unwrap();
+        f
+    }
+
+    #[test]
+    fn policies_parse_by_name_and_refuse_others() {
+        for p in ExpertPolicy::ALL {
+            assert_eq!(ExpertPolicy::parse(p.name()), Ok(p));
+        }
+        let e = ExpertPolicy::parse("lfu2").unwrap_err();
+        assert!(e.contains("lfu, lru, pool"), "{e}");
+    }
+
+    /// Two layers of 8 experts share a pool of 2 × 4 slots: a hot layer borrows the cold one's
+    /// slots, the cold one takes them back when it needs them, every blob holds its expert's
+    /// bytes, and a request larger than the unpinned slots is an error, not a wait.
+    #[test]
+    fn a_pool_lends_slots_across_layers_and_refuses_what_cannot_fit() {
+        let f = layer_file(8);
+        let plan = CachePlan::new(ExpertPolicy::Pool, CacheSlots::Fixed(4), 8, 4096, 2, 2).unwrap();
+        let io = IoPool::new(2);
+        let mut l0 = plan.open(0, f.path(), false, io.clone()).unwrap();
+        let mut l1 = plan.open(1, f.path(), false, io).unwrap();
+        assert_eq!((l0.slots(), l1.slots()), (4, 4));
+        let check = |s: &ExpertStreamer, ids: &[usize], got: &[(usize, bool)]| {
+            for (&e, &(slot, _)) in ids.iter().zip(got) {
+                assert!(s.blob(slot).iter().all(|&b| b == e as u8), "expert {e}");
+            }
+        };
+        // Layer 0 uses 6 distinct experts, two requests apart: more than its share of 4.
+        for ids in [[0, 1, 2], [3, 4, 5]] {
+            let got = l0.acquire(&ids).unwrap();
+            l0.wait().unwrap();
+            check(&l0, &ids, &got);
+            l0.release(&ids);
+        }
+        let again = l0.acquire(&[0, 1, 2, 3, 4, 5]).unwrap();
+        assert!(again.iter().all(|&(_, hit)| hit), "the six stayed cached");
+        l0.wait().unwrap();
+        // While they are pinned, layer 1 has the 2 slots left; 3 is an error.
+        let err = l1.acquire(&[0, 1, 2]).unwrap_err();
+        assert!(
+            err.to_string().contains("exceeds the 2 unpinned slots"),
+            "{err}"
+        );
+        l0.release(&[0, 1, 2, 3, 4, 5]);
+        // Released, they can be taken back: layer 1's experts evict layer 0's coldest.
+        let ids = [5, 6, 7];
+        let got = l1.acquire(&ids).unwrap();
+        l1.wait().unwrap();
+        check(&l1, &ids, &got);
+        l1.release(&ids);
+        assert_eq!(l1.stats().misses, 3);
+        let got = l0.acquire(&[4]).unwrap();
+        l0.wait().unwrap();
+        check(&l0, &[4], &got);
+        assert_eq!(
+            l0.stats().hits,
+            7,
+            "6 hits, then layer 0's expert 4 survived"
+        );
+    }
+}
