@@ -10,23 +10,10 @@ mod common;
 use common::*;
 use mference_runtime::{CacheSlots, ExpertPolicy};
 
-fn reference() -> serde_json::Value {
-    let p = repo().join("tools/ref/reference-values.json");
-    serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap()
-}
-
-fn ids(v: &serde_json::Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
-}
-
 fn check(model: &str) {
     let work = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let inst = install(&repo().join("assets/models").join(model), work.path());
-    let r = &reference()["models"][model];
+    let r = &reference_values()["models"][model];
     let top_k = 4; // both tiny models route to 4 of 16 experts
     for (slots, direct_io) in [
         (CacheSlots::Fixed(top_k), false),
@@ -40,8 +27,8 @@ fn check(model: &str) {
             o
         };
         for case in ["greedy64_raw_prompt", "greedy64_chat"] {
-            let prompt = ids(&r[case]["prompt_ids"]);
-            let want = ids(&r[case]["generated_ids"]);
+            let prompt = json_ids(&r[case]["prompt_ids"]);
+            let want = json_ids(&r[case]["generated_ids"]);
             let mut logits: Vec<(ExpertPolicy, Vec<f32>)> = Vec::new();
             for policy in ExpertPolicy::ALL {
                 let o = with(policy);

@@ -134,30 +134,6 @@ fn requests(t: &RoutingTrace, tokens: usize) -> Vec<(usize, Vec<usize>)> {
     out
 }
 
-/// A trace of `tokens × layers × top_k` from `ids` (NumPy uint8, C order).
-fn synthetic_trace(
-    dir: &tempfile::TempDir,
-    layers: usize,
-    top_k: usize,
-    ids: &[u8],
-) -> RoutingTrace {
-    let tokens = ids.len() / (layers * top_k);
-    let mut h = format!(
-        "{{'descr': '|u1', 'fortran_order': False, 'shape': ({tokens}, {layers}, {top_k}), }}"
-    );
-    while !(10 + h.len() + 1).is_multiple_of(64) {
-        h.push(' ');
-    }
-    h.push('\n');
-    let mut b = b"\x93NUMPY\x01\x00".to_vec();
-    b.extend((h.len() as u16).to_le_bytes());
-    b.extend(h.as_bytes());
-    b.extend(ids);
-    let p = dir.path().join("synthetic.npy");
-    std::fs::write(&p, b).unwrap();
-    RoutingTrace::open(&p).unwrap()
-}
-
 /// Every policy against the brute-force reference on a small skewed request sequence (3 layers of
 /// 12 experts, top-3, 4 slots per layer: layer 0 hot and wide, layer 2 nearly fixed, so the pool
 /// moves slots between layers), exact miss counts.
@@ -186,8 +162,7 @@ fn every_policy_matches_the_brute_force_reference_on_a_synthetic_sequence() {
             ids.extend(row);
         }
     }
-    let dir = tempfile::tempdir().unwrap();
-    let t = synthetic_trace(&dir, layers, top_k, &ids);
+    let t = RoutingTrace::from_ids(ids, 400, layers, top_k).unwrap();
     let reqs = requests(&t, t.tokens);
     let mut seen = Vec::new();
     for policy in ExpertPolicy::ALL {
@@ -218,16 +193,12 @@ fn every_policy_matches_the_brute_force_reference_on_the_traces() {
     ] {
         let full = trace(name);
         let reqs = requests(&full, 1500);
+        // The first 1,500 tokens as a trace of their own (rows sorted, as the replay sorts them).
         let ids: Vec<u8> = reqs
             .iter()
             .flat_map(|(_, r)| r.iter().map(|&e| e as u8))
             .collect();
-        // Requests are sorted here; the streamer is given the same sorted ids.
-        if ids.len() != 1500 * full.layers * full.top_k {
-            panic!("{name}: a trace row repeats an expert");
-        }
-        let dir = tempfile::tempdir().unwrap();
-        let t = synthetic_trace(&dir, full.layers, full.top_k, &ids);
+        let t = RoutingTrace::from_ids(ids, 1500, full.layers, full.top_k).unwrap();
         for slots in [8, 32] {
             for policy in ExpertPolicy::ALL {
                 let want = reference_misses(&reqs, t.layers, slots, policy);
