@@ -958,15 +958,15 @@ pub fn perplexity(a: PerplexityArgs) -> Result<()> {
     }
     println!("perplexity: {:.4}", (nll / count as f64).exp());
     eprintln!(
-        "[{} chunks of {}, {} scored tokens, mean NLL {:.6}, {:.1}s, device {}, kernels {}, expert cache {}]",
+        "[{} chunks of {}, {} scored tokens, mean NLL {:.6}, {:.1}s, device {}, expert cache {}, kernels {}]",
         chunks,
         a.ctx,
         count,
         nll / count as f64,
         t0.elapsed().as_secs_f64(),
         model.device(),
-        model.engine().kernels.name(),
-        model.engine().expert_cache()
+        model.engine().expert_cache(),
+        model.engine().kernels.name()
     );
     Ok(())
 }
