@@ -35,6 +35,9 @@ pub struct BenchArgs {
     /// Expert cache slots per layer: 8, 16, 24, 32, 64, 96, 128, resident, or auto.
     #[arg(long, default_value = "16")]
     pub slots: String,
+    /// Host expert-cache policy: lfu, lru or pool (every layer's slots in one LFU pool).
+    #[arg(long, default_value = "lfu", value_parser = ["lfu", "lru", "pool"])]
+    pub expert_cache_policy: String,
     /// Kernel worker threads (default: all cores).
     #[arg(long)]
     pub threads: Option<usize>,
@@ -166,7 +169,8 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     let doc = json!({
         "model": a.model.display().to_string(),
         "settings": {
-            "slots": first["slots"], "threads": first["threads"], "direct_io": first["direct_io"],
+            "slots": first["slots"], "expert_cache_policy": first["expert_cache_policy"],
+            "expert_cache": first["expert_cache"], "threads": first["threads"], "direct_io": first["direct_io"],
             "prefill_chunk": a.prefill_chunk, "prefill_chunk_effective": effective, "ctx": a.ctx, "gen": a.gen, "decode": a.decode,
             "repeats": a.repeats, "warmup": a.warmup, "kernels": first["kernels"],
             "routing": first["routing"], "device": first["device"], "flash_head": a.flash_head,
@@ -256,6 +260,7 @@ fn spawn_child(exe: &std::path::Path, a: &BenchArgs, n: usize) -> Result<Value> 
         .args(["--gpu-expert-budget", &a.gpu_expert_budget])
         .args(["--shadow-prefetch", &a.shadow_prefetch])
         .args(["--router-lookahead", &a.router_lookahead.to_string()])
+        .args(["--expert-cache-policy", &a.expert_cache_policy])
         .args(["--child", &n.to_string()]);
     if let Some(t) = &a.routing_trace {
         cmd.arg("--routing-trace").arg(t);
@@ -350,6 +355,7 @@ fn child(a: &BenchArgs, n: usize) -> Result<Value> {
             Some(_) => "auto".into(),
             None => a.slots.clone(),
         },
+        expert_cache_policy: a.expert_cache_policy.clone(),
         verify: a.verify.clone(),
         direct_io: a.direct_io,
         threads: a.threads,
@@ -372,6 +378,12 @@ fn child(a: &BenchArgs, n: usize) -> Result<Value> {
     let t_load = Instant::now();
     let mut model = mference_models::load(&a.model, &opts)?;
     let load_s = t_load.elapsed().as_secs_f64();
+    eprintln!(
+        "[bench: loaded in {load_s:.2}s, device {}, expert cache {}, routing {}]",
+        model.device(),
+        model.engine().expert_cache(),
+        model.engine().routing()
+    );
     rss.sample_now();
     let vocab = model.vocab_size();
     let prompt = prompt_ids(n, vocab, 0x6D66_6572_656E_6365 ^ n as u64);
@@ -495,6 +507,9 @@ fn child(a: &BenchArgs, n: usize) -> Result<Value> {
         "finite": finite,
         "generated": generated,
         "slots": slots,
+        "expert_cache_policy": model.engine().expert_policy.name(),
+        // Slots per layer, policy and I/O mode in words (what the load line prints).
+        "expert_cache": model.engine().expert_cache(),
         "threads": model.engine().threads,
         // What the load used: `--slots auto` turns O_DIRECT on by itself under a cap.
         "direct_io": opts.direct_io,
@@ -609,9 +624,10 @@ fn print_table(doc: &Value) {
         }
     }
     println!(
-        "model {}  slots {}  threads {}  direct-io {}  prefill-chunk {}  ctx {}  gen {}  decode {}  kernels {}  routing {}  device {}  router-lookahead {}  (medians of {} run(s))",
+        "model {}  slots {}  policy {}  threads {}  direct-io {}  prefill-chunk {}  ctx {}  gen {}  decode {}  kernels {}  routing {}  device {}  router-lookahead {}  (medians of {} run(s))",
         doc["model"].as_str().unwrap_or(""),
         s["slots"].as_str().map_or(s["slots"].to_string(), str::to_string),
+        s["expert_cache_policy"].as_str().unwrap_or(""),
         s["threads"],
         s["direct_io"],
         chunk,

@@ -12,7 +12,7 @@ use clap::Args;
 use mference_format::VerifyPolicy;
 use mference_kernels::Kernels;
 use mference_models::{LoadOptions, Logits, Model, Want};
-use mference_runtime::{CacheSlots, KvDtype, SamplerConfig};
+use mference_runtime::{CacheSlots, ExpertPolicy, KvDtype, SamplerConfig};
 use mference_session::{
     Finish, GenStats, Request, Session, SessionError, Sink, TextSide, TokenLogprob,
 };
@@ -26,6 +26,11 @@ pub struct ModelArgs {
     /// Expert cache slots per layer: 8, 16, 24, 32, 64, 96, 128, resident, or auto (by family and RAM).
     #[arg(long, visible_alias = "slots", default_value = "auto")]
     pub expert_cache_slots: String,
+    /// Host expert-cache policy: lfu (per-layer slots, least frequently used leaves), lru
+    /// (per-layer, least recently used leaves) or pool (every layer's slots in one LFU pool, so
+    /// hot layers hold more). The same total slots and the same outputs under each.
+    #[arg(long, default_value = "lfu", value_parser = ["lfu", "lru", "pool"])]
+    pub expert_cache_policy: String,
     /// Integrity check at load: full-sha256 or trusted-receipt.
     #[arg(long, default_value = "full-sha256")]
     pub verify: String,
@@ -478,9 +483,11 @@ pub(crate) fn load_options(
     }
     let kernels = kernels(&m.kernels)?;
     let kv_dtype = KvDtype::parse(&m.kv_cache).map_err(anyhow::Error::msg)?;
+    let expert_policy = ExpertPolicy::parse(&m.expert_cache_policy).map_err(anyhow::Error::msg)?;
     let (slots, direct_io) = resolve_slots(m, prefill_chunk, max_context)?;
     let mut o = LoadOptions {
         slots,
+        expert_policy,
         direct_io,
         prefill_chunk,
         max_context,
@@ -734,10 +741,11 @@ pub fn run(a: RunArgs) -> Result<()> {
     )?;
     if !a.quiet {
         eprintln!(
-            "[loaded {} (tokenizer, checks, weights) in {:.2}s, device {}{}]",
+            "[loaded {} (tokenizer, checks, weights) in {:.2}s, device {}, expert cache {}{}]",
             a.model.model.display(),
             t0.elapsed().as_secs_f64(),
             model.device(),
+            model.engine().expert_cache(),
             lookahead_note(a.model.router_lookahead),
         );
     }
@@ -965,13 +973,14 @@ pub fn perplexity(a: PerplexityArgs) -> Result<()> {
     }
     println!("perplexity: {:.4}", (nll / count as f64).exp());
     eprintln!(
-        "[{} chunks of {}, {} scored tokens, mean NLL {:.6}, {:.1}s, device {}, kernels {}{}]",
+        "[{} chunks of {}, {} scored tokens, mean NLL {:.6}, {:.1}s, device {}, expert cache {}, kernels {}{}]",
         chunks,
         a.ctx,
         count,
         nll / count as f64,
         t0.elapsed().as_secs_f64(),
         model.device(),
+        model.engine().expert_cache(),
         model.engine().kernels.name(),
         lookahead_note(a.model.router_lookahead)
     );

@@ -99,8 +99,9 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         .with_context(|| format!("checking the expert files of {}", a.model.model.display()))?;
     let loaded = t0.elapsed().as_secs_f64();
     eprintln!(
-        "[model on {}; {files} expert layer files checked: {}]",
+        "[model on {}, expert cache {}; {files} expert layer files checked: {}]",
         model.device(),
+        model.engine().expert_cache(),
         match install.policy() {
             mference_format::VerifyPolicy::FullSha256 => "sha256",
             mference_format::VerifyPolicy::TrustedReceipt => "sizes (trusted-receipt)",

@@ -18,7 +18,8 @@ use mference_format::{ExpertBlobLayout, Install, ResidentIndex, VerifyPolicy};
 use mference_kernels::Kernels;
 use mference_runtime::streamer::IoPool;
 use mference_runtime::{
-    CacheSlots, ExpertStreamer, KvDtype, RoutingTrace, RuntimeError, StreamerStats,
+    CachePlan, CacheSlots, ExpertPolicy, ExpertStreamer, KvDtype, RoutingTrace, RuntimeError,
+    StreamerStats,
 };
 
 pub use mference_backend::DeviceExpertStats;
@@ -263,6 +264,9 @@ impl Device {
 #[derive(Clone, Debug)]
 pub struct LoadOptions {
     pub slots: CacheSlots,
+    /// Host expert-cache policy (`--expert-cache-policy`): per-layer LFU (default), per-layer LRU,
+    /// or one LFU pool over every layer's slots. Outputs are the same under each.
+    pub expert_policy: ExpertPolicy,
     pub direct_io: bool,
     /// Worker threads for kernels (the caller counts as one).
     pub threads: usize,
@@ -307,6 +311,7 @@ impl Default for LoadOptions {
     fn default() -> Self {
         Self {
             slots: CacheSlots::Fixed(16),
+            expert_policy: ExpertPolicy::Lfu,
             direct_io: false,
             threads: std::thread::available_parallelism()
                 .map(|n| n.get())
@@ -405,6 +410,7 @@ pub struct Engine {
     pub device: String,
     pub io: Arc<IoPool>,
     pub slots: CacheSlots,
+    pub expert_policy: ExpertPolicy,
     pub direct_io: bool,
     pub prefill_chunk: usize,
     pub max_context: usize,
@@ -448,6 +454,17 @@ impl Engine {
                 .flat_map(|p| tr.ids(p, layer).iter().map(|&e| e as usize))
                 .collect(),
         )
+    }
+
+    /// The host expert cache as the load line and the bench print it: slots per layer (or
+    /// `resident`), the policy and the I/O mode, e.g. `22 slots/layer, policy pool, O_DIRECT`.
+    pub fn expert_cache(&self) -> String {
+        let slots = match self.slots {
+            CacheSlots::Fixed(n) => format!("{n} slots/layer"),
+            CacheSlots::Resident => "resident".into(),
+        };
+        let io = if self.direct_io { "O_DIRECT" } else { "pread" };
+        format!("{slots}, policy {}, {io}", self.expert_policy.name())
     }
 
     /// Which routing runs: `"router"`, or `"trace FILE"`.
@@ -544,6 +561,14 @@ impl Engine {
                 opts.max_context
             )));
         }
+        if opts.expert_policy == ExpertPolicy::Pool && opts.device != Device::Cpu {
+            // A GPU backend pins each layer's host slots; a pool's layers share one slab.
+            return Err(ModelError::Config(
+                "--expert-cache-policy pool runs on the CPU backend only (--device cpu); with a \
+                 GPU use lfu or lru"
+                    .into(),
+            ));
+        }
         if opts.prefill_chunk == 0 || opts.max_context == 0 {
             return Err(ModelError::Config(
                 "prefill chunk and max context must be positive".into(),
@@ -558,6 +583,7 @@ impl Engine {
             device: String::new(),
             io: IoPool::new(4),
             slots: opts.slots,
+            expert_policy: opts.expert_policy,
             direct_io: opts.direct_io,
             prefill_chunk: opts.prefill_chunk,
             max_context: opts.max_context,
@@ -637,15 +663,18 @@ impl<S: Clone> Default for Snapshot<S> {
     }
 }
 
-/// The per-layer expert streamers, opened on a layer's first use (after its file is checked).
+/// The per-layer expert streamers, opened on a layer's first use (after its file is checked),
+/// with their slots as the engine's policy hands them out ([`CachePlan`]).
 pub struct Streamers {
     layers: Vec<Option<ExpertStreamer>>,
+    plan: Option<CachePlan>,
 }
 
 impl Streamers {
     fn new(n: usize) -> Self {
         Self {
             layers: (0..n).map(|_| None).collect(),
+            plan: None,
         }
     }
 
@@ -658,15 +687,24 @@ impl Streamers {
         if self.layers[layer].is_none() {
             engine.install.check_layer_file(layer)?;
             let l = &engine.install.layout;
-            let s = ExpertStreamer::open(
+            if self.plan.is_none() {
+                let moe_layers = l.layers.iter().filter(|x| x.blob.is_some()).count();
+                self.plan = Some(CachePlan::new(
+                    engine.expert_policy,
+                    engine.slots,
+                    l.experts_per_layer,
+                    l.expert_stride,
+                    moe_layers,
+                    self.layers.len(),
+                )?);
+            }
+            let plan = self.plan.as_ref().expect("made above");
+            let s = plan.open(
+                layer,
                 &engine.install.layer_path(layer),
-                l.experts_per_layer,
-                l.expert_stride,
-                engine.slots,
                 engine.direct_io,
                 Arc::clone(&engine.io),
-            )?
-            .for_layer(layer);
+            )?;
             self.layers[layer] = Some(s);
         }
         Ok(self.layers[layer].as_mut().expect("opened above"))

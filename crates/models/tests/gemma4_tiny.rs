@@ -9,27 +9,14 @@ mod common;
 use common::*;
 use mference_runtime::{CacheSlots, KvDtype};
 
-fn reference() -> serde_json::Value {
-    let p = repo().join("tools/ref/reference-values.json");
-    serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap()
-}
-
-fn ids(v: &serde_json::Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
-}
-
 #[test]
 fn gemma4_tiny_greedy_64_matches_mlx_lm() {
     let work = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let inst = install(&repo().join("assets/models/gemma4-tiny"), work.path());
-    let r = &reference()["models"]["gemma4-tiny"];
+    let r = &reference_values()["models"]["gemma4-tiny"];
     for case in ["greedy64_raw_prompt", "greedy64_chat"] {
-        let prompt = ids(&r[case]["prompt_ids"]);
-        let want = ids(&r[case]["generated_ids"]);
+        let prompt = json_ids(&r[case]["prompt_ids"]);
+        let want = json_ids(&r[case]["generated_ids"]);
         for slots in [
             CacheSlots::Fixed(8),
             CacheSlots::Fixed(16),
@@ -75,7 +62,7 @@ fn gemma4_tiny_logits_match_mlx_lm_at_every_position() {
         String::from_utf8_lossy(&out.stderr)
     );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let mut prompt = ids(&v["prompt"]);
+    let mut prompt = json_ids(&v["prompt"]);
     assert!(prompt.len() >= 320, "passage too short: {}", prompt.len());
     prompt.truncate(320);
     let (reference, vocab) = ref_logits(&src, &prompt, work.path());

@@ -4,6 +4,7 @@
 //! The design is in `shared/docs/DESIGN.md` §3–5; the model math lives in `mference-models`.
 
 pub mod kv;
+pub mod pool;
 pub mod sampler;
 pub mod sizing;
 pub mod slab;
@@ -13,8 +14,9 @@ pub mod trace;
 pub mod units;
 
 pub use kv::{KvDtype, KvLayer, KvRow};
+pub use pool::{CachePlan, ExpertPolicy, SlotPool};
 pub use sampler::{Sampler, SamplerConfig};
-pub use slots::SlotTable;
+pub use slots::{Eviction, SlotTable};
 pub use streamer::{CacheSlots, ExpertStreamer, StreamerStats};
 pub use trace::RoutingTrace;
 pub use units::parse_bytes;

@@ -3,11 +3,23 @@
 //! slots ([`crate::ExpertStreamer`]) and a GPU backend's device slots.
 //!
 //! Policy: a free slot first, otherwise the unpinned slot whose expert has the lowest use count
-//! over the whole session (LFU), the least recently used among equals.
+//! over the whole session (LFU), the least recently used among equals; or, with
+//! [`Eviction::Lru`], the least recently used one. Among exact equals, the lowest slot.
+
+/// Which unpinned slot a full table gives up.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Eviction {
+    /// Lowest use count over the session, least recent among equals (the default everywhere).
+    #[default]
+    Lfu,
+    /// Least recently used (use counts ignored).
+    Lru,
+}
 
 /// Expert ↔ slot maps with LFU + recency counters, for `experts` experts in `slots` slots.
 #[derive(Clone, Debug)]
 pub struct SlotTable {
+    eviction: Eviction,
     /// expert → slot, -1 when absent.
     slot_of: Vec<i32>,
     /// slot → expert, -1 when free.
@@ -19,9 +31,15 @@ pub struct SlotTable {
 }
 
 impl SlotTable {
-    /// An empty table. `slots` is at most `experts` in practice (callers clamp it).
+    /// An empty LFU table. `slots` is at most `experts` in practice (callers clamp it).
     pub fn new(experts: usize, slots: usize) -> Self {
+        Self::with_eviction(experts, slots, Eviction::Lfu)
+    }
+
+    /// An empty table that evicts by `eviction`.
+    pub fn with_eviction(experts: usize, slots: usize, eviction: Eviction) -> Self {
         Self {
+            eviction,
             slot_of: vec![-1; experts],
             expert_in: vec![-1; slots],
             pinned: vec![false; slots],
@@ -79,16 +97,21 @@ impl SlotTable {
     }
 
     /// The slot to fill next: a free one, else the unpinned slot (among those `usable` allows)
-    /// whose expert has the lowest use count, the least recently used among equals.
+    /// whose expert has the lowest use count, the least recently used among equals (LFU), or the
+    /// least recently used one (LRU); the lowest such slot among exact equals.
     pub fn victim(&self, usable: impl Fn(usize) -> bool) -> Option<usize> {
         if let Some(s) = self.expert_in.iter().position(|&e| e < 0) {
             return Some(s);
         }
+        let count = |e: usize| match self.eviction {
+            Eviction::Lfu => self.use_count[e],
+            Eviction::Lru => 0,
+        };
         (0..self.expert_in.len())
             .filter(|&s| !self.pinned[s] && usable(s))
             .min_by_key(|&s| {
                 let e = self.expert_in[s] as usize;
-                (self.use_count[e], self.last_used[e])
+                (count(e), self.last_used[e])
             })
     }
 
@@ -144,5 +167,20 @@ mod tests {
             Some(s2),
             "a free slot needs no permission"
         );
+    }
+
+    #[test]
+    fn lru_ignores_use_counts() {
+        let mut t = SlotTable::with_eviction(8, 2, Eviction::Lru);
+        for e in [0, 0, 0, 1] {
+            t.tick();
+            t.touch(e);
+            if t.slot_of(e).is_none() {
+                let s = t.victim(|_| true).unwrap();
+                t.assign(s, e);
+            }
+        }
+        // 0 is the most used but the least recent: LRU gives it up, LFU would not.
+        assert_eq!(t.victim(|_| true), t.slot_of(0));
     }
 }

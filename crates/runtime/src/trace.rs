@@ -73,7 +73,19 @@ impl RoutingTrace {
                 "expected shape [tokens, layers, top_k], got {dims:?}"
             ));
         };
-        let data = &b[start + hlen..];
+        Self::from_ids(b[start + hlen..].to_vec(), tokens, layers, top_k)
+    }
+
+    /// A trace of `tokens × layers × top_k` ids in C order (token, then layer, then rank).
+    ///
+    /// Errors: a shape without ids, `ids` of another length, a row naming one expert twice.
+    pub fn from_ids(
+        ids: Vec<u8>,
+        tokens: usize,
+        layers: usize,
+        top_k: usize,
+    ) -> Result<Self, String> {
+        let dims = [tokens, layers, top_k];
         let n = tokens
             .checked_mul(layers)
             .and_then(|v| v.checked_mul(top_k))
@@ -81,14 +93,14 @@ impl RoutingTrace {
         if n == 0 {
             return Err(format!("shape {dims:?} holds no ids"));
         }
-        if data.len() != n {
+        if ids.len() != n {
             return Err(format!(
                 "shape {dims:?} needs {n} bytes of ids, the file has {}",
-                data.len()
+                ids.len()
             ));
         }
         // A router picks distinct experts; a repeat would count one expert twice.
-        for (i, row) in data.chunks_exact(top_k).enumerate() {
+        for (i, row) in ids.chunks_exact(top_k).enumerate() {
             if let Some(j) = (1..top_k).find(|&j| row[..j].contains(&row[j])) {
                 return Err(format!(
                     "token {} layer {} names expert {} twice",
@@ -99,7 +111,7 @@ impl RoutingTrace {
             }
         }
         Ok(Self {
-            ids: data.to_vec(),
+            ids,
             tokens,
             layers,
             top_k,

@@ -282,6 +282,7 @@ mod tests {
             prefill_chunk: 128,
             prompt_cache: "single-prefix",
             expert_slots: "16".into(),
+            expert_policy: "lfu",
             slots_per_layer: 16,
             experts_per_layer: 128,
             moe_layers: 30,

@@ -106,6 +106,8 @@ pub struct ServerInfo {
     pub prompt_cache: &'static str,
     /// `--expert-cache-slots` as resolved: a number or `resident`.
     pub expert_slots: String,
+    /// `--expert-cache-policy`: `lfu`, `lru` or `pool` (every layer's slots in one LFU pool).
+    pub expert_policy: &'static str,
     /// Slots per MoE layer (the number of experts for `resident`).
     pub slots_per_layer: usize,
     /// Experts per MoE layer.
@@ -143,6 +145,7 @@ impl ServerInfo {
                 CacheSlots::Fixed(n) => n.to_string(),
                 CacheSlots::Resident => "resident".into(),
             },
+            expert_policy: e.expert_policy.name(),
             slots_per_layer: e.slots.count(experts),
             experts_per_layer: experts,
             moe_layers: layout.layers.iter().filter(|l| l.blob.is_some()).count(),
@@ -162,6 +165,12 @@ impl ServerInfo {
         if self.io == "mmap" {
             return 0;
         }
+        // A pool's one slab holds every layer's share from the first layer opened on.
+        let opened = if self.expert_policy == "pool" && opened > 0 {
+            self.moe_layers
+        } else {
+            opened
+        };
         opened as u64 * self.slots_per_layer as u64 * self.expert_stride_bytes
     }
 }

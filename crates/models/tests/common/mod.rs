@@ -400,3 +400,19 @@ pub fn check_against_reference(
     let want = ref_greedy(src, head, 64, work);
     check_greedy(name, inst, &opts32(64), head, &want);
 }
+
+/// The committed mlx-lm reference values (`tools/ref/reference-values.json`, produced by
+/// tools/ref/compute_reference_values.py).
+pub fn reference_values() -> serde_json::Value {
+    let p = repo().join("tools/ref/reference-values.json");
+    serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap()
+}
+
+/// A JSON array of token ids.
+pub fn json_ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
