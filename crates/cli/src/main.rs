@@ -1,4 +1,6 @@
 //! `mference`: argument parsing and exit codes only. Each subcommand lives in its own module.
+// The bench JSON record is one `json!` literal with more fields than the default macro depth.
+#![recursion_limit = "256"]
 
 use clap::{Parser, Subcommand};
 
