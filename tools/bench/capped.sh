@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Issue 15 item 4: mference (routing replayed from the trace, `--slots auto` under the cap) against
-# llama.cpp (`--repack 0`) under 8 and 4 GiB memory cgroups, cold page cache, medians of 3, with the
+# llama.cpp (`--repack 0`, replaying the same trace) under 8 and 4 GiB memory cgroups, cold page cache, medians of 3, with the
 # floor's terms: the disk's O_DIRECT bandwidth (disk_bw.py) and mference's warm decode time per
 # token (resident, files in the page cache, same trace).
 #
 #   tools/bench/capped.sh INSTALL GGUF TRACE OUTDIR      # root (cgroup v1), fio installed
 #
 # Env: LLAMA_BENCH (default work/llama/build/bin/llama-bench), MFERENCE (target/release/mference),
-# CAPS (8,4), PROMPTS (64,512), GEN (32), REPEATS (3), ENGINES (ours,llama; ours-router adds
-# mference on its own random routers, the routing llama.cpp runs), LLAMA_NO_PP=1 (skip llama.cpp's
+# CAPS (8,4), PROMPTS (64,512), GEN (32), REPEATS (3), ENGINES (ours,llama-trace: llama.cpp replaying
+# the same trace, needs the patched build of build_llama.sh; llama = its own routers; ours-router adds
+# mference on its own random routers), LLAMA_NO_PP=1 (skip llama.cpp's
 # prefill runs: decode only), LOCK (a file: every timed step runs under
 # `flock $LOCK`; compare.py takes it per engine run, for machines shared with other benchmarks).
 set -euo pipefail
@@ -42,5 +43,5 @@ echo "floor terms: O_DIRECT $bw GB/s; warm ms/token $warm"
 "$PY" "$REPO/tools/bench/compare.py" --ours "$INSTALL" --gguf "$GGUF" --mference "$MFERENCE" \
   --llama-bench "$LLAMA_BENCH" --threads 2 --prompts "$PROMPTS" --gen "$GEN" --repeats "$REPEATS" \
   --slots auto --routing-trace "$TRACE" --modes capped --cap-gib "$CAPS" --llama-args "--repack 0" \
-  --engines "${ENGINES:-ours,llama}" ${LLAMA_NO_PP:+--llama-no-pp} --odirect-GBps "$bw" --warm-ms "$warm" ${LOCK:+--lock "$LOCK"} \
+  --engines "${ENGINES:-ours,llama-trace}" ${LLAMA_NO_PP:+--llama-no-pp} --odirect-GBps "$bw" --warm-ms "$warm" ${LOCK:+--lock "$LOCK"} \
   --out "$OUT/capped-$name.json"
