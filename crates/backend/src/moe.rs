@@ -63,7 +63,7 @@ where
     let layer = streamer.layer();
     be.attach_host_slots(layer, streamer.slot_memory())?;
     be.expert_copies_done()?;
-    for tile in experts.chunks((streamer.slots() / 2).clamp(1, 8)) {
+    for tile in experts.chunks(host_tile(streamer.slots())) {
         let slots = streamer.acquire(tile)?;
         streamer.wait()?;
         for (&e, &(slot, _)) in tile.iter().zip(&slots) {
@@ -116,12 +116,10 @@ where
         .map(|(&e, _)| e)
         .collect();
     let tiles = prefill_tiles(needed, routes, streamer.slots());
-    let acquire =
-        |s: &mut ExpertStreamer, (tl, uses): &(Vec<usize>, Vec<u64>)| s.acquire_uses(tl, uses);
     // A decode step may have left copies reading host slots that these reads could refill.
     be.expert_copies_done()?;
     let mut next_slots = match tiles.first() {
-        Some(first) => Some(acquire(streamer, first)?),
+        Some((first, uses)) => Some(streamer.acquire_uses(first, uses)?),
         None => None,
     };
     let (carry, mut acc) = meanwhile()?;
@@ -151,8 +149,8 @@ where
             }
         }
         streamer.wait()?;
-        if let Some(next) = tiles.get(ti + 1) {
-            next_slots = Some(acquire(streamer, next)?);
+        if let Some((next, uses)) = tiles.get(ti + 1) {
+            next_slots = Some(streamer.acquire_uses(next, uses)?);
         }
         for (&e, &(slot, hit)) in tl.iter().zip(&slots) {
             if !hit {
@@ -171,8 +169,8 @@ where
 }
 
 /// The host streamer's tiles for several rows: `needed` (the routed experts the backend does not
-/// hold) in tiles of half the `slots` (at most 8), so the current and the next tile fit in the
-/// cache together, each expert with its use count (the rows routed to it, as decode counts one
+/// hold) in tiles of half the `slots` (at most 8: the current and the next tile fit in the cache
+/// together), each expert with its use count (the rows routed to it, as decode counts one
 /// use per token). The most used experts come last, so the cache the next step starts from holds
 /// them rather than the highest ids; the sum is in expert order whatever the tile order.
 pub fn prefill_tiles(
@@ -183,9 +181,15 @@ pub fn prefill_tiles(
     let uses = |e: &usize| routes.experts.get(e).map_or(0, |r| r.len() as u64);
     needed.sort_by_key(|e| (uses(e), *e));
     needed
-        .chunks((slots / 2).clamp(1, 8))
+        .chunks(host_tile(slots))
         .map(|tl| (tl.to_vec(), tl.iter().map(uses).collect()))
         .collect()
+}
+
+/// Experts per host-streamer tile of several rows: half the `slots` (at most 8), so the current
+/// and the next tile fit in the cache together.
+fn host_tile(slots: usize) -> usize {
+    (slots / 2).clamp(1, 8)
 }
 
 /// [`routed_experts`] for one row: every expert of the token in one tile, computed into row `j`

@@ -316,7 +316,10 @@ impl ExpertStreamer {
     /// Whether every one of `experts` is in a slot already, so that
     /// [`acquire`](Self::acquire) of them starts no read and refills no slot.
     pub fn holds(&self, experts: &[usize]) -> bool {
-        experts.iter().all(|&e| self.cached(e))
+        let st = self.pool.lock();
+        experts
+            .iter()
+            .all(|&e| e < self.experts && st.table.slot_of(self.first_key + e).is_some())
     }
 
     /// Number of slots this layer counts on (its share of the pool under `pool`).
@@ -335,7 +338,7 @@ impl ExpertStreamer {
     /// Errors when an expert is out of range, or the request plus the already pinned slots exceed
     /// the slot count: callers tile their requests (prefill uses tiles of at most half the slots).
     pub fn acquire(&mut self, experts: &[usize]) -> Result<Vec<(usize, bool)>, RuntimeError> {
-        self.acquire_uses(experts, &vec![1; experts.len()])
+        self.acquire_counted(experts, |_| 1)
     }
 
     /// [`acquire`](Self::acquire) where `experts[i]` counts `uses[i]` uses for the eviction
@@ -353,6 +356,15 @@ impl ExpertStreamer {
                 experts.len()
             )));
         }
+        self.acquire_counted(experts, |i| uses[i])
+    }
+
+    /// [`acquire`](Self::acquire) with `uses(i)` uses counted for `experts[i]`.
+    fn acquire_counted(
+        &mut self,
+        experts: &[usize],
+        uses: impl Fn(usize) -> u64,
+    ) -> Result<Vec<(usize, bool)>, RuntimeError> {
         if let Some(&e) = experts.iter().find(|&&e| e >= self.experts) {
             return Err(RuntimeError::Invalid(format!(
                 "expert {e} out of range ({} experts)",
@@ -415,8 +427,8 @@ impl ExpertStreamer {
         st.table.tick();
         // Count and pin every requested expert that is cached before choosing any victim, so a
         // miss never evicts an expert this same request needs.
-        for (&e, &n) in experts.iter().zip(uses) {
-            st.table.touch_uses(k0 + e, n);
+        for (i, &e) in experts.iter().enumerate() {
+            st.table.touch_uses(k0 + e, uses(i));
             if let Some(s) = st.table.slot_of(k0 + e) {
                 st.table.set_pinned(s, true);
             }
