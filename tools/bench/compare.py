@@ -19,9 +19,9 @@ Modes:
 --routing-trace`). The engine `llama` runs llama.cpp on its own random routers; `llama-trace` runs
 the same binary replaying the same trace (tools/bench/llama-routing-trace.patch, applied by
 build_llama.sh: each MoE layer takes the trace's ids row by row, the router's own weights of
-them), the like-for-like comparison. The engine `ours-router` runs mference without the trace. Peak RSS: mference reports its own sampled peaks of
-RssAnon / RssFile in the bench JSON; for every engine this script also samples the sum over the
-processes of the cgroup (capped) every 50 ms.
+them), the like-for-like comparison. The engine `ours-router` runs mference without the trace.
+Peak RSS: mference reports its own sampled peaks of RssAnon / RssFile in the bench JSON; for every
+engine this script also samples the sum over the processes of the cgroup (capped) every 50 ms.
 
 Floor (capped, with --odirect-GBps and --warm-ms): decode time per token against
 bytes read per token / O_DIRECT bandwidth + warm time per token (prompt -> ms, from a warm
