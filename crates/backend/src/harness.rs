@@ -205,7 +205,7 @@ pub fn run_all<B: Backend>(
     data_ops(&mut h, &mut rng);
     products(&mut h, &mut rng, w);
     norms_and_elementwise(&mut h, &mut rng, w);
-    rope_ops(&mut h, &mut rng);
+    rope_ops(&mut h, &mut rng, w);
     attention_ops(&mut h, &mut rng);
     recurrent_ops(&mut h, &mut rng);
     router_ops(&mut h, &mut rng, w);
@@ -534,6 +534,24 @@ fn norms_and_elementwise<B: Backend>(h: &mut Harness<B>, rng: &mut Rng, w: &Test
                 h.expect_close(&format!("rms_norm {name}"), &got, &want, EXACT_REL);
             }
         }
+        // Into a residual: (r + norm(x)) · 0.75, x unchanged.
+        let res = rng.vec(t * 256, 1.0);
+        let (Some(mut rt), Some(xt)) = (h.up(&res, 256), h.up(&x, 256)) else {
+            return;
+        };
+        let r = h.be.add_rms_norm(&mut rt, &xt, dim, norm, 1e-6, 0.75);
+        if h.ok("add_rms_norm", r).is_some() {
+            let want: Vec<f32> = res.iter().zip(&want).map(|(a, n)| (a + n) * 0.75).collect();
+            if let (Some(got), Some(src)) = (h.read(&rt), h.read(&xt)) {
+                h.expect_close(&format!("add_rms_norm {name}"), &got, &want, EXACT_REL);
+                if src != x {
+                    h.fail(
+                        "add_rms_norm",
+                        format!("{name}: the normed input was changed"),
+                    );
+                }
+            }
+        }
     }
     let z = rng.vec(t * 256, 3.0);
     if let (Some(mut xt), Some(zt)) = (h.up(&x, 256), h.up(&z, 256)) {
@@ -647,7 +665,7 @@ fn norms_and_elementwise<B: Backend>(h: &mut Harness<B>, rng: &mut Rng, w: &Test
     }
 }
 
-fn rope_ops<B: Backend>(h: &mut Harness<B>, rng: &mut Rng) {
+fn rope_ops<B: Backend>(h: &mut Harness<B>, rng: &mut Rng, w: &TestWeights) {
     let yarn = Yarn {
         factor: 16.0,
         original_max_position_embeddings: 4096.0,
@@ -675,6 +693,40 @@ fn rope_ops<B: Backend>(h: &mut Harness<B>, rng: &mut Rng) {
             if let Some(got) = h.read(&xt) {
                 // Angles of ~3000 rad are formed in f32 on both sides; sin/cos differ by ulps.
                 h.expect_close(&format!("rope {name}"), &got, &want, 2e-6);
+            }
+        }
+    }
+    // The per-head norm and the rotation in one op.
+    let fused = [
+        (
+            "neox 32, weight",
+            Rope::neox(32, 10000.0),
+            32,
+            Norm::Weight(&w.w32),
+        ),
+        (
+            "interleaved 16 of 32, 1 + w",
+            Rope::interleaved(16, 10000.0),
+            32,
+            Norm::OnePlusWeight(&w.w32),
+        ),
+        (
+            "neox 16 of 64, no scale",
+            Rope::neox(16, 1e7),
+            64,
+            Norm::NoScale,
+        ),
+    ];
+    for (name, rope, d, norm) in fused {
+        let (t, cols, pos0) = (3, 4 * d, 1000 + rng.below(3000));
+        let x = rng.vec(t * cols, 2.0);
+        let Some(mut xt) = h.up(&x, cols) else { return };
+        let r = h.be.rms_norm_rope(&mut xt, norm, 1e-6, &rope, d, pos0);
+        if h.ok("rms_norm_rope", r).is_some() {
+            let normed = refr::rms_norm(&x, d, norm, h.buf, 1e-6);
+            let want = refr::rope(&normed, cols, &rope, d, pos0);
+            if let Some(got) = h.read(&xt) {
+                h.expect_close(&format!("rms_norm_rope {name}"), &got, &want, 2e-6);
             }
         }
     }

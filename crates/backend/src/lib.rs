@@ -465,6 +465,36 @@ pub trait Backend: Send + Sync + Sized {
         self.rms_norm(&mut y, dim, norm, eps)?;
         Ok(y)
     }
+    /// `x ← (x + rms_norm(y)) · s` with `y` unchanged (a block's output post-norm added to the
+    /// residual, scaled as [`Backend::add`]). The default is [`Backend::rms_norm_to`] then
+    /// [`Backend::add`]; a backend may do both in one pass with the same arithmetic.
+    fn add_rms_norm(
+        &self,
+        x: &mut Self::Tensor,
+        y: &Self::Tensor,
+        dim: usize,
+        norm: Norm,
+        eps: f32,
+        s: f32,
+    ) -> OpResult<()> {
+        let n = self.rms_norm_to(y, dim, norm, eps)?;
+        self.add(x, &n, s)
+    }
+    /// [`Backend::rms_norm`] of every `head_dim` head, then [`Backend::rope`] from `pos0` (a
+    /// per-head q/k norm before the rotation). The default runs the two; a backend may do both in
+    /// one pass with the same arithmetic.
+    fn rms_norm_rope(
+        &self,
+        x: &mut Self::Tensor,
+        norm: Norm,
+        eps: f32,
+        rope: &Rope,
+        head_dim: usize,
+        pos0: usize,
+    ) -> OpResult<()> {
+        self.rms_norm(x, head_dim, norm, eps)?;
+        self.rope(x, rope, head_dim, pos0)
+    }
     /// Gated RMSNorm: `rms_norm(x)·w ⊙ silu(z)` per `dim` piece (`Qwen3NextRMSNormGated`).
     fn rms_norm_gated(
         &self,

@@ -3,6 +3,22 @@
 // Rotates the first `rotated` dims of every `head_dim` head of row r of x ([T, cols]) by position
 // pos0 + r: pair i turns by (pos0 + r) * inv_freq[i] (the angle formed in f32, as on the host),
 // cos and sin scaled by mscale. style 0: NeoX (i, i + rotated/2); 1: interleaved (2i, 2i + 1).
+// Pair i (of half = rotated / 2) of one head turned by position pos: read from src, written to
+// dst (the same head, or its normalized copy and the head).
+__device__ __forceinline__ void rope_pair(const float* src, float* dst, int i, int half,
+                                          int style, const float* inv_freq, int pos,
+                                          float mscale) {
+    float ang = (float)pos * inv_freq[i];
+    float s, c;
+    sincosf(ang, &s, &c);
+    if (mscale != 1.0f) { c *= mscale; s *= mscale; }
+    int ia = style == 0 ? i : 2 * i;
+    int ib = style == 0 ? i + half : 2 * i + 1;
+    float x1 = src[ia], x2 = src[ib];
+    dst[ia] = x1 * c - x2 * s;
+    dst[ib] = x1 * s + x2 * c;
+}
+
 extern "C" __global__ void rope(float* x, u64 t_rows, int cols, int head_dim, int rotated,
                                 int style, const float* inv_freq, int pos0, float mscale) {
     int half = rotated / 2;
@@ -10,18 +26,29 @@ extern "C" __global__ void rope(float* x, u64 t_rows, int cols, int head_dim, in
     FOR_EACH(idx, t_rows * (u64)heads * half) {
         int i = (int)(idx % half);
         u64 rh = idx / half;                 // row * heads + head
-        int r = (int)(rh / heads);
         float* h = x + rh * head_dim;
-        float ang = (float)(pos0 + r) * inv_freq[i];
-        float s, c;
-        sincosf(ang, &s, &c);
-        if (mscale != 1.0f) { c *= mscale; s *= mscale; }
-        int ia = style == 0 ? i : 2 * i;
-        int ib = style == 0 ? i + half : 2 * i + 1;
-        float x1 = h[ia], x2 = h[ib];
-        h[ia] = x1 * c - x2 * s;
-        h[ib] = x1 * s + x2 * c;
+        rope_pair(h, h, i, half, style, inv_freq, pos0 + (int)(rh / heads), mscale);
     }
+}
+
+// rms_norm of each head (dim = head_dim, one block per (row, head), heads per row) then rope from
+// pos0, in one pass: the normalized head is kept in shared memory (head_dim <= 512), each value
+// rounded as rms_norm stores it and rotated with rope's arithmetic.
+extern "C" __global__ void rms_norm_rope(float* x, int dim, int mode, const unsigned char* base,
+                                         u64 w_off, float c, float eps, int heads, int rotated,
+                                         int style, const float* inv_freq, int pos0,
+                                         float mscale) {
+    __shared__ float v[512];
+    float* p = x + (u64)blockIdx.x * dim;
+    int r = blockIdx.x / heads;
+    float f = rms_factor(p, dim, mode, c, eps);
+    for (int i = threadIdx.x; i < dim; i += blockDim.x)
+        v[i] = __fmul_rn(p[i], f * rms_scale(base, w_off, mode, i));
+    __syncthreads();
+    int half = rotated / 2;
+    for (int i = threadIdx.x; i < half; i += blockDim.x)
+        rope_pair(v, p, i, half, style, inv_freq, pos0 + r, mscale);
+    for (int i = rotated + threadIdx.x; i < dim; i += blockDim.x) p[i] = v[i];
 }
 
 // Row r of k and v ([T, width]) into the store row of position pos0 + r (pos % rows in a ring).

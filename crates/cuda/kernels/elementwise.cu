@@ -119,19 +119,41 @@ extern "C" __global__ void glu_act(float* g, const float* u, u64 n, int act, flo
 // RMSNorm of each `dim` piece of src into x (the same buffer when in place), one block per
 // piece: x <- src * rsqrt(mean(src^2) + eps) * s, mode 0 s = 1, 1 s = w, 2 s = 1 + w, 3 s = c
 // (folded into the rsqrt first: c / sqrt(mean + eps)); w BF16 at w_off of the resident buffer.
+// The piece's factor: c / sqrt(mean(q^2) + eps) for mode 3, else 1 / sqrt(...) (every thread
+// of the block gets it).
+__device__ __forceinline__ float rms_factor(const float* q, int dim, int mode, float c,
+                                            float eps) {
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) ss += q[i] * q[i];
+    float ms = block_sum(ss) / (float)dim;
+    return (mode == 3 ? c : 1.0f) / sqrtf(ms + eps);
+}
+
+// Element i's scale s of a norm of `mode` (w BF16 at w_off of the resident buffer).
+__device__ __forceinline__ float rms_scale(const unsigned char* base, u64 w_off, int mode, int i) {
+    const u16* w = (const u16*)(base + w_off);
+    if (mode == 1) return bf16_to_f32(w[i]);
+    if (mode == 2) return 1.0f + bf16_to_f32(w[i]);
+    return 1.0f;
+}
+
 extern "C" __global__ void rms_norm(const float* src, float* x, int dim, int mode,
                                     const unsigned char* base, u64 w_off, float c, float eps) {
     const float* q = src + (u64)blockIdx.x * dim;
     float* p = x + (u64)blockIdx.x * dim;
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) ss += q[i] * q[i];
-    float ms = block_sum(ss) / (float)dim;
-    const u16* w = (const u16*)(base + w_off);
-    float r = (mode == 3 ? c : 1.0f) / sqrtf(ms + eps);
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-        float s = 1.0f;
-        if (mode == 1) s = bf16_to_f32(w[i]);
-        else if (mode == 2) s = 1.0f + bf16_to_f32(w[i]);
-        p[i] = q[i] * (r * s);
-    }
+    float r = rms_factor(q, dim, mode, c, eps);
+    for (int i = threadIdx.x; i < dim; i += blockDim.x)
+        p[i] = q[i] * (r * rms_scale(base, w_off, mode, i));
+}
+
+// x <- (x + rms_norm(src)) * s per `dim` piece (src unchanged, another buffer): rms_norm's value,
+// rounded as it stores it, then add_scaled's arithmetic.
+extern "C" __global__ void rms_norm_add(const float* src, float* x, int dim, int mode,
+                                        const unsigned char* base, u64 w_off, float c, float eps,
+                                        float s) {
+    const float* q = src + (u64)blockIdx.x * dim;
+    float* p = x + (u64)blockIdx.x * dim;
+    float r = rms_factor(q, dim, mode, c, eps);
+    for (int i = threadIdx.x; i < dim; i += blockDim.x)
+        p[i] = (p[i] + __fmul_rn(q[i], r * rms_scale(base, w_off, mode, i))) * s;
 }

@@ -50,8 +50,7 @@ __device__ __forceinline__ void load_x(const float* x, float* v) {
 // scale * (codes . x) + bias * sum(x) per piece in word order, the lanes are added by warp_sum:
 // the result depends only on the bytes and their alignment modulo 8 (a slot, the staging buffer
 // and the resident copy give an expert's matrices the same alignment).
-// TT rows of x per pass (QM_TT, or 1 for a decode row: the same operations in the same order for
-// that row, with fewer registers and no per-row branches).
+// TT rows of x per pass (QM_TT). One row of x (decode) goes to qmv (qmv.cu) instead.
 template <int BITS, int TT>
 __device__ void qmatmul_row(u64 w_at, u64 s_at, u64 b_at, u64 x_at, u64 y_at, int r, int rows,
                             int cols, int group, int t_rows, int lane) {
@@ -127,17 +126,9 @@ __device__ void qmatmul_row(u64 w_at, u64 s_at, u64 b_at, u64 x_at, u64 y_at, in
     }
 }
 
-// Row r of one product, dispatched on the bit width (2, 4 or 8) and on decode (one row of x).
+// Row r of one product, dispatched on the bit width (2, 4 or 8).
 __device__ __forceinline__ void qmatmul_any(u64 w, u64 s, u64 b, u64 x, u64 y, int r, int rows,
                                             int cols, int bits, int group, int t_rows, int lane) {
-    if (t_rows == 1) {
-        switch (bits) {
-            case 2: qmatmul_row<2, 1>(w, s, b, x, y, r, rows, cols, group, 1, lane); break;
-            case 4: qmatmul_row<4, 1>(w, s, b, x, y, r, rows, cols, group, 1, lane); break;
-            default: qmatmul_row<8, 1>(w, s, b, x, y, r, rows, cols, group, 1, lane); break;
-        }
-        return;
-    }
     switch (bits) {
         case 2: qmatmul_row<2, QM_TT>(w, s, b, x, y, r, rows, cols, group, t_rows, lane); break;
         case 4: qmatmul_row<4, QM_TT>(w, s, b, x, y, r, rows, cols, group, t_rows, lane); break;
@@ -154,31 +145,6 @@ extern "C" __global__ void qmatmul(QJobs jobs, int rows, int cols, int bits, int
     int lane = threadIdx.x & 31, j = blockIdx.y;
     qmatmul_any(jobs.w[j], jobs.s[j], jobs.b[j], jobs.x[j], jobs.y[j], r, rows, cols, bits, group,
                 t_rows, lane);
-}
-
-// qmatmul for experts named by device-side ids (decode's routed experts without a readback):
-// job j multiplies matrix mat[j] (0 or 1: byte offsets w_off/s_off/b_off[mat[j]], the same in
-// every expert blob) of expert ids[pick[j]], whose blob starts at slots[ids[pick[j]]], by the
-// rows at x[j] into y[j]. Each product is computed by qmatmul_row from the same bytes at the same
-// address as a qmatmul launch would: the results are bit-identical.
-struct QIdJobs {
-    u64 w_off[2];
-    u64 s_off[2];
-    u64 b_off[2];
-    u64 x[QM_JOBS];
-    u64 y[QM_JOBS];
-    int pick[QM_JOBS];
-    int mat[QM_JOBS];
-};
-
-extern "C" __global__ void qmatmul_ids(QIdJobs jobs, const u64* slots, const u32* ids, int rows,
-                                       int cols, int bits, int group, int t_rows) {
-    int r = blockIdx.x * QM_ROWS + (threadIdx.x >> 5);
-    if (r >= rows) return;
-    int lane = threadIdx.x & 31, j = blockIdx.y, m = jobs.mat[j];
-    u64 base = slots[ids[jobs.pick[j]]];
-    qmatmul_any(base + jobs.w_off[m], base + jobs.s_off[m], base + jobs.b_off[m], jobs.x[j],
-                jobs.y[j], r, rows, cols, bits, group, t_rows, lane);
 }
 
 // out[j, c] = w[ids[j], c] * scale (dequantized embedding rows).

@@ -102,7 +102,7 @@ struct ForcedIds {
 };
 
 // route for the one row of a decode step (one thread, no trace), its ids and weights left in
-// device memory for qmatmul_ids and combine_ids.
+// device memory for qmv_ids and combine_ids.
 extern "C" __global__ void route_one(const float* logits, int n, int k, int scoring, int norm,
                                      const unsigned char* base, u64 pes_off, int has_pes,
                                      ForcedIds forced, int has_forced, u32* ids, float* weights) {

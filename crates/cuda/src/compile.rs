@@ -18,10 +18,11 @@ use sha2::{Digest, Sha256};
 use crate::CudaError;
 
 /// The shared helpers, then every kernel file: one translation unit, one module.
-pub(crate) const SOURCES: [(&str, &str); 6] = [
+pub(crate) const SOURCES: &[(&str, &str)] = &[
     ("common.cuh", include_str!("../kernels/common.cuh")),
     ("elementwise.cu", include_str!("../kernels/elementwise.cu")),
     ("quant.cu", include_str!("../kernels/quant.cu")),
+    ("qmv.cu", include_str!("../kernels/qmv.cu")),
     ("attention.cu", include_str!("../kernels/attention.cu")),
     ("recurrent.cu", include_str!("../kernels/recurrent.cu")),
     ("router.cu", include_str!("../kernels/router.cu")),
@@ -35,9 +36,10 @@ const MAGIC: &[u8; 8] = b"MFCUBIN1";
 /// The concatenated kernel source, each file introduced by a `#line` so NVRTC's messages name it.
 ///
 /// `MFERENCE_CUDA_QM_UNROLL=N` (1-16) defines `QM_UNROLL` (kernels/quant.cu: code words each
-/// lane of `qmatmul` loads per step) ahead of the sources, so the cache keeps one entry per value.
+/// lane of `qmatmul` loads per step) ahead of the sources, and `QV_R` is [`qv_rows`], so the cache
+/// keeps one entry per value.
 pub(crate) fn source() -> String {
-    let mut s = String::new();
+    let mut s = format!("#define QV_R {}\n", qv_rows());
     if let Some(n) = std::env::var("MFERENCE_CUDA_QM_UNROLL")
         .ok()
         .and_then(|v| v.parse::<u32>().ok())
@@ -51,6 +53,19 @@ pub(crate) fn source() -> String {
         s.push('\n');
     }
     s
+}
+
+/// Rows a `qmv` lane group multiplies by one load of x (kernels/qmv.cu `QV_R`): 4, or
+/// `MFERENCE_CUDA_QV_ROWS` (1, 2, 4 or 8; for measurements). The launch's grid uses the same value.
+pub(crate) fn qv_rows() -> usize {
+    static ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *ROWS.get_or_init(|| {
+        std::env::var("MFERENCE_CUDA_QV_ROWS")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|n| [1, 2, 4, 8].contains(n))
+            .unwrap_or(4)
+    })
 }
 
 /// What determines a compiled image.

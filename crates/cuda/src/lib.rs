@@ -200,7 +200,7 @@ pub struct CudaState {
 }
 
 /// Every kernel of `kernels/`, loaded at startup (a missing one fails [`CudaBackend::new`]).
-const KERNELS: [&str; 29] = [
+const KERNELS: [&str; 36] = [
     "all_finite",
     "matmul_bf16",
     "gather_rows",
@@ -214,8 +214,15 @@ const KERNELS: [&str; 29] = [
     "scatter_add",
     "glu_act",
     "rms_norm",
+    "rms_norm_add",
+    "rms_norm_rope",
     "qmatmul",
-    "qmatmul_ids",
+    "qmv2",
+    "qmv4",
+    "qmv8",
+    "qmv_ids2",
+    "qmv_ids4",
+    "qmv_ids8",
     "qembed",
     "argmax",
     "rope",
@@ -247,6 +254,8 @@ pub enum KernelOrigin {
 const QM_ROWS: usize = 8;
 const QM_JOBS: usize = 32;
 const QM_TT: usize = 4;
+/// `qmv2/4/8` (kernels/qmv.cu): warps per block.
+const QV_WARPS: usize = 4;
 /// Blocks a `qmatmul` launch aims for before it splits the rows of x over more of them (two per
 /// SM of an H200).
 const QM_BLOCKS: usize = 264;
@@ -281,7 +290,7 @@ struct QJobs {
 // SAFETY: plain `repr(C)` u64 arrays, laid out as `struct QJobs` in kernels/quant.cu.
 unsafe impl cudarc::driver::DeviceRepr for QJobs {}
 
-/// The `QIdJobs` argument of `qmatmul_ids`: byte offsets of up to two matrices in an expert
+/// The `QIdJobs` argument of `qmv_ids`: byte offsets of up to two matrices in an expert
 /// blob, and per product the input and output rows, the place of its expert among the device-side
 /// ids and which matrix it multiplies.
 #[repr(C)]
@@ -296,7 +305,7 @@ struct QIdJobs {
     mat: [i32; QM_JOBS],
 }
 
-// SAFETY: plain `repr(C)` arrays of u64 and i32, laid out as `struct QIdJobs` in kernels/quant.cu.
+// SAFETY: plain `repr(C)` arrays of u64 and i32, laid out as `struct QIdJobs` in kernels/qmv.cu.
 unsafe impl cudarc::driver::DeviceRepr for QIdJobs {}
 
 /// The `ForcedIds` argument of `route_one`.
@@ -387,6 +396,27 @@ fn elems(n: usize) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (n.div_ceil(256).min(1 << 20) as u32, 1, 1),
         block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Lanes per output row of a `qmv` launch: 32, or fewer (down to 4) for short rows, so that a lane
+/// has at least 4 of the row's 8-byte words.
+fn qmv_lanes(cols: usize, bits: usize) -> usize {
+    let words = cols * bits / 64;
+    let mut lanes = 32;
+    while lanes > 4 && words < 4 * lanes {
+        lanes /= 2;
+    }
+    lanes
+}
+
+/// The grid of a `qmv` launch over `jobs` products of `rows` rows, `lanes` lanes per row.
+fn qmv_grid(rows: usize, lanes: usize, jobs: usize) -> LaunchConfig {
+    let rows_per_block = QV_WARPS * 32 / lanes * compile::qv_rows();
+    LaunchConfig {
+        grid_dim: (rows.div_ceil(rows_per_block) as u32, jobs as u32, 1),
+        block_dim: (32 * QV_WARPS as u32, 1, 1),
         shared_mem_bytes: 0,
     }
 }
@@ -777,18 +807,29 @@ impl CudaBackend {
                     a.x[i] = j.x;
                     a.y[i] = j.y;
                 }
+                let (ri, ci, bi, gi) = (rows as i32, cols as i32, bits as i32, group as i32);
+                if t_rows == 1 {
+                    let lanes = qmv_lanes(cols, bits);
+                    let li = lanes as i32;
+                    launch!(
+                        self,
+                        op,
+                        ["qmv2", "qmv4", "qmv8"][bits / 4],
+                        qmv_grid(rows, lanes, chunk.len()),
+                        &a,
+                        &ri,
+                        &ci,
+                        &gi,
+                        &li
+                    )?;
+                    continue;
+                }
                 let blocks = rows.div_ceil(QM_ROWS);
                 let tiles = t_rows.div_ceil(QM_TT).max(1);
                 let z = QM_BLOCKS
                     .div_ceil(blocks * chunk.len())
                     .clamp(1, tiles.min(65535));
-                let (ri, ci, bi, gi, ti) = (
-                    rows as i32,
-                    cols as i32,
-                    bits as i32,
-                    group as i32,
-                    t_rows as i32,
-                );
+                let ti = t_rows as i32;
                 launch!(
                     self,
                     op,
@@ -904,7 +945,7 @@ impl CudaBackend {
         Ok((scoring, norm, pes.unwrap_or(0), pes.is_some() as i32))
     }
 
-    /// One `qmatmul_ids` launch: `jobs` (matrix index 0/1 into `mats`, place among the ids at
+    /// One `qmv_ids` launch: `jobs` (matrix index 0/1 into `mats`, place among the ids at
     /// `ids`, input rows, output rows; one row of x each) over expert blobs of `stride` bytes
     /// whose addresses by expert id are at `slots`. The matrices share one shape.
     #[allow(clippy::too_many_arguments)]
@@ -954,31 +995,70 @@ impl CudaBackend {
             a.x[i] = x;
             a.y[i] = y;
         }
-        let (ri, ci, bi, gi, ti) = (
+        let lanes = qmv_lanes(w.cols, w.bits as usize);
+        let (ri, ci, gi, li) = (
             w.rows as i32,
             w.cols as i32,
-            w.bits as i32,
             w.group_size as i32,
-            1i32,
+            lanes as i32,
         );
         launch!(
             self,
             op,
-            "qmatmul_ids",
-            LaunchConfig {
-                grid_dim: (w.rows.div_ceil(QM_ROWS) as u32, jobs.len() as u32, 1),
-                block_dim: (32 * QM_ROWS as u32, 1, 1),
-                shared_mem_bytes: 0,
-            },
+            ["qmv_ids2", "qmv_ids4", "qmv_ids8"][w.bits as usize / 4],
+            qmv_grid(w.rows, lanes, jobs.len()),
             &a,
             &slots,
             &ids,
             &ri,
             &ci,
-            &bi,
             &gi,
-            &ti
+            &li
         )
+    }
+
+    /// The `rms_norm` kernels' mode, weight offset and constant for `norm` over `dim` values.
+    fn norm_args(&self, op: &'static str, norm: Norm, dim: usize) -> OpResult<(i32, u64, f32)> {
+        Ok(match norm {
+            Norm::NoScale => (0, 0, 1.0),
+            Norm::Weight(w) => (1, self.vref(op, w, dim)?, 1.0),
+            Norm::OnePlusWeight(w) => (2, self.vref(op, w, dim)?, 1.0),
+            Norm::Scaled(c) => (3, 0, c),
+        })
+    }
+
+    /// RoPE's checks, and its kernel arguments (frequencies on the device, style code); `None`
+    /// when nothing rotates.
+    fn rope_args(
+        &self,
+        op: &'static str,
+        x: &CudaTensor,
+        rope: &Rope,
+        head_dim: usize,
+    ) -> OpResult<Option<(Arc<CudaSlice<f32>>, i32)>> {
+        check(
+            op,
+            head_dim > 0
+                && x.cols.is_multiple_of(head_dim)
+                && rope.rotated <= head_dim
+                && rope.inv_freq.len() == rope.rotated / 2,
+            || {
+                format!(
+                    "heads of {head_dim} (rotating {}, {} frequencies) in rows of {}",
+                    rope.rotated,
+                    rope.inv_freq.len(),
+                    x.cols
+                )
+            },
+        )?;
+        if rope.inv_freq.is_empty() {
+            return Ok(None);
+        }
+        let style = match rope.style {
+            RopeStyle::NeoX => 0i32,
+            RopeStyle::Interleaved => 1,
+        };
+        Ok(Some((self.constant(op, &rope.inv_freq)?, style)))
     }
 
     /// RMSNorm of `src`'s pieces into `x` (`src = None`: in place); the shapes are equal.
@@ -994,12 +1074,7 @@ impl CudaBackend {
         check(op, dim > 0 && x.cols.is_multiple_of(dim), || {
             format!("pieces of {dim} in rows of {}", x.cols)
         })?;
-        let (mode, w_off, c) = match norm {
-            Norm::NoScale => (0i32, 0u64, 1.0f32),
-            Norm::Weight(w) => (1, self.vref(op, w, dim)?, 1.0),
-            Norm::OnePlusWeight(w) => (2, self.vref(op, w, dim)?, 1.0),
-            Norm::Scaled(c) => (3, 0, c),
-        };
+        let (mode, w_off, c) = self.norm_args(op, norm, dim)?;
         let d = dim as i32;
         let from = self.addr(&*src.unwrap_or(&*x).buf);
         launch!(
@@ -1631,6 +1706,84 @@ impl Backend for CudaBackend {
         Ok(y)
     }
 
+    fn add_rms_norm(
+        &self,
+        x: &mut CudaTensor,
+        y: &CudaTensor,
+        dim: usize,
+        norm: Norm,
+        eps: f32,
+        s: f32,
+    ) -> OpResult<()> {
+        let op = "add_rms_norm";
+        same_shape(op, x, y)?;
+        check(op, dim > 0 && x.cols.is_multiple_of(dim), || {
+            format!("pieces of {dim} in rows of {}", x.cols)
+        })?;
+        let (mode, w_off, c) = self.norm_args(op, norm, dim)?;
+        let d = dim as i32;
+        launch!(
+            self,
+            op,
+            "rms_norm_add",
+            blocks(x.len() / dim, 256),
+            &*y.buf,
+            &mut *x.buf,
+            &d,
+            &mode,
+            &self.resident,
+            &w_off,
+            &c,
+            &eps,
+            &s
+        )
+    }
+
+    fn rms_norm_rope(
+        &self,
+        x: &mut CudaTensor,
+        norm: Norm,
+        eps: f32,
+        rope: &Rope,
+        head_dim: usize,
+        pos0: usize,
+    ) -> OpResult<()> {
+        let op = "rms_norm_rope";
+        let Some((freq, style)) = self.rope_args(op, x, rope, head_dim)? else {
+            return self.rms_norm_impl(op, None, x, head_dim, norm, eps);
+        };
+        check(op, head_dim <= 512, || {
+            format!("heads of {head_dim} (at most 512)")
+        })?;
+        let (mode, w_off, c) = self.norm_args(op, norm, head_dim)?;
+        let heads = x.cols / head_dim;
+        let (d, hs, rot, p0) = (
+            head_dim as i32,
+            heads as i32,
+            rope.rotated as i32,
+            pos0 as i32,
+        );
+        launch!(
+            self,
+            op,
+            "rms_norm_rope",
+            blocks(x.rows * heads, 128),
+            &mut *x.buf,
+            &d,
+            &mode,
+            &self.resident,
+            &w_off,
+            &c,
+            &eps,
+            &hs,
+            &rot,
+            &style,
+            &*freq,
+            &p0,
+            &rope.mscale
+        )
+    }
+
     fn rms_norm_gated(
         &self,
         x: &mut CudaTensor,
@@ -1838,28 +1991,8 @@ impl Backend for CudaBackend {
 
     fn rope(&self, x: &mut CudaTensor, rope: &Rope, head_dim: usize, pos0: usize) -> OpResult<()> {
         let op = "rope";
-        check(
-            op,
-            head_dim > 0
-                && x.cols.is_multiple_of(head_dim)
-                && rope.rotated <= head_dim
-                && rope.inv_freq.len() == rope.rotated / 2,
-            || {
-                format!(
-                    "heads of {head_dim} (rotating {}, {} frequencies) in rows of {}",
-                    rope.rotated,
-                    rope.inv_freq.len(),
-                    x.cols
-                )
-            },
-        )?;
-        if rope.inv_freq.is_empty() {
+        let Some((freq, style)) = self.rope_args(op, x, rope, head_dim)? else {
             return Ok(());
-        }
-        let freq = self.constant(op, &rope.inv_freq)?;
-        let style = match rope.style {
-            RopeStyle::NeoX => 0i32,
-            RopeStyle::Interleaved => 1,
         };
         let (t, cols, hd, rot, p0) = (
             x.rows as u64,

@@ -321,6 +321,10 @@ impl<B: Backend> Gemma4<B> {
         let norm = |x: &mut B::Tensor, w: &VRef| be.rms_norm(x, h, Norm::Weight(w), eps);
         // The same norm into a new tensor (a block's input from the residual).
         let normed = |x: &B::Tensor, w: &VRef| be.rms_norm_to(x, h, Norm::Weight(w), eps);
+        // x ← (x + norm(y)) · s (a block's output post-norm into the residual).
+        let add_normed = |x: &mut B::Tensor, y: &B::Tensor, w: &VRef, s: f32| {
+            be.add_rms_norm(x, y, h, Norm::Weight(w), eps, s)
+        };
 
         let mut x = be.embed(&self.embed_tokens, tokens, Some(self.embed_scale))?; // [T, hidden]
         for (li, layer) in self.layers.iter().enumerate() {
@@ -336,18 +340,34 @@ impl<B: Backend> Gemma4<B> {
                 )?,
                 None => be.matmul(&[&layer.q_proj, &layer.k_proj], Resident, &attn_norm)?,
             };
-            // attention_k_eq_v: V is the raw K projection (before k_norm and RoPE).
-            let mut v = match layer.v_proj {
-                Some(_) => projs.pop().expect("three projections"),
-                None => be.copy(&projs[1])?,
+            // V: its projection, or with attention_k_eq_v the raw K projection (before k_norm and
+            // RoPE), normed without a scale.
+            let v = match layer.v_proj {
+                Some(_) => {
+                    let mut v = projs.pop().expect("three projections");
+                    be.rms_norm(&mut v, d, Norm::NoScale, eps)?;
+                    v
+                }
+                None => be.rms_norm_to(&projs[1], d, Norm::NoScale, eps)?,
             }; // [T, n_kv_heads · head_dim]
             let mut k = projs.pop().expect("k_proj");
             let mut q = projs.pop().expect("q_proj"); // [T, n_heads · head_dim]
-            be.rms_norm(&mut q, d, Norm::Weight(&layer.q_norm), eps)?;
-            be.rms_norm(&mut k, d, Norm::Weight(&layer.k_norm), eps)?;
-            be.rms_norm(&mut v, d, Norm::NoScale, eps)?;
-            be.rope(&mut q, &layer.rope, d, pos0)?;
-            be.rope(&mut k, &layer.rope, d, pos0)?;
+            be.rms_norm_rope(
+                &mut q,
+                Norm::Weight(&layer.q_norm),
+                eps,
+                &layer.rope,
+                d,
+                pos0,
+            )?;
+            be.rms_norm_rope(
+                &mut k,
+                Norm::Weight(&layer.k_norm),
+                eps,
+                &layer.rope,
+                d,
+                pos0,
+            )?;
             let kv = &mut self.kv.layers[li];
             be.kv_write(kv, pos0, &k, &v)?;
             let shape = AttnShape {
@@ -359,9 +379,8 @@ impl<B: Backend> Gemma4<B> {
                 sinks: None,
             };
             let attn = be.attention(&q, kv, pos0, &shape)?;
-            let mut o = one(be.matmul(&[&layer.o_proj], Resident, &attn)?);
-            norm(&mut o, &layer.post_attention_layernorm)?;
-            be.add(&mut x, &o, 1.0)?;
+            let o = one(be.matmul(&[&layer.o_proj], Resident, &attn)?);
+            add_normed(&mut x, &o, &layer.post_attention_layernorm, 1.0)?;
             let attended = Instant::now();
             self.times.layers[li][0] += attended - started;
 
@@ -383,7 +402,7 @@ impl<B: Backend> Gemma4<B> {
             let (streamer, next) = self
                 .streamers
                 .with_next(li, guess.is_some(), &self.engine)?;
-            let (mut shared, mut moe_out, margins) = moe::route_and_run(
+            let (mut shared, moe_out, margins) = moe::route_and_run(
                 be,
                 streamer,
                 &layer.experts,
@@ -403,10 +422,14 @@ impl<B: Backend> Gemma4<B> {
                 },
             )?;
             self.engine.note_router_margins(pos0, &margins);
-            norm(&mut moe_out, &layer.post_feedforward_layernorm_2)?;
-            be.add(&mut shared, &moe_out, 1.0)?;
-            norm(&mut shared, &layer.post_feedforward_layernorm)?;
-            be.add(&mut x, &shared, layer.layer_scalar)?;
+            add_normed(
+                &mut shared,
+                &moe_out,
+                &layer.post_feedforward_layernorm_2,
+                1.0,
+            )?;
+            let s = layer.layer_scalar;
+            add_normed(&mut x, &shared, &layer.post_feedforward_layernorm, s)?;
             self.times.layers[li][1] += attended.elapsed();
         }
         self.kv.len = pos0 + t;

@@ -539,10 +539,8 @@ fn full_attention<B: Backend>(
     let mut qg = be.split(&qg, 2 * d, &[d, d])?;
     let gate = qg.pop().expect("gate"); // [T, n_heads · head_dim]
     let mut q = qg.pop().expect("q");
-    be.rms_norm(&mut q, d, Norm::Weight(&at.q_norm), eps)?;
-    be.rms_norm(&mut k, d, Norm::Weight(&at.k_norm), eps)?;
-    be.rope(&mut q, rope, d, pos0)?;
-    be.rope(&mut k, rope, d, pos0)?;
+    be.rms_norm_rope(&mut q, Norm::Weight(&at.q_norm), eps, rope, d, pos0)?;
+    be.rms_norm_rope(&mut k, Norm::Weight(&at.k_norm), eps, rope, d, pos0)?;
     be.kv_write(kv, pos0, &k, &v)?;
     let shape = AttnShape {
         n_heads: nh,
