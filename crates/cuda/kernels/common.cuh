@@ -63,6 +63,16 @@ __device__ __forceinline__ float gelu_tanh_f(float x) {
     return 0.5f * x * (1.0f + tanhf(c * (x + 0.044715f * x * x * x)));
 }
 
+// act(a) * b of a gated MLP: act 0 GeGLU (tanh), 1 SwiGLU, 2 SwiGLU with a <= limit and b in
+// [-limit, limit].
+__device__ __forceinline__ float glu_f(float a, float b, int act, float limit) {
+    switch (act) {
+        case 0: return gelu_tanh_f(a) * b;
+        case 1: return silu_f(a) * b;
+        default: return silu_f(fminf(a, limit)) * fminf(fmaxf(b, -limit), limit);
+    }
+}
+
 // `log(1 + e^x)` as mlx's nn.softplus: max(x, 0) + log1p(e^-|x|).
 __device__ __forceinline__ float softplus_f(float x) {
     return fmaxf(x, 0.0f) + log1pf(expf(-fabsf(x)));

@@ -105,15 +105,7 @@ extern "C" __global__ void scatter_add(float* acc, const float* y, Pairs p, int 
 
 // g <- act(g) * u: 0 GeGLU, 1 SwiGLU, 2 SwiGLU with gate <= limit and up in [-limit, limit].
 extern "C" __global__ void glu_act(float* g, const float* u, u64 n, int act, float limit) {
-    FOR_EACH(i, n) {
-        float a = g[i], b = u[i];
-        switch (act) {
-            case 0: a = gelu_tanh_f(a) * b; break;
-            case 1: a = silu_f(a) * b; break;
-            default: a = silu_f(fminf(a, limit)) * fminf(fmaxf(b, -limit), limit); break;
-        }
-        g[i] = a;
-    }
+    FOR_EACH(i, n) g[i] = glu_f(g[i], u[i], act, limit);
 }
 
 // RMSNorm of each `dim` piece of src into x (the same buffer when in place), one block per

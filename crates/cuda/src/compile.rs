@@ -56,14 +56,14 @@ pub(crate) fn source() -> String {
 }
 
 /// Rows a `qmv` lane group multiplies by one load of x (kernels/qmv.cu `QV_R`): 4, or
-/// `MFERENCE_CUDA_QV_ROWS` (1, 2, 4 or 8; for measurements). The launch's grid uses the same value.
+/// `MFERENCE_CUDA_QV_ROWS` (2, 4 or 8; for measurements; a gated pair takes half of them each). The launch's grid uses the same value.
 pub(crate) fn qv_rows() -> usize {
     static ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *ROWS.get_or_init(|| {
         std::env::var("MFERENCE_CUDA_QV_ROWS")
             .ok()
             .and_then(|v| v.parse::<usize>().ok())
-            .filter(|n| [1, 2, 4, 8].contains(n))
+            .filter(|n| [2, 4, 8].contains(n))
             .unwrap_or(4)
     })
 }

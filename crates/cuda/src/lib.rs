@@ -200,7 +200,7 @@ pub struct CudaState {
 }
 
 /// Every kernel of `kernels/`, loaded at startup (a missing one fails [`CudaBackend::new`]).
-const KERNELS: [&str; 36] = [
+const KERNELS: [&str; 42] = [
     "all_finite",
     "matmul_bf16",
     "gather_rows",
@@ -223,6 +223,12 @@ const KERNELS: [&str; 36] = [
     "qmv_ids2",
     "qmv_ids4",
     "qmv_ids8",
+    "qmv_glu2",
+    "qmv_glu4",
+    "qmv_glu8",
+    "qmv_glu_ids2",
+    "qmv_glu_ids4",
+    "qmv_glu_ids8",
     "qembed",
     "argmax",
     "rope",
@@ -411,9 +417,60 @@ fn qmv_lanes(cols: usize, bits: usize) -> usize {
     lanes
 }
 
-/// The grid of a `qmv` launch over `jobs` products of `rows` rows, `lanes` lanes per row.
-fn qmv_grid(rows: usize, lanes: usize, jobs: usize) -> LaunchConfig {
-    let rows_per_block = QV_WARPS * 32 / lanes * compile::qv_rows();
+/// The `QJobs` argument for up to `QM_JOBS` products.
+fn qjobs<'a, 'b: 'a>(
+    op: &'static str,
+    jobs: impl Iterator<Item = &'a QJob<'b>>,
+) -> OpResult<QJobs> {
+    let mut a = QJobs {
+        w: [0; QM_JOBS],
+        s: [0; QM_JOBS],
+        b: [0; QM_JOBS],
+        x: [0; QM_JOBS],
+        y: [0; QM_JOBS],
+    };
+    for (i, j) in jobs.enumerate().take(QM_JOBS) {
+        let [wo, so, bo] = qref_offsets(op, j.w, j.len)?;
+        (a.w[i], a.s[i], a.b[i]) = (j.buf + wo, j.buf + so, j.buf + bo);
+        (a.x[i], a.y[i]) = (j.x, j.y);
+    }
+    Ok(a)
+}
+
+/// Whether a gate and an up matrix (codes at device addresses `gate_at`, `up_at`) can share a
+/// `qmv_glu` lane group: one shape, and the same alignment modulo 8 (so a lane's words hold the
+/// same columns of both).
+fn pairs_fuse(gate: &QRef, up: &QRef, gate_at: u64, up_at: u64) -> bool {
+    (gate.rows, gate.cols, gate.bits, gate.group_size) == (up.rows, up.cols, up.bits, up.group_size)
+        && gate_at % 8 == up_at % 8
+}
+
+/// The shapes the quantized product kernels take: 2/4/8 bits, a multiple of 32 columns, groups
+/// a power of two.
+fn check_qshape(op: &'static str, w: &QRef) -> OpResult<()> {
+    let (cols, bits, group) = (w.cols, w.bits, w.group_size);
+    check(
+        op,
+        cols.is_multiple_of(32) && matches!(bits, 2 | 4 | 8) && group.is_power_of_two(),
+        || {
+            format!("a {bits}-bit matrix of {cols} columns in groups of {group} (2/4/8 bits, a multiple of 32 columns, groups a power of two)")
+        },
+    )
+}
+
+/// `glu_f`'s act code and limit (kernels/common.cuh).
+fn act_code(act: Act) -> (i32, f32) {
+    match act {
+        Act::GeluTanh => (0, 0.0),
+        Act::Silu => (1, 0.0),
+        Act::SiluClamped(l) => (2, l),
+    }
+}
+
+/// The grid of a `qmv` launch over `jobs` products (`nm = 1`) or gated pairs (`nm = 2`) of
+/// `rows` rows, `lanes` lanes per row.
+fn qmv_grid(rows: usize, lanes: usize, jobs: usize, nm: usize) -> LaunchConfig {
+    let rows_per_block = QV_WARPS * 32 / lanes * (compile::qv_rows() / nm);
     LaunchConfig {
         grid_dim: (rows.div_ceil(rows_per_block) as u32, jobs as u32, 1),
         block_dim: (32 * QV_WARPS as u32, 1, 1),
@@ -782,31 +839,11 @@ impl CudaBackend {
         shapes.dedup();
         for sh in shapes {
             let (rows, cols, bits, group) = sh;
-            // Rows of x start 16-byte aligned (the kernel reads them as float2/float4).
-            check(
-                op,
-                cols.is_multiple_of(32) && matches!(bits, 2 | 4 | 8) && group.is_power_of_two(),
-                || {
-                    format!("a {bits}-bit matrix of {cols} columns in groups of {group} (2/4/8 bits, a multiple of 32 columns, groups a power of two)")
-                },
-            )?;
             let same: Vec<&QJob> = jobs.iter().filter(|j| shape(j.w) == sh).collect();
+            // Rows of x start 16-byte aligned (the kernels read them as float2/float4).
+            check_qshape(op, same[0].w)?;
             for chunk in same.chunks(QM_JOBS) {
-                let mut a = QJobs {
-                    w: [0; QM_JOBS],
-                    s: [0; QM_JOBS],
-                    b: [0; QM_JOBS],
-                    x: [0; QM_JOBS],
-                    y: [0; QM_JOBS],
-                };
-                for (i, j) in chunk.iter().enumerate() {
-                    let [wo, so, bo] = qref_offsets(op, j.w, j.len)?;
-                    a.w[i] = j.buf + wo;
-                    a.s[i] = j.buf + so;
-                    a.b[i] = j.buf + bo;
-                    a.x[i] = j.x;
-                    a.y[i] = j.y;
-                }
+                let a = qjobs(op, chunk.iter().copied())?;
                 let (ri, ci, bi, gi) = (rows as i32, cols as i32, bits as i32, group as i32);
                 if t_rows == 1 {
                     let lanes = qmv_lanes(cols, bits);
@@ -815,7 +852,7 @@ impl CudaBackend {
                         self,
                         op,
                         ["qmv2", "qmv4", "qmv8"][bits / 4],
-                        qmv_grid(rows, lanes, chunk.len()),
+                        qmv_grid(rows, lanes, chunk.len(), 1),
                         &a,
                         &ri,
                         &ci,
@@ -852,6 +889,60 @@ impl CudaBackend {
     }
 
     /// `g ← act(g) ⊙ u` over every element.
+    /// `g ← act(x·gateᵀ) ⊙ (x·upᵀ)` for `jobs` = gate, up, gate, up, ... (each pair with one x;
+    /// the gate job's output rows are in `g`, the up job's in `u`): for one row of x, when every
+    /// pair fuses ([`pairs_fuse`]) and the pairs share one shape, one `qmv_glu` launch per 16
+    /// pairs (the same sums, `u` unused); else the products, then `glu_act`.
+    fn gated(
+        &self,
+        op: &'static str,
+        act: Act,
+        jobs: &[QJob],
+        t_rows: usize,
+        g: &mut CudaTensor,
+        u: &CudaTensor,
+    ) -> OpResult<()> {
+        let shape = |w: &QRef| (w.rows, w.cols, w.bits, w.group_size);
+        let mut codes = Vec::with_capacity(jobs.len());
+        for j in jobs {
+            codes.push(j.buf + qref_offsets(op, j.w, j.len)?[0]);
+        }
+        let fused = t_rows == 1
+            && jobs.len().is_multiple_of(2)
+            && jobs.iter().all(|j| shape(j.w) == shape(jobs[0].w))
+            && jobs
+                .chunks(2)
+                .zip(codes.chunks(2))
+                .all(|(p, c)| pairs_fuse(p[0].w, p[1].w, c[0], c[1]));
+        if !fused {
+            self.products(op, jobs, t_rows)?;
+            return self.glu_act(op, act, g, u);
+        }
+        let w = jobs[0].w;
+        check_qshape(op, w)?;
+        let (rows, cols, bits) = (w.rows, w.cols, w.bits as usize);
+        let lanes = qmv_lanes(cols, bits);
+        let (code, limit) = act_code(act);
+        let (ri, ci, gi, li) = (rows as i32, cols as i32, w.group_size as i32, lanes as i32);
+        for chunk in jobs.chunks(QM_JOBS) {
+            let a = qjobs(op, chunk.iter())?;
+            launch!(
+                self,
+                op,
+                ["qmv_glu2", "qmv_glu4", "qmv_glu8"][bits / 4],
+                qmv_grid(rows, lanes, chunk.len() / 2, 2),
+                &a,
+                &ri,
+                &ci,
+                &gi,
+                &li,
+                &code,
+                &limit
+            )?;
+        }
+        Ok(())
+    }
+
     fn glu_act(
         &self,
         op: &'static str,
@@ -859,11 +950,7 @@ impl CudaBackend {
         g: &mut CudaTensor,
         u: &CudaTensor,
     ) -> OpResult<()> {
-        let (code, limit) = match act {
-            Act::GeluTanh => (0i32, 0.0f32),
-            Act::Silu => (1, 0.0),
-            Act::SiluClamped(l) => (2, l),
-        };
+        let (code, limit) = act_code(act);
         let n = g.len() as u64;
         launch!(
             self,
@@ -947,7 +1034,9 @@ impl CudaBackend {
 
     /// One `qmv_ids` launch: `jobs` (matrix index 0/1 into `mats`, place among the ids at
     /// `ids`, input rows, output rows; one row of x each) over expert blobs of `stride` bytes
-    /// whose addresses by expert id are at `slots`. The matrices share one shape.
+    /// whose addresses by expert id are at `slots`. The matrices share one shape. With `glu`, one
+    /// `qmv_glu_ids` launch instead: each job's output row is act(gate row) ⊙ (up row) of `mats`
+    /// = [gate, up] (which share their alignment modulo 8; the matrix index is unused).
     #[allow(clippy::too_many_arguments)]
     fn products_by_id(
         &self,
@@ -957,6 +1046,7 @@ impl CudaBackend {
         slots: u64,
         ids: u64,
         stride: usize,
+        glu: Option<Act>,
     ) -> OpResult<()> {
         let w = mats[0];
         check(
@@ -1002,19 +1092,40 @@ impl CudaBackend {
             w.group_size as i32,
             lanes as i32,
         );
-        launch!(
-            self,
-            op,
-            ["qmv_ids2", "qmv_ids4", "qmv_ids8"][w.bits as usize / 4],
-            qmv_grid(w.rows, lanes, jobs.len()),
-            &a,
-            &slots,
-            &ids,
-            &ri,
-            &ci,
-            &gi,
-            &li
-        )
+        let bits = w.bits as usize / 4;
+        match glu {
+            None => launch!(
+                self,
+                op,
+                ["qmv_ids2", "qmv_ids4", "qmv_ids8"][bits],
+                qmv_grid(w.rows, lanes, jobs.len(), 1),
+                &a,
+                &slots,
+                &ids,
+                &ri,
+                &ci,
+                &gi,
+                &li
+            ),
+            Some(act) => {
+                let (code, limit) = act_code(act);
+                launch!(
+                    self,
+                    op,
+                    ["qmv_glu_ids2", "qmv_glu_ids4", "qmv_glu_ids8"][bits],
+                    qmv_grid(w.rows, lanes, jobs.len(), 2),
+                    &a,
+                    &slots,
+                    &ids,
+                    &ri,
+                    &ci,
+                    &gi,
+                    &li,
+                    &code,
+                    &limit
+                )
+            }
+        }
     }
 
     /// The `rms_norm` kernels' mode, weight offset and constant for `norm` over `dim` values.
@@ -1354,19 +1465,25 @@ impl Backend for CudaBackend {
         let (gate, up) = (&mlp.gate_proj, &mlp.up_proj);
         let gate_jobs: Vec<_> = (0..k).map(|i| (0, i, xa, row(ga, i, inner))).collect();
         let up_jobs: Vec<_> = (0..k).map(|i| (1, i, xa, row(ua, i, inner))).collect();
-        if (gate.bits, gate.group_size) == (up.bits, up.group_size) {
-            let both: Vec<_> = gate_jobs.iter().chain(&up_jobs).copied().collect();
-            self.products_by_id(op, &[gate, up], &both, slots, ids, stride)?;
+        let [gw, ..] = qref_offsets(op, gate, stride)?;
+        let [uw, ..] = qref_offsets(op, up, stride)?;
+        if pairs_fuse(gate, up, gw, uw) {
+            self.products_by_id(op, &[gate, up], &gate_jobs, slots, ids, stride, Some(act))?;
         } else {
-            self.products_by_id(op, &[gate], &gate_jobs, slots, ids, stride)?;
-            let up_jobs: Vec<_> = up_jobs.iter().map(|&(_, i, x, y)| (0, i, x, y)).collect();
-            self.products_by_id(op, &[up], &up_jobs, slots, ids, stride)?;
+            if (gate.bits, gate.group_size) == (up.bits, up.group_size) {
+                let both: Vec<_> = gate_jobs.iter().chain(&up_jobs).copied().collect();
+                self.products_by_id(op, &[gate, up], &both, slots, ids, stride, None)?;
+            } else {
+                self.products_by_id(op, &[gate], &gate_jobs, slots, ids, stride, None)?;
+                let up_jobs: Vec<_> = up_jobs.iter().map(|&(_, i, x, y)| (0, i, x, y)).collect();
+                self.products_by_id(op, &[up], &up_jobs, slots, ids, stride, None)?;
+            }
+            self.glu_act(op, act, &mut g, &u)?;
         }
-        self.glu_act(op, act, &mut g, &u)?;
         let down: Vec<_> = (0..k)
             .map(|i| (0, i, row(ga, i, inner), row(sa, i, h)))
             .collect();
-        self.products_by_id(op, &[&mlp.down_proj], &down, slots, ids, stride)?;
+        self.products_by_id(op, &[&mlp.down_proj], &down, slots, ids, stride, None)?;
         let cols = h as u64;
         launch!(
             self,
@@ -1564,15 +1681,11 @@ impl Backend for CudaBackend {
         self.with_weights(op, src, |buf, len| {
             let xa = self.addr(&*x.buf);
             let job = |w, x, y| QJob { w, buf, len, x, y };
-            self.products(
-                op,
-                &[
-                    job(&mlp.gate_proj, xa, self.addr(&*g.buf)),
-                    job(&mlp.up_proj, xa, self.addr(&*u.buf)),
-                ],
-                x.rows,
-            )?;
-            self.glu_act(op, act, &mut g, &u)?;
+            let pair = [
+                job(&mlp.gate_proj, xa, self.addr(&*g.buf)),
+                job(&mlp.up_proj, xa, self.addr(&*u.buf)),
+            ];
+            self.gated(op, act, &pair, x.rows, &mut g, &u)?;
             self.products(
                 op,
                 &[job(&mlp.down_proj, self.addr(&*g.buf), self.addr(&*y.buf))],
@@ -1641,8 +1754,7 @@ impl Backend for CudaBackend {
             gate_up.push(job(&mlp.gate_proj, a, xa, row(ga, j, inner)));
             gate_up.push(job(&mlp.up_proj, a, xa, row(ua, j, inner)));
         }
-        self.products(op, &gate_up, 1)?;
-        self.glu_act(op, act, &mut g, &u)?;
+        self.gated(op, act, &gate_up, 1, &mut g, &u)?;
         let down: Vec<QJob> = at
             .iter()
             .zip(rows)
