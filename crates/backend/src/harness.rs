@@ -426,8 +426,9 @@ fn products<B: Backend>(h: &mut Harness<B>, rng: &mut Rng, w: &TestWeights) {
             h.expect_close("embed", &got, &want, EXACT_REL);
         }
     }
-    // Products, one by one and all sharing one input, for decode (1 row) and prefill rows.
-    for t in [1usize, 3, 17] {
+    // Products, one by one and all sharing one input, for decode (1 row) and prefill rows (33:
+    // a GPU GEMM's last tile of x rows holds one row).
+    for t in [1usize, 3, 17, 33] {
         let x = rng.vec(t * 256, 1.0);
         let Some(xt) = h.up(&x, 256) else { return };
         let all: Vec<&QRef> = w.mats.iter().map(|m| &m.0).collect();

@@ -18,10 +18,11 @@ use sha2::{Digest, Sha256};
 use crate::CudaError;
 
 /// The shared helpers, then every kernel file: one translation unit, one module.
-pub(crate) const SOURCES: [(&str, &str); 6] = [
+pub(crate) const SOURCES: [(&str, &str); 7] = [
     ("common.cuh", include_str!("../kernels/common.cuh")),
     ("elementwise.cu", include_str!("../kernels/elementwise.cu")),
     ("quant.cu", include_str!("../kernels/quant.cu")),
+    ("gemm.cu", include_str!("../kernels/gemm.cu")),
     ("attention.cu", include_str!("../kernels/attention.cu")),
     ("recurrent.cu", include_str!("../kernels/recurrent.cu")),
     ("router.cu", include_str!("../kernels/router.cu")),

@@ -200,7 +200,7 @@ pub struct CudaState {
 }
 
 /// Every kernel of `kernels/`, loaded at startup (a missing one fails [`CudaBackend::new`]).
-const KERNELS: [&str; 29] = [
+const KERNELS: [&str; 31] = [
     "all_finite",
     "matmul_bf16",
     "gather_rows",
@@ -216,6 +216,8 @@ const KERNELS: [&str; 29] = [
     "rms_norm",
     "qmatmul",
     "qmatmul_ids",
+    "qgemm",
+    "qgemm_sum",
     "qembed",
     "argmax",
     "rope",
@@ -269,7 +271,7 @@ const CONSTS_KEPT: usize = 64;
 /// The `QJobs` argument of `qmatmul`: device addresses of each product's codes, scales, biases,
 /// input rows and output rows.
 #[repr(C)]
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Default)]
 struct QJobs {
     w: [u64; QM_JOBS],
     s: [u64; QM_JOBS],
@@ -322,6 +324,7 @@ unsafe impl cudarc::driver::DeviceRepr for Pairs {}
 
 /// One product of a `qmatmul` launch: matrix `w` in the bytes at device address `buf` (`len` of
 /// them valid), the rows of x at device address `x`, the output rows at `y`.
+#[derive(Clone, Copy)]
 struct QJob<'a> {
     w: &'a QRef,
     buf: u64,
@@ -381,6 +384,9 @@ macro_rules! launch {
         }
     }};
 }
+
+// After `launch!`, which it uses.
+mod gemm;
 
 /// A 1-D grid of 256-thread blocks over `n` elements (kernels loop if the grid is capped).
 fn elems(n: usize) -> LaunchConfig {
@@ -743,8 +749,16 @@ impl CudaBackend {
 
     /// Runs `jobs` (each `[t_rows, cols]` rows of x into `[t_rows, rows]` outputs; the caller
     /// gives every job an input and an output of that size), one `qmatmul` launch per shape and
-    /// at most `QM_JOBS` jobs.
+    /// at most `QM_JOBS` jobs; products of `gemm::QG_MIN_ROWS` or more rows run on `qgemm`
+    /// instead where it takes the shape (`gemm.rs`).
     fn products(&self, op: &'static str, jobs: &[QJob], t_rows: usize) -> OpResult<()> {
+        let rest;
+        let jobs = if t_rows >= gemm::QG_MIN_ROWS {
+            rest = self.gemm_products(op, jobs, t_rows)?;
+            &rest[..]
+        } else {
+            jobs
+        };
         let shape = |w: &QRef| (w.rows, w.cols, w.bits as usize, w.group_size);
         let mut shapes: Vec<(usize, usize, usize, usize)> =
             jobs.iter().map(|j| shape(j.w)).collect();
