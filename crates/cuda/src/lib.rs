@@ -333,6 +333,16 @@ struct QJob<'a> {
     y: u64,
 }
 
+/// Where the bytes of a launch's sources are ([`CudaBackend::sources`]).
+struct Sources<'a> {
+    /// Device address and valid length of each source, in order.
+    at: Vec<(u64, usize)>,
+    /// `(layer, slot)` of each held source.
+    held: Vec<(usize, usize)>,
+    /// The expert cache, locked until the held slots' reads are recorded.
+    cache: Option<std::sync::MutexGuard<'a, GpuExperts>>,
+}
+
 /// A small host vector (by its bit patterns) and its device copy.
 type Constant = (Vec<u32>, Arc<CudaSlice<f32>>);
 
@@ -720,6 +730,50 @@ impl CudaBackend {
             .slot_addr(&self.stream, layer, expert)
             .map_err(|e| self.cache_err(op, e))?;
         Ok((addr, c.stride(), slot))
+    }
+
+    /// Where each source's bytes are: the resident copy, a GPU slot (the compute stream made to
+    /// wait for its copy) or the staging buffer (the blobs staged together). The caller queues
+    /// the kernels reading them, then calls [`CudaBackend::after_reads`].
+    fn sources(&self, op: &'static str, srcs: &[Weights]) -> OpResult<Sources<'_>> {
+        let blobs: Vec<&[u8]> = srcs
+            .iter()
+            .filter_map(|s| match s {
+                Weights::Blob(b) => Some(*b),
+                _ => None,
+            })
+            .collect();
+        let staged = self.stage(op, &blobs)?;
+        let mut staged = staged.iter().zip(&blobs);
+        let cache = self.cache();
+        let mut held = Vec::new();
+        let mut at = Vec::with_capacity(srcs.len());
+        for src in srcs {
+            at.push(match *src {
+                Weights::Resident => (self.addr(&self.resident), self.resident.len()),
+                Weights::Blob(_) => {
+                    let (&a, b) = staged.next().expect("one staged copy per blob");
+                    (a, b.len())
+                }
+                Weights::Held { layer, expert } => {
+                    let (a, len, slot) = self.held_addr(op, cache.as_deref(), layer, expert)?;
+                    held.push((layer, slot));
+                    (a, len)
+                }
+            });
+        }
+        Ok(Sources { at, held, cache })
+    }
+
+    /// Records the reads of the held slots of `src` after the kernels queued so far.
+    fn after_reads(&self, op: &'static str, mut src: Sources) -> OpResult<()> {
+        if let Some(c) = src.cache.as_mut() {
+            for &(layer, slot) in &src.held {
+                c.after_read(&self.stream, layer, slot)
+                    .map_err(|e| self.cache_err(op, e))?;
+            }
+        }
+        Ok(())
     }
 
     /// `y[T, w.rows] = x · wᵀ` from the bytes at device address `buf` (`len` of them valid).
@@ -1536,34 +1590,8 @@ impl Backend for CudaBackend {
         if n == 0 {
             return Ok(());
         }
-        // Each source's device address: a GPU slot (the compute stream waits for its copy and
-        // records its read after the launches) or the staging buffer.
-        let blobs: Vec<&[u8]> = srcs
-            .iter()
-            .filter_map(|s| match s {
-                Weights::Blob(b) => Some(*b),
-                _ => None,
-            })
-            .collect();
-        let staged = self.stage(op, &blobs)?;
-        let mut staged = staged.iter().zip(&blobs);
-        let mut cache = self.cache();
-        let mut held = Vec::new();
-        let mut at = Vec::with_capacity(n);
-        for src in srcs {
-            at.push(match *src {
-                Weights::Resident => (self.addr(&self.resident), self.resident.len()),
-                Weights::Blob(_) => {
-                    let (&a, b) = staged.next().expect("one staged copy per blob");
-                    (a, b.len())
-                }
-                Weights::Held { layer, expert } => {
-                    let (a, len, slot) = self.held_addr(op, cache.as_deref(), layer, expert)?;
-                    held.push((layer, slot));
-                    (a, len)
-                }
-            });
-        }
+        let src = self.sources(op, srcs)?;
+        let at = &src.at;
         let (inner, h) = (mlp.gate_proj.rows, mlp.down_proj.rows);
         let mut g = self.uninit_tensor(op, n, inner)?;
         let u = self.uninit_tensor(op, n, inner)?;
@@ -1589,13 +1617,17 @@ impl Backend for CudaBackend {
             .map(|(j, (&a, &r))| job(&mlp.down_proj, a, row(ga, j, inner), row(oa, r, h)))
             .collect();
         self.products(op, &down, 1)?;
-        if let Some(c) = cache.as_mut() {
-            for (layer, slot) in held {
-                c.after_read(&self.stream, layer, slot)
-                    .map_err(|e| self.cache_err(op, e))?;
-            }
-        }
-        Ok(())
+        self.after_reads(op, src)
+    }
+
+    fn glu_mlp_experts(
+        &self,
+        mlp: &Mlp,
+        act: Act,
+        srcs: &[Weights],
+        xs: &[&CudaTensor],
+    ) -> OpResult<Vec<CudaTensor>> {
+        self.gemm_glu_experts(mlp, act, srcs, xs)
     }
 
     fn head_argmax(&self, w: &QRef, x: &CudaTensor) -> OpResult<(u32, f32)> {

@@ -625,28 +625,36 @@ fn decode_experts_routed_on_the_device_equal_the_readback_path() {
     );
 }
 
-/// A prefill expert at Gemma 4 26B-A4B's sizes (gate/up [704, 2816], down [2816, 704], 4-bit
-/// g64) on 16, 33 and 64 rows (the GEMM path, its columns split): within the f64 reference's
-/// budget, and bit for bit the same from a GPU slot as from the staging buffer, so prefill does
-/// not depend on the GPU expert budget.
+/// Prefill experts at Gemma 4 26B-A4B's sizes (gate/up [704, 2816], down [2816, 704], 4-bit
+/// g64) on 5 rows (the short-product kernel) and 16, 33 and 64 rows (the GEMM, its columns
+/// split): within the f64 reference's budget, bit for bit the same from a GPU slot as from the
+/// staging buffer (so prefill does not depend on the GPU expert budget), and `glu_mlp_experts`
+/// over all of them at once bit for bit what `glu_mlp` gives for each.
 #[test]
-fn prefill_experts_give_the_same_bits_from_a_slot_and_the_staging_buffer() {
-    let (hidden, inner) = (2816usize, 704usize);
+fn prefill_experts_give_the_same_bits_from_a_slot_the_staging_buffer_and_a_batch() {
+    let (n_exp, hidden, inner) = (3usize, 2816usize, 704usize);
     let mut rng = Rng(99);
-    let mut blob = Vec::new();
-    let mlp = Mlp {
-        gate_proj: qmatrix(&mut blob, &mut rng, inner, hidden, 4, 64),
-        up_proj: qmatrix(&mut blob, &mut rng, inner, hidden, 4, 64),
-        down_proj: qmatrix(&mut blob, &mut rng, hidden, inner, 4, 64),
-    };
-    blob.extend([0u8; 16]);
+    // Every blob has the same layout (built from an empty buffer by the same calls).
+    let mut blobs = Vec::new();
+    let mut mlp = None;
+    for _ in 0..n_exp {
+        let mut b = Vec::new();
+        mlp = Some(Mlp {
+            gate_proj: qmatrix(&mut b, &mut rng, inner, hidden, 4, 64),
+            up_proj: qmatrix(&mut b, &mut rng, inner, hidden, 4, 64),
+            down_proj: qmatrix(&mut b, &mut rng, hidden, inner, 4, 64),
+        });
+        b.extend([0u8; 16]);
+        blobs.push(b);
+    }
+    let mlp = mlp.expect("experts");
     let bytes = Arc::new(vec![0u8; 64]);
     let Some(be) = start(&bytes) else { return };
     let opts = ExpertCacheOptions {
         geometry: ExpertGeometry {
             layers: vec![0],
-            experts: 1,
-            stride: blob.len(),
+            experts: n_exp,
+            stride: blobs[0].len(),
             top_k: 1,
         },
         budget: GpuExpertBudget::Resident,
@@ -654,35 +662,69 @@ fn prefill_experts_give_the_same_bits_from_a_slot_and_the_staging_buffer() {
     };
     let be = be.with_expert_cache(opts).expect("expert cache");
     be.size_expert_cache().expect("sized");
-    be.held_experts(0, &[0]).expect("held");
-    be.load_expert(0, 0, &blob).expect("load_expert");
+    let all: Vec<usize> = (0..n_exp).collect();
+    be.held_experts(0, &all).expect("held");
+    for (e, b) in blobs.iter().enumerate() {
+        be.load_expert(0, e, b).expect("load_expert");
+    }
     be.expert_copies_done().expect("copies");
     let mut fails = Vec::new();
-    for t in [16usize, 33, 64] {
+    // (expert, rows): expert 0 twice, as two tiles' worth of rows would never be, to check the
+    // batch keeps its inputs apart.
+    let cases = [(1usize, 16usize), (0, 5), (2, 33), (0, 64)];
+    let mut xs = Vec::new();
+    let mut one_by_one = Vec::new();
+    for &(e, t) in &cases {
         let x = vals(&mut rng, t * hidden, 1.0);
         let xt = be.upload(&x, hidden).expect("upload");
         let (g, u, d) = (&mlp.gate_proj, &mlp.up_proj, &mlp.down_proj);
-        let want = refr::glu_mlp(g, u, d, Act::GeluTanh, &blob, &x);
+        let want = refr::glu_mlp(g, u, d, Act::GeluTanh, &blobs[e], &x);
         let held = Weights::Held {
             layer: 0,
-            expert: 0,
+            expert: e,
         };
         let mut got = Vec::new();
-        for src in [held, Weights::Blob(&blob)] {
+        for src in [held, Weights::Blob(&blobs[e])] {
             let y = be.glu_mlp(&mlp, Act::GeluTanh, src, &xt).expect("glu_mlp");
             got.push(be.read(&y).expect("read"));
         }
         expect(
             &mut fails,
-            format!("glu_mlp x {t} rows (slot)"),
+            format!("glu_mlp expert {e} x {t} rows (slot)"),
             &got[0],
             &want,
             EXACT_REL,
         );
         if bits_differ(&got[0], &got[1]) {
             fails.push(format!(
-                "glu_mlp x {t} rows: the slot's and the staging buffer's bits differ"
+                "glu_mlp expert {e} x {t} rows: the slot's and the staging buffer's bits differ"
             ));
+        }
+        one_by_one.push(got.remove(0));
+        xs.push(xt);
+    }
+    let held: Vec<Weights> = cases
+        .iter()
+        .map(|&(expert, _)| Weights::Held { layer: 0, expert })
+        .collect();
+    let staged: Vec<Weights> = cases
+        .iter()
+        .map(|&(e, _)| Weights::Blob(&blobs[e]))
+        .collect();
+    let x_refs: Vec<&_> = xs.iter().collect();
+    for (srcs, name) in [(&held, "slots"), (&staged, "staging buffer")] {
+        let ys = be
+            .glu_mlp_experts(&mlp, Act::GeluTanh, srcs, &x_refs)
+            .expect("glu_mlp_experts");
+        for ((y, want), &(e, t)) in ys.iter().zip(&one_by_one).zip(&cases) {
+            let got = be.read(y).expect("read");
+            if bits_differ(&got, want) {
+                fails.push(format!(
+                    "glu_mlp_experts ({name}) expert {e} x {t} rows: not glu_mlp's bits \
+                     (max difference {:e})",
+                    rel(&got, want)
+                ));
+            }
         }
     }
     assert!(
