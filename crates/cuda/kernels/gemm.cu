@@ -18,11 +18,12 @@
 // written to its own [t_rows, rows] plane of y (the launch points y at a scratch buffer) and
 // added in split order by qgemm_sum, so a product of few output tiles still fills the device.
 //
-// Numerics: each output is an f32 sum, one fma per column in ascending column order (per
-// split, then the splits in order): it depends on the codes, scales, biases, x and the split
-// count only, never on where the matrix lies, on BN or on the other jobs of the launch. Codes
-// are read as u16 pieces (tensors are only 2-byte aligned); x rows are 16-byte aligned (cols is
-// a multiple of 32 and x buffers start 256-byte aligned).
+// Numerics: w = fma(s, q, b) in f32, and each output an f32 sum, one fma per column in
+// ascending column order (per split, then the splits in order): it depends on the codes,
+// scales, biases, x and the split count only, never on where the matrix lies, on BN or on the
+// other jobs of the launch. Codes are read as u16 pieces (tensors are only 2-byte aligned); x
+// rows are read as float4 (cols is a multiple of 32 and x starts 16-byte aligned: a device
+// allocation or whole rows into one).
 
 #define QG_BM 64
 #define QG_BK 32
@@ -98,7 +99,7 @@ __device__ __forceinline__ void qgemm_tile(float* sm, const QJobs& q, int job, i
             float s = bf16_to_f32(ss[h]), b = bf16_to_f32(bs[h]);
             float v[PER];
 #pragma unroll
-            for (int e = 0; e < PER; ++e) v[e] = s * (float)((wp[h] >> (BITS * e)) & mask) + b;
+            for (int e = 0; e < PER; ++e) v[e] = fmaf(s, (float)((wp[h] >> (BITS * e)) & mask), b);
             float* dst = wb + (pm + RSTEP * h) * QG_LD + p * PER;
             if (PER == 2) {
                 *(float2*)dst = make_float2(v[0], v[1]);

@@ -1,16 +1,19 @@
 //! Prefill products: the `qgemm` kernel (kernels/gemm.cu) for quantized products of
-//! [`QG_MIN_ROWS`] or more rows of x, a tiled f32 GEMM that dequantizes each tile of an MLX
+//! [`min_rows`] (16) or more rows of x, a tiled f32 GEMM that dequantizes each tile of an MLX
 //! affine quantized matrix once for up to 64 rows of x, where `qmatmul` reads the codes again for
 //! every 4 rows. Decode (one row) and short products stay on `qmatmul`. Also the routed experts
 //! of a prefill chunk that the GPU slots hold, batched into a few launches.
+
+use std::sync::OnceLock;
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use mference_backend::{check, check_mlp, Act, Backend, Mlp, OpResult, QRef, Weights};
 
 use crate::{qref_offsets, CudaBackend, CudaTensor, QJob, QJobs, QM_BLOCKS, QM_JOBS};
 
-/// Rows of x from which a product runs on `qgemm`.
-pub(crate) const QG_MIN_ROWS: usize = 16;
+/// Rows of x from which a product runs on `qgemm` (unless `MFERENCE_CUDA_QG_MIN_ROWS` says
+/// otherwise: [`min_rows`]).
+const QG_MIN_ROWS: usize = 16;
 /// `QG_BM` and `QG_BK` of kernels/gemm.cu: output rows per block, columns per step.
 const QG_BM: usize = 64;
 const QG_BK: usize = 32;
@@ -45,6 +48,20 @@ struct QGSums {
 
 // SAFETY: plain `repr(C)` u64 arrays, laid out as `struct QGSums` in kernels/gemm.cu.
 unsafe impl cudarc::driver::DeviceRepr for QGSums {}
+
+/// Rows of x from which a product runs on `qgemm`: [`QG_MIN_ROWS`], or
+/// `MFERENCE_CUDA_QG_MIN_ROWS` (2 to 4096; decode's one row always stays on `qmatmul`), read
+/// once per process so every product of a run takes the same path (for measurements).
+pub(crate) fn min_rows() -> usize {
+    static MIN: OnceLock<usize> = OnceLock::new();
+    *MIN.get_or_init(|| {
+        std::env::var("MFERENCE_CUDA_QG_MIN_ROWS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|n| (2..=4096).contains(n))
+            .unwrap_or(QG_MIN_ROWS)
+    })
+}
 
 /// Whether `qgemm` computes products of `w`: 2/4/8 bits, a multiple of `QG_BK` columns, groups a
 /// power of two of at least `QG_BK` columns (a step's columns of a row share one scale).
@@ -84,7 +101,7 @@ impl CudaBackend {
     }
 
     /// [`Backend::glu_mlp_experts`](mference_backend::Backend::glu_mlp_experts): experts of
-    /// [`QG_MIN_ROWS`] or more rows in a few `qgemm` launches (every gate and up product
+    /// [`min_rows`] or more rows in a few `qgemm` launches (every gate and up product
     /// together, one `glu_act` over all their rows, every down product together), the others by
     /// `glu_mlp` each. The products run on the same kernels, bytes and split counts as in
     /// `glu_mlp`, so each result has its bits.
@@ -103,7 +120,7 @@ impl CudaBackend {
             check_mlp(op, mlp, x.cols)?;
         }
         let mats = [&mlp.gate_proj, &mlp.up_proj, &mlp.down_proj];
-        let batched = |x: &CudaTensor| x.rows >= QG_MIN_ROWS && mats.iter().all(|w| fits(w));
+        let batched = |x: &CudaTensor| x.rows >= min_rows() && mats.iter().all(|w| fits(w));
         let mut out: Vec<Option<CudaTensor>> = xs.iter().map(|_| None).collect();
         // Before the expert cache is locked below: glu_mlp locks it itself.
         for (j, (src, x)) in srcs.iter().zip(xs).enumerate() {

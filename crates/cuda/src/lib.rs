@@ -12,6 +12,9 @@
 //!   `--gpu-expert-budget`, LFU as on the CPU, misses copied in from the page-locked host slots
 //!   on a copy stream ordered by events); without it, a [`Weights::Blob`] is copied to a device
 //!   staging buffer on every call.
+//! - Quantized products: `qmatmul` (kernels/quant.cu, a warp per output row) for decode and
+//!   short products, `qgemm` (kernels/gemm.cu, `gemm.rs`: a tiled GEMM) from 16 rows of x on;
+//!   the prefill experts a layer's GPU slots hold run together ([`Backend::glu_mlp_experts`]).
 //! - Activations are [`CudaTensor`]s (`CudaSlice<f32>` + shape), the KV cache a [`CudaKv`]
 //!   (device K and V, FP16 or FP32, ring or linear, indexed as `mference_runtime::KvLayer`),
 //!   recurrent state a [`CudaState`].
@@ -803,11 +806,11 @@ impl CudaBackend {
 
     /// Runs `jobs` (each `[t_rows, cols]` rows of x into `[t_rows, rows]` outputs; the caller
     /// gives every job an input and an output of that size), one `qmatmul` launch per shape and
-    /// at most `QM_JOBS` jobs; products of `gemm::QG_MIN_ROWS` or more rows run on `qgemm`
+    /// at most `QM_JOBS` jobs; products of `gemm::min_rows()` or more rows run on `qgemm`
     /// instead where it takes the shape (`gemm.rs`).
     fn products(&self, op: &'static str, jobs: &[QJob], t_rows: usize) -> OpResult<()> {
         let rest;
-        let jobs = if t_rows >= gemm::QG_MIN_ROWS {
+        let jobs = if t_rows >= gemm::min_rows() {
             rest = self.gemm_products(op, jobs, t_rows)?;
             &rest[..]
         } else {
