@@ -351,6 +351,40 @@ pub fn test_weights(rng: &mut Rng, bits: &[usize]) -> (Vec<u8>, TestWeights) {
     )
 }
 
+/// `glu_mlp_experts` of two experts (the blob twice: two staged copies on a GPU) on the rows
+/// `xt`: each bit for bit `glu_mlp`'s `want` from that blob.
+fn glu_experts<B: Backend>(
+    h: &mut Harness<B>,
+    mlp: &Mlp,
+    act: Act,
+    blob: &[u8],
+    xt: &B::Tensor,
+    want: &[f32],
+) {
+    let r =
+        h.be.glu_mlp_experts(mlp, act, &[Weights::Blob(blob); 2], &[xt, xt]);
+    let Some(ys) = h.ok("glu_mlp_experts", r) else {
+        return;
+    };
+    for (j, y) in ys.iter().enumerate() {
+        if let Some(got) = h.read(y) {
+            if got
+                .iter()
+                .map(|v| v.to_bits())
+                .ne(want.iter().map(|v| v.to_bits()))
+            {
+                h.fail(
+                    "glu_mlp_experts",
+                    format!(
+                        "{act:?} x {} rows, expert {j}: not glu_mlp's bits",
+                        xt.rows()
+                    ),
+                );
+            }
+        }
+    }
+}
+
 /// `glu_mlp_rows`: three experts (a blob, the resident bytes, the blob again) of one row into
 /// rows 2, 0, 3 of a 4-row stack whose row 1 must stay zero.
 fn glu_rows<B: Backend>(
@@ -426,8 +460,9 @@ fn products<B: Backend>(h: &mut Harness<B>, rng: &mut Rng, w: &TestWeights) {
             h.expect_close("embed", &got, &want, EXACT_REL);
         }
     }
-    // Products, one by one and all sharing one input, for decode (1 row) and prefill rows.
-    for t in [1usize, 3, 17] {
+    // Products, one by one and all sharing one input, for decode (1 row) and prefill rows (33:
+    // a GPU GEMM's last tile of x rows holds one row).
+    for t in [1usize, 3, 17, 33] {
         let x = rng.vec(t * 256, 1.0);
         let Some(xt) = h.up(&x, 256) else { return };
         let all: Vec<&QRef> = w.mats.iter().map(|m| &m.0).collect();
@@ -480,6 +515,7 @@ fn products<B: Backend>(h: &mut Harness<B>, rng: &mut Rng, w: &TestWeights) {
                         &want,
                         budget,
                     );
+                    glu_experts(h, mlp, act, &blob, &xt, &got);
                 }
             }
         }

@@ -416,6 +416,28 @@ pub trait Backend: Send + Sync + Sized {
     ) -> OpResult<Self::Tensor> {
         Err(self.missing("glu_mlp"))
     }
+    /// Several experts of prefill rows: `glu_mlp(srcs[j], xs[j])` for each `j` (the rows routed to
+    /// each expert, `[T_j, gate.cols]` each), `[T_j, down.rows]` each, bit for bit what
+    /// [`Backend::glu_mlp`] gives, in one call so a backend can run them in a few launches
+    /// (the routed-experts step passes the experts it holds, then each host tile's hits and
+    /// misses). The default runs [`Backend::glu_mlp`] per expert.
+    ///
+    /// Errors: as [`Backend::glu_mlp`]; `srcs` and `xs` of different lengths.
+    fn glu_mlp_experts(
+        &self,
+        mlp: &Mlp,
+        act: Act,
+        srcs: &[Weights],
+        xs: &[&Self::Tensor],
+    ) -> OpResult<Vec<Self::Tensor>> {
+        check("glu_mlp_experts", srcs.len() == xs.len(), || {
+            format!("{} sources for {} inputs", srcs.len(), xs.len())
+        })?;
+        srcs.iter()
+            .zip(xs)
+            .map(|(src, x)| self.glu_mlp(mlp, act, *src, x))
+            .collect()
+    }
     /// Several experts of one decode row: row `rows[j]` of `out` (`[n, down.rows]`) ←
     /// `glu_mlp(srcs[j], x)` for a one-row `x`; the rows are distinct and every other row of `out`
     /// is left as it was. The routed-experts step stacks a token's experts this way and adds them

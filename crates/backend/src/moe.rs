@@ -124,17 +124,34 @@ where
     };
     let (carry, mut acc) = meanwhile()?;
 
-    let run = |e: usize, w: Weights| -> Result<B::Tensor, OpError> {
+    let rows_of = |e: usize| -> Result<B::Tensor, OpError> {
         let rows: Vec<usize> = routes.experts[&e].iter().map(|&(r, _)| r).collect();
-        let xe = be.gather_rows(x, &rows)?;
-        be.glu_mlp(experts, act, w, &xe)
+        be.gather_rows(x, &rows)
+    };
+    let run = |e: usize, w: Weights| -> Result<B::Tensor, OpError> {
+        be.glu_mlp(experts, act, w, &rows_of(e)?)
     };
     let mut out: Vec<Option<B::Tensor>> = (0..=routed.last().copied().unwrap_or(0))
         .map(|_| None)
         .collect();
-    // Held experts first: their bytes are in place while the host reads the rest.
-    for (&e, _) in routed.iter().zip(&held).filter(|(_, &h)| h) {
-        out[e] = Some(run(e, Weights::Held { layer, expert: e })?);
+    // Held experts first, in one call: their bytes are in place while the host reads the rest.
+    let in_place: Vec<usize> = routed
+        .iter()
+        .zip(&held)
+        .filter(|(_, &h)| h)
+        .map(|(&e, _)| e)
+        .collect();
+    let xs = in_place
+        .iter()
+        .map(|&e| rows_of(e))
+        .collect::<Result<Vec<_>, _>>()?;
+    let srcs: Vec<Weights> = in_place
+        .iter()
+        .map(|&expert| Weights::Held { layer, expert })
+        .collect();
+    let ys = be.glu_mlp_experts(experts, act, &srcs, &xs.iter().collect::<Vec<_>>())?;
+    for (&e, y) in in_place.iter().zip(ys) {
+        out[e] = Some(y);
     }
     let from_host = |e: usize, blob: &[u8]| -> Result<B::Tensor, OpError> {
         let w = be.load_expert(layer, e, blob)?;

@@ -23,6 +23,7 @@ pub(crate) const SOURCES: &[(&str, &str)] = &[
     ("elementwise.cu", include_str!("../kernels/elementwise.cu")),
     ("quant.cu", include_str!("../kernels/quant.cu")),
     ("qmv.cu", include_str!("../kernels/qmv.cu")),
+    ("gemm.cu", include_str!("../kernels/gemm.cu")),
     ("attention.cu", include_str!("../kernels/attention.cu")),
     ("recurrent.cu", include_str!("../kernels/recurrent.cu")),
     ("router.cu", include_str!("../kernels/router.cu")),

@@ -12,6 +12,9 @@
 //!   `--gpu-expert-budget`, LFU as on the CPU, misses copied in from the page-locked host slots
 //!   on a copy stream ordered by events); without it, a [`Weights::Blob`] is copied to a device
 //!   staging buffer on every call.
+//! - Quantized products: `qmatmul` (kernels/quant.cu, a warp per output row) for decode and
+//!   short products, `qgemm` (kernels/gemm.cu, `gemm.rs`: a tiled GEMM) from 16 rows of x on;
+//!   the prefill experts a layer's GPU slots hold run together ([`Backend::glu_mlp_experts`]).
 //! - Activations are [`CudaTensor`]s (`CudaSlice<f32>` + shape), the KV cache a [`CudaKv`]
 //!   (device K and V, FP16 or FP32, ring or linear, indexed as `mference_runtime::KvLayer`),
 //!   recurrent state a [`CudaState`].
@@ -200,7 +203,7 @@ pub struct CudaState {
 }
 
 /// Every kernel of `kernels/`, loaded at startup (a missing one fails [`CudaBackend::new`]).
-const KERNELS: [&str; 42] = [
+const KERNELS: [&str; 44] = [
     "all_finite",
     "matmul_bf16",
     "gather_rows",
@@ -229,6 +232,8 @@ const KERNELS: [&str; 42] = [
     "qmv_glu_ids2",
     "qmv_glu_ids4",
     "qmv_glu_ids8",
+    "qgemm",
+    "qgemm_sum",
     "qembed",
     "argmax",
     "rope",
@@ -284,7 +289,7 @@ const CONSTS_KEPT: usize = 64;
 /// The `QJobs` argument of `qmatmul`: device addresses of each product's codes, scales, biases,
 /// input rows and output rows.
 #[repr(C)]
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Default)]
 struct QJobs {
     w: [u64; QM_JOBS],
     s: [u64; QM_JOBS],
@@ -337,12 +342,23 @@ unsafe impl cudarc::driver::DeviceRepr for Pairs {}
 
 /// One product of a `qmatmul` launch: matrix `w` in the bytes at device address `buf` (`len` of
 /// them valid), the rows of x at device address `x`, the output rows at `y`.
+#[derive(Clone, Copy)]
 struct QJob<'a> {
     w: &'a QRef,
     buf: u64,
     len: usize,
     x: u64,
     y: u64,
+}
+
+/// Where the bytes of a launch's sources are ([`CudaBackend::sources`]).
+struct Sources<'a> {
+    /// Device address and valid length of each source, in order.
+    at: Vec<(u64, usize)>,
+    /// `(layer, slot)` of each held source.
+    held: Vec<(usize, usize)>,
+    /// The expert cache, locked until the held slots' reads are recorded.
+    cache: Option<std::sync::MutexGuard<'a, GpuExperts>>,
 }
 
 /// A small host vector (by its bit patterns) and its device copy.
@@ -396,6 +412,9 @@ macro_rules! launch {
         }
     }};
 }
+
+// After `launch!`, which it uses.
+mod gemm;
 
 /// A 1-D grid of 256-thread blocks over `n` elements (kernels loop if the grid is capped).
 fn elems(n: usize) -> LaunchConfig {
@@ -803,6 +822,50 @@ impl CudaBackend {
         Ok((addr, c.stride(), slot))
     }
 
+    /// Where each source's bytes are: the resident copy, a GPU slot (the compute stream made to
+    /// wait for its copy) or the staging buffer (the blobs staged together). The caller queues
+    /// the kernels reading them, then calls [`CudaBackend::after_reads`].
+    fn sources(&self, op: &'static str, srcs: &[Weights]) -> OpResult<Sources<'_>> {
+        let blobs: Vec<&[u8]> = srcs
+            .iter()
+            .filter_map(|s| match s {
+                Weights::Blob(b) => Some(*b),
+                _ => None,
+            })
+            .collect();
+        let staged = self.stage(op, &blobs)?;
+        let mut staged = staged.iter().zip(&blobs);
+        let cache = self.cache();
+        let mut held = Vec::new();
+        let mut at = Vec::with_capacity(srcs.len());
+        for src in srcs {
+            at.push(match *src {
+                Weights::Resident => (self.addr(&self.resident), self.resident.len()),
+                Weights::Blob(_) => {
+                    let (&a, b) = staged.next().expect("one staged copy per blob");
+                    (a, b.len())
+                }
+                Weights::Held { layer, expert } => {
+                    let (a, len, slot) = self.held_addr(op, cache.as_deref(), layer, expert)?;
+                    held.push((layer, slot));
+                    (a, len)
+                }
+            });
+        }
+        Ok(Sources { at, held, cache })
+    }
+
+    /// Records the reads of the held slots of `src` after the kernels queued so far.
+    fn after_reads(&self, op: &'static str, mut src: Sources) -> OpResult<()> {
+        if let Some(c) = src.cache.as_mut() {
+            for &(layer, slot) in &src.held {
+                c.after_read(&self.stream, layer, slot)
+                    .map_err(|e| self.cache_err(op, e))?;
+            }
+        }
+        Ok(())
+    }
+
     /// `y[T, w.rows] = x · wᵀ` from the bytes at device address `buf` (`len` of them valid).
     fn qmatmul(
         &self,
@@ -830,8 +893,16 @@ impl CudaBackend {
 
     /// Runs `jobs` (each `[t_rows, cols]` rows of x into `[t_rows, rows]` outputs; the caller
     /// gives every job an input and an output of that size), one `qmatmul` launch per shape and
-    /// at most `QM_JOBS` jobs.
+    /// at most `QM_JOBS` jobs; products of `gemm::min_rows()` or more rows run on `qgemm`
+    /// instead where it takes the shape (`gemm.rs`).
     fn products(&self, op: &'static str, jobs: &[QJob], t_rows: usize) -> OpResult<()> {
+        let rest;
+        let jobs = if t_rows >= gemm::min_rows() {
+            rest = self.gemm_products(op, jobs, t_rows)?;
+            &rest[..]
+        } else {
+            jobs
+        };
         let shape = |w: &QRef| (w.rows, w.cols, w.bits as usize, w.group_size);
         let mut shapes: Vec<(usize, usize, usize, usize)> =
             jobs.iter().map(|j| shape(j.w)).collect();
@@ -1710,34 +1781,8 @@ impl Backend for CudaBackend {
         if n == 0 {
             return Ok(());
         }
-        // Each source's device address: a GPU slot (the compute stream waits for its copy and
-        // records its read after the launches) or the staging buffer.
-        let blobs: Vec<&[u8]> = srcs
-            .iter()
-            .filter_map(|s| match s {
-                Weights::Blob(b) => Some(*b),
-                _ => None,
-            })
-            .collect();
-        let staged = self.stage(op, &blobs)?;
-        let mut staged = staged.iter().zip(&blobs);
-        let mut cache = self.cache();
-        let mut held = Vec::new();
-        let mut at = Vec::with_capacity(n);
-        for src in srcs {
-            at.push(match *src {
-                Weights::Resident => (self.addr(&self.resident), self.resident.len()),
-                Weights::Blob(_) => {
-                    let (&a, b) = staged.next().expect("one staged copy per blob");
-                    (a, b.len())
-                }
-                Weights::Held { layer, expert } => {
-                    let (a, len, slot) = self.held_addr(op, cache.as_deref(), layer, expert)?;
-                    held.push((layer, slot));
-                    (a, len)
-                }
-            });
-        }
+        let src = self.sources(op, srcs)?;
+        let at = &src.at;
         let (inner, h) = (mlp.gate_proj.rows, mlp.down_proj.rows);
         let mut g = self.uninit_tensor(op, n, inner)?;
         let u = self.uninit_tensor(op, n, inner)?;
@@ -1762,13 +1807,17 @@ impl Backend for CudaBackend {
             .map(|(j, (&a, &r))| job(&mlp.down_proj, a, row(ga, j, inner), row(oa, r, h)))
             .collect();
         self.products(op, &down, 1)?;
-        if let Some(c) = cache.as_mut() {
-            for (layer, slot) in held {
-                c.after_read(&self.stream, layer, slot)
-                    .map_err(|e| self.cache_err(op, e))?;
-            }
-        }
-        Ok(())
+        self.after_reads(op, src)
+    }
+
+    fn glu_mlp_experts(
+        &self,
+        mlp: &Mlp,
+        act: Act,
+        srcs: &[Weights],
+        xs: &[&CudaTensor],
+    ) -> OpResult<Vec<CudaTensor>> {
+        self.gemm_glu_experts(mlp, act, srcs, xs)
     }
 
     fn head_argmax(&self, w: &QRef, x: &CudaTensor) -> OpResult<(u32, f32)> {

@@ -103,6 +103,13 @@ fn rel(got: &[f32], want: &[f32]) -> f64 {
     d / m
 }
 
+/// Whether two results differ in any bit.
+fn bits_differ(a: &[f32], b: &[f32]) -> bool {
+    a.iter()
+        .map(|v| v.to_bits())
+        .ne(b.iter().map(|v| v.to_bits()))
+}
+
 /// `n` values uniform in `[-a, a]` (the harness's Rng stream; its helpers are private).
 fn vals(rng: &mut Rng, n: usize, a: f32) -> Vec<f32> {
     (0..n)
@@ -175,6 +182,7 @@ fn model_sized_shapes_match_the_reference() {
         qmatrix(&mut buf, &mut rng, 700, 2816, 4, 64),
         qmatrix(&mut buf, &mut rng, 333, 1536, 8, 32),
         qmatrix(&mut buf, &mut rng, 1000, 2048, 2, 128),
+        qmatrix(&mut buf, &mut rng, 4100, 512, 8, 128),
     ];
     let head = qmatrix(&mut buf, &mut rng, 5003, 512, 4, 64);
     while buf.len() % 4 != 2 {
@@ -190,11 +198,15 @@ fn model_sized_shapes_match_the_reference() {
     let Some(be) = start(&bytes) else { return };
     let mut fails = Vec::new();
 
-    for t in [1usize, 7] {
+    // Decode, the short-product kernel, and prefill GEMMs (16 rows of x and up: one partial
+    // tile, one row past a tile, whole tiles, many tiles) over row counts that are not
+    // multiples of a tile; the resident copy and the staging buffer give the same bits.
+    for t in [1usize, 7, 16, 33, 64, 300] {
         for (i, m) in mats.iter().enumerate() {
             let x = vals(&mut rng, t * m.cols, 1.0);
             let xt = be.upload(&x, m.cols).expect("upload");
             let want = refr::matmul(m, &bytes, &x);
+            let mut first: Option<Vec<f32>> = None;
             for (src, name) in [
                 (Weights::Resident, "resident"),
                 (Weights::Blob(&bytes), "blob"),
@@ -208,6 +220,13 @@ fn model_sized_shapes_match_the_reference() {
                     &want,
                     EXACT_REL,
                 );
+                match &first {
+                    None => first = Some(got),
+                    Some(f) if bits_differ(f, &got) => fails.push(format!(
+                        "matmul {i} x {t} rows: the blob's bits differ from the resident copy's"
+                    )),
+                    Some(_) => {}
+                }
             }
         }
     }
@@ -596,6 +615,116 @@ fn decode_experts_routed_on_the_device_equal_the_readback_path() {
             .is_ok()
         {
             fails.push(format!("routed_experts_held accepted {what}"));
+        }
+    }
+    assert!(
+        fails.is_empty(),
+        "{} failures:\n{}",
+        fails.len(),
+        fails.join("\n")
+    );
+}
+
+/// Prefill experts at Gemma 4 26B-A4B's sizes (gate/up [704, 2816], down [2816, 704], 4-bit
+/// g64) on 5 rows (the short-product kernel) and 16, 33 and 64 rows (the GEMM, its columns
+/// split): within the f64 reference's budget, bit for bit the same from a GPU slot as from the
+/// staging buffer (so prefill does not depend on the GPU expert budget), and `glu_mlp_experts`
+/// over all of them at once bit for bit what `glu_mlp` gives for each.
+#[test]
+fn prefill_experts_give_the_same_bits_from_a_slot_the_staging_buffer_and_a_batch() {
+    let (n_exp, hidden, inner) = (3usize, 2816usize, 704usize);
+    let mut rng = Rng(99);
+    // Every blob has the same layout (built from an empty buffer by the same calls).
+    let mut blobs = Vec::new();
+    let mut mlp = None;
+    for _ in 0..n_exp {
+        let mut b = Vec::new();
+        mlp = Some(Mlp {
+            gate_proj: qmatrix(&mut b, &mut rng, inner, hidden, 4, 64),
+            up_proj: qmatrix(&mut b, &mut rng, inner, hidden, 4, 64),
+            down_proj: qmatrix(&mut b, &mut rng, hidden, inner, 4, 64),
+        });
+        b.extend([0u8; 16]);
+        blobs.push(b);
+    }
+    let mlp = mlp.expect("experts");
+    let bytes = Arc::new(vec![0u8; 64]);
+    let Some(be) = start(&bytes) else { return };
+    let opts = ExpertCacheOptions {
+        geometry: ExpertGeometry {
+            layers: vec![0],
+            experts: n_exp,
+            stride: blobs[0].len(),
+            top_k: 1,
+        },
+        budget: GpuExpertBudget::Resident,
+        force_miss: false,
+    };
+    let be = be.with_expert_cache(opts).expect("expert cache");
+    be.size_expert_cache().expect("sized");
+    let all: Vec<usize> = (0..n_exp).collect();
+    be.held_experts(0, &all).expect("held");
+    for (e, b) in blobs.iter().enumerate() {
+        be.load_expert(0, e, b).expect("load_expert");
+    }
+    be.expert_copies_done().expect("copies");
+    let mut fails = Vec::new();
+    // (expert, rows): expert 0 twice, as two tiles' worth of rows would never be, to check the
+    // batch keeps its inputs apart.
+    let cases = [(1usize, 16usize), (0, 5), (2, 33), (0, 64)];
+    let mut xs = Vec::new();
+    let mut one_by_one = Vec::new();
+    for &(e, t) in &cases {
+        let x = vals(&mut rng, t * hidden, 1.0);
+        let xt = be.upload(&x, hidden).expect("upload");
+        let (g, u, d) = (&mlp.gate_proj, &mlp.up_proj, &mlp.down_proj);
+        let want = refr::glu_mlp(g, u, d, Act::GeluTanh, &blobs[e], &x);
+        let held = Weights::Held {
+            layer: 0,
+            expert: e,
+        };
+        let mut got = Vec::new();
+        for src in [held, Weights::Blob(&blobs[e])] {
+            let y = be.glu_mlp(&mlp, Act::GeluTanh, src, &xt).expect("glu_mlp");
+            got.push(be.read(&y).expect("read"));
+        }
+        expect(
+            &mut fails,
+            format!("glu_mlp expert {e} x {t} rows (slot)"),
+            &got[0],
+            &want,
+            EXACT_REL,
+        );
+        if bits_differ(&got[0], &got[1]) {
+            fails.push(format!(
+                "glu_mlp expert {e} x {t} rows: the slot's and the staging buffer's bits differ"
+            ));
+        }
+        one_by_one.push(got.remove(0));
+        xs.push(xt);
+    }
+    let held: Vec<Weights> = cases
+        .iter()
+        .map(|&(expert, _)| Weights::Held { layer: 0, expert })
+        .collect();
+    let staged: Vec<Weights> = cases
+        .iter()
+        .map(|&(e, _)| Weights::Blob(&blobs[e]))
+        .collect();
+    let x_refs: Vec<&_> = xs.iter().collect();
+    for (srcs, name) in [(&held, "slots"), (&staged, "staging buffer")] {
+        let ys = be
+            .glu_mlp_experts(&mlp, Act::GeluTanh, srcs, &x_refs)
+            .expect("glu_mlp_experts");
+        for ((y, want), &(e, t)) in ys.iter().zip(&one_by_one).zip(&cases) {
+            let got = be.read(y).expect("read");
+            if bits_differ(&got, want) {
+                fails.push(format!(
+                    "glu_mlp_experts ({name}) expert {e} x {t} rows: not glu_mlp's bits \
+                     (max difference {:e})",
+                    rel(&got, want)
+                ));
+            }
         }
     }
     assert!(

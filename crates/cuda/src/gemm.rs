@@ -1,0 +1,329 @@
+//! Prefill products: the `qgemm` kernel (kernels/gemm.cu) for quantized products of
+//! [`min_rows`] (16) or more rows of x, a tiled f32 GEMM that dequantizes each tile of an MLX
+//! affine quantized matrix once for up to 64 rows of x, where `qmatmul` reads the codes again for
+//! every 4 rows. Decode (one row) and short products stay on `qmatmul`. Also the routed experts
+//! of a prefill chunk that the GPU slots hold, batched into a few launches.
+
+use std::sync::OnceLock;
+
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+use mference_backend::{check, check_mlp, Act, Backend, Mlp, OpResult, QRef, Weights};
+
+use crate::{qref_offsets, CudaBackend, CudaTensor, QJob, QJobs, QM_BLOCKS, QM_JOBS};
+
+/// Rows of x from which a product runs on `qgemm` (unless `MFERENCE_CUDA_QG_MIN_ROWS` says
+/// otherwise: [`min_rows`]).
+const QG_MIN_ROWS: usize = 16;
+/// `QG_BM` and `QG_BK` of kernels/gemm.cu: output rows per block, columns per step.
+const QG_BM: usize = 64;
+const QG_BK: usize = 32;
+/// Blocks a product's column splits aim for per tile of x rows (a third of an H200's SMs: the
+/// gate and up products of an expert, split, about fill the device).
+const QG_SPLIT_BLOCKS: usize = 48;
+/// At most this many column splits, each of at least `QG_SPLIT_MIN_STEPS` steps of `QG_BK`.
+const QG_MAX_SPLITS: usize = 8;
+const QG_SPLIT_MIN_STEPS: usize = 8;
+
+/// The `QGJobs` argument of `qgemm`: `qmatmul`'s jobs and each one's rows of x.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct QGJobs {
+    q: QJobs,
+    t_rows: [i32; QM_JOBS],
+}
+
+// SAFETY: a `repr(C)` `QJobs` (u64 arrays) and an i32 array, laid out as `struct QGJobs` in
+// kernels/gemm.cu.
+unsafe impl cudarc::driver::DeviceRepr for QGJobs {}
+
+/// The `QGSums` argument of `qgemm_sum`: per product its split sums, its output, and the floats
+/// of one split.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct QGSums {
+    part: [u64; QM_JOBS],
+    y: [u64; QM_JOBS],
+    n: [u64; QM_JOBS],
+}
+
+// SAFETY: plain `repr(C)` u64 arrays, laid out as `struct QGSums` in kernels/gemm.cu.
+unsafe impl cudarc::driver::DeviceRepr for QGSums {}
+
+/// Rows of x from which a product runs on `qgemm`: [`QG_MIN_ROWS`], or
+/// `MFERENCE_CUDA_QG_MIN_ROWS` (2 to 4096; decode's one row always stays on `qmatmul`), read
+/// once per process so every product of a run takes the same path (for measurements).
+pub(crate) fn min_rows() -> usize {
+    static MIN: OnceLock<usize> = OnceLock::new();
+    *MIN.get_or_init(|| {
+        std::env::var("MFERENCE_CUDA_QG_MIN_ROWS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|n| (2..=4096).contains(n))
+            .unwrap_or(QG_MIN_ROWS)
+    })
+}
+
+/// Whether `qgemm` computes products of `w`: 2/4/8 bits, a multiple of `QG_BK` columns, groups a
+/// power of two of at least `QG_BK` columns (a step's columns of a row share one scale).
+fn fits(w: &QRef) -> bool {
+    matches!(w.bits, 2 | 4 | 8)
+        && w.cols.is_multiple_of(QG_BK)
+        && w.group_size.is_power_of_two()
+        && w.group_size >= QG_BK
+}
+
+/// Column splits and steps per split for a `[rows, cols]` matrix: enough that a tile of x rows
+/// spreads over about `QG_SPLIT_BLOCKS` blocks. A function of the shape alone, so a product gives
+/// the same bits whatever else its launch holds and wherever its matrix lies.
+fn splits(rows: usize, cols: usize) -> (usize, usize) {
+    let steps = cols / QG_BK;
+    let want = QG_SPLIT_BLOCKS
+        .div_ceil(rows.div_ceil(QG_BM))
+        .min(steps / QG_SPLIT_MIN_STEPS)
+        .clamp(1, QG_MAX_SPLITS);
+    let per = steps.div_ceil(want);
+    (steps.div_ceil(per), per)
+}
+
+impl CudaBackend {
+    /// Runs the products of `jobs` (each `[t_rows, cols]` rows of x into `[t_rows, rows]`) that
+    /// `qgemm` computes; returns the others, for `qmatmul`.
+    pub(crate) fn gemm_products<'a>(
+        &self,
+        op: &'static str,
+        jobs: &[QJob<'a>],
+        t_rows: usize,
+    ) -> OpResult<Vec<QJob<'a>>> {
+        let (fit, rest): (Vec<QJob>, Vec<QJob>) = jobs.iter().partition(|j| fits(j.w));
+        let fit: Vec<(QJob, usize)> = fit.into_iter().map(|j| (j, t_rows)).collect();
+        self.gemm_jobs(op, &fit)?;
+        Ok(rest)
+    }
+
+    /// [`Backend::glu_mlp_experts`](mference_backend::Backend::glu_mlp_experts): experts of
+    /// [`min_rows`] or more rows in a few `qgemm` launches (every gate and up product
+    /// together, one `glu_act` over all their rows, every down product together), the others by
+    /// `glu_mlp` each. The products run on the same kernels, bytes and split counts as in
+    /// `glu_mlp`, so each result has its bits.
+    pub(crate) fn gemm_glu_experts(
+        &self,
+        mlp: &Mlp,
+        act: Act,
+        srcs: &[Weights],
+        xs: &[&CudaTensor],
+    ) -> OpResult<Vec<CudaTensor>> {
+        let op = "glu_mlp_experts";
+        check(op, srcs.len() == xs.len(), || {
+            format!("{} sources for {} inputs", srcs.len(), xs.len())
+        })?;
+        for x in xs {
+            check_mlp(op, mlp, x.cols)?;
+        }
+        let mats = [&mlp.gate_proj, &mlp.up_proj, &mlp.down_proj];
+        let batched = |x: &CudaTensor| x.rows >= min_rows() && mats.iter().all(|w| fits(w));
+        let mut out: Vec<Option<CudaTensor>> = xs.iter().map(|_| None).collect();
+        // Before the expert cache is locked below: glu_mlp locks it itself.
+        for (j, (src, x)) in srcs.iter().zip(xs).enumerate() {
+            if !batched(x) {
+                out[j] = Some(self.glu_mlp(mlp, act, *src, x)?);
+            }
+        }
+        let js: Vec<usize> = (0..xs.len()).filter(|&j| batched(xs[j])).collect();
+        if !js.is_empty() {
+            let picked: Vec<Weights> = js.iter().map(|&j| srcs[j]).collect();
+            let src = self.sources(op, &picked)?;
+            let (inner, h) = (mlp.gate_proj.rows, mlp.down_proj.rows);
+            let total: usize = js.iter().map(|&j| xs[j].rows).sum();
+            // Every expert's gate and up rows, stacked in the order of `js`.
+            let mut g = self.uninit_tensor(op, total, inner)?;
+            let u = self.uninit_tensor(op, total, inner)?;
+            let ys = js
+                .iter()
+                .map(|&j| self.uninit_tensor(op, xs[j].rows, h))
+                .collect::<OpResult<Vec<_>>>()?;
+            let (ga, ua) = (self.addr(&*g.buf), self.addr(&*u.buf));
+            let mut gate_up = Vec::with_capacity(2 * js.len());
+            let mut down = Vec::with_capacity(js.len());
+            let mut r0 = 0;
+            for ((&j, &(buf, len)), y) in js.iter().zip(&src.at).zip(&ys) {
+                let (t, x) = (xs[j].rows, self.addr(&*xs[j].buf));
+                let (gj, uj) = (ga + (4 * r0 * inner) as u64, ua + (4 * r0 * inner) as u64);
+                let job = |w, x, y| (QJob { w, buf, len, x, y }, t);
+                gate_up.push(job(&mlp.gate_proj, x, gj));
+                gate_up.push(job(&mlp.up_proj, x, uj));
+                down.push(job(&mlp.down_proj, gj, self.addr(&*y.buf)));
+                r0 += t;
+            }
+            self.gemm_jobs(op, &gate_up)?;
+            self.glu_act(op, act, &mut g, &u)?;
+            self.gemm_jobs(op, &down)?;
+            self.after_reads(op, src)?;
+            for (&j, y) in js.iter().zip(ys) {
+                out[j] = Some(y);
+            }
+        }
+        Ok(out
+            .into_iter()
+            .map(|y| y.expect("every expert ran"))
+            .collect())
+    }
+
+    /// Runs `jobs` (products that [`fits`], each with its rows of x), one `qgemm` launch per
+    /// shape and `QM_JOBS` jobs.
+    fn gemm_jobs(&self, op: &'static str, jobs: &[(QJob, usize)]) -> OpResult<()> {
+        let shape = |w: &QRef| (w.rows, w.cols, w.bits, w.group_size);
+        let mut shapes: Vec<_> = jobs.iter().map(|j| shape(j.0.w)).collect();
+        shapes.sort_unstable();
+        shapes.dedup();
+        for sh in shapes {
+            let same: Vec<(QJob, usize)> = jobs
+                .iter()
+                .copied()
+                .filter(|j| shape(j.0.w) == sh)
+                .collect();
+            for chunk in same.chunks(QM_JOBS) {
+                self.qgemm(op, chunk)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// One `qgemm` launch (and its `qgemm_sum` where the columns are split): at most `QM_JOBS`
+    /// products of one shape that [`fits`], each with its rows of x.
+    fn qgemm(&self, op: &'static str, jobs: &[(QJob, usize)]) -> OpResult<()> {
+        let w = jobs[0].0.w;
+        let (rows, cols) = (w.rows, w.cols);
+        let (n_split, per) = splits(rows, cols);
+        let mut a = QGJobs {
+            q: QJobs::default(),
+            t_rows: [0; QM_JOBS],
+        };
+        for (i, &(j, t)) in jobs.iter().enumerate() {
+            let [wo, so, bo] = qref_offsets(op, j.w, j.len)?;
+            let q = &mut a.q;
+            (q.w[i], q.s[i], q.b[i]) = (j.buf + wo, j.buf + so, j.buf + bo);
+            (q.x[i], q.y[i]) = (j.x, j.y);
+            a.t_rows[i] = t as i32;
+        }
+        // Split sums: job i's [n_split, t_i, rows] planes, one job after another.
+        let planes: Vec<usize> = jobs.iter().map(|&(_, t)| t * rows).collect();
+        let part = if n_split > 1 {
+            let p = self.uninit_tensor(op, 1, n_split * planes.iter().sum::<usize>())?;
+            let mut at = self.addr(&*p.buf);
+            let mut starts = Vec::with_capacity(jobs.len());
+            for (i, &n) in planes.iter().enumerate() {
+                a.q.y[i] = at;
+                starts.push(at);
+                at += (4 * n_split * n) as u64;
+            }
+            Some((p, starts))
+        } else {
+            None
+        };
+        let row_tiles = rows.div_ceil(QG_BM);
+        let t_max = jobs.iter().map(|&(_, t)| t).max().unwrap_or(0);
+        // 64 rows of x per block once the launch has blocks enough, else 32 (twice the blocks,
+        // each half the work); the choice never changes a result.
+        let bn = if row_tiles * jobs.len() * n_split * t_max.div_ceil(64) >= QM_BLOCKS {
+            64
+        } else {
+            32
+        };
+        let x_tiles = t_max.div_ceil(bn).min(65535 / n_split);
+        let (ri, ci, bi, gi, bni, si, pi) = (
+            rows as i32,
+            cols as i32,
+            w.bits as i32,
+            w.group_size as i32,
+            bn as i32,
+            n_split as i32,
+            per as i32,
+        );
+        launch!(
+            self,
+            op,
+            "qgemm",
+            LaunchConfig {
+                grid_dim: (
+                    row_tiles as u32,
+                    jobs.len() as u32,
+                    (x_tiles * n_split) as u32
+                ),
+                block_dim: (4 * bn as u32, 1, 1),
+                shared_mem_bytes: 0,
+            },
+            &a,
+            &ri,
+            &ci,
+            &bi,
+            &gi,
+            &bni,
+            &si,
+            &pi
+        )?;
+        if let Some((_p, starts)) = part {
+            let mut s = QGSums {
+                part: [0; QM_JOBS],
+                y: [0; QM_JOBS],
+                n: [0; QM_JOBS],
+            };
+            for (i, (&(j, _), &n)) in jobs.iter().zip(&planes).enumerate() {
+                (s.part[i], s.y[i], s.n[i]) = (starts[i], j.y, n as u64);
+            }
+            let n_max = planes.iter().copied().max().unwrap_or(0);
+            launch!(
+                self,
+                op,
+                "qgemm_sum",
+                LaunchConfig {
+                    grid_dim: (n_max.div_ceil(256).min(1024) as u32, jobs.len() as u32, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                },
+                &s,
+                &si
+            )?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn splits_cover_the_columns_and_follow_the_shape() {
+        for (rows, cols) in [
+            (704, 2816),
+            (2816, 704),
+            (4096, 2816),
+            (128, 2816),
+            (1, 32),
+            (7, 256),
+            (262_144, 2816),
+            (512, 2048),
+        ] {
+            let (n, per) = splits(rows, cols);
+            let steps = cols / QG_BK;
+            assert!(
+                (1..=QG_MAX_SPLITS).contains(&n),
+                "{rows}x{cols}: {n} splits"
+            );
+            // Every split has at least one step and together they cover every step once.
+            assert!(
+                (n - 1) * per < steps && n * per >= steps,
+                "{rows}x{cols}: {n} x {per}"
+            );
+            if n > 1 {
+                assert!(
+                    per >= QG_SPLIT_MIN_STEPS,
+                    "{rows}x{cols}: {per} steps a split"
+                );
+            }
+        }
+        // A Gemma expert's gate/up is split, a model-wide projection is not.
+        assert!(splits(704, 2816).0 > 1);
+        assert_eq!(splits(4096, 2816).0, 1);
+    }
+}
