@@ -16,6 +16,8 @@ set -euo pipefail
 REPO="$(cd "$(dirname "$0")/../.." && pwd)"
 MF="${MF:-$REPO/target/release/mference}"
 M="${FAMILY:-gemma4-26b}"
+# Runs per measurement, both engines (REPEATS=1 when the device time is short).
+REPEATS="${REPEATS:-3}"
 case "$M" in
   gemma4-26b) TRACE="$REPO/assets/traces/gemma4-26b-a4b-routing.npy" ;;
   qwen36-35b) TRACE="$REPO/assets/traces/qwen3_6-35b-a3b-routing.npy" ;;
@@ -58,7 +60,7 @@ print(m['expertStride']*m['expertsPerLayer']*n, n)")
       resident) budget=resident ;;
       *) budget=$((EXPERT_BYTES * b / 100)) ;;
     esac
-    "$MF" bench --device cuda --model "$I" --prompts 512 --gen 64 --repeats 3 --decode forced \
+    "$MF" bench --device cuda --model "$I" --prompts 512 --gen 64 --repeats "$REPEATS" --decode forced \
       --routing-trace "$TRACE" --gpu-expert-budget "$budget" --host-expert-cache "$EXPERT_BYTES" \
       --json "$W/ours-$b.json" 2>&1 | tail -4
   done
@@ -67,9 +69,9 @@ print(m['expertStride']*m['expertsPerLayer']*n, n)")
   # 9/10 of the layers = about the GPU memory of our 25% and 10% budgets (22 and 27 of Gemma's
   # 30), all of them = --cpu-moe.
   NC="0,$((LAYERS * 3 / 4)),$((LAYERS * 9 / 10)),$LAYERS"
-  "$LB" -m "$W/$M.gguf" -ngl 99 -ncmoe "$NC" -p 512 -n 0 -r 3 -t "$(nproc)" -o json \
+  "$LB" -m "$W/$M.gguf" -ngl 99 -ncmoe "$NC" -p 512 -n 0 -r "$REPEATS" -t "$(nproc)" -o json \
     >"$W/llama-pp.json"
-  "$LB" -m "$W/$M.gguf" -ngl 99 -ncmoe "$NC" -p 0 -n 64 -d 512 -r 3 -t "$(nproc)" -o json \
+  "$LB" -m "$W/$M.gguf" -ngl 99 -ncmoe "$NC" -p 0 -n 64 -d 512 -r "$REPEATS" -t "$(nproc)" -o json \
     >"$W/llama-tg.json"
   python3 - "$W" <<'EOF'
 import json, sys

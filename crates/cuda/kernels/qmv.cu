@@ -4,7 +4,7 @@
 //
 // Per piece of PER = 16 / BITS codes the sum is s * (q . x) + b * sum(x), as in qmatmul_row. Two
 // things make it cheaper than qmatmul's per-row loop:
-// - x is read once per group of QV_R rows: a lane owns the same 8-byte words of every row (rows
+// - x is read once per group of QV_R rows (2): a lane owns the same 8-byte words of every row (rows
 //   of a matrix start a whole number of words apart, cols % 32 == 0), keeps those columns of x in
 //   registers and multiplies QV_R rows by them;
 // - a code becomes a float without a conversion instruction: OR-ing the code, left at its place
@@ -19,7 +19,7 @@
 // compile.rs defines QV_R).
 #define QV_WARPS 4
 #ifndef QV_R
-#define QV_R 4
+#define QV_R 2
 #endif
 
 // q . x' over one piece: u holds the piece in its low 16 bits, xs[e] = x[e] * 2^-(BITS * e).

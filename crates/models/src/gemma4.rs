@@ -630,6 +630,16 @@ impl<B: Backend + 'static> crate::Model for Gemma4<B> {
         Ok(self.be.size_expert_cache()?)
     }
 
+    fn preload_device_experts(&mut self) -> Result<(), ModelError> {
+        for li in 0..self.engine.install.layout.layers.len() {
+            if self.engine.install.layout.layers[li].blob.is_some() {
+                let streamer = self.streamers.get(li, &self.engine)?;
+                moe::preload::<B, ModelError>(&self.be, streamer)?;
+            }
+        }
+        Ok(())
+    }
+
     fn kv_bytes(&self) -> usize {
         self.kv.bytes()
     }

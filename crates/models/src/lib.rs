@@ -378,6 +378,12 @@ pub trait Model: Send {
     /// Sizes the backend's own expert cache now that the weights and the KV cache are placed
     /// (the load does this; a no-op without one).
     fn size_device_experts(&self) -> Result<(), ModelError>;
+    /// Copies every routed expert into the backend's own cache where it holds all of a layer's
+    /// experts (a `resident` GPU budget), as llama.cpp's full offload does at load; a no-op
+    /// otherwise (and by default).
+    fn preload_device_experts(&mut self) -> Result<(), ModelError> {
+        Ok(())
+    }
     /// Bytes of KV cache.
     fn kv_bytes(&self) -> usize;
     /// Time spent in each layer and in the head so far ([`StepTimes`]); empty for a family that
@@ -851,7 +857,7 @@ fn load_family<B: Backend + 'static>(
 ) -> Result<Box<dyn Model>, ModelError> {
     engine.device = be.name();
     let config = &engine.install.config_json;
-    let model: Box<dyn Model> = match model_type {
+    let mut model: Box<dyn Model> = match model_type {
         "gemma4" | "gemma4_text" => {
             let cfg = gemma4::Config::from_config_json(config)?;
             Box::new(gemma4::Gemma4::load(engine, be, cfg, opts)?)
@@ -875,5 +881,6 @@ fn load_family<B: Backend + 'static>(
         other => return Err(ModelError::Family(other.to_string())),
     };
     model.size_device_experts()?;
+    model.preload_device_experts()?;
     Ok(model)
 }

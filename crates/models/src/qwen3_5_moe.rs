@@ -700,6 +700,16 @@ impl<B: Backend + 'static> crate::Model for Qwen35Moe<B> {
         Ok(self.be.size_expert_cache()?)
     }
 
+    fn preload_device_experts(&mut self) -> Result<(), ModelError> {
+        for li in 0..self.engine.install.layout.layers.len() {
+            if self.engine.install.layout.layers[li].blob.is_some() {
+                let streamer = self.streamers.get(li, &self.engine)?;
+                moe::preload::<B, ModelError>(&self.be, streamer)?;
+            }
+        }
+        Ok(())
+    }
+
     /// KV cache of the full-attention layers plus the FP32 DeltaNet states (conv and recurrent).
     fn kv_bytes(&self) -> usize {
         let states: usize = self
