@@ -49,24 +49,11 @@ where
     Ok((carry, acc, routes.margins))
 }
 
-/// Copies every expert of the streamer's layer into the backend's own cache when that cache
-/// holds them all (a `resident` GPU budget: the load's last step, so that the first prompt does
-/// not stream them); else nothing. Returns how many were copied.
-pub fn preload<B: Backend, E>(be: &B, streamer: &mut ExpertStreamer) -> Result<usize, E>
-where
-    E: From<OpError> + From<RuntimeError>,
-{
-    let missing = be.experts_to_complete(streamer.layer())?;
-    if !missing.is_empty() {
-        complete::<B, E>(be, streamer, &missing)?;
-    }
-    Ok(missing.len())
-}
-
 /// Loads `experts` of the streamer's layer into the backend's own cache, through the host
 /// streamer in tiles of half its slots (at most 8), waiting for each tile's copies before its
-/// host slots are released.
-fn complete<B: Backend, E>(
+/// host slots are released. (Decode completes a resident layer this way; the load fills the
+/// resident layers with it, `Streamers::preload` in mference-models.)
+pub fn complete<B: Backend, E>(
     be: &B,
     streamer: &mut ExpertStreamer,
     experts: &[usize],

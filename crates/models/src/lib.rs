@@ -716,6 +716,26 @@ impl Streamers {
         Ok(self.layers[layer].as_mut().expect("opened above"))
     }
 
+    /// Fills the backend's own expert cache at load where it holds every expert of a layer
+    /// ([`Model::preload_device_experts`]); only such a layer opens its file (and checks it) now,
+    /// the others on first use as before.
+    pub fn preload<B: Backend>(&mut self, be: &B, engine: &Engine) -> Result<(), ModelError> {
+        for layer in 0..self.layers.len() {
+            if engine.install.layout.layers[layer].blob.is_none() {
+                continue;
+            }
+            let missing = be.experts_to_complete(layer)?;
+            if !missing.is_empty() {
+                mference_backend::moe::complete::<B, ModelError>(
+                    be,
+                    self.get(layer, engine)?,
+                    &missing,
+                )?;
+            }
+        }
+        Ok(())
+    }
+
     /// The streamer of `layer` and, when `next` and a layer follows, the one of `layer + 1` (both
     /// opened as by [`Streamers::get`]): the router lookahead prefetches into the second while the
     /// first serves the current layer.

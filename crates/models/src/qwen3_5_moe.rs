@@ -701,15 +701,7 @@ impl<B: Backend + 'static> crate::Model for Qwen35Moe<B> {
     }
 
     fn preload_device_experts(&mut self) -> Result<(), ModelError> {
-        for li in 0..self.engine.install.layout.layers.len() {
-            // Only a layer the backend wants filled opens its file (and checks it) now.
-            let layer = &self.engine.install.layout.layers[li];
-            if layer.blob.is_some() && !self.be.experts_to_complete(li)?.is_empty() {
-                let streamer = self.streamers.get(li, &self.engine)?;
-                moe::preload::<B, ModelError>(&self.be, streamer)?;
-            }
-        }
-        Ok(())
+        self.streamers.preload(&self.be, &self.engine)
     }
 
     /// KV cache of the full-attention layers plus the FP32 DeltaNet states (conv and recurrent).
