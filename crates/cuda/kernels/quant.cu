@@ -50,10 +50,11 @@ __device__ __forceinline__ void load_x(const float* x, float* v) {
 // scale * (codes . x) + bias * sum(x) per piece in word order, the lanes are added by warp_sum:
 // the result depends only on the bytes and their alignment modulo 8 (a slot, the staging buffer
 // and the resident copy give an expert's matrices the same alignment).
-// TT rows of x per pass (QM_TT). One row of x (decode) goes to qmv (qmv.cu) instead.
-template <int BITS, int TT>
+// QM_TT rows of x per pass. One row of x (decode) goes to qmv (qmv.cu) instead.
+template <int BITS>
 __device__ void qmatmul_row(u64 w_at, u64 s_at, u64 b_at, u64 x_at, u64 y_at, int r, int rows,
                             int cols, int group, int t_rows, int lane) {
+    const int TT = QM_TT;
     const int PER = 16 / BITS;
     const u32 mask = (1u << BITS) - 1u;
     int n16 = cols / PER;
@@ -130,9 +131,9 @@ __device__ void qmatmul_row(u64 w_at, u64 s_at, u64 b_at, u64 x_at, u64 y_at, in
 __device__ __forceinline__ void qmatmul_any(u64 w, u64 s, u64 b, u64 x, u64 y, int r, int rows,
                                             int cols, int bits, int group, int t_rows, int lane) {
     switch (bits) {
-        case 2: qmatmul_row<2, QM_TT>(w, s, b, x, y, r, rows, cols, group, t_rows, lane); break;
-        case 4: qmatmul_row<4, QM_TT>(w, s, b, x, y, r, rows, cols, group, t_rows, lane); break;
-        default: qmatmul_row<8, QM_TT>(w, s, b, x, y, r, rows, cols, group, t_rows, lane); break;
+        case 2: qmatmul_row<2>(w, s, b, x, y, r, rows, cols, group, t_rows, lane); break;
+        case 4: qmatmul_row<4>(w, s, b, x, y, r, rows, cols, group, t_rows, lane); break;
+        default: qmatmul_row<8>(w, s, b, x, y, r, rows, cols, group, t_rows, lane); break;
     }
 }
 

@@ -56,9 +56,10 @@ pub(crate) fn source() -> String {
     s
 }
 
-/// Rows a `qmv` lane group multiplies by one load of x (kernels/qmv.cu `QV_R`): 2 (measured on
-/// an H200, full-size Gemma 4 decode: 132.6 tok/s at 2, 125.5 at 4, 107.4 at 8), or
-/// `MFERENCE_CUDA_QV_ROWS` (2, 4 or 8; for measurements; a gated pair takes half of them each). The launch's grid uses the same value.
+/// Rows a `qmv` lane group multiplies by one load of x (kernels/qmv.cu `QV_R`; a gated pair takes
+/// half of them each): 2 (measured on an H200, full-size Gemma 4 decode: 132.6 tok/s at 2, 125.5
+/// at 4, 107.4 at 8), or `MFERENCE_CUDA_QV_ROWS` (2, 4 or 8; for measurements). The launch's grid
+/// uses the same value.
 pub(crate) fn qv_rows() -> usize {
     static ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *ROWS.get_or_init(|| {
