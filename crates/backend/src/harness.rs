@@ -7,7 +7,8 @@
 use crate::reference as refr;
 use crate::{
     Act, AttnShape, Backend, DeltaShape, FRef, HcSpec, KvDtype, LogScaling, Mlp, Norm, OpError,
-    QRef, RelBias, Rope, RouterSpec, Scoring, SinkRouter, Tensor, Unary, VRef, Weights, Yarn,
+    PreNorm, QRef, RelBias, Rope, RouterSpec, Scoring, SinkRouter, Tensor, Unary, VRef, Weights,
+    Yarn,
 };
 
 /// Exact f32 tables against the f64 reference: relative to the largest reference magnitude.
@@ -584,6 +585,88 @@ fn norms_and_elementwise<B: Backend>(h: &mut Harness<B>, rng: &mut Rng, w: &Test
                     h.fail(
                         "add_rms_norm",
                         format!("{name}: the normed input was changed"),
+                    );
+                }
+            }
+        }
+    }
+    // A block's output into the residual (normed, or a plain add), then pre-norms of the new
+    // residual (one with a column scale), over whole rows and over 32-wide pieces: against the
+    // reference, and bit-equal to the ops it stands for on the same backend.
+    for (dim, wd, normed) in [
+        (256, &w.w256, true),
+        (32, &w.w32, true),
+        (256, &w.w256, false),
+    ] {
+        let post = normed.then_some(Norm::Weight(wd));
+        let res = rng.vec(t * 256, 1.0);
+        let pre = [
+            PreNorm {
+                norm: Norm::NoScale,
+                cols: Some((&w.w256, 0.5)),
+            },
+            PreNorm {
+                norm: Norm::Weight(wd),
+                cols: None,
+            },
+            PreNorm {
+                norm: Norm::Scaled(0.125),
+                cols: None,
+            },
+        ];
+        let (Some(mut rt), Some(xt), Some(mut st)) =
+            (h.up(&res, 256), h.up(&x, 256), h.up(&res, 256))
+        else {
+            return;
+        };
+        let name = format!("add_rms_norm_pre (pieces of {dim}, normed {normed})");
+        let r =
+            h.be.add_rms_norm_pre(&mut rt, &xt, dim, post, 1e-6, 0.75, &pre);
+        let Some(outs) = h.ok("add_rms_norm_pre", r) else {
+            continue;
+        };
+        let n = match post {
+            Some(post) => refr::rms_norm(&x, dim, post, buf, 1e-6),
+            None => x.clone(),
+        };
+        let new_x: Vec<f32> = res.iter().zip(&n).map(|(a, n)| (a + n) * 0.75).collect();
+        if let Some(got) = h.read(&rt) {
+            h.expect_close(&format!("{name} residual"), &got, &new_x, EXACT_REL);
+        }
+        // The separate ops on a copy of the residual.
+        let sep = match post {
+            Some(post) => h.be.add_rms_norm(&mut st, &xt, dim, post, 1e-6, 0.75),
+            None => h.be.add(&mut st, &xt, 0.75),
+        };
+        let sep_x = h.ok("add_rms_norm", sep).and_then(|_| h.read(&st));
+        if let (Some(a), Some(b)) = (h.read(&rt), sep_x) {
+            if a != b {
+                h.fail(
+                    "add_rms_norm_pre",
+                    format!("{name}: residual differs from the separate op's"),
+                );
+            }
+        }
+        for (i, (p, out)) in pre.iter().zip(&outs).enumerate() {
+            let mut want = refr::rms_norm(&new_x, dim, p.norm, buf, 1e-6);
+            if let Some((cw, c)) = p.cols {
+                for (j, v) in want.iter_mut().enumerate() {
+                    *v = (*v as f64 * cw.get(buf, j % 256) as f64 * c as f64) as f32;
+                }
+            }
+            let Some(got) = h.read(out) else { continue };
+            h.expect_close(&format!("{name} output {i}"), &got, &want, EXACT_REL);
+            let mut one = h.be.rms_norm_to(&st, dim, p.norm, 1e-6);
+            if let (Ok(o), Some((cw, c))) = (&mut one, p.cols) {
+                if let Err(e) = h.be.mul_cols(o, cw, c) {
+                    h.fail("mul_cols", e.to_string());
+                }
+            }
+            if let Some(sep) = h.ok("rms_norm_to", one).and_then(|o| h.read(&o)) {
+                if sep != got {
+                    h.fail(
+                        "add_rms_norm_pre",
+                        format!("{name}: output {i} differs from the separate ops'"),
                     );
                 }
             }

@@ -105,6 +105,14 @@ pub enum Norm<'a> {
     Scaled(f32),
 }
 
+/// One pre-norm of a residual ([`Backend::add_rms_norm_pre`]): [`Backend::rms_norm`] by `norm`,
+/// then, with `cols = Some((w, c))`, [`Backend::mul_cols`] by `w · c` (a router's input scale).
+#[derive(Clone, Copy)]
+pub struct PreNorm<'a> {
+    pub norm: Norm<'a>,
+    pub cols: Option<(&'a VRef, f32)>,
+}
+
 /// An elementwise map.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Unary {
@@ -501,6 +509,37 @@ pub trait Backend: Send + Sync + Sized {
     ) -> OpResult<()> {
         let n = self.rms_norm_to(y, dim, norm, eps)?;
         self.add(x, &n, s)
+    }
+    /// [`Backend::add_rms_norm`] (`x ← (x + rms_norm(y, post)) · s`; `post = None`:
+    /// [`Backend::add`], `x ← (x + y) · s`), then each of `pre` of the new `x` into a new tensor
+    /// of its shape, all over pieces of `dim` with one `eps`: a block's output into the residual
+    /// and the next blocks' input norms (Gemma 4's attention output and its router, shared-MLP
+    /// and experts inputs). The default runs the ops one after the other; a backend may do them
+    /// in one pass with the same arithmetic.
+    #[allow(clippy::too_many_arguments)]
+    fn add_rms_norm_pre(
+        &self,
+        x: &mut Self::Tensor,
+        y: &Self::Tensor,
+        dim: usize,
+        post: Option<Norm>,
+        eps: f32,
+        s: f32,
+        pre: &[PreNorm],
+    ) -> OpResult<Vec<Self::Tensor>> {
+        match post {
+            Some(post) => self.add_rms_norm(x, y, dim, post, eps, s)?,
+            None => self.add(x, y, s)?,
+        }
+        pre.iter()
+            .map(|p| {
+                let mut n = self.rms_norm_to(x, dim, p.norm, eps)?;
+                if let Some((w, c)) = p.cols {
+                    self.mul_cols(&mut n, w, c)?;
+                }
+                Ok(n)
+            })
+            .collect()
     }
     /// [`Backend::rms_norm`] of every `head_dim` head, then [`Backend::rope`] from `pos0` (a
     /// per-head q/k norm before the rotation). The default runs the two; a backend may do both in

@@ -21,6 +21,12 @@
 #ifndef QV_R
 #define QV_R 2
 #endif
+// Words a lane loads (for each of its rows) before it multiplies any of them: the loads of one
+// pass are in flight together instead of one word's latency per step. The words are still added
+// in the same order, so the result does not depend on QV_U (compile.rs defines it).
+#ifndef QV_U
+#define QV_U 2
+#endif
 
 // q . x' over one piece: u holds the piece in its low 16 bits, xs[e] = x[e] * 2^-(BITS * e).
 template <int BITS>
@@ -65,52 +71,63 @@ __device__ void qmv_rows(const QvMats& mat, const float* x, float* y, int r0, in
     float acc[QV_R];
 #pragma unroll
     for (int rr = 0; rr < QV_R; ++rr) acc[rr] = 0.0f;
-    for (int k = sl; k < words; k += LPR) {
-        // The word's columns of x (zero for pieces outside the row), their sums, scaled copies.
-        float xv[4][PER], xsum[4];
-        bool hi[4];
-        int i0 = max(4 * k - m, 0), i3 = min(4 * k + 3 - m, n16 - 1);
-        int g0 = (i0 * PER) >> gshift, g3 = (i3 * PER) >> gshift;
+    for (int k0 = sl; k0 < words; k0 += LPR * QV_U) {
+        uint2 vu[QV_U][QV_R];
 #pragma unroll
-        for (int p = 0; p < 4; ++p) {
-            int i = 4 * k + p - m;
-            if (i >= 0 && i < n16) {
-                load_x<PER>(x + (u64)i * PER, xv[p]);
-            } else {
+        for (int u = 0; u < QV_U; ++u) {
+            int k = k0 + u * LPR;
 #pragma unroll
-                for (int e = 0; e < PER; ++e) xv[p][e] = 0.0f;
-            }
-            float sum = 0.0f;
-#pragma unroll
-            for (int e = 0; e < PER; ++e) sum += xv[p][e];
-            xsum[p] = sum;
-#pragma unroll
-            for (int e = 0; e < PER; ++e) xv[p][e] *= __int_as_float((127 - BITS * e) << 23);
-            hi[p] = ((max(i, 0) * PER) >> gshift) != g0;
-        }
-        uint2 v[QV_R];
-#pragma unroll
-        for (int rr = 0; rr < QV_R; ++rr)
-            v[rr] = rr % RG < nr ? *(const uint2*)(a0[rr / RG] + (u64)(r0 + rr % RG) * row_bytes +
+            for (int rr = 0; rr < QV_R; ++rr)
+                vu[u][rr] = k < words && rr % RG < nr
+                                ? *(const uint2*)(a0[rr / RG] + (u64)(r0 + rr % RG) * row_bytes +
                                                   8 * (u64)k)
-                                 : make_uint2(0u, 0u);
+                                : make_uint2(0u, 0u);
+        }
 #pragma unroll
-        for (int rr = 0; rr < QV_R; ++rr) {
-            if (rr % RG >= nr) continue;
-            const u16* sc = (const u16*)mat.s[rr / RG];
-            const u16* bi = (const u16*)mat.b[rr / RG];
-            u64 gr = (u64)(r0 + rr % RG) * groups;
-            float s0 = bf16_to_f32(sc[gr + g0]), b0 = bf16_to_f32(bi[gr + g0]);
-            float s3 = s0, b3 = b0;
-            if (g3 != g0) {
-                s3 = bf16_to_f32(sc[gr + g3]);
-                b3 = bf16_to_f32(bi[gr + g3]);
-            }
+        for (int u = 0; u < QV_U; ++u) {
+            int k = k0 + u * LPR;
+            if (k >= words) break;
+            const uint2* v = vu[u];
+            // The word's columns of x (zero for pieces outside the row), their sums, scaled copies.
+            float xv[4][PER], xsum[4];
+            bool hi[4];
+            int i0 = max(4 * k - m, 0), i3 = min(4 * k + 3 - m, n16 - 1);
+            int g0 = (i0 * PER) >> gshift, g3 = (i3 * PER) >> gshift;
 #pragma unroll
             for (int p = 0; p < 4; ++p) {
-                u32 u = (p < 2 ? v[rr].x : v[rr].y) >> (16 * (p & 1));
-                float d = piece_dot<BITS>(u, xv[p]);
-                acc[rr] += (hi[p] ? s3 : s0) * d + (hi[p] ? b3 : b0) * xsum[p];
+                int i = 4 * k + p - m;
+                if (i >= 0 && i < n16) {
+                    load_x<PER>(x + (u64)i * PER, xv[p]);
+                } else {
+#pragma unroll
+                    for (int e = 0; e < PER; ++e) xv[p][e] = 0.0f;
+                }
+                float sum = 0.0f;
+#pragma unroll
+                for (int e = 0; e < PER; ++e) sum += xv[p][e];
+                xsum[p] = sum;
+#pragma unroll
+                for (int e = 0; e < PER; ++e) xv[p][e] *= __int_as_float((127 - BITS * e) << 23);
+                hi[p] = ((max(i, 0) * PER) >> gshift) != g0;
+            }
+#pragma unroll
+            for (int rr = 0; rr < QV_R; ++rr) {
+                if (rr % RG >= nr) continue;
+                const u16* sc = (const u16*)mat.s[rr / RG];
+                const u16* bi = (const u16*)mat.b[rr / RG];
+                u64 gr = (u64)(r0 + rr % RG) * groups;
+                float s0 = bf16_to_f32(sc[gr + g0]), b0 = bf16_to_f32(bi[gr + g0]);
+                float s3 = s0, b3 = b0;
+                if (g3 != g0) {
+                    s3 = bf16_to_f32(sc[gr + g3]);
+                    b3 = bf16_to_f32(bi[gr + g3]);
+                }
+#pragma unroll
+                for (int p = 0; p < 4; ++p) {
+                    u32 pc = (p < 2 ? v[rr].x : v[rr].y) >> (16 * (p & 1));
+                    float d = piece_dot<BITS>(pc, xv[p]);
+                    acc[rr] += (hi[p] ? s3 : s0) * d + (hi[p] ? b3 : b0) * xsum[p];
+                }
             }
         }
     }

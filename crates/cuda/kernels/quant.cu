@@ -166,18 +166,12 @@ extern "C" __global__ void qembed(const unsigned char* base, u64 w_off, u64 s_of
     }
 }
 
-// The index and value of the largest of v[0..n) (ties to the lower index, NaN skipped); one
-// block of 1024 threads. out = {id, value bits}; id = 0xffffffff when every value is NaN.
-extern "C" __global__ void argmax(const float* v, int n, u32* out) {
+// (value, index) pairs of an argmax, reduced over the block of 1024 threads: the largest value,
+// ties to the lower index, index 0xffffffff for none (every value NaN). Thread 0 writes
+// out = {id, value bits}.
+__device__ void argmax_block(float best, u32 id, u32* out) {
     __shared__ float bv[1024];
     __shared__ u32 bi[1024];
-    float best = 0.0f;
-    u32 id = 0xffffffffu;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        float x = v[i];
-        if (x != x) continue;
-        if (id == 0xffffffffu || x > best) { best = x; id = (u32)i; }
-    }
     bv[threadIdx.x] = best;
     bi[threadIdx.x] = id;
     __syncthreads();
@@ -199,4 +193,33 @@ extern "C" __global__ void argmax(const float* v, int n, u32* out) {
         out[0] = bi[0];
         out[1] = __float_as_uint(bv[0]);
     }
+}
+
+// The index and value of the largest of v[0..n) (ties to the lower index, NaN skipped), in two
+// launches: argmax_parts, block b of 1024 threads over v[b * chunk ..][.. chunk] into
+// parts[2b], parts[2b + 1]; then argmax over the parts, one block, into out = {id, value bits}
+// (id = 0xffffffff when every value is NaN). Each stage keeps the lower index of equal values, so
+// the result is the one-pass argmax's.
+extern "C" __global__ void argmax_parts(const float* v, int n, int chunk, u32* parts) {
+    float best = 0.0f;
+    u32 id = 0xffffffffu;
+    int lo = blockIdx.x * chunk, hi = min(n, lo + chunk);
+    for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+        float x = v[i];
+        if (x != x) continue;
+        if (id == 0xffffffffu || x > best) { best = x; id = (u32)i; }
+    }
+    argmax_block(best, id, parts + 2 * (u64)blockIdx.x);
+}
+
+extern "C" __global__ void argmax(const u32* parts, int nparts, u32* out) {
+    float best = 0.0f;
+    u32 id = 0xffffffffu;
+    for (int p = threadIdx.x; p < nparts; p += blockDim.x) {
+        u32 pi = parts[2 * p];
+        float pv = __uint_as_float(parts[2 * p + 1]);
+        if (pi == 0xffffffffu) continue;
+        if (id == 0xffffffffu || pv > best) { best = pv; id = pi; }
+    }
+    argmax_block(best, id, out);
 }

@@ -37,10 +37,10 @@ const MAGIC: &[u8; 8] = b"MFCUBIN1";
 /// The concatenated kernel source, each file introduced by a `#line` so NVRTC's messages name it.
 ///
 /// `MFERENCE_CUDA_QM_UNROLL=N` (1-16) defines `QM_UNROLL` (kernels/quant.cu: code words each
-/// lane of `qmatmul` loads per step) ahead of the sources, and `QV_R` is [`qv_rows`], so the cache
-/// keeps one entry per value.
+/// lane of `qmatmul` loads per step) ahead of the sources, `QV_R` is [`qv_rows`] and `QV_U`
+/// [`qv_unroll`], so the cache keeps one entry per value.
 pub(crate) fn source() -> String {
-    let mut s = format!("#define QV_R {}\n", qv_rows());
+    let mut s = format!("#define QV_R {}\n#define QV_U {}\n", qv_rows(), qv_unroll());
     if let Some(n) = std::env::var("MFERENCE_CUDA_QM_UNROLL")
         .ok()
         .and_then(|v| v.parse::<u32>().ok())
@@ -67,6 +67,20 @@ pub(crate) fn qv_rows() -> usize {
             .ok()
             .and_then(|v| v.parse::<usize>().ok())
             .filter(|n| [2, 4, 8].contains(n))
+            .unwrap_or(2)
+    })
+}
+
+/// Words a `qmv` lane loads for each of its rows before multiplying them (kernels/qmv.cu `QV_U`;
+/// the result is the same bits at every value): 2, or `MFERENCE_CUDA_QV_UNROLL` (1, 2, 4 or 8;
+/// for measurements).
+pub(crate) fn qv_unroll() -> usize {
+    static UNROLL: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *UNROLL.get_or_init(|| {
+        std::env::var("MFERENCE_CUDA_QV_UNROLL")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|n| [1, 2, 4, 8].contains(n))
             .unwrap_or(2)
     })
 }

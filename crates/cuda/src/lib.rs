@@ -40,8 +40,8 @@ use experts::{CacheError, GpuExperts};
 use mference_backend::cpu::ResidentBytes;
 use mference_backend::{
     check, check_forced, check_glu_rows, check_mlp, Act, AttnShape, Backend, DeltaShape,
-    DeviceExpertStats, KvDtype, KvState, Mlp, Norm, OpError, OpResult, QRef, Rope, RopeStyle,
-    RouterSpec, Routes, Scoring, Tensor, Unary, VRef, Weights,
+    DeviceExpertStats, KvDtype, KvState, Mlp, Norm, OpError, OpResult, PreNorm, QRef, Rope,
+    RopeStyle, RouterSpec, Routes, Scoring, Tensor, Unary, VRef, Weights,
 };
 
 /// Why the CUDA backend could not start. Each names what is missing and what to do.
@@ -203,7 +203,7 @@ pub struct CudaState {
 }
 
 /// Every kernel of `kernels/`, loaded at startup (a missing one fails [`CudaBackend::new`]).
-const KERNELS: [&str; 44] = [
+const KERNELS: [&str; 46] = [
     "all_finite",
     "matmul_bf16",
     "gather_rows",
@@ -219,6 +219,7 @@ const KERNELS: [&str; 44] = [
     "rms_norm",
     "rms_norm_add",
     "rms_norm_rope",
+    "rms_norm_add_pre",
     "qmatmul",
     "qmv2",
     "qmv4",
@@ -236,6 +237,7 @@ const KERNELS: [&str; 44] = [
     "qgemm_sum",
     "qembed",
     "argmax",
+    "argmax_parts",
     "rope",
     "kv_write_f16",
     "kv_write_f32",
@@ -328,6 +330,28 @@ struct ForcedIds {
 
 // SAFETY: a plain `repr(C)` u32 array, laid out as `struct ForcedIds` in kernels/router.cu.
 unsafe impl cudarc::driver::DeviceRepr for ForcedIds {}
+
+/// Pre-norms one `rms_norm_add_pre` launch writes (kernels/elementwise.cu `PRE_NORMS`).
+const PRE_NORMS: usize = 4;
+
+/// The `PreNorms` argument of `rms_norm_add_pre`: per pre-norm its output's device address, its
+/// norm's weight offset, mode and constant, and its column scale (offset, constant, whether).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct PreNorms {
+    out: [u64; PRE_NORMS],
+    w_off: [u64; PRE_NORMS],
+    col_off: [u64; PRE_NORMS],
+    c: [f32; PRE_NORMS],
+    col_c: [f32; PRE_NORMS],
+    mode: [i32; PRE_NORMS],
+    has_col: [i32; PRE_NORMS],
+    n: i32,
+}
+
+// SAFETY: plain `repr(C)` arrays of u64, f32 and i32 and an i32, laid out as `struct PreNorms` in
+// kernels/elementwise.cu.
+unsafe impl cudarc::driver::DeviceRepr for PreNorms {}
 
 /// The `Pairs` argument of `scatter_add`.
 #[repr(C)]
@@ -496,6 +520,9 @@ fn qmv_grid(rows: usize, lanes: usize, jobs: usize, nm: usize) -> LaunchConfig {
         shared_mem_bytes: 0,
     }
 }
+
+/// Logits per block of `argmax_parts` (4 per thread; a 262,144-token vocabulary is 64 parts).
+const ARGMAX_CHUNK: usize = 4096;
 
 fn blocks(n: usize, threads: u32) -> LaunchConfig {
     LaunchConfig {
@@ -1829,20 +1856,28 @@ impl Backend for CudaBackend {
             )
         })?;
         let logits = self.qmatmul(op, w, self.addr(&self.resident), self.resident.len(), x)?;
+        let nparts = w.rows.div_ceil(ARGMAX_CHUNK).max(1);
+        let mut parts = self
+            .stream
+            .alloc_zeros::<u32>(2 * nparts)
+            .map_err(|e| self.dev(op, e))?;
         let mut out = self
             .stream
             .alloc_zeros::<u32>(2)
             .map_err(|e| self.dev(op, e))?;
-        let n = w.rows as i32;
+        let (n, chunk) = (w.rows as i32, ARGMAX_CHUNK as i32);
         launch!(
             self,
             op,
-            "argmax",
-            blocks(1, 1024),
+            "argmax_parts",
+            blocks(nparts, 1024),
             &*logits.buf,
             &n,
-            &mut out
+            &chunk,
+            &mut parts
         )?;
+        let np = nparts as i32;
+        launch!(self, op, "argmax", blocks(1, 1024), &parts, &np, &mut out)?;
         let r = self.to_host(op, &out)?;
         Ok(if r[0] == u32::MAX {
             (0, f32::NAN)
@@ -1898,6 +1933,65 @@ impl Backend for CudaBackend {
             &eps,
             &s
         )
+    }
+
+    fn add_rms_norm_pre(
+        &self,
+        x: &mut CudaTensor,
+        y: &CudaTensor,
+        dim: usize,
+        post: Option<Norm>,
+        eps: f32,
+        s: f32,
+        pre: &[PreNorm],
+    ) -> OpResult<Vec<CudaTensor>> {
+        let op = "add_rms_norm_pre";
+        same_shape(op, x, y)?;
+        check(op, dim > 0 && x.cols.is_multiple_of(dim), || {
+            format!("pieces of {dim} in rows of {}", x.cols)
+        })?;
+        check(op, pre.len() <= PRE_NORMS, || {
+            format!("{} pre-norms, at most {PRE_NORMS} in one launch", pre.len())
+        })?;
+        // Mode -1: the plain residual add.
+        let (mode, w_off, c) = match post {
+            Some(post) => self.norm_args(op, post, dim)?,
+            None => (-1, 0, 1.0),
+        };
+        let mut args = PreNorms {
+            n: pre.len() as i32,
+            ..Default::default()
+        };
+        let mut outs = Vec::with_capacity(pre.len());
+        for (o, p) in pre.iter().enumerate() {
+            let t = self.uninit_tensor(op, x.rows, x.cols)?;
+            let (m, w, k) = self.norm_args(op, p.norm, dim)?;
+            (args.out[o], args.mode[o], args.w_off[o], args.c[o]) = (self.addr(&*t.buf), m, w, k);
+            if let Some((v, k)) = p.cols {
+                (args.col_off[o], args.col_c[o], args.has_col[o]) =
+                    (self.vref(op, v, x.cols)?, k, 1);
+            }
+            outs.push(t);
+        }
+        let (d, cols) = (dim as i32, x.cols as u64);
+        launch!(
+            self,
+            op,
+            "rms_norm_add_pre",
+            blocks(x.len() / dim, 256),
+            &*y.buf,
+            &mut *x.buf,
+            &d,
+            &mode,
+            &self.resident,
+            &w_off,
+            &c,
+            &eps,
+            &s,
+            &cols,
+            &args
+        )?;
+        Ok(outs)
     }
 
     fn rms_norm_rope(

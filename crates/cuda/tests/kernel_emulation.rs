@@ -19,14 +19,16 @@ fn qmv_kernels_match_a_double_precision_product_on_the_cpu() {
         return;
     }
     let dir = tempfile::tempdir().expect("tempdir");
-    for rows in [2, 4, 8] {
-        let exe = dir.path().join(format!("qmv_emu_{rows}"));
+    // (QV_R, QV_U): every row count, and every unroll at the default rows.
+    for (rows, unroll) in [(2, 1), (2, 2), (2, 4), (2, 8), (4, 2), (8, 2)] {
+        let exe = dir.path().join(format!("qmv_emu_{rows}_{unroll}"));
         let built = Command::new(&cxx)
             .args([
                 "-std=c++20",
                 "-O1",
                 "-pthread",
                 &format!("-DQV_R={rows}"),
+                &format!("-DQV_U={unroll}"),
                 "-I",
             ])
             .arg(repo().join("crates/cuda/kernels"))
@@ -37,7 +39,7 @@ fn qmv_kernels_match_a_double_precision_product_on_the_cpu() {
             .expect("run the C++ compiler");
         assert!(
             built.status.success(),
-            "building the emulation (QV_R {rows}) failed:\n{}",
+            "building the emulation (QV_R {rows}, QV_U {unroll}) failed:\n{}",
             String::from_utf8_lossy(&built.stderr)
         );
         let out = Command::new(&exe).output().expect("run the emulation");
@@ -45,7 +47,7 @@ fn qmv_kernels_match_a_double_precision_product_on_the_cpu() {
         let cases = text.lines().filter(|l| l.starts_with("ok")).count();
         assert!(
             out.status.success() && cases == 40,
-            "QV_R {rows}: {cases} of 40 cases passed:\n{text}"
+            "QV_R {rows}, QV_U {unroll}: {cases} of 40 cases passed:\n{text}"
         );
     }
 }

@@ -10,8 +10,8 @@ use serde::Deserialize;
 
 use mference_backend::Weights::Resident;
 use mference_backend::{
-    moe, Act, AttnShape, Backend, KvCache, KvState, Mlp, Norm, QRef, Rope, RouterSpec, Scoring,
-    VRef,
+    moe, Act, AttnShape, Backend, KvCache, KvState, Mlp, Norm, PreNorm, QRef, Rope, RouterSpec,
+    Scoring, VRef,
 };
 
 use std::time::Instant;
@@ -327,11 +327,12 @@ impl<B: Backend> Gemma4<B> {
         };
 
         let mut x = be.embed(&self.embed_tokens, tokens, Some(self.embed_scale))?; // [T, hidden]
+                                                                                   // Each layer's attention input: the previous layer computes it with its residual add.
+        let mut attn_norm = normed(&x, &self.layers[0].input_layernorm)?;
         for (li, layer) in self.layers.iter().enumerate() {
             let started = Instant::now();
             let d = layer.head_dim;
             // Attention block.
-            let attn_norm = normed(&x, &layer.input_layernorm)?;
             let mut projs = match &layer.v_proj {
                 Some(v_proj) => be.matmul(
                     &[&layer.q_proj, &layer.k_proj, v_proj],
@@ -380,25 +381,51 @@ impl<B: Backend> Gemma4<B> {
             };
             let attn = be.attention(&q, kv, pos0, &shape)?;
             let o = one(be.matmul(&[&layer.o_proj], Resident, &attn)?);
-            add_normed(&mut x, &o, &layer.post_attention_layernorm, 1.0)?;
+            // The attention output into the residual, and the MLP block's three input norms
+            // (router, routed experts, shared MLP), with router lookahead (decode) layer L+1's
+            // router input from this post-attention state too.
+            let ahead = self.engine.router_lookahead;
+            let next = self.layers.get(li + 1).filter(|_| ahead > 0 && t == 1);
+            let mut pre = vec![
+                router_input(cfg, layer),
+                PreNorm {
+                    norm: Norm::Weight(&layer.pre_feedforward_layernorm_2),
+                    cols: None,
+                },
+                PreNorm {
+                    norm: Norm::Weight(&layer.pre_feedforward_layernorm),
+                    cols: None,
+                },
+            ];
+            pre.extend(next.map(|next| router_input(cfg, next)));
+            let mut inputs = be
+                .add_rms_norm_pre(
+                    &mut x,
+                    &o,
+                    h,
+                    Some(Norm::Weight(&layer.post_attention_layernorm)),
+                    eps,
+                    1.0,
+                    &pre,
+                )?
+                .into_iter();
+            let mut input = || inputs.next().expect("one tensor per pre-norm");
+            let (r, u2, u) = (input(), input(), input());
             let attended = Instant::now();
             self.times.layers[li][0] += attended - started;
 
             let forced = self.engine.forced_routes(li, pos0, t);
             let trace = self.engine.traces_router();
-            let (router_logits, spec) = router(cfg, be, layer, &x, trace, forced.as_deref())?;
-            // Router lookahead (decode): layer L+1's router on this post-attention state.
-            let ahead = self.engine.router_lookahead;
-            let guess = match self.layers.get(li + 1) {
-                Some(next) if ahead > 0 && t == 1 => {
-                    let (logits, spec) = router(cfg, be, next, &x, false, None)?;
+            let (router_logits, spec) = router(cfg, be, layer, &r, trace, forced.as_deref())?;
+            let guess = match next {
+                Some(next) => {
+                    let (logits, spec) = router(cfg, be, next, &input(), false, None)?;
                     Some(be.route(&logits, &spec)?)
                 }
-                _ => None,
+                None => None,
             };
 
             // Dense shared MLP ‖ routed experts, each with its own pre- and post-norm.
-            let u2 = normed(&x, &layer.pre_feedforward_layernorm_2)?;
             let (streamer, next) = self
                 .streamers
                 .with_next(li, guess.is_some(), &self.engine)?;
@@ -415,7 +442,6 @@ impl<B: Backend> Gemma4<B> {
                     if let (Some(next), Some(guess)) = (next, &guess) {
                         moe::prefetch_predicted(next, guess, ahead);
                     }
-                    let u = normed(&x, &layer.pre_feedforward_layernorm)?;
                     let mut shared = be.glu_mlp(&layer.mlp, Act::GeluTanh, Resident, &u)?;
                     norm(&mut shared, &layer.post_feedforward_layernorm_1)?;
                     Ok::<_, ModelError>((shared, be.zeros(t, h)?))
@@ -428,8 +454,22 @@ impl<B: Backend> Gemma4<B> {
                 &layer.post_feedforward_layernorm_2,
                 1.0,
             )?;
-            let s = layer.layer_scalar;
-            add_normed(&mut x, &shared, &layer.post_feedforward_layernorm, s)?;
+            // The MLP block's output into the residual, scaled, and the next layer's input norm.
+            let (post, s) = (
+                Norm::Weight(&layer.post_feedforward_layernorm),
+                layer.layer_scalar,
+            );
+            match self.layers.get(li + 1) {
+                Some(next) => {
+                    let pre = PreNorm {
+                        norm: Norm::Weight(&next.input_layernorm),
+                        cols: None,
+                    };
+                    attn_norm =
+                        one(be.add_rms_norm_pre(&mut x, &shared, h, Some(post), eps, s, &[pre])?);
+                }
+                None => be.add_rms_norm(&mut x, &shared, h, post, eps, s)?,
+            }
             self.times.layers[li][1] += attended.elapsed();
         }
         self.kv.len = pos0 + t;
@@ -448,22 +488,27 @@ impl<B: Backend> Gemma4<B> {
     }
 }
 
-/// `layer`'s router on the post-attention residual `x` (`[T, hidden]`): the logits (no-scale
-/// norm × scale × hidden^-0.5, then the projection: `[T, num_experts]`) and the scoring, softmax
-/// over the top-k times the per-expert scale (HF `Gemma4TextRouter`). `forced` replays recorded
-/// ids ([`Engine::forced_routes`]).
+/// `layer`'s router input from the post-attention residual: a no-scale norm times the router
+/// scale times hidden^-0.5 (HF `Gemma4TextRouter`).
+fn router_input<'a>(cfg: &Config, layer: &'a Layer) -> PreNorm<'a> {
+    PreNorm {
+        norm: Norm::NoScale,
+        cols: Some((&layer.router_scale, (cfg.hidden_size as f32).powf(-0.5))),
+    }
+}
+
+/// `layer`'s router on its input `r` ([`router_input`], `[T, hidden]`): the logits (the
+/// projection, `[T, num_experts]`) and the scoring, softmax over the top-k times the per-expert
+/// scale (HF `Gemma4TextRouter`). `forced` replays recorded ids ([`Engine::forced_routes`]).
 fn router<'a, B: Backend>(
     cfg: &Config,
     be: &B,
     layer: &'a Layer,
-    x: &B::Tensor,
+    r: &B::Tensor,
     trace: bool,
     forced: Option<&'a [usize]>,
 ) -> Result<(B::Tensor, RouterSpec<'a>), ModelError> {
-    let h = cfg.hidden_size;
-    let mut r = be.rms_norm_to(x, h, Norm::NoScale, cfg.rms_norm_eps)?;
-    be.mul_cols(&mut r, &layer.router_scale, (h as f32).powf(-0.5))?;
-    let logits = one(be.matmul(&[&layer.router_proj], Resident, &r)?);
+    let logits = one(be.matmul(&[&layer.router_proj], Resident, r)?);
     let spec = RouterSpec {
         scoring: Scoring::SoftmaxOfTopK,
         top_k: cfg.top_k_experts.unwrap_or(0),

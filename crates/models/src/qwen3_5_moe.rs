@@ -13,7 +13,7 @@ use serde::Deserialize;
 
 use mference_backend::Weights::Resident;
 use mference_backend::{
-    f32_vector, moe, Act, AttnShape, Backend, DeltaShape, KvCache, Mlp, Norm, QRef, Rope,
+    f32_vector, moe, Act, AttnShape, Backend, DeltaShape, KvCache, Mlp, Norm, PreNorm, QRef, Rope,
     RouterSpec, Routes, Scoring, Tensor, VRef, WeightError,
 };
 use mference_runtime::ExpertStreamer;
@@ -426,8 +426,10 @@ impl<B: Backend> Qwen35Moe<B> {
         check_ids(tokens, cfg.vocab_size)?;
 
         let mut x = be.embed(&self.embed_tokens, tokens, None)?; // [T, hidden]
+                                                                 // Each layer's mixer input: the previous layer computes it with its residual add.
+        let first = Norm::Weight(&self.layers[0].input_layernorm);
+        let mut attn_norm = be.rms_norm_to(&x, h, first, eps)?;
         for (li, layer) in self.layers.iter().enumerate() {
-            let attn_norm = be.rms_norm_to(&x, h, Norm::Weight(&layer.input_layernorm), eps)?;
             let mixer_out = match &layer.mixer {
                 Mixer::Linear(d) => {
                     let st = self.states[li].as_mut().expect("state of a DeltaNet layer");
@@ -438,16 +440,24 @@ impl<B: Backend> Qwen35Moe<B> {
                     full_attention(cfg, be, a, kv, &self.rope, &attn_norm, pos0)?
                 }
             };
-            be.add(&mut x, &mixer_out, 1.0)?;
-
-            let u = be.rms_norm_to(&x, h, Norm::Weight(&layer.post_attention_layernorm), eps)?;
+            // The mixer's output into the residual and the MoE block's input norm; with router
+            // lookahead (decode) also layer L+1's, for its router on this post-attention state.
             let eng = &self.engine;
-            // Router lookahead (decode): layer L+1's norm and router on this post-attention state.
             let ahead = eng.router_lookahead;
-            let guess = match self.layers.get(li + 1) {
-                Some(next) if ahead > 0 && t == 1 => {
-                    let w = &next.post_attention_layernorm;
-                    let u1 = be.rms_norm_to(&x, h, Norm::Weight(w), eps)?;
+            let next = self.layers.get(li + 1).filter(|_| ahead > 0 && t == 1);
+            let pre: Vec<PreNorm> = std::iter::once(layer)
+                .chain(next)
+                .map(|l| PreNorm {
+                    norm: Norm::Weight(&l.post_attention_layernorm),
+                    cols: None,
+                })
+                .collect();
+            let mut inputs = be
+                .add_rms_norm_pre(&mut x, &mixer_out, h, None, eps, 1.0, &pre)?
+                .into_iter();
+            let u = inputs.next().expect("the MoE block's input");
+            let guess = match (next, inputs.next()) {
+                (Some(next), Some(u1)) => {
                     let (logits, spec) = router(cfg, be, next, &u1, false, None)?;
                     Some(be.route(&logits, &spec)?)
                 }
@@ -456,7 +466,18 @@ impl<B: Backend> Qwen35Moe<B> {
             let (streamer, next) = self.streamers.with_next(li, guess.is_some(), eng)?;
             let ahead = next.zip(guess.as_ref()).map(|(s, g)| (s, g, ahead));
             let moe_out = sparse_moe(cfg, be, layer, streamer, &u, eng, (li, pos0), ahead)?;
-            be.add(&mut x, &moe_out, 1.0)?;
+            // The MoE output into the residual, and the next layer's input norm.
+            match self.layers.get(li + 1) {
+                Some(next) => {
+                    let pre = PreNorm {
+                        norm: Norm::Weight(&next.input_layernorm),
+                        cols: None,
+                    };
+                    attn_norm =
+                        one(be.add_rms_norm_pre(&mut x, &moe_out, h, None, eps, 1.0, &[pre])?);
+                }
+                None => be.add(&mut x, &moe_out, 1.0)?,
+            }
         }
         self.kv.len = pos0 + t;
 
