@@ -185,6 +185,7 @@ extern "C" __global__ void rms_norm_add_pre(const float* src, float* x, int dim,
         for (int i = threadIdx.x; i < dim; i += blockDim.x)
             p[i] = (p[i] + __fmul_rn(q[i], r * rms_scale(base, w_off, mode, i))) * s;
     }
+    if (pre.n == 0) return;
     float ms = rms_mean_sq(p, dim);
     for (int o = 0; o < pre.n; ++o) {
         float f = (pre.mode[o] == 3 ? pre.c[o] : 1.0f) / sqrtf(ms + eps);

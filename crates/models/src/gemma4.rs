@@ -17,7 +17,8 @@ use mference_backend::{
 use std::time::Instant;
 
 use crate::{
-    check_ids, one, ChunkWant, Engine, LoadOptions, Logits, ModelError, StepTimes, Streamers, Want,
+    check_ids, into_residual, one, ChunkWant, Engine, LoadOptions, Logits, ModelError, StepTimes,
+    Streamers, Want,
 };
 
 /// `text_config` of a Gemma 4 `config.json` (HF keys; defaults as mlx-lm's `ModelArgs`).
@@ -327,7 +328,8 @@ impl<B: Backend> Gemma4<B> {
         };
 
         let mut x = be.embed(&self.embed_tokens, tokens, Some(self.embed_scale))?; // [T, hidden]
-                                                                                   // Each layer's attention input: the previous layer computes it with its residual add.
+
+        // Each layer's attention input: the previous layer computes it with its residual add.
         let mut attn_norm = normed(&x, &self.layers[0].input_layernorm)?;
         for (li, layer) in self.layers.iter().enumerate() {
             let started = Instant::now();
@@ -455,20 +457,11 @@ impl<B: Backend> Gemma4<B> {
                 1.0,
             )?;
             // The MLP block's output into the residual, scaled, and the next layer's input norm.
-            let (post, s) = (
-                Norm::Weight(&layer.post_feedforward_layernorm),
-                layer.layer_scalar,
-            );
-            match self.layers.get(li + 1) {
-                Some(next) => {
-                    let pre = PreNorm {
-                        norm: Norm::Weight(&next.input_layernorm),
-                        cols: None,
-                    };
-                    attn_norm =
-                        one(be.add_rms_norm_pre(&mut x, &shared, h, Some(post), eps, s, &[pre])?);
-                }
-                None => be.add_rms_norm(&mut x, &shared, h, post, eps, s)?,
+            let post = Some(Norm::Weight(&layer.post_feedforward_layernorm));
+            let next = self.layers.get(li + 1).map(|n| &n.input_layernorm);
+            let s = layer.layer_scalar;
+            if let Some(n) = into_residual(be, &mut x, &shared, h, post, eps, s, next)? {
+                attn_norm = n;
             }
             self.times.layers[li][1] += attended.elapsed();
         }

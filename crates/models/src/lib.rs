@@ -13,7 +13,9 @@ use std::path::Path;
 use std::sync::Arc;
 
 use mference_backend::cpu::CpuBackend;
-use mference_backend::{Backend, Norm, OpError, QRef, Tensor, Unary, VRef, WeightError, Weights};
+use mference_backend::{
+    Backend, Norm, OpError, PreNorm, QRef, Tensor, Unary, VRef, WeightError, Weights,
+};
 use mference_format::{ExpertBlobLayout, Install, ResidentIndex, VerifyPolicy};
 use mference_kernels::Kernels;
 use mference_runtime::streamer::IoPool;
@@ -204,6 +206,30 @@ pub fn head<B: Backend>(
 /// The single result of a one-matrix [`Backend::matmul`].
 pub(crate) fn one<T>(mut v: Vec<T>) -> T {
     v.pop().expect("one product")
+}
+
+/// A layer's output `y` into the residual `x` (`post` and `s` as in
+/// [`Backend::add_rms_norm_pre`]) and, by `next` (`None` after the last layer), the next layer's
+/// input norm, in one op.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn into_residual<B: Backend>(
+    be: &B,
+    x: &mut B::Tensor,
+    y: &B::Tensor,
+    dim: usize,
+    post: Option<Norm>,
+    eps: f32,
+    s: f32,
+    next: Option<&VRef>,
+) -> Result<Option<B::Tensor>, ModelError> {
+    let pre: Vec<PreNorm> = next
+        .map(|w| PreNorm {
+            norm: Norm::Weight(w),
+            cols: None,
+        })
+        .into_iter()
+        .collect();
+    Ok(be.add_rms_norm_pre(x, y, dim, post, eps, s, &pre)?.pop())
 }
 
 /// A tensor `name` has the dimensions config.json implies.

@@ -18,7 +18,10 @@ use mference_backend::{
 };
 use mference_runtime::ExpertStreamer;
 
-use crate::{check_ids, one, ChunkWant, Engine, LoadOptions, Logits, ModelError, Streamers, Want};
+use crate::{
+    check_ids, into_residual, one, ChunkWant, Engine, LoadOptions, Logits, ModelError, Streamers,
+    Want,
+};
 
 /// `text_config` of a Qwen 3.5/3.6 MoE `config.json` (HF keys; defaults as mlx-lm's
 /// `qwen3_5.TextModelArgs`).
@@ -426,7 +429,8 @@ impl<B: Backend> Qwen35Moe<B> {
         check_ids(tokens, cfg.vocab_size)?;
 
         let mut x = be.embed(&self.embed_tokens, tokens, None)?; // [T, hidden]
-                                                                 // Each layer's mixer input: the previous layer computes it with its residual add.
+
+        // Each layer's mixer input: the previous layer computes it with its residual add.
         let first = Norm::Weight(&self.layers[0].input_layernorm);
         let mut attn_norm = be.rms_norm_to(&x, h, first, eps)?;
         for (li, layer) in self.layers.iter().enumerate() {
@@ -467,16 +471,9 @@ impl<B: Backend> Qwen35Moe<B> {
             let ahead = next.zip(guess.as_ref()).map(|(s, g)| (s, g, ahead));
             let moe_out = sparse_moe(cfg, be, layer, streamer, &u, eng, (li, pos0), ahead)?;
             // The MoE output into the residual, and the next layer's input norm.
-            match self.layers.get(li + 1) {
-                Some(next) => {
-                    let pre = PreNorm {
-                        norm: Norm::Weight(&next.input_layernorm),
-                        cols: None,
-                    };
-                    attn_norm =
-                        one(be.add_rms_norm_pre(&mut x, &moe_out, h, None, eps, 1.0, &[pre])?);
-                }
-                None => be.add(&mut x, &moe_out, 1.0)?,
+            let next = self.layers.get(li + 1).map(|n| &n.input_layernorm);
+            if let Some(n) = into_residual(be, &mut x, &moe_out, h, None, eps, 1.0, next)? {
+                attn_norm = n;
             }
         }
         self.kv.len = pos0 + t;
