@@ -29,6 +29,8 @@ mkdir -p "$W"
 case "$cmd" in
 prepare)
   SRC="$3"
+  # The GGUF writer is llama.cpp's own gguf-py (a machine without network has no `pip install gguf`).
+  export PYTHONPATH="$SRC/gguf-py${PYTHONPATH:+:$PYTHONPATH}"
   # llama.cpp is built once per machine (a later family reuses it).
   ([ -x "$W/llama-build/bin/llama-bench" ] && echo "llama build reused" >"$W/build.done" ||
    { cmake -S "$SRC" -B "$W/llama-build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \

@@ -723,7 +723,11 @@ def gguf_chunks(kind, shape, init, seed, name):
 
 
 def write_gguf(cfg: dict, out: Path, seed: int) -> None:
-    import gguf  # noqa: PLC0415 (only this subcommand needs it)
+    try:
+        import gguf  # noqa: PLC0415 (only this subcommand needs it)
+    except ModuleNotFoundError:
+        sys.exit("synth.py gguf needs the `gguf` package: `pip install gguf`, or put llama.cpp's "
+                 "gguf-py on PYTHONPATH (PYTHONPATH=<llama.cpp>/gguf-py)")
 
     arch, kvs, tensors = gguf_plan(cfg)
     total = sum(gguf_nbytes(k, s) for _, _, k, s, _ in tensors)
