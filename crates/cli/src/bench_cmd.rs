@@ -211,6 +211,8 @@ fn validate(a: &BenchArgs) -> Result<()> {
     crate::run_cmd::threads_flag(a.threads)?;
     crate::run_cmd::kernels(&a.kernels)?;
     crate::run_cmd::slots_flag(&a.slots)?;
+    crate::run_cmd::device_flags(&a.device, &a.gpu_expert_budget, a.gpu_force_miss)?;
+    crate::run_cmd::host_expert_cache_flag(a.host_expert_cache.as_deref())?;
     for (_, n) in parse_prompts(&a.prompts)? {
         if n + a.gen > a.ctx {
             bail!(
@@ -243,30 +245,33 @@ fn parse_prompts(s: &str) -> Result<Vec<(String, usize)>> {
     Ok(out)
 }
 
-/// The child's arguments: the parent's, plus `--child N`.
+/// The child's arguments: the parent's, plus `--child N`. Values go as `--flag=value`, so one
+/// that starts with `-` stays the flag's value.
 fn spawn_child(exe: &std::path::Path, a: &BenchArgs, n: usize) -> Result<Value> {
     let mut cmd = Command::new(exe);
     cmd.arg("bench")
         .arg("--model")
         .arg(&a.model)
-        .args(["--prefill-chunk", &a.prefill_chunk])
-        .args(["--ctx", &a.ctx.to_string()])
-        .args(["--gen", &a.gen.to_string()])
-        .args(["--prompts", &n.to_string()])
-        .args(["--decode", &a.decode])
-        .args(["--verify", &a.verify])
-        .args(["--kernels", &a.kernels])
-        .args(["--device", &a.device])
-        .args(["--gpu-expert-budget", &a.gpu_expert_budget])
-        .args(["--shadow-prefetch", &a.shadow_prefetch])
-        .args(["--router-lookahead", &a.router_lookahead.to_string()])
-        .args(["--expert-cache-policy", &a.expert_cache_policy])
-        .args(["--child", &n.to_string()]);
+        .arg(format!("--prefill-chunk={}", a.prefill_chunk))
+        .arg(format!("--ctx={}", a.ctx))
+        .arg(format!("--gen={}", a.gen))
+        .arg(format!("--prompts={n}"))
+        .arg(format!("--decode={}", a.decode))
+        .arg(format!("--verify={}", a.verify))
+        .arg(format!("--kernels={}", a.kernels))
+        .arg(format!("--device={}", a.device))
+        .arg(format!("--gpu-expert-budget={}", a.gpu_expert_budget))
+        .arg(format!("--shadow-prefetch={}", a.shadow_prefetch))
+        .arg(format!("--router-lookahead={}", a.router_lookahead))
+        .arg(format!("--expert-cache-policy={}", a.expert_cache_policy))
+        .arg(format!("--child={n}"));
     if let Some(t) = &a.routing_trace {
-        cmd.arg("--routing-trace").arg(t);
+        let mut arg = std::ffi::OsString::from("--routing-trace=");
+        arg.push(t);
+        cmd.arg(arg);
     }
     if let Some(t) = a.threads {
-        cmd.args(["--threads", &t.to_string()]);
+        cmd.arg(format!("--threads={t}"));
     }
     if a.direct_io {
         cmd.arg("--direct-io");
@@ -275,8 +280,8 @@ fn spawn_child(exe: &std::path::Path, a: &BenchArgs, n: usize) -> Result<Value> 
         cmd.arg("--flash-head");
     }
     match &a.host_expert_cache {
-        Some(h) => cmd.args(["--host-expert-cache", h]),
-        None => cmd.args(["--slots", &a.slots]),
+        Some(h) => cmd.arg(format!("--host-expert-cache={h}")),
+        None => cmd.arg(format!("--slots={}", a.slots)),
     };
     if a.gpu_force_miss {
         cmd.arg("--gpu-force-miss");
@@ -519,6 +524,8 @@ fn child(a: &BenchArgs, n: usize) -> Result<Value> {
         "kernels": model.engine().kernels.name(),
         "routing": model.engine().routing(),
         "device": model.engine().device,
+        // What `--device auto` found missing when it ran on the CPU (null otherwise).
+        "device_fallback": model.engine().device_fallback,
         "gpu_expert_cache": gpu_json,
     }))
 }

@@ -280,6 +280,36 @@ pub(crate) fn parse_prefill_chunk(s: &str, prompt_len: Option<usize>) -> Result<
 /// to the memory this process may use ([`mference_runtime::sizing::auto_slots`]: resident
 /// weights, KV at `max_context` and scratch counted) and reads with O_DIRECT when the slots are
 /// smaller than the expert files, and says on stderr what it chose and from which limit.
+/// `--device`, `--gpu-expert-budget` and `--gpu-force-miss` checked together (run, perplexity,
+/// logits, serve, bench): the GPU-only flags are refused on the CPU, not ignored, and a CUDA
+/// device that cannot start is named before anything is read.
+pub fn device_flags(
+    device: &str,
+    gpu_expert_budget: &str,
+    gpu_force_miss: bool,
+) -> Result<(mference_models::Device, mference_models::GpuExpertBudget)> {
+    let d = mference_models::Device::parse(device).map_err(anyhow::Error::msg)?;
+    let budget = mference_models::GpuExpertBudget::parse(gpu_expert_budget)
+        .map_err(|e| anyhow::anyhow!("--gpu-expert-budget: {e}"))?;
+    if d == mference_models::Device::Cpu && (gpu_expert_budget != "auto" || gpu_force_miss) {
+        bail!("--gpu-expert-budget and --gpu-force-miss apply on CUDA: add --device cuda");
+    }
+    // `--device cuda` without CUDA fails here, before the model is sized or read.
+    mference_models::probe_device(d)?;
+    Ok((d, budget))
+}
+
+/// `--host-expert-cache BYTES`, parsed.
+pub fn host_expert_cache_flag(v: Option<&str>) -> Result<Option<u64>> {
+    match v {
+        Some(v) => match mference_runtime::parse_bytes(v) {
+            Some(b) => Ok(Some(b)),
+            None => bail!("invalid --host-expert-cache '{v}': expected bytes such as 16G or 512M"),
+        },
+        None => Ok(None),
+    }
+}
+
 fn resolve_slots(
     m: &ModelArgs,
     prefill_chunk: usize,
@@ -292,13 +322,7 @@ fn resolve_slots(
         let s = CacheSlots::parse(&m.expert_cache_slots).map_err(anyhow::Error::msg)?;
         return Ok((s, m.direct_io));
     }
-    let host_bytes = match &m.host_expert_cache {
-        Some(v) => match mference_runtime::parse_bytes(v) {
-            Some(b) => Some(b),
-            None => bail!("invalid --host-expert-cache '{v}': expected bytes such as 16G or 512M"),
-        },
-        None => None,
-    };
+    let host_bytes = host_expert_cache_flag(m.host_expert_cache.as_deref())?;
     let dir = &m.model;
     let Ok(bytes) = std::fs::read(dir.join("manifest.json")) else {
         // Not an install: the load reports it.
@@ -472,15 +496,8 @@ pub(crate) fn load_options(
         }
     };
     // Every flag is checked before the expert-cache sizing prints its line.
-    let device = mference_models::Device::parse(&m.device).map_err(anyhow::Error::msg)?;
-    let gpu_expert_budget = mference_models::GpuExpertBudget::parse(&m.gpu_expert_budget)
-        .map_err(|e| anyhow::anyhow!("--gpu-expert-budget: {e}"))?;
-    if device == mference_models::Device::Cpu && (m.gpu_expert_budget != "auto" || m.gpu_force_miss)
-    {
-        bail!(
-            "--gpu-expert-budget and --gpu-force-miss apply on CUDA: add --device cuda (or auto)"
-        );
-    }
+    let (device, gpu_expert_budget) =
+        device_flags(&m.device, &m.gpu_expert_budget, m.gpu_force_miss)?;
     let kernels = kernels(&m.kernels)?;
     let kv_dtype = KvDtype::parse(&m.kv_cache).map_err(anyhow::Error::msg)?;
     let expert_policy = ExpertPolicy::parse(&m.expert_cache_policy).map_err(anyhow::Error::msg)?;

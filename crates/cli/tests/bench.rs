@@ -178,6 +178,18 @@ fn bench_rejects_bad_flags_before_loading() {
         (vec!["--prefill-chunk", "100"], "--prefill-chunk"),
         (vec!["--repeats", "0"], "--repeats"),
         (vec!["--kernels", "avx9000"], "invalid --kernels"),
+        (vec!["--device", "gpu"], "invalid device 'gpu'"),
+        (vec!["--gpu-expert-budget", "abc"], "--gpu-expert-budget"),
+        // A value that starts with '-' stays the flag's (the child gets `--flag=value` too).
+        (vec!["--gpu-expert-budget=-5"], "--gpu-expert-budget"),
+        (
+            vec!["--host-expert-cache=-5"],
+            "invalid --host-expert-cache '-5'",
+        ),
+        (
+            vec!["--device", "cpu", "--gpu-expert-budget", "1G"],
+            "apply on CUDA",
+        ),
     ] {
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_mference"))
             .args(["bench", "--model", "/nonexistent.gturbo"])
@@ -187,5 +199,9 @@ fn bench_rejects_bad_flags_before_loading() {
         assert!(!out.status.success(), "{args:?} was accepted");
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.contains(msg), "{args:?}: {err}");
+        assert!(
+            !err.contains("[bench]"),
+            "{args:?}: a child was started: {err}"
+        );
     }
 }

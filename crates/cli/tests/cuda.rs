@@ -3,7 +3,7 @@
 //! GPU expert budget, logits bit-identical across budgets (resident, 3 × top-k slots, every use
 //! a forced miss) and host tiers, perplexity within 0.3% of mlx-lm's.
 //!
-//! Without a CUDA driver each test says it skipped and passes (CI has no GPU); any other failure
+//! Without a CUDA driver (or with one that sees no GPU) each test says it skipped and passes (CI has no GPU); any other failure
 //! to start on CUDA fails. `tools/cuda-test.sh` runs these on a GPU machine.
 
 use std::path::Path;
@@ -45,7 +45,7 @@ fn cuda() -> bool {
             return true;
         }
         assert!(
-            err.contains("no CUDA driver"),
+            err.contains("no CUDA driver") || err.contains("the driver sees 0 device(s)"),
             "the CUDA driver is present but `--device cuda` failed:\n{err}"
         );
         eprintln!("skipped the CUDA tests: {}", err.trim());

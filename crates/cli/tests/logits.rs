@@ -296,8 +296,9 @@ fn bad_ids_modes_and_outputs_are_refused_and_nothing_is_written() {
     );
 }
 
-/// `--device`: a bad value is refused; `auto` always runs and names its backend; `cuda` either
-/// runs on a GPU and says so, or fails naming what is missing (CI has no GPU) — never a silent CPU.
+/// `--device`: a bad value is refused; `auto` always runs and names its backend (on the CPU with
+/// what CUDA lacked); `cuda` either runs on a GPU and says so, or fails naming what is missing (CI
+/// has no GPU) — never a silent CPU; GPU-only flags are refused when `auto` takes the CPU.
 #[test]
 fn the_device_flag_names_its_backend_and_never_falls_back_silently() {
     let work = tempfile::tempdir().unwrap();
@@ -352,5 +353,15 @@ fn the_device_flag_names_its_backend_and_never_falls_back_silently() {
             said.contains("device cpu "),
             "auto without CUDA runs on the CPU: {said}"
         );
+        // ... and says what CUDA lacked, the reason `--device cuda` gave.
+        let why = err.trim().rsplit("cuda:0: ").next().unwrap();
+        assert!(
+            said.contains(&format!("(--device auto: {why})")),
+            "auto names why it took the CPU ({why}): {said}"
+        );
+        // A GPU-only flag is refused rather than dropped when auto takes the CPU.
+        let mut budget = argv("auto");
+        budget.extend(["--gpu-expert-budget".to_string(), "1G".to_string()]);
+        run_refused(BIN, &refs(&budget), "--device auto found no usable CUDA");
     }
 }

@@ -548,18 +548,20 @@ impl CudaBackend {
         Self::with_cache(device_ordinal, resident, default_cache_dir())
     }
 
-    /// [`CudaBackend::new`] with the kernel cache in `cache` (`None`: compile, keep nothing).
-    pub fn with_cache(
-        device_ordinal: usize,
-        resident: ResidentBytes,
-        cache: Option<PathBuf>,
-    ) -> Result<Self, CudaError> {
+    /// Whether CUDA device `device_ordinal` can be used, creating nothing: the driver library
+    /// loads, the driver sees the device, NVRTC loads. Cheap: the load asks before it reads the
+    /// weights, so what is missing is named at once.
+    pub fn probe(device_ordinal: usize) -> Result<(), CudaError> {
         // SAFETY: the probes only open and close the candidate libraries (cudarc's loaders
         // would panic on a missing one instead of returning an error).
         if !unsafe { cudarc::driver::sys::is_culib_present() } {
             return Err(CudaError::NoDriver);
         }
-        let count = CudaContext::device_count().map_err(driver("cuInit / cuDeviceGetCount"))?;
+        // A driver on a host without a GPU fails cuInit with CUDA_ERROR_NO_DEVICE: no device.
+        let count = match CudaContext::device_count() {
+            Err(DriverError(cudarc::driver::sys::CUresult::CUDA_ERROR_NO_DEVICE)) => 0,
+            r => r.map_err(driver("cuInit / cuDeviceGetCount"))?,
+        };
         if device_ordinal >= count.max(0) as usize {
             return Err(CudaError::NoDevice {
                 ordinal: device_ordinal,
@@ -570,6 +572,16 @@ impl CudaBackend {
         if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
             return Err(CudaError::NoNvrtc);
         }
+        Ok(())
+    }
+
+    /// [`CudaBackend::new`] with the kernel cache in `cache` (`None`: compile, keep nothing).
+    pub fn with_cache(
+        device_ordinal: usize,
+        resident: ResidentBytes,
+        cache: Option<PathBuf>,
+    ) -> Result<Self, CudaError> {
+        Self::probe(device_ordinal)?;
         let ctx = CudaContext::new(device_ordinal).map_err(driver("cuCtx (primary context)"))?;
         // SAFETY: every buffer of this backend is allocated, used and freed on its one stream,
         // in stream order, so the per-buffer events cudarc records for multi-stream use are

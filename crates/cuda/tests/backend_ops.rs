@@ -19,12 +19,13 @@ use mference_cuda::{
 /// Bits the kernels implement.
 const BITS: [usize; 3] = [2, 4, 8];
 
-/// A backend on device 0 over `bytes`, or `None` (after saying so) when no driver is installed.
+/// A backend on device 0 over `bytes`, or `None` (after saying so) when no driver is installed
+/// or the driver sees no GPU.
 fn start(bytes: &Arc<Vec<u8>>) -> Option<CudaBackend> {
     let resident: ResidentBytes = bytes.clone();
     match CudaBackend::new(0, resident) {
         Ok(be) => Some(be),
-        Err(e @ CudaError::NoDriver) => {
+        Err(e @ (CudaError::NoDriver | CudaError::NoDevice { count: 0, .. })) => {
             eprintln!("skipped the CUDA backend: {e}");
             None
         }

@@ -398,7 +398,10 @@ pub trait Model: Send {
                 g.slots_per_layer,
                 g.slab_bytes as f64 / (1u64 << 30) as f64
             ),
-            None => d.clone(),
+            None => match &self.engine().device_fallback {
+                Some(why) => format!("{d} (--device auto: {why})"),
+                None => d.clone(),
+            },
         }
     }
     /// Sizes the backend's own expert cache now that the weights and the KV cache are placed
@@ -440,6 +443,8 @@ pub struct Engine {
     pub threads: usize,
     /// The backend the model runs on, as it names itself (`cpu avx512 x2`, `cuda:0 NVIDIA H200 sm_90`).
     pub device: String,
+    /// Why `--device auto` ran on the CPU (what CUDA lacked), if it did.
+    pub device_fallback: Option<String>,
     pub io: Arc<IoPool>,
     pub slots: CacheSlots,
     pub expert_policy: ExpertPolicy,
@@ -613,6 +618,7 @@ impl Engine {
             kernels,
             threads: opts.threads.max(1),
             device: String::new(),
+            device_fallback: None,
             io: IoPool::new(4),
             slots: opts.slots,
             expert_policy: opts.expert_policy,
@@ -829,7 +835,17 @@ pub fn load(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn Model>, ModelError
              (DeepSeek-V4 has its own shadow prefetch)"
         )));
     }
-    let engine = Engine::new(install, opts)?;
+    // What CUDA lacks is named before the weights are read; `auto` decides here.
+    let auto_cpu = probe_device(opts.device)?;
+    let gpu_only = opts.gpu_expert_budget != GpuExpertBudget::Auto || opts.gpu_force_miss;
+    if let Some(why) = auto_cpu.as_ref().filter(|_| gpu_only) {
+        // The GPU-only settings would be dropped without a word: refuse them instead.
+        return Err(ModelError::Device(format!(
+            "--device auto found no usable CUDA ({why}), and --gpu-expert-budget / \
+             --gpu-force-miss apply only on CUDA: drop them, or fix CUDA and use --device cuda"
+        )));
+    }
+    let mut engine = Engine::new(install, opts)?;
     // The int8 prefill (VNNI) rounds activations to int8; its cost is measured only on these two
     // families (README). Elsewhere it was found far off the reference: refuse rather than mislead.
     if !engine.kernels.is_exact()
@@ -858,17 +874,32 @@ pub fn load(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn Model>, ModelError
             let be = cuda(n, &engine)?;
             load_family(&model_type, engine, be, opts)
         }
-        Device::Auto => match mference_cuda::CudaBackend::new(0, engine.map.clone()) {
-            Ok(be) => {
-                let be = be
-                    .with_expert_cache(gpu_expert_cache(&engine, opts))
-                    .map_err(|e| ModelError::Device(format!("cuda:0: {e}")))?;
-                load_family(&model_type, engine, be, opts)
-            }
-            Err(e) if e.is_unavailable() => {
+        Device::Auto => match auto_cpu {
+            Some(why) => {
+                engine.device_fallback = Some(why);
                 let be = engine.cpu_backend();
                 load_family(&model_type, engine, be, opts)
             }
+            None => {
+                let be = cuda(0, &engine)?;
+                load_family(&model_type, engine, be, opts)
+            }
+        },
+    }
+}
+
+/// Checks `device` before anything is read: `cuda:N` must have its driver, device and NVRTC
+/// (else the error names what is missing). For `auto`, `Some(what CUDA lacks)` when it takes the
+/// CPU; `None` when it takes `cuda:0` (or for `cpu`).
+pub fn probe_device(device: Device) -> Result<Option<String>, ModelError> {
+    match device {
+        Device::Cpu => Ok(None),
+        Device::Cuda(n) => mference_cuda::CudaBackend::probe(n)
+            .map(|()| None)
+            .map_err(|e| ModelError::Device(format!("cuda:{n}: {e}"))),
+        Device::Auto => match mference_cuda::CudaBackend::probe(0) {
+            Ok(()) => Ok(None),
+            Err(e) if e.is_unavailable() => Ok(Some(e.to_string())),
             Err(e) => Err(ModelError::Device(format!("cuda:0: {e}"))),
         },
     }
