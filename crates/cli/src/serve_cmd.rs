@@ -66,6 +66,8 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     let cache = PromptCacheMode::parse(&a.prompt_cache_mode).map_err(anyhow::Error::msg)?;
     // Resolve the address first: a tailnet failure should not wait for a model load.
     let ip = bind.resolve()?;
+    // The load time on the ready line counts the tokenizer too, as `run`'s load line does.
+    let t0 = Instant::now();
     let text = TextSide::load(&a.model.model)
         .with_context(|| format!("loading the text side of {}", a.model.model.display()))?;
     let limit = crate::run_cmd::max_positions(&a.model.model)?;
@@ -89,7 +91,6 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     let opts = load_options(&a.model, prefill_chunk, max_context)?;
     // The port first: one in use fails now, not after the load.
     let listener = mference_server::bind(SocketAddr::new(ip, a.port))?;
-    let t0 = Instant::now();
     let model = mference_models::load(&a.model.model, &opts)?;
     // Every expert file is checked (under the verify policy) before the ready line, so a damaged
     // install fails here instead of failing every request.
