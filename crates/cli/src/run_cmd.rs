@@ -276,10 +276,6 @@ pub(crate) fn parse_prefill_chunk(s: &str, prompt_len: Option<usize>) -> Result<
     }
 }
 
-/// `--expert-cache-slots` and the I/O mode: an explicit value wins; `auto` sizes the slot cache
-/// to the memory this process may use ([`mference_runtime::sizing::auto_slots`]: resident
-/// weights, KV at `max_context` and scratch counted) and reads with O_DIRECT when the slots are
-/// smaller than the expert files, and says on stderr what it chose and from which limit.
 /// `--device`, `--gpu-expert-budget` and `--gpu-force-miss` checked together (run, perplexity,
 /// logits, serve, bench): the GPU-only flags are refused on the CPU, not ignored, and a CUDA
 /// device that cannot start is named before anything is read.
@@ -310,6 +306,10 @@ pub fn host_expert_cache_flag(v: Option<&str>) -> Result<Option<u64>> {
     }
 }
 
+/// `--expert-cache-slots` and the I/O mode: an explicit value wins; `auto` sizes the slot cache
+/// to the memory this process may use ([`mference_runtime::sizing::auto_slots`]: resident
+/// weights, KV at `max_context` and scratch counted) and reads with O_DIRECT when the slots are
+/// smaller than the expert files, and says on stderr what it chose and from which limit.
 fn resolve_slots(
     m: &ModelArgs,
     prefill_chunk: usize,

@@ -3,8 +3,9 @@
 //! GPU expert budget, logits bit-identical across budgets (resident, 3 × top-k slots, every use
 //! a forced miss) and host tiers, perplexity within 0.3% of mlx-lm's.
 //!
-//! Without a CUDA driver (or with one that sees no GPU) each test says it skipped and passes (CI has no GPU); any other failure
-//! to start on CUDA fails. `tools/cuda-test.sh` runs these on a GPU machine.
+//! Without a CUDA driver (or with one that sees no GPU) each test says it skipped and passes (CI
+//! has no GPU); any other failure to start on CUDA fails. `tools/cuda-test.sh` runs these on a
+//! GPU machine.
 
 use std::path::Path;
 use std::sync::OnceLock;
