@@ -13,8 +13,8 @@ tens of MiB whatever the model size).
 Presets: gemma4-26b (Gemma 4 26B-A4B), qwen36-35b (Qwen 3.6 35B-A3B), maple-preview (Maple
 Preview 2-bit, ternary + FlashHead; the GGUF writer does not cover it), inkling-small
 (Inkling-Small, MLX only; `--inkling-layers dsg` keeps a dense, a sliding MoE and a global MoE layer
-at full width); shapes from reference/architectures.md §2.1 / §3.1 / §5 / §6,
-reference/family-oracles.md §2.4 / §2.5 and reference/original-system.md §4.2 / §4.3.
+at full width); shapes from the pinned checkpoints' config.json files (the presets in
+crates/install/src/presets.rs name them) and the golden fixtures' configs under assets/fixtures/.
 
 Values (why they keep activations finite through every layer):
 - A quantized [out, in] weight gets uniform random codes; each group of 64 gets a scale
@@ -91,7 +91,7 @@ def with_quant(cfg: dict, eight_bit: list) -> dict:
 
 
 def maple_preview() -> dict:
-    """deepgrove/maple-preview-2bit-mlx (reference/architectures.md §6, family-oracles.md §2.5):
+    """deepgrove/maple-preview-2bit-mlx (its config.json):
     fixture A's config (the pinned repo's keys) at the real shapes, with the real FlashHead block."""
     L = 24
     cfg = json.loads((REPO / "assets/fixtures/maple/A/checkpoint/config.json").read_text())
@@ -109,7 +109,7 @@ def maple_preview() -> dict:
 
 
 def inkling_small() -> dict:
-    """pipenetwork/Inkling-Small-MLX-4bit (reference/family-oracles.md §2.4): the checkpoint's own
+    """pipenetwork/Inkling-Small-MLX-4bit (its config.json): the checkpoint's own
     keys (intermediate_size = expert width), towers left out (the installer skips them)."""
     L = 42
     cfg = json.loads((REPO / "assets/fixtures/inkling/A/checkpoint/config.json").read_text())

@@ -1,6 +1,6 @@
 //! mference-kernels: the CPU speed core (`docs/DESIGN.md` §6).
 //!
-//! - [`QMatrix`]: a zero-copy view of an MLX affine-quantized Linear (`reference/architectures.md` §7):
+//! - [`QMatrix`]: a zero-copy view of an MLX affine-quantized Linear (mlx's `mx.quantize` affine mode; `docs/FORMAT.md`):
 //!   packed u32 words (little-endian), bf16 scales and biases, group size 32/64/128, bits 2, 4 or 8.
 //!   The byte slices may be only 2-byte aligned (they point into a mapped file); nothing here assumes more.
 //! - [`Kernels`]: a table of function pointers (scalar reference, AVX2+FMA, AVX-512, and an opt-in

@@ -1,4 +1,4 @@
-//! Zero-copy view of an MLX affine-quantized matrix (`reference/architectures.md` §7).
+//! Zero-copy view of an MLX affine-quantized matrix (mlx's `mx.quantize` affine mode; byte layout in `docs/FORMAT.md`).
 
 use crate::KernelError;
 

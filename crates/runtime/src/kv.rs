@@ -1,4 +1,4 @@
-//! FP16 KV cache (`shared/docs/DESIGN.md` §3).
+//! FP16 KV cache (`docs/ARCHITECTURE.md`, "Who owns which buffer").
 //!
 //! Sliding-window layers keep a ring of `window + prefill_chunk` rows: a chunk writes all its rows
 //! before attending, and its first row still needs the `window - 1` rows before it. Full-attention

@@ -1,7 +1,7 @@
 //! Runtime building blocks shared by every family: the expert streamer (per-layer slot cache over
 //! the packed expert files), the FP16 KV cache, and the sampler.
 //!
-//! The design is in `shared/docs/DESIGN.md` §3–5; the model math lives in `mference-models`.
+//! The design is in `docs/ARCHITECTURE.md`; the model math lives in `mference-models`.
 
 pub mod kv;
 pub mod pool;

@@ -1,4 +1,4 @@
-//! Token sampling in mlx-lm's order (`reference/original-system.md` §2.6): top-p over the full
+//! Token sampling in mlx-lm's order (as the original Mference, github.com/NeelM0906/Mference, and mlx-lm's `sample_utils.py`): top-p over the full
 //! distribution, then top-k over the survivors, then temperature on the final draw. Repetition
 //! penalty follows the HF convention on the post-softcap logits.
 

@@ -1,5 +1,5 @@
 //! The slot table of one layer's expert cache: which expert each slot holds, and which slot to
-//! give up next. One policy for every tier (`shared/docs/DESIGN.md` §3): the host streamer's
+//! give up next. One policy for every tier (`docs/ARCHITECTURE.md`): the host streamer's
 //! slots ([`crate::ExpertStreamer`]) and a GPU backend's device slots.
 //!
 //! Policy: a free slot first, otherwise the unpinned slot whose expert has the lowest use count

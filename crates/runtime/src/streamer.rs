@@ -1,7 +1,7 @@
 //! The expert streamer: one per MoE layer, holding N slots of `expert_stride` bytes in a 2 MiB-aligned
 //! slab and filling them from the layer's packed expert file with bounded `pread`s.
 //!
-//! Cache policy (`shared/docs/DESIGN.md` §3, [`crate::pool`]): an expert → slot table; LFU eviction
+//! Cache policy (`docs/ARCHITECTURE.md`, [`crate::pool`]): an expert → slot table; LFU eviction
 //! (use count over the whole session) with recency as the tie-break by default, LRU, or one LFU
 //! table over every layer's slots (`pool`); a slot pinned by the current step is never evicted;
 //! distinct misses are read in parallel on a shared I/O pool, each into its own slot, so no two reads

@@ -1,4 +1,4 @@
-//! Request parsing and validation (`reference/original-system.md` §2.4): every check that can fail
+//! Request parsing and validation (the original Mference's rules, github.com/NeelM0906/Mference): every check that can fail
 //! runs here, before the request is queued and before any byte of the response is written.
 
 use serde_json::{Map, Value};

@@ -1,6 +1,6 @@
 #![warn(missing_docs)]
 //! mference-server: an OpenAI-compatible HTTP server over one loaded model
-//! (`shared/docs/DESIGN.md` §8, rules from `reference/original-system.md` §2.4).
+//! (rules from the original Mference's server, github.com/NeelM0906/Mference; endpoints in `crates/server/README.md`).
 //!
 //! - `GET /health`, `GET /v1/models`, `POST /v1/chat/completions` and `POST /v1/completions`, JSON
 //!   or SSE (`stream_options.include_usage`, `: ping` heartbeats, in-band errors after the head).

@@ -1,4 +1,4 @@
-//! Chat messages → template input, with the original's rules (`reference/original-system.md` §2.4):
+//! Chat messages → template input, with the original's rules (the original Mference's server, github.com/NeelM0906/Mference):
 //! roles system, developer, user, assistant and tool; guidance (system/developer) only at the
 //! start, consecutive guidance messages of the same role merged with a blank line; `developer` a
 //! distinct role only for Gemma (other families map it to system); tool-call arguments passed to

@@ -1,6 +1,6 @@
 //! The generation thread: it owns the one model, takes jobs from a bounded queue one at a time,
 //! keeps the single retained conversational KV prefix, and streams events back over a tokio
-//! channel (the mistral.rs pattern, `reference/dependencies.md`).
+//! channel (the pattern mistral.rs's server uses).
 
 use std::sync::Arc;
 use std::time::Instant;

@@ -1,5 +1,5 @@
 //! Synthetic DeepSeek-V4-Flash checkpoints at full width: the tensor table of the pinned 2-bit DQ
-//! MLX checkpoint (`reference/family-oracles.md` §2.2: names, dtypes, stored shapes, mixed 2/4-bit
+//! MLX checkpoint (the pinned checkpoint's `model.safetensors.index.json`: names, dtypes, stored shapes, mixed 2/4-bit
 //! and group 32/64) for any number of layers and any attention schedule, its `config.json`, and a
 //! streaming writer of a single-file checkpoint with random weights of sane scale (quantized
 //! weights `N(0, 1/fan_in)`-like, norms 1, mHC bases 0 and scales 1, sinks and position biases 0,

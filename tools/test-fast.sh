@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The fast tier of the edit-compile-test loop: every crate's unit tests, the op harness (every op
+# of every CPU kernel table against the f64 reference) and the model parity tests (the five
+# families against their references: the trained tiny Gemma 4 / Qwen 3.6 against mlx-lm, the
+# golden fixtures of DeepSeek-V4 / Inkling / Maple against transformers' float32 logits). About
+# 3 minutes on 2 cores once built. The full suite, which CI runs, stays `tools/test.sh`.
+#
+#   tools/test-fast.sh [extra cargo test args]
+set -euo pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$repo"
+bash tools/ref/setup-venv.sh >/dev/null
+nvrtc="$repo/.venv/lib/python3.11/site-packages/nvidia/cu13/lib"
+if [ -d "$nvrtc" ]; then export LD_LIBRARY_PATH="$nvrtc${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"; fi
+cargo test --release --workspace --lib "$@"
+cargo test --release -p mference-backend --test backend_ops "$@"
+cargo test --release -p mference-models \
+    --test gemma4_parity --test gemma4_tiny --test qwen36_parity \
+    --test deepseek_v4_parity --test inkling_parity --test maple_parity "$@"
