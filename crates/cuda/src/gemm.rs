@@ -7,7 +7,7 @@
 use std::sync::OnceLock;
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
-use mference_backend::{check, check_mlp, Act, Backend, Mlp, OpResult, QRef, Weights};
+use mference_backend::{check, check_mlp, Act, CoreOps, Mlp, OpResult, QRef, Weights};
 
 use crate::{qref_offsets, CudaBackend, CudaTensor, QJob, QJobs, QM_BLOCKS, QM_JOBS};
 
@@ -100,7 +100,7 @@ impl CudaBackend {
         Ok(rest)
     }
 
-    /// [`Backend::glu_mlp_experts`](mference_backend::Backend::glu_mlp_experts): experts of
+    /// [`CoreOps::glu_mlp_experts`](mference_backend::CoreOps::glu_mlp_experts): experts of
     /// [`min_rows`] or more rows in a few `qgemm` launches (every gate and up product
     /// together, one `glu_act` over all their rows, every down product together), the others by
     /// `glu_mlp` each. The products run on the same kernels, bytes and split counts as in

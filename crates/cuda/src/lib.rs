@@ -14,7 +14,7 @@
 //!   staging buffer on every call.
 //! - Quantized products: `qmatmul` (kernels/quant.cu, a warp per output row) for decode and
 //!   short products, `qgemm` (kernels/gemm.cu, `gemm.rs`: a tiled GEMM) from 16 rows of x on;
-//!   the prefill experts a layer's GPU slots hold run together ([`Backend::glu_mlp_experts`]).
+//!   the prefill experts a layer's GPU slots hold run together ([`CoreOps::glu_mlp_experts`]).
 //! - Activations are [`CudaTensor`]s (`CudaSlice<f32>` + shape), the KV cache a [`CudaKv`]
 //!   (device K and V, FP16 or FP32, ring or linear, indexed as `mference_runtime::KvLayer`),
 //!   recurrent state a [`CudaState`].
@@ -39,9 +39,10 @@ use cudarc::nvrtc::Ptx;
 use experts::{CacheError, GpuExperts};
 use mference_backend::cpu::ResidentBytes;
 use mference_backend::{
-    check, check_forced, check_glu_rows, check_mlp, Act, AttnShape, Backend, DeltaShape,
-    DeviceExpertStats, KvDtype, KvState, Mlp, Norm, OpError, OpResult, PreNorm, QRef, Rope,
-    RopeStyle, RouterSpec, Routes, Scoring, Tensor, Unary, VRef, Weights,
+    check, check_forced, check_glu_rows, check_mlp, Act, AttnShape, CoreOps, DeepSeekV4Ops,
+    DeltaShape, DeviceExpertOps, DeviceExpertStats, InklingOps, KvDtype, KvState, Mlp, Norm, Op,
+    OpError, OpResult, PreNorm, QRef, RecurrentOps, Rope, RopeStyle, RouterSpec, Routes, Scoring,
+    Tensor, Unary, VRef, Weights,
 };
 
 /// Why the CUDA backend could not start. Each names what is missing and what to do.
@@ -1400,222 +1401,37 @@ fn load_kernels(
     Ok((m, KernelOrigin::Compiled(written)))
 }
 
-impl Backend for CudaBackend {
+impl CoreOps for CudaBackend {
     type Tensor = CudaTensor;
+
     type Kv = CudaKv;
+
     type State = CudaState;
 
     fn name(&self) -> String {
         self.name.clone()
     }
 
-    fn held_experts(&self, layer: usize, experts: &[usize]) -> OpResult<Vec<bool>> {
-        match self.cache() {
-            Some(mut c) => c
-                .held(&self.stream, layer, experts)
-                .map_err(|e| self.cache_err("held_experts", e)),
-            None => Ok(vec![false; experts.len()]),
-        }
-    }
-
-    fn load_expert<'a>(
-        &self,
-        layer: usize,
-        expert: usize,
-        blob: &'a [u8],
-    ) -> OpResult<Weights<'a>> {
-        match self.cache() {
-            Some(mut c) => {
-                c.load(layer, expert, blob)
-                    .map_err(|e| self.cache_err("load_expert", e))?;
-                Ok(Weights::Held { layer, expert })
-            }
-            None => Ok(Weights::Blob(blob)),
-        }
-    }
-
-    fn expert_copies_done(&self) -> OpResult<()> {
-        match self.cache() {
-            Some(mut c) => c
-                .copies_done()
-                .map_err(|e| self.cache_err("expert_copies_done", e)),
-            None => Ok(()),
-        }
-    }
-
-    fn attach_host_slots(&self, layer: usize, slots: &[u8]) -> OpResult<()> {
-        match self.cache() {
-            Some(mut c) => c
-                .pin_host(layer, slots)
-                .map_err(|e| self.cache_err("attach_host_slots", e)),
-            None => Ok(()),
-        }
-    }
-
-    fn device_expert_stats(&self) -> Option<DeviceExpertStats> {
-        self.cache().map(|c| c.stats())
-    }
-
-    fn experts_to_complete(&self, layer: usize) -> OpResult<Vec<usize>> {
-        match self.cache() {
-            Some(mut c) => c
-                .not_yet_held(&self.stream, layer)
-                .map_err(|e| self.cache_err("experts_to_complete", e)),
-            None => Ok(Vec::new()),
-        }
-    }
-
-    fn routes_on_device(&self, layer: usize, top_k: usize) -> OpResult<bool> {
-        if 2 * top_k > QM_JOBS {
-            return Ok(false);
-        }
-        match self.cache() {
-            Some(mut c) => Ok(c
-                .slots_by_id(&self.stream, layer)
-                .map_err(|e| self.cache_err("routes_on_device", e))?
-                .is_some()),
-            None => Ok(false),
-        }
-    }
-
-    fn routed_experts_held(
-        &self,
-        layer: usize,
-        mlp: &Mlp,
-        act: Act,
-        x: &CudaTensor,
-        logits: &CudaTensor,
-        spec: &RouterSpec,
-        acc: &mut CudaTensor,
-    ) -> OpResult<()> {
-        let op = "routed_experts_held";
-        let (n_exp, k) = (logits.cols, spec.top_k);
-        check_mlp(op, mlp, x.cols)?;
-        let (inner, h) = (mlp.gate_proj.rows, mlp.down_proj.rows);
-        check(
+    /// What the kernels of `kernels/` cover: every core and recurrent op except `linear`,
+    /// `set_rows`, DeepSeek-V4's router scoring and Inkling's `conv1d`; none of DeepSeek-V4's or
+    /// Inkling's own ops yet.
+    fn supports(op: Op) -> bool {
+        !matches!(
             op,
-            x.rows == 1
-                && logits.rows == 1
-                && (acc.rows, acc.cols) == (1, h)
-                && !spec.trace
-                && 2 * k <= QM_JOBS,
-            || {
-                format!(
-                    "one row of {} into [1, {h}] by [1, {n_exp}] logits, top-{k} (at most {}), \
-                     no trace; got x [{}, {}], logits [{}, {n_exp}], acc [{}, {}]",
-                    x.cols,
-                    QM_JOBS / 2,
-                    x.rows,
-                    x.cols,
-                    logits.rows,
-                    acc.rows,
-                    acc.cols
-                )
-            },
-        )?;
-        let (scoring, norm, pes_off, has_pes) = self.route_args(op, spec, 1, n_exp)?;
-        let (slots, stride) = {
-            let mut cache = self.cache();
-            let Some(c) = cache.as_mut() else {
-                return Err(self.missing("routed_experts_held (no GPU expert cache)"));
-            };
-            let slots = c
-                .slots_by_id(&self.stream, layer)
-                .map_err(|e| self.cache_err(op, e))?;
-            let experts = c.experts();
-            check(op, slots.is_some() && experts == n_exp, || {
-                format!("layer {layer}: not every one of its {experts} experts is held for {n_exp} logits")
-            })?;
-            c.count_device_step(k);
-            (slots.expect("checked"), c.stride())
-        };
-        let mut forced = ForcedIds {
-            ids: [0; ROUTE_MAX_K],
-        };
-        if let Some(f) = spec.forced {
-            for (d, &e) in forced.ids.iter_mut().zip(f) {
-                *d = e as u32;
-            }
-        }
-        let has_forced = spec.forced.is_some() as i32;
-        // The chosen ids, then their weights' bits.
-        // SAFETY: `route_one` writes all 2k values before anything reads them (stream order).
-        let sel = unsafe { self.stream.alloc::<u32>(2 * k) }.map_err(|e| self.dev(op, e))?;
-        let ids = self.addr(&sel);
-        let wts = ids + 4 * k as u64;
-        let (ni, ki) = (n_exp as i32, k as i32);
-        launch!(
-            self,
-            op,
-            "route_one",
-            blocks(1, 32),
-            &*logits.buf,
-            &ni,
-            &ki,
-            &scoring,
-            &norm,
-            &self.resident,
-            &pes_off,
-            &has_pes,
-            &forced,
-            &has_forced,
-            &ids,
-            &wts
-        )?;
-        let mut g = self.uninit_tensor(op, k, inner)?;
-        let u = self.uninit_tensor(op, k, inner)?;
-        let stack = self.uninit_tensor(op, k, h)?;
-        let (xa, ga, ua, sa) = (
-            self.addr(&*x.buf),
-            self.addr(&*g.buf),
-            self.addr(&*u.buf),
-            self.addr(&*stack.buf),
-        );
-        let row = |base: u64, r: usize, width: usize| base + (4 * r * width) as u64;
-        let (gate, up) = (&mlp.gate_proj, &mlp.up_proj);
-        let gate_jobs: Vec<_> = (0..k).map(|i| (0, i, xa, row(ga, i, inner))).collect();
-        let up_jobs: Vec<_> = (0..k).map(|i| (1, i, xa, row(ua, i, inner))).collect();
-        let [gw, ..] = qref_offsets(op, gate, stride)?;
-        let [uw, ..] = qref_offsets(op, up, stride)?;
-        if pairs_fuse(gate, up, gw, uw) {
-            self.products_by_id(op, &[gate, up], &gate_jobs, slots, ids, stride, Some(act))?;
-        } else {
-            if (gate.bits, gate.group_size) == (up.bits, up.group_size) {
-                let both: Vec<_> = gate_jobs.iter().chain(&up_jobs).copied().collect();
-                self.products_by_id(op, &[gate, up], &both, slots, ids, stride, None)?;
-            } else {
-                self.products_by_id(op, &[gate], &gate_jobs, slots, ids, stride, None)?;
-                let up_jobs: Vec<_> = up_jobs.iter().map(|&(_, i, x, y)| (0, i, x, y)).collect();
-                self.products_by_id(op, &[up], &up_jobs, slots, ids, stride, None)?;
-            }
-            self.glu_act(op, act, &mut g, &u)?;
-        }
-        let down: Vec<_> = (0..k)
-            .map(|i| (0, i, row(ga, i, inner), row(sa, i, h)))
-            .collect();
-        self.products_by_id(op, &[&mlp.down_proj], &down, slots, ids, stride, None)?;
-        let cols = h as u64;
-        launch!(
-            self,
-            op,
-            "combine_ids",
-            elems(h),
-            &mut *acc.buf,
-            &*stack.buf,
-            &ids,
-            &wts,
-            &ki,
-            &cols
+            Op::Linear
+                | Op::SetRows
+                | Op::RouteSqrtSoftplus
+                | Op::Conv1d
+                | Op::RopeAt
+                | Op::MatmulGrouped
+                | Op::HcPre
+                | Op::HcPost
+                | Op::CompressPool
+                | Op::AttentionSparse
+                | Op::IndexTopK
+                | Op::AttentionRel
+                | Op::RouteSinks
         )
-    }
-
-    fn size_expert_cache(&self) -> OpResult<()> {
-        match self.cache() {
-            Some(mut c) => c
-                .ensure_sized(&self.stream)
-                .map_err(|e| self.cache_err("size_expert_cache", e)),
-            None => Ok(()),
-        }
     }
 
     fn upload(&self, data: &[f32], cols: usize) -> OpResult<CudaTensor> {
@@ -2051,29 +1867,6 @@ impl Backend for CudaBackend {
         )
     }
 
-    fn rms_norm_gated(
-        &self,
-        x: &mut CudaTensor,
-        dim: usize,
-        w: &VRef,
-        z: &CudaTensor,
-        eps: f32,
-    ) -> OpResult<()> {
-        let op = "rms_norm_gated";
-        same_shape(op, x, z)?;
-        self.rms_norm_impl(op, None, x, dim, Norm::Weight(w), eps)?;
-        let n = x.len() as u64;
-        launch!(
-            self,
-            op,
-            "mul_silu",
-            elems(x.len()),
-            &mut *x.buf,
-            &*z.buf,
-            &n
-        )
-    }
-
     fn unary(&self, x: &mut CudaTensor, op: Unary) -> OpResult<()> {
         let (code, a, b) = match op {
             Unary::Scale(c) => (0i32, c, 0.0f32),
@@ -2481,6 +2274,98 @@ impl Backend for CudaBackend {
         Ok(out)
     }
 
+    fn route(&self, logits: &CudaTensor, spec: &RouterSpec) -> OpResult<Routes> {
+        let op = "route";
+        let (t, n_exp, k) = (logits.rows, logits.cols, spec.top_k);
+        let (scoring, norm, pes_off, has_pes) = self.route_args(op, spec, t, n_exp)?;
+        // One readback: ids, then weight bits, then margin bits.
+        let out = self
+            .stream
+            .alloc_zeros::<u32>(2 * t * k + t.max(1))
+            .map_err(|e| self.dev(op, e))?;
+        let base = self.addr(&out);
+        let (ids_at, wts_at, margins_at) =
+            (base, base + (4 * t * k) as u64, base + (8 * t * k) as u64);
+        let forced = match spec.forced {
+            Some(f) => {
+                let v: Vec<u32> = f.iter().map(|&e| e as u32).collect();
+                Some(self.to_device(op, &v)?)
+            }
+            None => None,
+        };
+        // Without forced ids the kernel never reads the pointer.
+        let forced_at = forced.as_ref().map_or(base, |f| self.addr(f));
+        let has_forced = spec.forced.is_some() as i32;
+        let (ti, ni, ki) = (t as i32, n_exp as i32, k as i32);
+        let trace = spec.trace as i32;
+        launch!(
+            self,
+            op,
+            "route",
+            LaunchConfig {
+                grid_dim: (t.div_ceil(128) as u32, 1, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            },
+            &*logits.buf,
+            &ti,
+            &ni,
+            &ki,
+            &scoring,
+            &norm,
+            &self.resident,
+            &pes_off,
+            &has_pes,
+            &trace,
+            &forced_at,
+            &has_forced,
+            &ids_at,
+            &wts_at,
+            &margins_at
+        )?;
+        let back = self.to_host(op, &out)?;
+        let (ids, rest) = back.split_at(t * k);
+        let (wts, margins) = rest.split_at(t * k);
+        let wts: Vec<f32> = wts.iter().map(|&b| f32::from_bits(b)).collect();
+        let mut experts: BTreeMap<usize, Vec<(usize, f32)>> = BTreeMap::new();
+        for (row, (ri, rw)) in ids.chunks_exact(k).zip(wts.chunks_exact(k)).enumerate() {
+            for (&e, &w) in ri.iter().zip(rw) {
+                experts.entry(e as usize).or_default().push((row, w));
+            }
+        }
+        let margins = if spec.trace {
+            margins.iter().map(|&b| f32::from_bits(b)).collect()
+        } else {
+            Vec::new()
+        };
+        Ok(Routes { experts, margins })
+    }
+}
+
+impl RecurrentOps for CudaBackend {
+    fn rms_norm_gated(
+        &self,
+        x: &mut CudaTensor,
+        dim: usize,
+        w: &VRef,
+        z: &CudaTensor,
+        eps: f32,
+    ) -> OpResult<()> {
+        let op = "rms_norm_gated";
+        same_shape(op, x, z)?;
+        self.rms_norm_impl(op, None, x, dim, Norm::Weight(w), eps)?;
+        let n = x.len() as u64;
+        launch!(
+            self,
+            op,
+            "mul_silu",
+            elems(x.len()),
+            &mut *x.buf,
+            &*z.buf,
+            &n
+        )
+    }
+
     fn new_state(&self, len: usize) -> OpResult<CudaState> {
         Ok(CudaState {
             buf: self.zeros_f32("new_state", len)?,
@@ -2610,42 +2495,154 @@ impl Backend for CudaBackend {
         )?;
         Ok(out)
     }
+}
 
-    fn route(&self, logits: &CudaTensor, spec: &RouterSpec) -> OpResult<Routes> {
-        let op = "route";
-        let (t, n_exp, k) = (logits.rows, logits.cols, spec.top_k);
-        let (scoring, norm, pes_off, has_pes) = self.route_args(op, spec, t, n_exp)?;
-        // One readback: ids, then weight bits, then margin bits.
-        let out = self
-            .stream
-            .alloc_zeros::<u32>(2 * t * k + t.max(1))
-            .map_err(|e| self.dev(op, e))?;
-        let base = self.addr(&out);
-        let (ids_at, wts_at, margins_at) =
-            (base, base + (4 * t * k) as u64, base + (8 * t * k) as u64);
-        let forced = match spec.forced {
-            Some(f) => {
-                let v: Vec<u32> = f.iter().map(|&e| e as u32).collect();
-                Some(self.to_device(op, &v)?)
+impl DeepSeekV4Ops for CudaBackend {}
+
+impl InklingOps for CudaBackend {}
+
+impl DeviceExpertOps for CudaBackend {
+    fn held_experts(&self, layer: usize, experts: &[usize]) -> OpResult<Vec<bool>> {
+        match self.cache() {
+            Some(mut c) => c
+                .held(&self.stream, layer, experts)
+                .map_err(|e| self.cache_err("held_experts", e)),
+            None => Ok(vec![false; experts.len()]),
+        }
+    }
+
+    fn load_expert<'a>(
+        &self,
+        layer: usize,
+        expert: usize,
+        blob: &'a [u8],
+    ) -> OpResult<Weights<'a>> {
+        match self.cache() {
+            Some(mut c) => {
+                c.load(layer, expert, blob)
+                    .map_err(|e| self.cache_err("load_expert", e))?;
+                Ok(Weights::Held { layer, expert })
             }
-            None => None,
+            None => Ok(Weights::Blob(blob)),
+        }
+    }
+
+    fn expert_copies_done(&self) -> OpResult<()> {
+        match self.cache() {
+            Some(mut c) => c
+                .copies_done()
+                .map_err(|e| self.cache_err("expert_copies_done", e)),
+            None => Ok(()),
+        }
+    }
+
+    fn attach_host_slots(&self, layer: usize, slots: &[u8]) -> OpResult<()> {
+        match self.cache() {
+            Some(mut c) => c
+                .pin_host(layer, slots)
+                .map_err(|e| self.cache_err("attach_host_slots", e)),
+            None => Ok(()),
+        }
+    }
+
+    fn device_expert_stats(&self) -> Option<DeviceExpertStats> {
+        self.cache().map(|c| c.stats())
+    }
+
+    fn experts_to_complete(&self, layer: usize) -> OpResult<Vec<usize>> {
+        match self.cache() {
+            Some(mut c) => c
+                .not_yet_held(&self.stream, layer)
+                .map_err(|e| self.cache_err("experts_to_complete", e)),
+            None => Ok(Vec::new()),
+        }
+    }
+
+    fn routes_on_device(&self, layer: usize, top_k: usize) -> OpResult<bool> {
+        if 2 * top_k > QM_JOBS {
+            return Ok(false);
+        }
+        match self.cache() {
+            Some(mut c) => Ok(c
+                .slots_by_id(&self.stream, layer)
+                .map_err(|e| self.cache_err("routes_on_device", e))?
+                .is_some()),
+            None => Ok(false),
+        }
+    }
+
+    fn routed_experts_held(
+        &self,
+        layer: usize,
+        mlp: &Mlp,
+        act: Act,
+        x: &CudaTensor,
+        logits: &CudaTensor,
+        spec: &RouterSpec,
+        acc: &mut CudaTensor,
+    ) -> OpResult<()> {
+        let op = "routed_experts_held";
+        let (n_exp, k) = (logits.cols, spec.top_k);
+        check_mlp(op, mlp, x.cols)?;
+        let (inner, h) = (mlp.gate_proj.rows, mlp.down_proj.rows);
+        check(
+            op,
+            x.rows == 1
+                && logits.rows == 1
+                && (acc.rows, acc.cols) == (1, h)
+                && !spec.trace
+                && 2 * k <= QM_JOBS,
+            || {
+                format!(
+                    "one row of {} into [1, {h}] by [1, {n_exp}] logits, top-{k} (at most {}), \
+                     no trace; got x [{}, {}], logits [{}, {n_exp}], acc [{}, {}]",
+                    x.cols,
+                    QM_JOBS / 2,
+                    x.rows,
+                    x.cols,
+                    logits.rows,
+                    acc.rows,
+                    acc.cols
+                )
+            },
+        )?;
+        let (scoring, norm, pes_off, has_pes) = self.route_args(op, spec, 1, n_exp)?;
+        let (slots, stride) = {
+            let mut cache = self.cache();
+            let Some(c) = cache.as_mut() else {
+                return Err(self.missing("routed_experts_held (no GPU expert cache)"));
+            };
+            let slots = c
+                .slots_by_id(&self.stream, layer)
+                .map_err(|e| self.cache_err(op, e))?;
+            let experts = c.experts();
+            check(op, slots.is_some() && experts == n_exp, || {
+                format!("layer {layer}: not every one of its {experts} experts is held for {n_exp} logits")
+            })?;
+            c.count_device_step(k);
+            (slots.expect("checked"), c.stride())
         };
-        // Without forced ids the kernel never reads the pointer.
-        let forced_at = forced.as_ref().map_or(base, |f| self.addr(f));
+        let mut forced = ForcedIds {
+            ids: [0; ROUTE_MAX_K],
+        };
+        if let Some(f) = spec.forced {
+            for (d, &e) in forced.ids.iter_mut().zip(f) {
+                *d = e as u32;
+            }
+        }
         let has_forced = spec.forced.is_some() as i32;
-        let (ti, ni, ki) = (t as i32, n_exp as i32, k as i32);
-        let trace = spec.trace as i32;
+        // The chosen ids, then their weights' bits.
+        // SAFETY: `route_one` writes all 2k values before anything reads them (stream order).
+        let sel = unsafe { self.stream.alloc::<u32>(2 * k) }.map_err(|e| self.dev(op, e))?;
+        let ids = self.addr(&sel);
+        let wts = ids + 4 * k as u64;
+        let (ni, ki) = (n_exp as i32, k as i32);
         launch!(
             self,
             op,
-            "route",
-            LaunchConfig {
-                grid_dim: (t.div_ceil(128) as u32, 1, 1),
-                block_dim: (128, 1, 1),
-                shared_mem_bytes: 0,
-            },
+            "route_one",
+            blocks(1, 32),
             &*logits.buf,
-            &ti,
             &ni,
             &ki,
             &scoring,
@@ -2653,28 +2650,64 @@ impl Backend for CudaBackend {
             &self.resident,
             &pes_off,
             &has_pes,
-            &trace,
-            &forced_at,
+            &forced,
             &has_forced,
-            &ids_at,
-            &wts_at,
-            &margins_at
+            &ids,
+            &wts
         )?;
-        let back = self.to_host(op, &out)?;
-        let (ids, rest) = back.split_at(t * k);
-        let (wts, margins) = rest.split_at(t * k);
-        let wts: Vec<f32> = wts.iter().map(|&b| f32::from_bits(b)).collect();
-        let mut experts: BTreeMap<usize, Vec<(usize, f32)>> = BTreeMap::new();
-        for (row, (ri, rw)) in ids.chunks_exact(k).zip(wts.chunks_exact(k)).enumerate() {
-            for (&e, &w) in ri.iter().zip(rw) {
-                experts.entry(e as usize).or_default().push((row, w));
-            }
-        }
-        let margins = if spec.trace {
-            margins.iter().map(|&b| f32::from_bits(b)).collect()
+        let mut g = self.uninit_tensor(op, k, inner)?;
+        let u = self.uninit_tensor(op, k, inner)?;
+        let stack = self.uninit_tensor(op, k, h)?;
+        let (xa, ga, ua, sa) = (
+            self.addr(&*x.buf),
+            self.addr(&*g.buf),
+            self.addr(&*u.buf),
+            self.addr(&*stack.buf),
+        );
+        let row = |base: u64, r: usize, width: usize| base + (4 * r * width) as u64;
+        let (gate, up) = (&mlp.gate_proj, &mlp.up_proj);
+        let gate_jobs: Vec<_> = (0..k).map(|i| (0, i, xa, row(ga, i, inner))).collect();
+        let up_jobs: Vec<_> = (0..k).map(|i| (1, i, xa, row(ua, i, inner))).collect();
+        let [gw, ..] = qref_offsets(op, gate, stride)?;
+        let [uw, ..] = qref_offsets(op, up, stride)?;
+        if pairs_fuse(gate, up, gw, uw) {
+            self.products_by_id(op, &[gate, up], &gate_jobs, slots, ids, stride, Some(act))?;
         } else {
-            Vec::new()
-        };
-        Ok(Routes { experts, margins })
+            if (gate.bits, gate.group_size) == (up.bits, up.group_size) {
+                let both: Vec<_> = gate_jobs.iter().chain(&up_jobs).copied().collect();
+                self.products_by_id(op, &[gate, up], &both, slots, ids, stride, None)?;
+            } else {
+                self.products_by_id(op, &[gate], &gate_jobs, slots, ids, stride, None)?;
+                let up_jobs: Vec<_> = up_jobs.iter().map(|&(_, i, x, y)| (0, i, x, y)).collect();
+                self.products_by_id(op, &[up], &up_jobs, slots, ids, stride, None)?;
+            }
+            self.glu_act(op, act, &mut g, &u)?;
+        }
+        let down: Vec<_> = (0..k)
+            .map(|i| (0, i, row(ga, i, inner), row(sa, i, h)))
+            .collect();
+        self.products_by_id(op, &[&mlp.down_proj], &down, slots, ids, stride, None)?;
+        let cols = h as u64;
+        launch!(
+            self,
+            op,
+            "combine_ids",
+            elems(h),
+            &mut *acc.buf,
+            &*stack.buf,
+            &ids,
+            &wts,
+            &ki,
+            &cols
+        )
+    }
+
+    fn size_expert_cache(&self) -> OpResult<()> {
+        match self.cache() {
+            Some(mut c) => c
+                .ensure_sized(&self.stream)
+                .map_err(|e| self.cache_err("size_expert_cache", e)),
+            None => Ok(()),
+        }
     }
 }
