@@ -1,4 +1,4 @@
-// A CPU stand-in for the CUDA built-ins that kernels/qmv.cu uses, so that the kernel's own source
+// A CPU stand-in for the CUDA built-ins that ops/quant.cu uses, so that the kernel's own source
 // runs on a machine without a GPU: one std::thread per CUDA thread of a block, a barrier for the
 // warp shuffles (every lane of a block shuffles the same number of times), blocks one after the
 // other. For checking the kernel's indexing and arithmetic (crates/cuda/tests/kernel_emulation.rs),
@@ -27,9 +27,6 @@ inline uint2 make_uint2(u32 a, u32 b) { return {a, b}; }
 struct float2 { float x, y; };
 struct float4 { float x, y, z, w; };
 inline float bf16_to_f32(u16 h) { return __uint_as_float(((u32)h) << 16); }
-#define QM_JOBS 32
-struct QJobs { u64 w[QM_JOBS], s[QM_JOBS], b[QM_JOBS], x[QM_JOBS], y[QM_JOBS]; };
-template <int PER> inline void load_x(const float* x, float* v) { for (int e = 0; e < PER; ++e) v[e] = x[e]; }
 std::barrier<>* bar; float slot[1024];
 inline float __shfl_xor_sync(u32, float v, int o) {
   int t = threadIdx.x; slot[t] = v; bar->arrive_and_wait();
@@ -39,3 +36,11 @@ inline float silu_f(float x) { return x / (1.0f + expf(-x)); }
 inline float gelu_tanh_f(float x) { const float c = 0.7978845608028654f; return 0.5f * x * (1.0f + tanhf(c * (x + 0.044715f * x * x * x))); }
 inline float glu_f(float a, float b, int act, float limit) {
   switch (act) { case 0: return gelu_tanh_f(a) * b; case 1: return silu_f(a) * b; default: return silu_f(fminf(a, limit)) * fminf(fmaxf(b, -limit), limit); } }
+// Enough of the rest for quant.cu's other kernels (qmatmul, qembed, argmax) to compile beside the
+// decode products; the emulation never runs them.
+dim3e blockDim;
+inline float warp_sum(float v) { for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o); return v; }
+inline u32 __float_as_uint(float f) { u32 u; memcpy(&u, &f, 4); return u; }
+inline void __syncthreads() { bar->arrive_and_wait(); }
+#define __shared__ static thread_local
+#define FOR_EACH(i, n) for (u64 i = 0; i < (u64)(n); ++i)

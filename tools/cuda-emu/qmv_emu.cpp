@@ -1,10 +1,10 @@
-// kernels/qmv.cu run on the CPU (emu.h) against a double-precision dequantized product: every bit
+// ops/quant.cu run on the CPU (emu.h) against a double-precision dequantized product: every bit
 // width, group size and lane count, each alignment of the codes modulo 8, one-matrix (qmv) and gated
 // (qmv_glu) lane groups, and the gated output bit-equal to glu_f of the two one-matrix products.
-// Build: g++ -std=c++20 -O1 -pthread -I crates/cuda/kernels [-DQV_R=N] tools/cuda-emu/qmv_emu.cpp
+// Build: g++ -std=c++20 -O1 -pthread -I crates/cuda/src/ops [-DQV_R=N] tools/cuda-emu/qmv_emu.cpp
 // Prints one line per case; exits non-zero when any case fails.
 #include "emu.h"
-#include "qmv.cu"
+#include "quant.cu"
 #include <cstdio>
 #include <random>
 static u16 bf16(float f) { u32 u; memcpy(&u, &f, 4); return (u16)((u + 0x7fff + ((u >> 16) & 1)) >> 16); }

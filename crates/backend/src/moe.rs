@@ -11,12 +11,12 @@ use mference_runtime::{ExpertStreamer, RuntimeError};
 use crate::{Act, Backend, Mlp, OpError, RouterSpec, Routes, Tensor, Weights};
 
 /// Routes the rows of `x` by `logits` (`[T, num_experts]`) and runs their experts: for one row
-/// of a layer whose experts the backend holds for good ([`Backend::routes_on_device`]) without a
-/// readback ([`Backend::routed_experts_held`], after `meanwhile`), otherwise through
-/// [`Backend::route`] and [`routed_experts`]. Both give the same bits. Returns what
+/// of a layer whose experts the backend holds for good ([`DeviceExpertOps::routes_on_device`]) without a
+/// readback ([`DeviceExpertOps::routed_experts_held`], after `meanwhile`), otherwise through
+/// [`CoreOps::route`] and [`routed_experts`]. Both give the same bits. Returns what
 /// [`routed_experts`] returns and the router's margins (empty unless `spec.trace`).
 ///
-/// Errors: as [`Backend::route`] and [`routed_experts`].
+/// Errors: as [`CoreOps::route`] and [`routed_experts`].
 #[allow(clippy::too_many_arguments)]
 pub fn route_and_run<B, S, E>(
     be: &B,
@@ -85,7 +85,7 @@ where
 ///
 /// Tiles: one for decode (every expert of the token), otherwise half the slots (at most 8), so the
 /// current and the next tile fit in the cache together. Decode stacks the token's experts
-/// ([`Backend::glu_mlp_rows`], one call per group: held, host hits, host misses) and adds the stack
+/// ([`CoreOps::glu_mlp_rows`], one call per group: held, host hits, host misses) and adds the stack
 /// in expert order at the end.
 ///
 /// Errors: a failed read or a full cache ([`RuntimeError`]), an op error ([`OpError`]).

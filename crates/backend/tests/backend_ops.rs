@@ -5,7 +5,9 @@ use std::sync::Arc;
 
 use mference_backend::cpu::{CpuBackend, ResidentBytes};
 use mference_backend::harness::{run_all, test_weights, Rng};
-use mference_backend::{Backend, Tensor};
+use mference_backend::{
+    CoreOps, DeepSeekV4Ops, DeviceExpertOps, InklingOps, Op, RecurrentOps, Tensor,
+};
 use mference_kernels::Kernels;
 
 fn cpu_backends(resident: &Arc<Vec<u8>>) -> Vec<(CpuBackend, bool)> {
@@ -69,14 +71,40 @@ impl mference_backend::KvState for EmptyKv {
     }
 }
 
-impl Backend for Empty {
+impl CoreOps for Empty {
     type Tensor = EmptyTensor;
     type Kv = EmptyKv;
     type State = ();
     fn name(&self) -> String {
         "empty".into()
     }
+    fn supports(_op: Op) -> bool {
+        false
+    }
 }
+impl RecurrentOps for Empty {}
+impl DeepSeekV4Ops for Empty {}
+impl InklingOps for Empty {}
+impl DeviceExpertOps for Empty {}
+
+/// [`Empty`] claiming `upload`, which it lacks: the harness must catch the claim.
+struct Claims;
+
+impl CoreOps for Claims {
+    type Tensor = EmptyTensor;
+    type Kv = EmptyKv;
+    type State = ();
+    fn name(&self) -> String {
+        "claims".into()
+    }
+    fn supports(op: Op) -> bool {
+        op == Op::Upload
+    }
+}
+impl RecurrentOps for Claims {}
+impl DeepSeekV4Ops for Claims {}
+impl InklingOps for Claims {}
+impl DeviceExpertOps for Claims {}
 
 #[test]
 fn a_backend_that_lacks_an_op_fails_with_the_ops_name() {
@@ -91,4 +119,27 @@ fn a_backend_that_lacks_an_op_fails_with_the_ops_name() {
             "no failure names '{op}': {fails:?}"
         );
     }
+}
+
+#[test]
+fn a_backend_that_claims_an_op_it_lacks_fails_the_capability_check() {
+    let mut rng = Rng(5);
+    let (bytes, w) = test_weights(&mut rng, &BITS);
+    let empty = run_all(&Empty, &bytes, &w, true, 5);
+    assert!(
+        !empty.iter().any(|f| f.contains("supports()")),
+        "an honest backend without ops: {empty:?}"
+    );
+    let fails = run_all(&Claims, &bytes, &w, true, 5);
+    assert!(
+        fails
+            .iter()
+            .any(|f| f == "claims: upload: supports() says yes, but the op is missing"),
+        "{fails:?}"
+    );
+}
+
+#[test]
+fn the_cpu_backend_supports_every_op() {
+    assert!(mference_backend::missing_ops::<CpuBackend>(Op::ALL).is_empty());
 }

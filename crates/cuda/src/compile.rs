@@ -1,4 +1,4 @@
-//! The kernels: `.cu` sources of `kernels/` compiled at startup by NVRTC into a cubin for the
+//! The kernels: the `.cu` sources under `ops/` compiled at startup by NVRTC into a cubin for the
 //! device's compute capability, cached on disk.
 //!
 //! A cache entry is named by the SHA-256 of everything that determines its bytes (the source,
@@ -17,16 +17,17 @@ use sha2::{Digest, Sha256};
 
 use crate::CudaError;
 
-/// The shared helpers, then every kernel file: one translation unit, one module.
+/// The shared helpers, then every kernel file beside its module under `ops/`: one translation
+/// unit, one module (`norm.cu` after `attention.cu`, whose `rope_pair` it uses).
 pub(crate) const SOURCES: &[(&str, &str)] = &[
-    ("common.cuh", include_str!("../kernels/common.cuh")),
-    ("elementwise.cu", include_str!("../kernels/elementwise.cu")),
-    ("quant.cu", include_str!("../kernels/quant.cu")),
-    ("qmv.cu", include_str!("../kernels/qmv.cu")),
-    ("gemm.cu", include_str!("../kernels/gemm.cu")),
-    ("attention.cu", include_str!("../kernels/attention.cu")),
-    ("recurrent.cu", include_str!("../kernels/recurrent.cu")),
-    ("router.cu", include_str!("../kernels/router.cu")),
+    ("common.cuh", include_str!("ops/common.cuh")),
+    ("elementwise.cu", include_str!("ops/elementwise.cu")),
+    ("quant.cu", include_str!("ops/quant.cu")),
+    ("gemm.cu", include_str!("ops/gemm.cu")),
+    ("attention.cu", include_str!("ops/attention.cu")),
+    ("norm.cu", include_str!("ops/norm.cu")),
+    ("recurrent.cu", include_str!("ops/recurrent.cu")),
+    ("router.cu", include_str!("ops/router.cu")),
 ];
 
 /// NVRTC options besides the target (no fast-math: the math builtins keep their ulp bounds).
@@ -36,7 +37,7 @@ const MAGIC: &[u8; 8] = b"MFCUBIN1";
 
 /// The concatenated kernel source, each file introduced by a `#line` so NVRTC's messages name it.
 ///
-/// `MFERENCE_CUDA_QM_UNROLL=N` (1-16) defines `QM_UNROLL` (kernels/quant.cu: code words each
+/// `MFERENCE_CUDA_QM_UNROLL=N` (1-16) defines `QM_UNROLL` (ops/quant.cu: code words each
 /// lane of `qmatmul` loads per step) ahead of the sources, `QV_R` is [`qv_rows`] and `QV_U`
 /// [`qv_unroll`], so the cache keeps one entry per value.
 pub(crate) fn source() -> String {
@@ -56,7 +57,7 @@ pub(crate) fn source() -> String {
     s
 }
 
-/// Rows a `qmv` lane group multiplies by one load of x (kernels/qmv.cu `QV_R`; a gated pair takes
+/// Rows a `qmv` lane group multiplies by one load of x (ops/quant.cu `QV_R`; a gated pair takes
 /// half of them each): 2 (measured on an H200, full-size Gemma 4 decode: 132.6 tok/s at 2, 125.5
 /// at 4, 107.4 at 8), or `MFERENCE_CUDA_QV_ROWS` (2, 4 or 8; for measurements). The launch's grid
 /// uses the same value.
@@ -71,7 +72,7 @@ pub(crate) fn qv_rows() -> usize {
     })
 }
 
-/// Words a `qmv` lane loads for each of its rows before multiplying them (kernels/qmv.cu `QV_U`;
+/// Words a `qmv` lane loads for each of its rows before multiplying them (ops/quant.cu `QV_U`;
 /// the result is the same bits at every value): 2, or `MFERENCE_CUDA_QV_UNROLL` (1, 2, 4 or 8;
 /// for measurements).
 pub(crate) fn qv_unroll() -> usize {
@@ -288,7 +289,7 @@ mod tests {
         }
         let cubin = compile_cubin(&source(), "sm_90").unwrap_or_else(|e| panic!("{e}"));
         assert!(cubin.starts_with(b"\x7fELF"), "not an ELF cubin");
-        for k in crate::KERNELS {
+        for k in crate::device::KERNELS {
             let name = k.as_bytes();
             assert!(
                 cubin

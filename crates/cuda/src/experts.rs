@@ -247,7 +247,7 @@ impl GpuExperts {
         Ok(())
     }
 
-    /// [`Backend::held_experts`](mference_backend::Backend::held_experts): counts a use of each
+    /// [`DeviceExpertOps::held_experts`](mference_backend::DeviceExpertOps::held_experts): counts a use of each
     /// expert and says which are in a device slot.
     pub(crate) fn held(
         &mut self,

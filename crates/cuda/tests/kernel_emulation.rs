@@ -1,5 +1,5 @@
-//! kernels/qmv.cu, the decode products, run on the CPU: tools/cuda-emu builds the kernel's own
-//! source with g++ against a stand-in for the CUDA built-ins (one thread per CUDA thread, a barrier
+//! The decode products (`qmv`) of crates/cuda/src/ops/quant.cu run on the CPU: tools/cuda-emu
+//! builds the kernel's own source with g++ against a stand-in for the CUDA built-ins (one thread per CUDA thread, a barrier
 //! for the shuffles) and checks every bit width, group, lane count and code alignment against a
 //! double-precision product, and the gated launch bit-equal to its two one-matrix products. This
 //! runs where no GPU is (CI); the GPU tests (`tools/cuda-test.sh`) run the same kernels on a device.
@@ -31,7 +31,7 @@ fn qmv_kernels_match_a_double_precision_product_on_the_cpu() {
                 &format!("-DQV_U={unroll}"),
                 "-I",
             ])
-            .arg(repo().join("crates/cuda/kernels"))
+            .arg(repo().join("crates/cuda/src/ops"))
             .arg(repo().join("tools/cuda-emu/qmv_emu.cpp"))
             .arg("-o")
             .arg(&exe)

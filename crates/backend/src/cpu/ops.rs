@@ -139,7 +139,7 @@ pub struct RelSlices<'a> {
 
 /// Causal attention for `t` query rows at positions `pos0..pos0+t` against the cache (which already
 /// holds those rows): `out[t, n_heads·head_dim] = softmax(q·kᵀ·scale) v`, GQA by `n_heads / n_kv_heads`;
-/// with `rel`, the logits are `τ_p · (q·kᵀ·scale + bias)` ([`crate::Backend::attention_rel`]).
+/// with `rel`, the logits are `τ_p · (q·kᵀ·scale + bias)` ([`crate::InklingOps::attention_rel`]).
 ///
 /// Work items are (row, KV head) pairs, so the query heads that share a KV head read (and convert)
 /// its rows once ([`Kernels::dots_f16_group`], [`Kernels::wsum_f16_group`]); per head the result
@@ -394,6 +394,29 @@ pub fn gated_delta_rule(
                 .copy_from_slice(&head_out[(h * t + r) * dv..(h * t + r + 1) * dv]);
         }
     }
+}
+
+/// `y[T, n] = x[T, c] · wᵀ` for `w` `[n, c]`.
+pub fn linear(pool: &ThreadPool, k: &Kernels, x: &[f32], w: &[f32], c: usize) -> Vec<f32> {
+    let (t, n) = (x.len() / c, w.len() / c);
+    let mut y = vec![0.0f32; t * n];
+    let threads = pool.threads().min(t).max(1);
+    let per = t.div_ceil(threads);
+    let pieces: Vec<Mutex<Option<&mut [f32]>>> =
+        y.chunks_mut(per * n).map(|p| Mutex::new(Some(p))).collect();
+    pool.run(|tid, _| {
+        let Some(piece) = pieces.get(tid).and_then(|m| m.lock().ok()?.take()) else {
+            return;
+        };
+        for (j, yr) in piece.chunks_exact_mut(n).enumerate() {
+            let r = tid * per + j;
+            let xr = &x[r * c..(r + 1) * c];
+            for (o, wr) in yr.iter_mut().zip(w.chunks_exact(c)) {
+                *o = k.dot_f32(xr, wr);
+            }
+        }
+    });
+    y
 }
 
 #[cfg(test)]

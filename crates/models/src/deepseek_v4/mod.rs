@@ -23,7 +23,7 @@ mod config;
 mod moe;
 
 use mference_backend::{
-    f32_vector, Backend, FRef, KvCache, Mlp, Norm, OpError, QRef, Rope, Tensor, VRef, Yarn,
+    f32_vector, Backend, CoreOps, FRef, KvCache, Mlp, Norm, OpError, QRef, Rope, Tensor, VRef, Yarn,
 };
 
 use std::time::Instant;
@@ -83,7 +83,7 @@ struct Mark<B: Backend> {
 }
 
 /// A compressor's prior Ca slice (kv, and gate + ape), once a window has closed.
-type Prior<B> = Option<(<B as Backend>::Tensor, <B as Backend>::Tensor)>;
+type Prior<B> = Option<(<B as CoreOps>::Tensor, <B as CoreOps>::Tensor)>;
 
 /// A loaded DeepSeek-V4 model with its sliding rings, compressed caches and expert streamers (one
 /// sequence) on backend `B`.

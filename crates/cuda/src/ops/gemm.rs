@@ -1,4 +1,4 @@
-//! Prefill products: the `qgemm` kernel (kernels/gemm.cu) for quantized products of
+//! Prefill products: the `qgemm` kernel (ops/gemm.cu) for quantized products of
 //! [`min_rows`] (16) or more rows of x, a tiled f32 GEMM that dequantizes each tile of an MLX
 //! affine quantized matrix once for up to 64 rows of x, where `qmatmul` reads the codes again for
 //! every 4 rows. Decode (one row) and short products stay on `qmatmul`. Also the routed experts
@@ -7,14 +7,14 @@
 use std::sync::OnceLock;
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
-use mference_backend::{check, check_mlp, Act, Backend, Mlp, OpResult, QRef, Weights};
+use mference_backend::{check, check_mlp, Act, Mlp, OpResult, QRef, Weights};
 
 use crate::{qref_offsets, CudaBackend, CudaTensor, QJob, QJobs, QM_BLOCKS, QM_JOBS};
 
 /// Rows of x from which a product runs on `qgemm` (unless `MFERENCE_CUDA_QG_MIN_ROWS` says
 /// otherwise: [`min_rows`]).
 const QG_MIN_ROWS: usize = 16;
-/// `QG_BM` and `QG_BK` of kernels/gemm.cu: output rows per block, columns per step.
+/// `QG_BM` and `QG_BK` of ops/gemm.cu: output rows per block, columns per step.
 const QG_BM: usize = 64;
 const QG_BK: usize = 32;
 /// Blocks a product's column splits aim for per tile of x rows (a third of an H200's SMs: the
@@ -33,7 +33,7 @@ struct QGJobs {
 }
 
 // SAFETY: a `repr(C)` `QJobs` (u64 arrays) and an i32 array, laid out as `struct QGJobs` in
-// kernels/gemm.cu.
+// ops/gemm.cu.
 unsafe impl cudarc::driver::DeviceRepr for QGJobs {}
 
 /// The `QGSums` argument of `qgemm_sum`: per product its split sums, its output, and the floats
@@ -46,7 +46,7 @@ struct QGSums {
     n: [u64; QM_JOBS],
 }
 
-// SAFETY: plain `repr(C)` u64 arrays, laid out as `struct QGSums` in kernels/gemm.cu.
+// SAFETY: plain `repr(C)` u64 arrays, laid out as `struct QGSums` in ops/gemm.cu.
 unsafe impl cudarc::driver::DeviceRepr for QGSums {}
 
 /// Rows of x from which a product runs on `qgemm`: [`QG_MIN_ROWS`], or
@@ -100,7 +100,7 @@ impl CudaBackend {
         Ok(rest)
     }
 
-    /// [`Backend::glu_mlp_experts`](mference_backend::Backend::glu_mlp_experts): experts of
+    /// [`CoreOps::glu_mlp_experts`](mference_backend::CoreOps::glu_mlp_experts): experts of
     /// [`min_rows`] or more rows in a few `qgemm` launches (every gate and up product
     /// together, one `glu_act` over all their rows, every down product together), the others by
     /// `glu_mlp` each. The products run on the same kernels, bytes and split counts as in

@@ -1,4 +1,4 @@
-//! CPU bodies of DeepSeek-V4's ops (`Backend::{linear, hc_pre, hc_post, compress_pool,
+//! CPU bodies of DeepSeek-V4's ops (`DeepSeekV4Ops::{hc_pre, hc_post, compress_pool,
 //! attention_sparse, index_top_k}`): plain f32 loops over host slices, the dot products through the
 //! kernel table, (row, head) items spread over the worker pool where the work is per query.
 
@@ -7,31 +7,8 @@ use std::sync::Mutex;
 use mference_kernels::{Kernels, ThreadPool};
 use mference_runtime::{KvLayer, KvRow};
 
-use super::ops::{sigmoid, softmax};
+use crate::cpu::ops::{sigmoid, softmax};
 use crate::{AttnShape, HcSpec};
-
-/// `y[T, n] = x[T, c] · wᵀ` for `w` `[n, c]`.
-pub fn linear(pool: &ThreadPool, k: &Kernels, x: &[f32], w: &[f32], c: usize) -> Vec<f32> {
-    let (t, n) = (x.len() / c, w.len() / c);
-    let mut y = vec![0.0f32; t * n];
-    let threads = pool.threads().min(t).max(1);
-    let per = t.div_ceil(threads);
-    let pieces: Vec<Mutex<Option<&mut [f32]>>> =
-        y.chunks_mut(per * n).map(|p| Mutex::new(Some(p))).collect();
-    pool.run(|tid, _| {
-        let Some(piece) = pieces.get(tid).and_then(|m| m.lock().ok()?.take()) else {
-            return;
-        };
-        for (j, yr) in piece.chunks_exact_mut(n).enumerate() {
-            let r = tid * per + j;
-            let xr = &x[r * c..(r + 1) * c];
-            for (o, wr) in yr.iter_mut().zip(w.chunks_exact(c)) {
-                *o = k.dot_f32(xr, wr);
-            }
-        }
-    });
-    y
-}
 
 /// `pre`, and `(post, comb)` for a site that mixes the streams.
 type HcWeights = (Vec<f32>, Option<(Vec<f32>, Vec<f32>)>);
@@ -177,7 +154,7 @@ pub fn attention_sparse(
             scores.iter_mut().for_each(|x| *x *= s.scale);
             match &s.sinks {
                 None => softmax(&mut scores),
-                Some(sinks) => super::ops::softmax_with_sink(&mut scores, sinks[head]),
+                Some(sinks) => crate::cpu::ops::softmax_with_sink(&mut scores, sinks[head]),
             }
             o.fill(0.0);
             for (i, pos) in (lo..=p).enumerate() {

@@ -31,26 +31,6 @@ extern "C" __global__ void rope(float* x, u64 t_rows, int cols, int head_dim, in
     }
 }
 
-// rms_norm of each head (dim = head_dim, one block per (row, head), heads per row) then rope from
-// pos0, in one pass: the normalized head is kept in shared memory (head_dim <= 512), each value
-// rounded as rms_norm stores it and rotated with rope's arithmetic.
-extern "C" __global__ void rms_norm_rope(float* x, int dim, int mode, const unsigned char* base,
-                                         u64 w_off, float c, float eps, int heads, int rotated,
-                                         int style, const float* inv_freq, int pos0,
-                                         float mscale) {
-    __shared__ float v[512];
-    float* p = x + (u64)blockIdx.x * dim;
-    int r = blockIdx.x / heads;
-    float f = rms_factor(p, dim, mode, c, eps);
-    for (int i = threadIdx.x; i < dim; i += blockDim.x)
-        v[i] = __fmul_rn(p[i], f * rms_scale(base, w_off, mode, i));
-    __syncthreads();
-    int half = rotated / 2;
-    for (int i = threadIdx.x; i < half; i += blockDim.x)
-        rope_pair(v, p, i, half, style, inv_freq, pos0 + r, mscale);
-    for (int i = rotated + threadIdx.x; i < dim; i += blockDim.x) p[i] = v[i];
-}
-
 // Row r of k and v ([T, width]) into the store row of position pos0 + r (pos % rows in a ring).
 // When a ring is shorter than the chunk, only the last writer of each store row writes, so the
 // result is the host's sequential one.

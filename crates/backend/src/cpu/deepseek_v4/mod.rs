@@ -1,0 +1,279 @@
+//! The CPU's DeepSeek-V4 ops; their loops are in [`loops`].
+
+mod loops;
+
+use mference_runtime::KvLayer;
+
+use super::{same_shape, CpuBackend, CpuTensor};
+use crate::{check, AttnShape, DeepSeekV4Ops, HcSpec, OpResult, QRef, Rope, Tensor, Weights};
+
+impl DeepSeekV4Ops for CpuBackend {
+    fn rope_at(
+        &self,
+        x: &mut CpuTensor,
+        rope: &Rope,
+        head_dim: usize,
+        positions: &[usize],
+    ) -> OpResult<()> {
+        check(
+            "rope_at",
+            x.cols.is_multiple_of(head_dim)
+                && rope.rotated <= head_dim
+                && positions.len() == x.rows(),
+            || {
+                format!(
+                    "{} positions for {} rows of {}",
+                    positions.len(),
+                    x.rows(),
+                    x.cols
+                )
+            },
+        )?;
+        let c = x.cols;
+        for (row, &p) in x.data.chunks_exact_mut(c).zip(positions) {
+            rope.apply(row, head_dim, p);
+        }
+        Ok(())
+    }
+
+    fn matmul_grouped(
+        &self,
+        w: &QRef,
+        groups: usize,
+        src: Weights,
+        x: &CpuTensor,
+    ) -> OpResult<CpuTensor> {
+        check(
+            "matmul_grouped",
+            groups > 0 && w.rows.is_multiple_of(groups) && x.cols == groups * w.cols,
+            || {
+                format!(
+                    "{groups} groups of [{}, {}] over rows of {}",
+                    w.rows, w.cols, x.cols
+                )
+            },
+        )?;
+        let (t, c, r) = (x.rows(), w.cols, w.rows / groups);
+        let buf = self.buf(src);
+        let mut y = vec![0.0f32; t * groups * r];
+        for g in 0..groups {
+            let xg: Vec<f32> = x
+                .data
+                .chunks_exact(x.cols)
+                .flat_map(|row| row[g * c..(g + 1) * c].iter().copied())
+                .collect();
+            let m = w.rows_range(g * r, r).mat(buf);
+            let yg = self.products(&[m], &xg, t).pop().expect("one product");
+            for (row, yr) in yg.chunks_exact(r).enumerate() {
+                let at = row * groups * r + g * r;
+                y[at..at + r].copy_from_slice(yr);
+            }
+        }
+        Ok(CpuTensor::new(y, groups * r))
+    }
+
+    fn hc_pre(
+        &self,
+        x: &CpuTensor,
+        f: &CpuTensor,
+        base: &[f32],
+        scale: &[f32],
+        spec: &HcSpec,
+    ) -> OpResult<(CpuTensor, Option<(CpuTensor, CpuTensor)>)> {
+        let n = spec.streams;
+        let m = f.rows();
+        check(
+            "hc_pre",
+            n > 0
+                && x.cols.is_multiple_of(n)
+                && f.cols == x.cols
+                && (m == n || m == (2 + n) * n)
+                && base.len() == m
+                && scale.len() == if m == n { 1 } else { 3 },
+            || {
+                format!(
+                    "{n} streams of rows of {}, projection [{m}, {}]",
+                    x.cols, f.cols
+                )
+            },
+        )?;
+        let d = x.cols / n;
+        let (t, c) = (x.rows(), x.cols);
+        let normed: Vec<f32> = x
+            .data
+            .chunks_exact(c)
+            .flat_map(|r| loops::rms(r, spec.norm_eps))
+            .collect();
+        let mixes = crate::cpu::ops::linear(&self.pool, self.kernels, &normed, &f.data, c);
+        let mut collapsed = vec![0.0f32; t * d];
+        let (mut post, mut comb) = (Vec::new(), Vec::new());
+        for r in 0..t {
+            let (pre, pc) = loops::hc_weights(&mixes[r * m..(r + 1) * m], base, scale, spec);
+            let o = &mut collapsed[r * d..(r + 1) * d];
+            for (j, &pj) in pre.iter().enumerate() {
+                let xj = &x.data[r * c + j * d..r * c + (j + 1) * d];
+                o.iter_mut().zip(xj).for_each(|(a, &b)| *a += pj * b);
+            }
+            if let Some((p, cm)) = pc {
+                post.extend(p);
+                comb.extend(cm);
+            }
+        }
+        let rest = (m != n).then(|| (CpuTensor::new(post, n), CpuTensor::new(comb, n * n)));
+        Ok((CpuTensor::new(collapsed, d), rest))
+    }
+
+    fn hc_post(
+        &self,
+        x: &CpuTensor,
+        out: &CpuTensor,
+        post: &CpuTensor,
+        comb: &CpuTensor,
+    ) -> OpResult<CpuTensor> {
+        let n = post.cols;
+        let (t, d) = (out.rows(), out.cols);
+        check(
+            "hc_post",
+            x.cols == n * d
+                && x.rows() == t
+                && post.rows() == t
+                && comb.cols == n * n
+                && comb.rows() == t,
+            || {
+                format!(
+                    "streams [{t}, {}] for an output [{t}, {d}] and {n} streams",
+                    x.cols
+                )
+            },
+        )?;
+        let mut y = vec![0.0f32; t * n * d];
+        for r in 0..t {
+            let xr = &x.data[r * n * d..(r + 1) * n * d];
+            let (pr, cr) = (
+                &post.data[r * n..(r + 1) * n],
+                &comb.data[r * n * n..(r + 1) * n * n],
+            );
+            let orow = &out.data[r * d..(r + 1) * d];
+            for kk in 0..n {
+                let yk = &mut y[(r * n + kk) * d..(r * n + kk + 1) * d];
+                for (i, v) in yk.iter_mut().enumerate() {
+                    let mix: f32 = (0..n).map(|j| cr[j * n + kk] * xr[j * d + i]).sum();
+                    *v = pr[kk] * orow[i] + mix;
+                }
+            }
+        }
+        Ok(CpuTensor::new(y, n * d))
+    }
+
+    fn compress_pool(
+        &self,
+        kv: &CpuTensor,
+        gate: &CpuTensor,
+        ape: &CpuTensor,
+        rate: usize,
+        overlap: bool,
+        prior: Option<(&CpuTensor, &CpuTensor)>,
+    ) -> OpResult<CpuTensor> {
+        same_shape("compress_pool", kv, gate)?;
+        let w = kv.cols;
+        let d = if overlap { w / 2 } else { w };
+        check(
+            "compress_pool",
+            rate > 0
+                && kv.rows().is_multiple_of(rate)
+                && (!overlap || w.is_multiple_of(2))
+                && ape.cols == w
+                && ape.rows() == rate
+                && prior.is_none_or(|(k, g)| {
+                    overlap && k.cols == d && g.cols == d && k.rows() == rate && g.rows() == rate
+                }),
+            || format!("windows of {rate} rows of {w} (overlap {overlap})"),
+        )?;
+        let out = loops::compress_pool(
+            &kv.data,
+            &gate.data,
+            &ape.data,
+            rate,
+            w,
+            overlap,
+            prior.map(|(k, g)| (&k.data[..], &g.data[..])),
+        );
+        Ok(CpuTensor::new(out, d))
+    }
+
+    fn attention_sparse(
+        &self,
+        q: &CpuTensor,
+        kv: &KvLayer,
+        pos0: usize,
+        s: &AttnShape,
+        entries: &CpuTensor,
+        visible: &[Vec<usize>],
+    ) -> OpResult<CpuTensor> {
+        check(
+            "attention_sparse",
+            q.cols == s.n_heads * s.head_dim
+                && s.n_kv_heads > 0
+                && s.n_heads.is_multiple_of(s.n_kv_heads)
+                && kv.row_stride() == s.n_kv_heads * s.head_dim
+                && entries.cols == kv.row_stride()
+                && visible.len() == q.rows()
+                && visible.iter().flatten().all(|&e| e < entries.rows())
+                && s.sinks.as_ref().is_none_or(|v| v.len() == s.n_heads),
+            || {
+                format!(
+                    "q rows of {} for {} heads of {}, {} entries of {}",
+                    q.cols,
+                    s.n_heads,
+                    s.head_dim,
+                    entries.rows(),
+                    entries.cols
+                )
+            },
+        )?;
+        let mut out = vec![0.0f32; q.data.len()];
+        loops::attention_sparse(
+            &self.pool,
+            self.kernels,
+            &q.data,
+            kv,
+            pos0,
+            s,
+            &entries.data,
+            visible,
+            &mut out,
+        );
+        Ok(CpuTensor::new(out, q.cols))
+    }
+
+    fn index_top_k(
+        &self,
+        q: &CpuTensor,
+        keys: &CpuTensor,
+        weights: &CpuTensor,
+        n_heads: usize,
+        visible: &[usize],
+        top_k: usize,
+    ) -> OpResult<Vec<Vec<usize>>> {
+        let d = keys.cols;
+        check(
+            "index_top_k",
+            q.cols == n_heads * d
+                && weights.cols == n_heads
+                && weights.rows() == q.rows()
+                && visible.len() == q.rows()
+                && visible.iter().all(|&n| n <= keys.rows()),
+            || format!("{n_heads} heads of {d} over {} keys", keys.rows()),
+        )?;
+        Ok(loops::index_top_k(
+            self.kernels,
+            &q.data,
+            &keys.data,
+            &weights.data,
+            n_heads,
+            d,
+            visible,
+            top_k,
+        ))
+    }
+}

@@ -1,0 +1,246 @@
+//! Cases of the norms (plain, fused with add, RoPE and pre-norms) and the elementwise ops.
+
+use crate::harness::*;
+
+pub(crate) fn norms_and_elementwise<B: Backend>(h: &mut Harness<B>, rng: &mut Rng, w: &TestWeights) {
+    let buf = h.buf;
+    let t = 3;
+    let x = rng.vec(t * 256, 2.0);
+    let cases: [(usize, Norm, &str); 5] = [
+        (256, Norm::NoScale, "no-scale"),
+        (256, Norm::Weight(&w.w256), "weight"),
+        (32, Norm::Weight(&w.w32), "per-head weight"),
+        (32, Norm::OnePlusWeight(&w.w32), "1+w per head"),
+        (32, Norm::Scaled(0.125), "scaled (L2) per head"),
+    ];
+    for (dim, norm, name) in cases {
+        let Some(mut xt) = h.up(&x, 256) else { return };
+        let want = refr::rms_norm(&x, dim, norm, buf, 1e-6);
+        // Out of place first: the source must come back unchanged.
+        let r = h.be.rms_norm_to(&xt, dim, norm, 1e-6);
+        if let Some(yt) = h.ok("rms_norm_to", r) {
+            if let (Some(got), Some(src)) = (h.read(&yt), h.read(&xt)) {
+                h.expect_close(&format!("rms_norm_to {name}"), &got, &want, EXACT_REL);
+                if src != x {
+                    h.fail("rms_norm_to", format!("{name}: the source was changed"));
+                }
+            }
+        }
+        let r = h.be.rms_norm(&mut xt, dim, norm, 1e-6);
+        if h.ok("rms_norm", r).is_some() {
+            if let Some(got) = h.read(&xt) {
+                h.expect_close(&format!("rms_norm {name}"), &got, &want, EXACT_REL);
+            }
+        }
+        // Into a residual: (r + norm(x)) · 0.75, x unchanged.
+        let res = rng.vec(t * 256, 1.0);
+        let (Some(mut rt), Some(xt)) = (h.up(&res, 256), h.up(&x, 256)) else {
+            return;
+        };
+        let r = h.be.add_rms_norm(&mut rt, &xt, dim, norm, 1e-6, 0.75);
+        if h.ok("add_rms_norm", r).is_some() {
+            let want: Vec<f32> = res.iter().zip(&want).map(|(a, n)| (a + n) * 0.75).collect();
+            if let (Some(got), Some(src)) = (h.read(&rt), h.read(&xt)) {
+                h.expect_close(&format!("add_rms_norm {name}"), &got, &want, EXACT_REL);
+                if src != x {
+                    h.fail(
+                        "add_rms_norm",
+                        format!("{name}: the normed input was changed"),
+                    );
+                }
+            }
+        }
+    }
+    // A block's output into the residual (normed, or a plain add), then pre-norms of the new
+    // residual (one with a column scale), over whole rows and over 32-wide pieces: against the
+    // reference, and bit-equal to the ops it stands for on the same backend.
+    for (dim, wd, normed) in [
+        (256, &w.w256, true),
+        (32, &w.w32, true),
+        (256, &w.w256, false),
+    ] {
+        let post = normed.then_some(Norm::Weight(wd));
+        let res = rng.vec(t * 256, 1.0);
+        let pre = [
+            PreNorm {
+                norm: Norm::NoScale,
+                cols: Some((&w.w256, 0.5)),
+            },
+            PreNorm {
+                norm: Norm::Weight(wd),
+                cols: None,
+            },
+            PreNorm {
+                norm: Norm::Scaled(0.125),
+                cols: None,
+            },
+        ];
+        let (Some(mut rt), Some(xt), Some(mut st)) =
+            (h.up(&res, 256), h.up(&x, 256), h.up(&res, 256))
+        else {
+            return;
+        };
+        let name = format!("add_rms_norm_pre (pieces of {dim}, normed {normed})");
+        let r =
+            h.be.add_rms_norm_pre(&mut rt, &xt, dim, post, 1e-6, 0.75, &pre);
+        let Some(outs) = h.ok("add_rms_norm_pre", r) else {
+            continue;
+        };
+        let n = match post {
+            Some(post) => refr::rms_norm(&x, dim, post, buf, 1e-6),
+            None => x.clone(),
+        };
+        let new_x: Vec<f32> = res.iter().zip(&n).map(|(a, n)| (a + n) * 0.75).collect();
+        if let Some(got) = h.read(&rt) {
+            h.expect_close(&format!("{name} residual"), &got, &new_x, EXACT_REL);
+        }
+        // The separate ops on a copy of the residual.
+        let sep = match post {
+            Some(post) => h.be.add_rms_norm(&mut st, &xt, dim, post, 1e-6, 0.75),
+            None => h.be.add(&mut st, &xt, 0.75),
+        };
+        let sep_x = h.ok("add_rms_norm", sep).and_then(|_| h.read(&st));
+        if let (Some(a), Some(b)) = (h.read(&rt), sep_x) {
+            if a != b {
+                h.fail(
+                    "add_rms_norm_pre",
+                    format!("{name}: residual differs from the separate op's"),
+                );
+            }
+        }
+        for (i, (p, out)) in pre.iter().zip(&outs).enumerate() {
+            let mut want = refr::rms_norm(&new_x, dim, p.norm, buf, 1e-6);
+            if let Some((cw, c)) = p.cols {
+                for (j, v) in want.iter_mut().enumerate() {
+                    *v = (*v as f64 * cw.get(buf, j % 256) as f64 * c as f64) as f32;
+                }
+            }
+            let Some(got) = h.read(out) else { continue };
+            h.expect_close(&format!("{name} output {i}"), &got, &want, EXACT_REL);
+            let mut one = h.be.rms_norm_to(&st, dim, p.norm, 1e-6);
+            if let (Ok(o), Some((cw, c))) = (&mut one, p.cols) {
+                if let Err(e) = h.be.mul_cols(o, cw, c) {
+                    h.fail("mul_cols", e.to_string());
+                }
+            }
+            if let Some(sep) = h.ok("rms_norm_to", one).and_then(|o| h.read(&o)) {
+                if sep != got {
+                    h.fail(
+                        "add_rms_norm_pre",
+                        format!("{name}: output {i} differs from the separate ops'"),
+                    );
+                }
+            }
+        }
+    }
+    let z = rng.vec(t * 256, 3.0);
+    if let (Some(mut xt), Some(zt)) = (h.up(&x, 256), h.up(&z, 256)) {
+        let r = h.be.rms_norm_gated(&mut xt, 32, &w.w32, &zt, 1e-6);
+        if h.ok("rms_norm_gated", r).is_some() {
+            let n = refr::rms_norm(&x, 32, Norm::Weight(&w.w32), buf, 1e-6);
+            let want: Vec<f32> = n
+                .iter()
+                .zip(&z)
+                .map(|(&a, &g)| a * refr::unary(g, Unary::Silu))
+                .collect();
+            if let Some(got) = h.read(&xt) {
+                h.expect_close("rms_norm_gated", &got, &want, EXACT_REL);
+            }
+        }
+    }
+    for op in [
+        Unary::Scale(-1.7),
+        Unary::Softcap(30.0),
+        Unary::Clamp(-0.5, 1.25),
+        Unary::Silu,
+        Unary::GeluTanh,
+        Unary::Sigmoid,
+    ] {
+        let v: Vec<f32> = rng.vec(200, 12.0);
+        let Some(mut vt) = h.up(&v, 20) else { return };
+        let r = h.be.unary(&mut vt, op);
+        if h.ok("unary", r).is_some() {
+            let want: Vec<f32> = v.iter().map(|&a| refr::unary(a, op)).collect();
+            if let Some(got) = h.read(&vt) {
+                h.expect_close(&format!("unary {op:?}"), &got, &want, 1e-6);
+            }
+        }
+    }
+    let y = rng.vec(t * 256, 1.0);
+    let g = rng.vec(t, 4.0);
+    type Case<'w> = (&'w str, fn(&[f32], &[f32], &[f32], f32) -> Vec<f32>);
+    let _: Option<Case> = None;
+    // mul_cols
+    if let Some(mut xt) = h.up(&x, 256) {
+        let r = h.be.mul_cols(&mut xt, &w.w256, 0.0625);
+        if h.ok("mul_cols", r).is_some() {
+            let want: Vec<f32> = x
+                .iter()
+                .enumerate()
+                .map(|(i, &a)| (a as f64 * w.w256.get(buf, i % 256) as f64 * 0.0625) as f32)
+                .collect();
+            if let Some(got) = h.read(&xt) {
+                h.expect_close("mul_cols", &got, &want, 1e-6);
+            }
+        }
+    }
+    if let (Some(mut xt), Some(yt)) = (h.up(&x, 256), h.up(&y, 256)) {
+        let r = h.be.mul_sigmoid(&mut xt, &yt);
+        if h.ok("mul_sigmoid", r).is_some() {
+            let want: Vec<f32> = x
+                .iter()
+                .zip(&y)
+                .map(|(&a, &b)| a * refr::unary(b, Unary::Sigmoid))
+                .collect();
+            if let Some(got) = h.read(&xt) {
+                h.expect_close("mul_sigmoid", &got, &want, 1e-6);
+            }
+        }
+    }
+    if let (Some(mut xt), Some(gt)) = (h.up(&x, 256), h.up(&g, 1)) {
+        let r = h.be.mul_rows_sigmoid(&mut xt, &gt);
+        if h.ok("mul_rows_sigmoid", r).is_some() {
+            let want: Vec<f32> = x
+                .iter()
+                .enumerate()
+                .map(|(i, &a)| a * refr::unary(g[i / 256], Unary::Sigmoid))
+                .collect();
+            if let Some(got) = h.read(&xt) {
+                h.expect_close("mul_rows_sigmoid", &got, &want, 1e-6);
+            }
+        }
+    }
+    for s in [1.0f32, 0.7] {
+        if let (Some(mut xt), Some(yt)) = (h.up(&x, 256), h.up(&y, 256)) {
+            let r = h.be.add(&mut xt, &yt, s);
+            if h.ok("add", r).is_some() {
+                let want: Vec<f32> = x
+                    .iter()
+                    .zip(&y)
+                    .map(|(&a, &b)| ((a as f64 + b as f64) * s as f64) as f32)
+                    .collect();
+                if let Some(got) = h.read(&xt) {
+                    h.expect_close(&format!("add s={s}"), &got, &want, 1e-6);
+                }
+            }
+        }
+    }
+    // scatter_add: expert outputs for rows [2, 0, 2] of a 3-row accumulator.
+    let rows = [(2usize, 0.25f32), (0, -1.5), (2, 0.75)];
+    let ye = rng.vec(3 * 256, 1.0);
+    if let (Some(mut acc), Some(yt)) = (h.up(&x, 256), h.up(&ye, 256)) {
+        let r = h.be.scatter_add(&mut acc, &yt, &rows);
+        if h.ok("scatter_add", r).is_some() {
+            let mut want: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+            for (j, &(row, wt)) in rows.iter().enumerate() {
+                for i in 0..256 {
+                    want[row * 256 + i] += wt as f64 * ye[j * 256 + i] as f64;
+                }
+            }
+            let want: Vec<f32> = want.into_iter().map(|v| v as f32).collect();
+            if let Some(got) = h.read(&acc) {
+                h.expect_close("scatter_add", &got, &want, 1e-6);
+            }
+        }
+    }
+}

@@ -1,0 +1,81 @@
+//! The hooks of a backend's own expert cache (a GPU slot slab) that the MoE step
+//! ([`crate::moe::routed_experts`]) calls; every default says "no cache of its own".
+
+use super::CoreOps;
+use crate::{Act, DeviceExpertStats, Mlp, OpResult, RouterSpec, Weights};
+
+/// The backend's own expert cache (a GPU slot slab; `moe::routed_experts`). The defaults are a
+/// backend without one: nothing held, every expert computed from its host slot.
+#[allow(unused_variables)]
+pub trait DeviceExpertOps: CoreOps {
+    /// Which of the distinct `experts` of MoE layer `layer` the backend holds in its own memory,
+    /// each counted as one use. Held experts are computed from [`Weights::Held`] and are not
+    /// asked of the host streamer. Default: none (the CPU computes from the host slots).
+    fn held_experts(&self, layer: usize, experts: &[usize]) -> OpResult<Vec<bool>> {
+        Ok(vec![false; experts.len()])
+    }
+    /// The weights to compute expert `expert` of `layer` from, given its bytes in a host slot.
+    /// A backend with its own cache starts copying `blob` into a slot of it and returns
+    /// [`Weights::Held`]; `blob` must then stay unchanged until
+    /// [`expert_copies_done`](DeviceExpertOps::expert_copies_done). Default: `blob` itself.
+    fn load_expert<'a>(
+        &self,
+        layer: usize,
+        expert: usize,
+        blob: &'a [u8],
+    ) -> OpResult<Weights<'a>> {
+        Ok(Weights::Blob(blob))
+    }
+    /// Waits until every copy [`load_expert`](DeviceExpertOps::load_expert) started has left its host
+    /// slot, so the host streamer may refill it. Default: nothing to wait for.
+    fn expert_copies_done(&self) -> OpResult<()> {
+        Ok(())
+    }
+    /// Shows the backend the host slot memory of `layer`'s streamer (called on every MoE step;
+    /// a GPU backend page-locks it once, so copies from it run at full bus speed).
+    fn attach_host_slots(&self, layer: usize, slots: &[u8]) -> OpResult<()> {
+        Ok(())
+    }
+    /// The counters of the backend's own expert cache, if it has one.
+    fn device_expert_stats(&self) -> Option<DeviceExpertStats> {
+        None
+    }
+    /// The experts of MoE layer `layer` the backend's own cache has room to hold for good
+    /// (every expert of the layer fits, e.g. `--gpu-expert-budget resident`) but does not hold
+    /// yet: the decode step loads them once ([`moe::route_and_run`]), so that
+    /// [`routes_on_device`](DeviceExpertOps::routes_on_device) holds from then on. Default: none.
+    fn experts_to_complete(&self, layer: usize) -> OpResult<Vec<usize>> {
+        Ok(Vec::new())
+    }
+    /// Whether [`routed_experts_held`](DeviceExpertOps::routed_experts_held) can run a decode step of
+    /// MoE layer `layer` with `top_k` experts per token: the backend holds every expert of the
+    /// layer for good, so the router's choice needs no readback. Default: no.
+    fn routes_on_device(&self, layer: usize, top_k: usize) -> OpResult<bool> {
+        Ok(false)
+    }
+    /// A decode step's routed experts without a readback (only after
+    /// [`routes_on_device`](DeviceExpertOps::routes_on_device) said yes): routes the one row of `logits`
+    /// (`[1, num_experts]`, as [`CoreOps::route`]; `spec.trace` must be off), computes the chosen
+    /// experts of `layer` from its held copies on the one row `x` (as
+    /// [`CoreOps::glu_mlp_rows`]) and adds each output times its weight to `acc` (`[1, hidden]`)
+    /// in ascending expert id, as [`moe::routed_experts`] does after the readback: the same
+    /// arithmetic in the same order, so the result is bit-identical to that path's.
+    #[allow(clippy::too_many_arguments)]
+    fn routed_experts_held(
+        &self,
+        layer: usize,
+        experts: &Mlp,
+        act: Act,
+        x: &Self::Tensor,
+        logits: &Self::Tensor,
+        spec: &RouterSpec,
+        acc: &mut Self::Tensor,
+    ) -> OpResult<()> {
+        Err(self.missing("routed_experts_held"))
+    }
+    /// Allocates the backend's own expert cache from what memory is left (called once the
+    /// weights and the KV cache are placed; later calls do nothing). Default: nothing to size.
+    fn size_expert_cache(&self) -> OpResult<()> {
+        Ok(())
+    }
+}

@@ -1,0 +1,214 @@
+//! The expert-cache hooks of the MoE step, over the GPU slots of `experts.rs`.
+
+use crate::*;
+
+impl DeviceExpertOps for CudaBackend {
+    fn held_experts(&self, layer: usize, experts: &[usize]) -> OpResult<Vec<bool>> {
+        match self.cache() {
+            Some(mut c) => c
+                .held(&self.stream, layer, experts)
+                .map_err(|e| self.cache_err("held_experts", e)),
+            None => Ok(vec![false; experts.len()]),
+        }
+    }
+
+    fn load_expert<'a>(
+        &self,
+        layer: usize,
+        expert: usize,
+        blob: &'a [u8],
+    ) -> OpResult<Weights<'a>> {
+        match self.cache() {
+            Some(mut c) => {
+                c.load(layer, expert, blob)
+                    .map_err(|e| self.cache_err("load_expert", e))?;
+                Ok(Weights::Held { layer, expert })
+            }
+            None => Ok(Weights::Blob(blob)),
+        }
+    }
+
+    fn expert_copies_done(&self) -> OpResult<()> {
+        match self.cache() {
+            Some(mut c) => c
+                .copies_done()
+                .map_err(|e| self.cache_err("expert_copies_done", e)),
+            None => Ok(()),
+        }
+    }
+
+    fn attach_host_slots(&self, layer: usize, slots: &[u8]) -> OpResult<()> {
+        match self.cache() {
+            Some(mut c) => c
+                .pin_host(layer, slots)
+                .map_err(|e| self.cache_err("attach_host_slots", e)),
+            None => Ok(()),
+        }
+    }
+
+    fn device_expert_stats(&self) -> Option<DeviceExpertStats> {
+        self.cache().map(|c| c.stats())
+    }
+
+    fn experts_to_complete(&self, layer: usize) -> OpResult<Vec<usize>> {
+        match self.cache() {
+            Some(mut c) => c
+                .not_yet_held(&self.stream, layer)
+                .map_err(|e| self.cache_err("experts_to_complete", e)),
+            None => Ok(Vec::new()),
+        }
+    }
+
+    fn routes_on_device(&self, layer: usize, top_k: usize) -> OpResult<bool> {
+        if 2 * top_k > QM_JOBS {
+            return Ok(false);
+        }
+        match self.cache() {
+            Some(mut c) => Ok(c
+                .slots_by_id(&self.stream, layer)
+                .map_err(|e| self.cache_err("routes_on_device", e))?
+                .is_some()),
+            None => Ok(false),
+        }
+    }
+
+    fn routed_experts_held(
+        &self,
+        layer: usize,
+        mlp: &Mlp,
+        act: Act,
+        x: &CudaTensor,
+        logits: &CudaTensor,
+        spec: &RouterSpec,
+        acc: &mut CudaTensor,
+    ) -> OpResult<()> {
+        let op = "routed_experts_held";
+        let (n_exp, k) = (logits.cols, spec.top_k);
+        check_mlp(op, mlp, x.cols)?;
+        let (inner, h) = (mlp.gate_proj.rows, mlp.down_proj.rows);
+        check(
+            op,
+            x.rows == 1
+                && logits.rows == 1
+                && (acc.rows, acc.cols) == (1, h)
+                && !spec.trace
+                && 2 * k <= QM_JOBS,
+            || {
+                format!(
+                    "one row of {} into [1, {h}] by [1, {n_exp}] logits, top-{k} (at most {}), \
+                     no trace; got x [{}, {}], logits [{}, {n_exp}], acc [{}, {}]",
+                    x.cols,
+                    QM_JOBS / 2,
+                    x.rows,
+                    x.cols,
+                    logits.rows,
+                    acc.rows,
+                    acc.cols
+                )
+            },
+        )?;
+        let (scoring, norm, pes_off, has_pes) = self.route_args(op, spec, 1, n_exp)?;
+        let (slots, stride) = {
+            let mut cache = self.cache();
+            let Some(c) = cache.as_mut() else {
+                return Err(self.missing("routed_experts_held (no GPU expert cache)"));
+            };
+            let slots = c
+                .slots_by_id(&self.stream, layer)
+                .map_err(|e| self.cache_err(op, e))?;
+            let experts = c.experts();
+            check(op, slots.is_some() && experts == n_exp, || {
+                format!("layer {layer}: not every one of its {experts} experts is held for {n_exp} logits")
+            })?;
+            c.count_device_step(k);
+            (slots.expect("checked"), c.stride())
+        };
+        let mut forced = ForcedIds {
+            ids: [0; ROUTE_MAX_K],
+        };
+        if let Some(f) = spec.forced {
+            for (d, &e) in forced.ids.iter_mut().zip(f) {
+                *d = e as u32;
+            }
+        }
+        let has_forced = spec.forced.is_some() as i32;
+        // The chosen ids, then their weights' bits.
+        // SAFETY: `route_one` writes all 2k values before anything reads them (stream order).
+        let sel = unsafe { self.stream.alloc::<u32>(2 * k) }.map_err(|e| self.dev(op, e))?;
+        let ids = self.addr(&sel);
+        let wts = ids + 4 * k as u64;
+        let (ni, ki) = (n_exp as i32, k as i32);
+        launch!(
+            self,
+            op,
+            "route_one",
+            blocks(1, 32),
+            &*logits.buf,
+            &ni,
+            &ki,
+            &scoring,
+            &norm,
+            &self.resident,
+            &pes_off,
+            &has_pes,
+            &forced,
+            &has_forced,
+            &ids,
+            &wts
+        )?;
+        let mut g = self.uninit_tensor(op, k, inner)?;
+        let u = self.uninit_tensor(op, k, inner)?;
+        let stack = self.uninit_tensor(op, k, h)?;
+        let (xa, ga, ua, sa) = (
+            self.addr(&*x.buf),
+            self.addr(&*g.buf),
+            self.addr(&*u.buf),
+            self.addr(&*stack.buf),
+        );
+        let row = |base: u64, r: usize, width: usize| base + (4 * r * width) as u64;
+        let (gate, up) = (&mlp.gate_proj, &mlp.up_proj);
+        let gate_jobs: Vec<_> = (0..k).map(|i| (0, i, xa, row(ga, i, inner))).collect();
+        let up_jobs: Vec<_> = (0..k).map(|i| (1, i, xa, row(ua, i, inner))).collect();
+        let [gw, ..] = qref_offsets(op, gate, stride)?;
+        let [uw, ..] = qref_offsets(op, up, stride)?;
+        if pairs_fuse(gate, up, gw, uw) {
+            self.products_by_id(op, &[gate, up], &gate_jobs, slots, ids, stride, Some(act))?;
+        } else {
+            if (gate.bits, gate.group_size) == (up.bits, up.group_size) {
+                let both: Vec<_> = gate_jobs.iter().chain(&up_jobs).copied().collect();
+                self.products_by_id(op, &[gate, up], &both, slots, ids, stride, None)?;
+            } else {
+                self.products_by_id(op, &[gate], &gate_jobs, slots, ids, stride, None)?;
+                let up_jobs: Vec<_> = up_jobs.iter().map(|&(_, i, x, y)| (0, i, x, y)).collect();
+                self.products_by_id(op, &[up], &up_jobs, slots, ids, stride, None)?;
+            }
+            self.glu_act(op, act, &mut g, &u)?;
+        }
+        let down: Vec<_> = (0..k)
+            .map(|i| (0, i, row(ga, i, inner), row(sa, i, h)))
+            .collect();
+        self.products_by_id(op, &[&mlp.down_proj], &down, slots, ids, stride, None)?;
+        let cols = h as u64;
+        launch!(
+            self,
+            op,
+            "combine_ids",
+            elems(h),
+            &mut *acc.buf,
+            &*stack.buf,
+            &ids,
+            &wts,
+            &ki,
+            &cols
+        )
+    }
+
+    fn size_expert_cache(&self) -> OpResult<()> {
+        match self.cache() {
+            Some(mut c) => c
+                .ensure_sized(&self.stream)
+                .map_err(|e| self.cache_err("size_expert_cache", e)),
+            None => Ok(()),
+        }
+    }
+}

@@ -1,0 +1,263 @@
+//! Launching kernels: the `launch!` macro, the kernels' compile-time sizes mirrored on the host,
+//! the by-value argument structs (`repr(C)` twins of the `.cu` structs) and the grid helpers.
+
+use crate::*;
+
+/// Launches kernel `$k` for op `$op` with `$cfg` and the arguments (references to locals or
+/// device buffers, in the order of the kernel's parameters); an empty grid launches nothing.
+macro_rules! launch {
+    ($be:expr, $op:expr, $k:expr, $cfg:expr, $($arg:expr),+ $(,)?) => {{
+        let cfg: LaunchConfig = $cfg;
+        if cfg.grid_dim.0 == 0 || cfg.grid_dim.1 == 0 {
+            Ok(())
+        } else {
+            let kernel: &'static str = $k;
+            let t0 = $be.profile_start();
+            let mut b = $be.stream.launch_builder(&$be.funcs[kernel]);
+            $( b.arg($arg); )+
+            // SAFETY: the arguments follow the kernel's parameter list in ops/*.cu (device
+            // buffers, or their `u64` addresses, as pointers; `i32` as int, `u64` as u64, `f32`
+            // as float; `QJobs` / `Pairs` by value), and the op checked that every buffer holds
+            // what the launch's shape reads or writes.
+            let r = unsafe { b.launch(cfg) }.map(|_| ()).map_err(|e| $be.dev($op, e));
+            $be.profile_end($op, kernel, t0);
+            r
+        }
+    }};
+}
+
+/// `qmatmul` (ops/quant.cu): output rows per block (a warp each), products per launch, rows
+/// of x per pass over a weight row.
+pub(crate) const QM_ROWS: usize = 8;
+pub(crate) const QM_JOBS: usize = 32;
+pub(crate) const QM_TT: usize = 4;
+/// `qmv2/4/8` (ops/quant.cu): warps per block.
+pub(crate) const QV_WARPS: usize = 4;
+/// Blocks a `qmatmul` launch aims for before it splits the rows of x over more of them (two per
+/// SM of an H200).
+pub(crate) const QM_BLOCKS: usize = 264;
+/// (row, weight) pairs per `scatter_add` launch (`SCATTER_PAIRS` in ops/elementwise.cu).
+pub(crate) const SCATTER_PAIRS: usize = 64;
+/// The attention kernel keeps 16 dimensions of a head per lane: `head_dim <= 32 * 16`.
+pub(crate) const ATTN_MAX_HEAD_DIM: usize = 512;
+/// Warps per block of the attention kernel (`ATTN_WARPS` in ops/attention.cu).
+pub(crate) const ATTN_WARPS: u32 = 16;
+/// Attention launches with fewer (row, head) items than this (decode) split the visible
+/// positions over blocks of about `ATTN_SPLIT_POSITIONS` each, at most `ATTN_MAX_SPLITS`.
+pub(crate) const ATTN_SPLIT_BELOW_ITEMS: usize = 132;
+pub(crate) const ATTN_SPLIT_POSITIONS: usize = 64;
+pub(crate) const ATTN_MAX_SPLITS: usize = 16;
+/// Most experts per token the router kernel keeps per row.
+pub(crate) const ROUTE_MAX_K: usize = 64;
+/// Small constant vectors kept on the device (RoPE frequencies, attention sinks).
+pub(crate) const CONSTS_KEPT: usize = 64;
+
+/// The `QJobs` argument of `qmatmul`: device addresses of each product's codes, scales, biases,
+/// input rows and output rows.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub(crate) struct QJobs {
+    pub(crate) w: [u64; QM_JOBS],
+    pub(crate) s: [u64; QM_JOBS],
+    pub(crate) b: [u64; QM_JOBS],
+    pub(crate) x: [u64; QM_JOBS],
+    pub(crate) y: [u64; QM_JOBS],
+}
+
+// SAFETY: plain `repr(C)` u64 arrays, laid out as `struct QJobs` in ops/quant.cu.
+unsafe impl cudarc::driver::DeviceRepr for QJobs {}
+
+/// The `QIdJobs` argument of `qmv_ids`: byte offsets of up to two matrices in an expert
+/// blob, and per product the input and output rows, the place of its expert among the device-side
+/// ids and which matrix it multiplies.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(crate) struct QIdJobs {
+    pub(crate) w_off: [u64; 2],
+    pub(crate) s_off: [u64; 2],
+    pub(crate) b_off: [u64; 2],
+    pub(crate) x: [u64; QM_JOBS],
+    pub(crate) y: [u64; QM_JOBS],
+    pub(crate) pick: [i32; QM_JOBS],
+    pub(crate) mat: [i32; QM_JOBS],
+}
+
+// SAFETY: plain `repr(C)` arrays of u64 and i32, laid out as `struct QIdJobs` in ops/quant.cu.
+unsafe impl cudarc::driver::DeviceRepr for QIdJobs {}
+
+/// The `ForcedIds` argument of `route_one`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(crate) struct ForcedIds {
+    pub(crate) ids: [u32; ROUTE_MAX_K],
+}
+
+// SAFETY: a plain `repr(C)` u32 array, laid out as `struct ForcedIds` in ops/router.cu.
+unsafe impl cudarc::driver::DeviceRepr for ForcedIds {}
+
+/// Pre-norms one `rms_norm_add_pre` launch writes (ops/norm.cu `PRE_NORMS`).
+pub(crate) const PRE_NORMS: usize = 4;
+
+/// The `PreNorms` argument of `rms_norm_add_pre`: per pre-norm its output's device address, its
+/// norm's weight offset, mode and constant, and its column scale (offset, constant, whether).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub(crate) struct PreNorms {
+    pub(crate) out: [u64; PRE_NORMS],
+    pub(crate) w_off: [u64; PRE_NORMS],
+    pub(crate) col_off: [u64; PRE_NORMS],
+    pub(crate) c: [f32; PRE_NORMS],
+    pub(crate) col_c: [f32; PRE_NORMS],
+    pub(crate) mode: [i32; PRE_NORMS],
+    pub(crate) has_col: [i32; PRE_NORMS],
+    pub(crate) n: i32,
+}
+
+// SAFETY: plain `repr(C)` arrays of u64, f32 and i32 and an i32, laid out as `struct PreNorms` in
+// ops/norm.cu.
+unsafe impl cudarc::driver::DeviceRepr for PreNorms {}
+
+/// The `Pairs` argument of `scatter_add`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(crate) struct Pairs {
+    pub(crate) rows: [u32; SCATTER_PAIRS],
+    pub(crate) w: [f32; SCATTER_PAIRS],
+}
+
+// SAFETY: plain `repr(C)` arrays of u32 and f32, laid out as `struct Pairs` in the kernel.
+unsafe impl cudarc::driver::DeviceRepr for Pairs {}
+
+/// One product of a `qmatmul` launch: matrix `w` in the bytes at device address `buf` (`len` of
+/// them valid), the rows of x at device address `x`, the output rows at `y`.
+#[derive(Clone, Copy)]
+pub(crate) struct QJob<'a> {
+    pub(crate) w: &'a QRef,
+    pub(crate) buf: u64,
+    pub(crate) len: usize,
+    pub(crate) x: u64,
+    pub(crate) y: u64,
+}
+
+/// Where the bytes of a launch's sources are ([`CudaBackend::sources`]).
+pub(crate) struct Sources<'a> {
+    /// Device address and valid length of each source, in order.
+    pub(crate) at: Vec<(u64, usize)>,
+    /// `(layer, slot)` of each held source.
+    pub(crate) held: Vec<(usize, usize)>,
+    /// The expert cache, locked until the held slots' reads are recorded.
+    pub(crate) cache: Option<std::sync::MutexGuard<'a, GpuExperts>>,
+}
+
+/// A small host vector (by its bit patterns) and its device copy.
+pub(crate) type Constant = (Vec<u32>, Arc<CudaSlice<f32>>);
+
+/// A 1-D grid of 256-thread blocks over `n` elements (kernels loop if the grid is capped).
+pub(crate) fn elems(n: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (n.div_ceil(256).min(1 << 20) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Lanes per output row of a `qmv` launch: 32, or fewer (down to 4) for short rows, so that a lane
+/// has at least 4 of the row's 8-byte words.
+pub(crate) fn qmv_lanes(cols: usize, bits: usize) -> usize {
+    let words = cols * bits / 64;
+    let mut lanes = 32;
+    while lanes > 4 && words < 4 * lanes {
+        lanes /= 2;
+    }
+    lanes
+}
+
+/// The `QJobs` argument for up to `QM_JOBS` products.
+pub(crate) fn qjobs<'a, 'b: 'a>(
+    op: &'static str,
+    jobs: impl Iterator<Item = &'a QJob<'b>>,
+) -> OpResult<QJobs> {
+    let mut a = QJobs {
+        w: [0; QM_JOBS],
+        s: [0; QM_JOBS],
+        b: [0; QM_JOBS],
+        x: [0; QM_JOBS],
+        y: [0; QM_JOBS],
+    };
+    for (i, j) in jobs.enumerate().take(QM_JOBS) {
+        let [wo, so, bo] = qref_offsets(op, j.w, j.len)?;
+        (a.w[i], a.s[i], a.b[i]) = (j.buf + wo, j.buf + so, j.buf + bo);
+        (a.x[i], a.y[i]) = (j.x, j.y);
+    }
+    Ok(a)
+}
+
+/// Whether a gate and an up matrix (codes at device addresses `gate_at`, `up_at`) can share a
+/// `qmv_glu` lane group: one shape, and the same alignment modulo 8 (so a lane's words hold the
+/// same columns of both).
+pub(crate) fn pairs_fuse(gate: &QRef, up: &QRef, gate_at: u64, up_at: u64) -> bool {
+    (gate.rows, gate.cols, gate.bits, gate.group_size) == (up.rows, up.cols, up.bits, up.group_size)
+        && gate_at % 8 == up_at % 8
+}
+
+/// The shapes the quantized product kernels take: 2/4/8 bits, a multiple of 32 columns, groups
+/// a power of two.
+pub(crate) fn check_qshape(op: &'static str, w: &QRef) -> OpResult<()> {
+    let (cols, bits, group) = (w.cols, w.bits, w.group_size);
+    check(
+        op,
+        cols.is_multiple_of(32) && matches!(bits, 2 | 4 | 8) && group.is_power_of_two(),
+        || {
+            format!("a {bits}-bit matrix of {cols} columns in groups of {group} (2/4/8 bits, a multiple of 32 columns, groups a power of two)")
+        },
+    )
+}
+
+/// `glu_f`'s act code and limit (ops/common.cuh).
+pub(crate) fn act_code(act: Act) -> (i32, f32) {
+    match act {
+        Act::GeluTanh => (0, 0.0),
+        Act::Silu => (1, 0.0),
+        Act::SiluClamped(l) => (2, l),
+    }
+}
+
+/// The grid of a `qmv` launch over `jobs` products (`nm = 1`) or gated pairs (`nm = 2`) of
+/// `rows` rows, `lanes` lanes per row.
+pub(crate) fn qmv_grid(rows: usize, lanes: usize, jobs: usize, nm: usize) -> LaunchConfig {
+    let rows_per_block = QV_WARPS * 32 / lanes * (compile::qv_rows() / nm);
+    LaunchConfig {
+        grid_dim: (rows.div_ceil(rows_per_block) as u32, jobs as u32, 1),
+        block_dim: (32 * QV_WARPS as u32, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Logits per block of `argmax_parts` (4 per thread; a 262,144-token vocabulary is 64 parts).
+pub(crate) const ARGMAX_CHUNK: usize = 4096;
+
+pub(crate) fn blocks(n: usize, threads: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (n as u32, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+pub(crate) fn same_shape(op: &'static str, a: &CudaTensor, b: &CudaTensor) -> OpResult<()> {
+    check(op, a.rows == b.rows && a.cols == b.cols, || {
+        format!("[{}, {}] vs [{}, {}]", a.rows, a.cols, b.rows, b.cols)
+    })
+}
+
+/// The byte offsets of a matrix's weights, scales and biases, checked to lie in a buffer of
+/// `len` bytes at even offsets (the kernels read u16s).
+pub(crate) fn qref_offsets(op: &'static str, w: &QRef, len: usize) -> OpResult<[u64; 3]> {
+    let r = w.byte_ranges();
+    check(
+        op,
+        r.iter().all(|&(o, l)| o.is_multiple_of(2) && o + l <= len),
+        || format!("matrix ranges {r:?} do not lie 2-byte aligned in {len} bytes"),
+    )?;
+    Ok(r.map(|(o, _)| o as u64))
+}

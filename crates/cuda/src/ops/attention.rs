@@ -1,0 +1,292 @@
+//! RoPE, the KV cache and causal attention (kernels: attention.cu).
+
+use crate::*;
+
+impl CudaBackend {
+    pub(crate) fn new_kv(
+        &self,
+        rows: usize,
+        ring: bool,
+        n_kv_heads: usize,
+        head_dim: usize,
+        dtype: KvDtype,
+    ) -> OpResult<CudaKv> {
+        let op = "new_kv";
+        let n = rows * n_kv_heads * head_dim;
+        let store = || -> OpResult<Store> {
+            Ok(match dtype {
+                KvDtype::F16 => {
+                    Store::F16(self.stream.alloc_zeros(n).map_err(|e| self.dev(op, e))?)
+                }
+                KvDtype::F32 => Store::F32(self.zeros_f32(op, n)?),
+            })
+        };
+        Ok(CudaKv {
+            rows,
+            ring,
+            n_kv_heads,
+            head_dim,
+            k: store()?,
+            v: store()?,
+        })
+    }
+
+    pub(crate) fn rope(&self, x: &mut CudaTensor, rope: &Rope, head_dim: usize, pos0: usize) -> OpResult<()> {
+        let op = "rope";
+        let Some((freq, style)) = self.rope_args(op, x, rope, head_dim)? else {
+            return Ok(());
+        };
+        let (t, cols, hd, rot, p0) = (
+            x.rows as u64,
+            x.cols as i32,
+            head_dim as i32,
+            rope.rotated as i32,
+            pos0 as i32,
+        );
+        let n = x.rows * (x.cols / head_dim) * (rope.rotated / 2);
+        launch!(
+            self,
+            op,
+            "rope",
+            elems(n),
+            &mut *x.buf,
+            &t,
+            &cols,
+            &hd,
+            &rot,
+            &style,
+            &*freq,
+            &p0,
+            &rope.mscale
+        )
+    }
+
+    pub(crate) fn kv_clone(&self, kv: &CudaKv) -> OpResult<CudaKv> {
+        let op = "kv_clone";
+        let copy = |s: &Store| -> OpResult<Store> {
+            Ok(match s {
+                Store::F16(x) => {
+                    Store::F16(self.stream.clone_dtod(x).map_err(|e| self.dev(op, e))?)
+                }
+                Store::F32(x) => {
+                    Store::F32(self.stream.clone_dtod(x).map_err(|e| self.dev(op, e))?)
+                }
+            })
+        };
+        Ok(CudaKv {
+            rows: kv.rows,
+            ring: kv.ring,
+            n_kv_heads: kv.n_kv_heads,
+            head_dim: kv.head_dim,
+            k: copy(&kv.k)?,
+            v: copy(&kv.v)?,
+        })
+    }
+
+    pub(crate) fn kv_write(
+        &self,
+        kv: &mut CudaKv,
+        pos0: usize,
+        k: &CudaTensor,
+        v: &CudaTensor,
+    ) -> OpResult<()> {
+        let op = "kv_write";
+        same_shape(op, k, v)?;
+        let w = kv.width();
+        check(op, k.cols == w, || {
+            format!("rows of {} into a KV row of {w}", k.cols)
+        })?;
+        check(op, kv.ring || pos0 + k.rows <= kv.rows, || {
+            format!(
+                "positions {pos0}..{} beyond the {}-row KV cache",
+                pos0 + k.rows,
+                kv.rows
+            )
+        })?;
+        let (t, wi, rows, ring, p0) = (
+            k.rows as i32,
+            w as i32,
+            kv.rows as i32,
+            kv.ring as i32,
+            pos0 as i32,
+        );
+        let (kernel, ks, vs) = self.kv_ptrs(kv, "kv_write_f16", "kv_write_f32");
+        launch!(
+            self,
+            op,
+            kernel,
+            elems(k.len()),
+            &ks,
+            &vs,
+            &*k.buf,
+            &*v.buf,
+            &t,
+            &wi,
+            &rows,
+            &ring,
+            &p0
+        )
+    }
+
+    pub(crate) fn attention(
+        &self,
+        q: &CudaTensor,
+        kv: &CudaKv,
+        pos0: usize,
+        s: &AttnShape,
+    ) -> OpResult<CudaTensor> {
+        let op = "attention";
+        check(
+            op,
+            q.cols == s.n_heads * s.head_dim
+                && s.n_kv_heads > 0
+                && s.n_heads.is_multiple_of(s.n_kv_heads)
+                && kv.width() == s.n_kv_heads * s.head_dim
+                && s.head_dim <= ATTN_MAX_HEAD_DIM
+                && s.sinks.as_ref().is_none_or(|v| v.len() == s.n_heads),
+            || {
+                format!(
+                    "q rows of {} for {} heads of {} (at most {ATTN_MAX_HEAD_DIM}) over KV rows of {}",
+                    q.cols,
+                    s.n_heads,
+                    s.head_dim,
+                    kv.width()
+                )
+            },
+        )?;
+        check(
+            op,
+            if kv.ring {
+                s.window.is_some()
+            } else {
+                pos0 + q.rows <= kv.rows
+            },
+            || {
+                format!(
+                    "positions {pos0}..{} over a {}-row {} KV cache (window {:?})",
+                    pos0 + q.rows,
+                    kv.rows,
+                    if kv.ring { "ring" } else { "linear" },
+                    s.window
+                )
+            },
+        )?;
+        let sinks = match &s.sinks {
+            Some(v) => Some(self.constant(op, v)?),
+            None => None,
+        };
+        let sp = sinks.as_deref().map_or(0, |b| self.addr(b));
+        let mut out = self.uninit_tensor(op, q.rows, q.cols)?;
+        // Few (row, head) items (decode): the visible positions are cut into runs of about
+        // ATTN_SPLIT_POSITIONS, one block each, merged by a second kernel.
+        let items = q.rows * s.n_heads;
+        let last = pos0 + q.rows - 1;
+        let visible = match s.window {
+            Some(w) => (last + 1).min(w),
+            None => last + 1,
+        };
+        let splits = if items >= ATTN_SPLIT_BELOW_ITEMS {
+            1
+        } else {
+            visible
+                .div_ceil(ATTN_SPLIT_POSITIONS)
+                .clamp(1, ATTN_MAX_SPLITS)
+        };
+        // (maximum, sum) per part, then each part's output row.
+        let parts = self.uninit_tensor(op, items * splits, s.head_dim + 2)?;
+        let pa = self.addr(&*parts.buf);
+        let (pm, pl, po) = (
+            pa,
+            pa + (4 * items * splits) as u64,
+            pa + (8 * items * splits) as u64,
+        );
+        let (t, nh, nkv, d, rows, ring, p0, win) = (
+            q.rows as i32,
+            s.n_heads as i32,
+            s.n_kv_heads as i32,
+            s.head_dim as i32,
+            kv.rows as i32,
+            kv.ring as i32,
+            pos0 as i32,
+            s.window.unwrap_or(0) as i32,
+        );
+        let (ni, si) = (items as i32, splits as i32);
+        let (kernel, ks, vs) = self.kv_ptrs(kv, "attention_f16", "attention_f32");
+        launch!(
+            self,
+            op,
+            kernel,
+            LaunchConfig {
+                grid_dim: (items as u32, splits as u32, 1),
+                block_dim: (32 * ATTN_WARPS, 1, 1),
+                shared_mem_bytes: 0,
+            },
+            &*q.buf,
+            &ks,
+            &vs,
+            &t,
+            &nh,
+            &nkv,
+            &d,
+            &rows,
+            &ring,
+            &p0,
+            &win,
+            &s.scale,
+            &si,
+            &pm,
+            &pl,
+            &po
+        )?;
+        launch!(
+            self,
+            op,
+            "attention_merge",
+            blocks(items, 256),
+            &pm,
+            &pl,
+            &po,
+            &ni,
+            &nh,
+            &d,
+            &si,
+            &sp,
+            &mut *out.buf
+        )?;
+        Ok(out)
+    }
+
+    /// RoPE's checks, and its kernel arguments (frequencies on the device, style code); `None`
+    /// when nothing rotates.
+    pub(crate) fn rope_args(
+        &self,
+        op: &'static str,
+        x: &CudaTensor,
+        rope: &Rope,
+        head_dim: usize,
+    ) -> OpResult<Option<(Arc<CudaSlice<f32>>, i32)>> {
+        check(
+            op,
+            head_dim > 0
+                && x.cols.is_multiple_of(head_dim)
+                && rope.rotated <= head_dim
+                && rope.inv_freq.len() == rope.rotated / 2,
+            || {
+                format!(
+                    "heads of {head_dim} (rotating {}, {} frequencies) in rows of {}",
+                    rope.rotated,
+                    rope.inv_freq.len(),
+                    x.cols
+                )
+            },
+        )?;
+        if rope.inv_freq.is_empty() {
+            return Ok(None);
+        }
+        let style = match rope.style {
+            RopeStyle::NeoX => 0i32,
+            RopeStyle::Interleaved => 1,
+        };
+        Ok(Some((self.constant(op, &rope.inv_freq)?, style)))
+    }
+}

@@ -1,0 +1,110 @@
+// Data movement and elementwise maps over row-major [rows, cols] f32 activations (the norms are in
+// norm.cu).
+
+// flag <- 1 if any of x[0..n) is NaN or infinite (flag starts at 0; every writer writes 1).
+extern "C" __global__ void all_finite(const float* x, u64 n, int* flag) {
+    FOR_EACH(i, n) {
+        if (!finite_f32(x[i])) *flag = 1;
+    }
+}
+
+// out[j, :] = x[rows[j], :].
+extern "C" __global__ void gather_rows(const float* x, u64 cols, const u32* rows, u64 n_rows,
+                                       float* out) {
+    FOR_EACH(i, n_rows * cols) {
+        u64 j = i / cols, c = i % cols;
+        out[i] = x[(u64)rows[j] * cols + c];
+    }
+}
+
+// Part `part` (at offset `off` inside each group of `group` columns) of every group of x:
+// out[g, 0..part) = x[g, off..off+part) over the n_groups groups of all rows.
+extern "C" __global__ void split_part(const float* x, u64 n_groups, int group, int off, int part,
+                                      float* out) {
+    FOR_EACH(i, n_groups * (u64)part) {
+        u64 g = i / part, c = i % part;
+        out[i] = x[g * group + off + c];
+    }
+}
+
+// x <- op(x): 0 scale(a), 1 softcap(a), 2 clamp(a, b), 3 silu, 4 gelu-tanh, 5 sigmoid.
+extern "C" __global__ void unary(float* x, u64 n, int op, float a, float b) {
+    FOR_EACH(i, n) {
+        float v = x[i];
+        switch (op) {
+            case 0: v = v * a; break;
+            case 1: v = a * tanhf(v / a); break;
+            case 2: v = fminf(fmaxf(v, a), b); break;
+            case 3: v = silu_f(v); break;
+            case 4: v = gelu_tanh_f(v); break;
+            default: v = sigmoid_f(v); break;
+        }
+        x[i] = v;
+    }
+}
+
+// x[r, i] <- x[r, i] * (w[i] * c), w BF16 at byte offset w_off of the resident buffer.
+extern "C" __global__ void mul_cols(float* x, u64 n, u64 cols, const unsigned char* base,
+                                    u64 w_off, float c) {
+    const u16* w = (const u16*)(base + w_off);
+    FOR_EACH(i, n) { x[i] *= bf16_to_f32(w[i % cols]) * c; }
+}
+
+// y[t, r] = sum_c x[t, c] * w[r, c], w BF16 [rows, cols] at byte offset w_off of the resident
+// buffer, f32 accumulation (an unquantized router).
+extern "C" __global__ void matmul_bf16(const float* x, u64 t, u64 rows, u64 cols,
+                                       const unsigned char* base, u64 w_off, float* y) {
+    const u16* w = (const u16*)(base + w_off);
+    FOR_EACH(i, t * rows) {
+        u64 tt = i / rows, r = i % rows;
+        const float* xr = x + tt * cols;
+        const u16* wr = w + r * cols;
+        float acc = 0.0f;
+        for (u64 c = 0; c < cols; ++c) acc += xr[c] * bf16_to_f32(wr[c]);
+        y[i] = acc;
+    }
+}
+
+// x <- x * sigmoid(g).
+extern "C" __global__ void mul_sigmoid(float* x, const float* g, u64 n) {
+    FOR_EACH(i, n) { x[i] *= sigmoid_f(g[i]); }
+}
+
+// x <- x * silu(z) (the gate of a gated RMSNorm).
+extern "C" __global__ void mul_silu(float* x, const float* z, u64 n) {
+    FOR_EACH(i, n) { x[i] *= silu_f(z[i]); }
+}
+
+// x[r, :] <- x[r, :] * sigmoid(g[r]).
+extern "C" __global__ void mul_rows_sigmoid(float* x, const float* g, u64 n, u64 cols) {
+    FOR_EACH(i, n) { x[i] *= sigmoid_f(g[i / cols]); }
+}
+
+// x <- (x + y) * s.
+extern "C" __global__ void add_scaled(float* x, const float* y, u64 n, float s) {
+    FOR_EACH(i, n) { x[i] = (x[i] + y[i]) * s; }
+}
+
+// Up to SCATTER_PAIRS (row, weight) pairs, passed by value.
+#define SCATTER_PAIRS 64
+struct Pairs {
+    u32 rows[SCATTER_PAIRS];
+    float w[SCATTER_PAIRS];
+};
+
+// acc[p.rows[j], c] += p.w[j] * y[j, c] for j < n_pairs in order (one thread per column, so rows
+// routed to twice accumulate in the caller's order, as the CPU does).
+extern "C" __global__ void scatter_add(float* acc, const float* y, Pairs p, int n_pairs,
+                                       u64 cols) {
+    FOR_EACH(c, cols) {
+        for (int j = 0; j < n_pairs; ++j) {
+            u64 o = (u64)p.rows[j] * cols + c;
+            acc[o] += p.w[j] * y[(u64)j * cols + c];
+        }
+    }
+}
+
+// g <- act(g) * u: 0 GeGLU, 1 SwiGLU, 2 SwiGLU with gate <= limit and up in [-limit, limit].
+extern "C" __global__ void glu_act(float* g, const float* u, u64 n, int act, float limit) {
+    FOR_EACH(i, n) g[i] = glu_f(g[i], u[i], act, limit);
+}

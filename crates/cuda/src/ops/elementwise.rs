@@ -1,0 +1,260 @@
+//! Data in and out, and the elementwise maps (kernels: elementwise.cu).
+
+use crate::*;
+
+impl CudaBackend {
+    pub(crate) fn upload(&self, data: &[f32], cols: usize) -> OpResult<CudaTensor> {
+        check(
+            "upload",
+            cols > 0 && data.len().is_multiple_of(cols),
+            || format!("{} values do not fill rows of {cols}", data.len()),
+        )?;
+        let buf = self.to_device("upload", data)?;
+        Ok(self.wrap(buf, data.len() / cols, cols))
+    }
+
+    pub(crate) fn zeros(&self, rows: usize, cols: usize) -> OpResult<CudaTensor> {
+        check("zeros", cols > 0, || "zero columns".into())?;
+        self.tensor("zeros", rows, cols)
+    }
+
+    pub(crate) fn copy(&self, x: &CudaTensor) -> OpResult<CudaTensor> {
+        let mut y = self.uninit_tensor("copy", x.rows, x.cols)?;
+        self.stream
+            .memcpy_dtod(&*x.buf, &mut *y.buf)
+            .map_err(|e| self.dev("copy", e))?;
+        Ok(y)
+    }
+
+    pub(crate) fn read(&self, x: &CudaTensor) -> OpResult<Vec<f32>> {
+        self.to_host("read", &*x.buf)
+    }
+
+    pub(crate) fn all_finite(&self, x: &CudaTensor) -> OpResult<bool> {
+        let op = "all_finite";
+        let mut flag = self
+            .stream
+            .alloc_zeros::<i32>(1)
+            .map_err(|e| self.dev(op, e))?;
+        let n = x.len() as u64;
+        launch!(
+            self,
+            op,
+            "all_finite",
+            elems(x.len()),
+            &*x.buf,
+            &n,
+            &mut flag
+        )?;
+        Ok(self.to_host(op, &flag)?[0] == 0)
+    }
+
+    pub(crate) fn gather_rows(&self, x: &CudaTensor, rows: &[usize]) -> OpResult<CudaTensor> {
+        let op = "gather_rows";
+        check(op, rows.iter().all(|&r| r < x.rows), || {
+            format!("a row index is outside {} rows", x.rows)
+        })?;
+        let idx: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+        let idx = self.to_device(op, &idx)?;
+        let mut out = self.uninit_tensor(op, rows.len(), x.cols)?;
+        let (cols, n) = (x.cols as u64, rows.len() as u64);
+        launch!(
+            self,
+            op,
+            "gather_rows",
+            elems(out.len()),
+            &*x.buf,
+            &cols,
+            &idx,
+            &n,
+            &mut *out.buf
+        )?;
+        Ok(out)
+    }
+
+    pub(crate) fn split(&self, x: &CudaTensor, group: usize, parts: &[usize]) -> OpResult<Vec<CudaTensor>> {
+        let op = "split";
+        check(
+            op,
+            group > 0 && parts.iter().sum::<usize>() == group && x.cols.is_multiple_of(group),
+            || format!("parts {parts:?} of groups of {group} in rows of {}", x.cols),
+        )?;
+        let n_groups = (x.len() / group) as u64;
+        let per_row = x.cols / group;
+        let mut out = Vec::with_capacity(parts.len());
+        let mut off = 0usize;
+        for &p in parts {
+            let mut t = self.uninit_tensor(op, x.rows, per_row * p)?;
+            let (g, o, pp) = (group as i32, off as i32, p as i32);
+            launch!(
+                self,
+                op,
+                "split_part",
+                elems(t.len()),
+                &*x.buf,
+                &n_groups,
+                &g,
+                &o,
+                &pp,
+                &mut *t.buf
+            )?;
+            out.push(t);
+            off += p;
+        }
+        Ok(out)
+    }
+
+    pub(crate) fn unary(&self, x: &mut CudaTensor, op: Unary) -> OpResult<()> {
+        let (code, a, b) = match op {
+            Unary::Scale(c) => (0i32, c, 0.0f32),
+            Unary::Softcap(c) => (1, c, 0.0),
+            Unary::Clamp(lo, hi) => (2, lo, hi),
+            Unary::Silu => (3, 0.0, 0.0),
+            Unary::GeluTanh => (4, 0.0, 0.0),
+            Unary::Sigmoid => (5, 0.0, 0.0),
+        };
+        let n = x.len() as u64;
+        launch!(
+            self,
+            "unary",
+            "unary",
+            elems(x.len()),
+            &mut *x.buf,
+            &n,
+            &code,
+            &a,
+            &b
+        )
+    }
+
+    pub(crate) fn matmul_bf16(&self, w: &VRef, rows: usize, x: &CudaTensor) -> OpResult<CudaTensor> {
+        let op = "matmul_bf16";
+        let off = self.vref(op, w, rows * x.cols)?;
+        let mut out = self.tensor(op, x.rows(), rows)?;
+        let (t, r, c) = (x.rows() as u64, rows as u64, x.cols as u64);
+        launch!(
+            self,
+            op,
+            "matmul_bf16",
+            elems(out.len()),
+            &*x.buf,
+            &t,
+            &r,
+            &c,
+            &self.resident,
+            &off,
+            &mut *out.buf
+        )?;
+        Ok(out)
+    }
+
+    pub(crate) fn mul_cols(&self, x: &mut CudaTensor, w: &VRef, c: f32) -> OpResult<()> {
+        let op = "mul_cols";
+        let off = self.vref(op, w, x.cols)?;
+        let (n, cols) = (x.len() as u64, x.cols as u64);
+        launch!(
+            self,
+            op,
+            "mul_cols",
+            elems(x.len()),
+            &mut *x.buf,
+            &n,
+            &cols,
+            &self.resident,
+            &off,
+            &c
+        )
+    }
+
+    pub(crate) fn mul_sigmoid(&self, x: &mut CudaTensor, g: &CudaTensor) -> OpResult<()> {
+        let op = "mul_sigmoid";
+        same_shape(op, x, g)?;
+        let n = x.len() as u64;
+        launch!(
+            self,
+            op,
+            "mul_sigmoid",
+            elems(x.len()),
+            &mut *x.buf,
+            &*g.buf,
+            &n
+        )
+    }
+
+    pub(crate) fn mul_rows_sigmoid(&self, x: &mut CudaTensor, g: &CudaTensor) -> OpResult<()> {
+        let op = "mul_rows_sigmoid";
+        check(op, g.cols == 1 && g.rows == x.rows, || {
+            format!("gate [{}, {}] for {} rows", g.rows, g.cols, x.rows)
+        })?;
+        let (n, cols) = (x.len() as u64, x.cols as u64);
+        launch!(
+            self,
+            op,
+            "mul_rows_sigmoid",
+            elems(x.len()),
+            &mut *x.buf,
+            &*g.buf,
+            &n,
+            &cols
+        )
+    }
+
+    pub(crate) fn add(&self, x: &mut CudaTensor, y: &CudaTensor, s: f32) -> OpResult<()> {
+        let op = "add";
+        same_shape(op, x, y)?;
+        let n = x.len() as u64;
+        launch!(
+            self,
+            op,
+            "add_scaled",
+            elems(x.len()),
+            &mut *x.buf,
+            &*y.buf,
+            &n,
+            &s
+        )
+    }
+
+    pub(crate) fn scatter_add(
+        &self,
+        acc: &mut CudaTensor,
+        y: &CudaTensor,
+        rows: &[(usize, f32)],
+    ) -> OpResult<()> {
+        let op = "scatter_add";
+        let (h, n) = (acc.cols, acc.rows);
+        check(
+            op,
+            y.cols == h && y.rows == rows.len() && rows.iter().all(|&(r, _)| r < n),
+            || format!("[{}, {}] rows into [{n}, {h}]", y.rows, y.cols),
+        )?;
+        if rows.is_empty() {
+            return Ok(());
+        }
+        let cols = h as u64;
+        let ya = self.addr(&*y.buf);
+        for (ci, chunk) in rows.chunks(SCATTER_PAIRS).enumerate() {
+            let mut p = Pairs {
+                rows: [0; SCATTER_PAIRS],
+                w: [0.0; SCATTER_PAIRS],
+            };
+            for (i, &(r, w)) in chunk.iter().enumerate() {
+                p.rows[i] = r as u32;
+                p.w[i] = w;
+            }
+            let (np, yc) = (chunk.len() as i32, ya + (4 * ci * SCATTER_PAIRS * h) as u64);
+            launch!(
+                self,
+                op,
+                "scatter_add",
+                elems(h),
+                &mut *acc.buf,
+                &yc,
+                &p,
+                &np,
+                &cols
+            )?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,10 @@
+//! The ops by group, each beside its kernels: inherent methods that `backend.rs` delegates to, and
+//! the recurrent group's trait impl.
+
+mod attention;
+mod gemm;
+mod elementwise;
+mod norm;
+mod quant;
+mod recurrent;
+mod router;

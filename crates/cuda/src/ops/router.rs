@@ -1,0 +1,99 @@
+//! The router: top-k and weights on the device, only ids and weights read back (kernels: router.cu).
+
+use crate::*;
+
+impl CudaBackend {
+    pub(crate) fn route(&self, logits: &CudaTensor, spec: &RouterSpec) -> OpResult<Routes> {
+        let op = "route";
+        let (t, n_exp, k) = (logits.rows, logits.cols, spec.top_k);
+        let (scoring, norm, pes_off, has_pes) = self.route_args(op, spec, t, n_exp)?;
+        // One readback: ids, then weight bits, then margin bits.
+        let out = self
+            .stream
+            .alloc_zeros::<u32>(2 * t * k + t.max(1))
+            .map_err(|e| self.dev(op, e))?;
+        let base = self.addr(&out);
+        let (ids_at, wts_at, margins_at) =
+            (base, base + (4 * t * k) as u64, base + (8 * t * k) as u64);
+        let forced = match spec.forced {
+            Some(f) => {
+                let v: Vec<u32> = f.iter().map(|&e| e as u32).collect();
+                Some(self.to_device(op, &v)?)
+            }
+            None => None,
+        };
+        // Without forced ids the kernel never reads the pointer.
+        let forced_at = forced.as_ref().map_or(base, |f| self.addr(f));
+        let has_forced = spec.forced.is_some() as i32;
+        let (ti, ni, ki) = (t as i32, n_exp as i32, k as i32);
+        let trace = spec.trace as i32;
+        launch!(
+            self,
+            op,
+            "route",
+            LaunchConfig {
+                grid_dim: (t.div_ceil(128) as u32, 1, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            },
+            &*logits.buf,
+            &ti,
+            &ni,
+            &ki,
+            &scoring,
+            &norm,
+            &self.resident,
+            &pes_off,
+            &has_pes,
+            &trace,
+            &forced_at,
+            &has_forced,
+            &ids_at,
+            &wts_at,
+            &margins_at
+        )?;
+        let back = self.to_host(op, &out)?;
+        let (ids, rest) = back.split_at(t * k);
+        let (wts, margins) = rest.split_at(t * k);
+        let wts: Vec<f32> = wts.iter().map(|&b| f32::from_bits(b)).collect();
+        let mut experts: BTreeMap<usize, Vec<(usize, f32)>> = BTreeMap::new();
+        for (row, (ri, rw)) in ids.chunks_exact(k).zip(wts.chunks_exact(k)).enumerate() {
+            for (&e, &w) in ri.iter().zip(rw) {
+                experts.entry(e as usize).or_default().push((row, w));
+            }
+        }
+        let margins = if spec.trace {
+            margins.iter().map(|&b| f32::from_bits(b)).collect()
+        } else {
+            Vec::new()
+        };
+        Ok(Routes { experts, margins })
+    }
+
+    /// The `route` / `route_one` kernels' scoring code, renormalisation flag and per-expert
+    /// scale (offset, present) for `spec` over `n_exp` experts, after checking top-k and the
+    /// forced ids of `rows` rows.
+    pub(crate) fn route_args(
+        &self,
+        op: &'static str,
+        spec: &RouterSpec,
+        rows: usize,
+        n_exp: usize,
+    ) -> OpResult<(i32, i32, u64, i32)> {
+        let k = spec.top_k;
+        check(op, k > 0 && k <= n_exp && k <= ROUTE_MAX_K, || {
+            format!("top-{k} of {n_exp} experts (at most {ROUTE_MAX_K})")
+        })?;
+        let pes = match spec.per_expert_scale {
+            Some(p) => Some(self.vref(op, p, n_exp)?),
+            None => None,
+        };
+        check_forced(op, spec, rows, n_exp)?;
+        let (scoring, norm) = match spec.scoring {
+            Scoring::SoftmaxOfTopK => (0i32, 0i32),
+            Scoring::TopKOfSoftmax { norm_topk_prob } => (1, norm_topk_prob as i32),
+            Scoring::SqrtSoftplus { .. } => return Err(self.missing("route (sqrt-softplus)")),
+        };
+        Ok((scoring, norm, pes.unwrap_or(0), pes.is_some() as i32))
+    }
+}
