@@ -229,8 +229,9 @@ fn gpu_expert_budget(s: &str) -> Result<GpuExpertBudget, String> {
 
 /// `--host-expert-cache BYTES` ([`mference_runtime::parse_bytes`]).
 fn host_expert_cache(s: &str) -> Result<u64, String> {
-    mference_runtime::parse_bytes(s)
-        .ok_or_else(|| format!("invalid --host-expert-cache '{s}': expected bytes such as 16G or 512M"))
+    mference_runtime::parse_bytes(s).ok_or_else(|| {
+        format!("invalid --host-expert-cache '{s}': expected bytes such as 16G or 512M")
+    })
 }
 
 /// `--device` as [`Device::parse`] reads it.
@@ -336,8 +337,21 @@ mod tests {
                 "--router-lookahead",
                 "2",
             ][..],
-            &["--model", "/m", "--host-expert-cache", "16G", "--gpu-expert-budget=resident"][..],
-            &["--model", "/m", "--expert-cache-slots", "24", "--device", "auto"][..],
+            &[
+                "--model",
+                "/m",
+                "--host-expert-cache",
+                "16G",
+                "--gpu-expert-budget=resident",
+            ][..],
+            &[
+                "--model",
+                "/m",
+                "--expert-cache-slots",
+                "24",
+                "--device",
+                "auto",
+            ][..],
         ] {
             let m = parse(args);
             let child = m.child_args();
@@ -353,7 +367,14 @@ mod tests {
     /// The spellings each typed flag accepted as a string before it was typed.
     #[test]
     fn typed_flags_accept_the_documented_spellings() {
-        let m = parse(&["--model", "m", "--device", "cuda", "--gpu-expert-budget", "3000000000"]);
+        let m = parse(&[
+            "--model",
+            "m",
+            "--device",
+            "cuda",
+            "--gpu-expert-budget",
+            "3000000000",
+        ]);
         assert_eq!(m.device, Device::Cuda(0));
         assert_eq!(m.gpu_expert_budget, GpuExpertBudget::Bytes(3_000_000_000));
         assert_eq!(m.expert_cache_slots, Slots::Auto);
@@ -368,6 +389,9 @@ mod tests {
         let e = Probe::try_parse_from(["probe", "--model", "m", "--kernels", "avx9000"])
             .unwrap_err()
             .to_string();
-        assert!(e.starts_with("error: invalid --kernels 'avx9000': this CPU runs auto, scalar"), "{e}");
+        assert!(
+            e.starts_with("error: invalid --kernels 'avx9000': this CPU runs auto, scalar"),
+            "{e}"
+        );
     }
 }
