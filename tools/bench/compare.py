@@ -185,7 +185,7 @@ def ours(a, prompts: list, capped: bool, repeats: int, trace: bool = True) -> di
     cmd = [str(a.mference), "bench", "--model", str(a.ours), "--threads", str(a.threads),
            "--slots", a.slots, "--prompts", ",".join(map(str, prompts)), "--gen", str(a.gen),
            "--repeats", str(repeats), "--warmup", str(0 if capped else 1), "--decode", "forced",
-           "--ctx", str(a.ctx)]
+           "--max-context", str(a.max_context)]
     if a.direct_io:
         cmd.append("--direct-io")
     if a.routing_trace and trace:
@@ -339,7 +339,7 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--slots", default="16")
-    ap.add_argument("--ctx", type=int, default=4096)
+    ap.add_argument("--max-context", type=int, default=4096)
     ap.add_argument("--direct-io", action="store_true")
     ap.add_argument("--kernels", default="auto",
                     help="mference kernel table: auto (exact), or avx512vnni (int8 prefill)")

@@ -22,6 +22,6 @@ mkdir -p "$W"
   --prompts 64,512 --gen 32 --repeats 3 --modes warm --out "$W/cmp-$M-warm.json"
 "$PY" tools/bench/compare.py --ours "$W/$M.gturbo" --gguf "$W/$M.gguf" --threads 2 \
   --prompts 64,512 --gen 16 --repeats 1 --modes capped --cap-gib 8 --out "$W/cmp-$M-capped.json"
-# Peak RSS at 4K context, 16 slots (one 4000-token prompt, ctx 4096).
-target/release/mference bench --model "$W/$M.gturbo" --prompts 4000 --gen 32 --ctx 4096 \
+# Peak RSS at 4K context, 16 slots (one 4000-token prompt, --max-context 4096).
+target/release/mference bench --model "$W/$M.gturbo" --prompts 4000 --gen 32 --max-context 4096 \
   --slots 16 --threads 2 --decode forced --json "$W/bench-$M-4k.json"

@@ -19,37 +19,29 @@ use serde_json::{json, Value};
 use mference_models::{Logits, Want};
 use mference_runtime::StreamerStats;
 
-use crate::run_cmd::{load_options, ModelArgs};
+use crate::flags::ModelArgs;
+use crate::load_options::load_options;
 
 /// Named prompt lengths (tokens): about the original's community prompts (61 / 430 / 3,015),
-/// rounded to sizes that fit `--ctx 4096` with room to decode.
+/// rounded to sizes that fit `--max-context 4096` with room to decode.
 const NAMED: [(&str, usize); 3] = [("short", 64), ("medium", 512), ("long", 2048)];
-const CHUNKS: [usize; 8] = [32, 64, 128, 256, 512, 1024, 2048, 4096];
 
-/// `mference bench`.
+/// `mference bench`: the model flags with bench's own defaults (16 expert-cache slots, and
+/// `--verify trusted-receipt` so no layer hashing lands in the timed prefill), then its own.
 #[derive(Args, Debug)]
+#[command(
+    mut_arg("expert_cache_slots", |a| a.default_value("16")),
+    mut_arg("verify", |a| a.default_value("trusted-receipt")),
+)]
 pub struct BenchArgs {
-    /// The installed model directory (`<name>.gturbo`).
-    #[arg(long)]
-    pub model: PathBuf,
-    /// Expert cache slots per layer: 8, 16, 24, 32, 64, 96, 128, resident, or auto.
-    #[arg(long, default_value = "16")]
-    pub slots: String,
-    /// Host expert-cache policy: lfu, lru or pool (every layer's slots in one LFU pool).
-    #[arg(long, default_value = "lfu", value_parser = ["lfu", "lru", "pool"])]
-    pub expert_cache_policy: String,
-    /// Kernel worker threads (default: all cores).
-    #[arg(long)]
-    pub threads: Option<usize>,
-    /// Read experts with O_DIRECT.
-    #[arg(long)]
-    pub direct_io: bool,
+    #[command(flatten)]
+    pub model: ModelArgs,
     /// Prefill chunk rows: 32 … 4096, or auto (the prompt length rounded up to an allowed chunk, at most 512).
     #[arg(long, default_value = "auto")]
     pub prefill_chunk: String,
     /// Positions the KV cache holds.
     #[arg(long, default_value_t = 4096)]
-    pub ctx: usize,
+    pub max_context: usize,
     /// Tokens to decode after each prompt.
     #[arg(long, default_value_t = 64)]
     pub gen: usize,
@@ -65,25 +57,6 @@ pub struct BenchArgs {
     /// Decode input: greedy (the argmax fed back) or forced (pseudo-random ids, as llama-bench tg).
     #[arg(long, default_value = "greedy")]
     pub decode: String,
-    /// Integrity check at load: trusted-receipt (default here, so no layer hashing lands in the
-    /// timed prefill) or full-sha256.
-    #[arg(long, default_value = "trusted-receipt")]
-    pub verify: String,
-    /// Kernel table: auto, scalar, avx2, avx512, or avx512vnni (int8 prefill).
-    #[arg(long, default_value = "auto")]
-    pub kernels: String,
-    /// Where the ops run: cpu, cuda, cuda:N, or auto.
-    #[arg(long, default_value = "cpu")]
-    pub device: String,
-    /// CUDA: device memory for routed experts: auto, resident, or bytes (24G, 512M).
-    #[arg(long, default_value = "auto")]
-    pub gpu_expert_budget: String,
-    /// The host tier below the GPU slots, in bytes over all layers (instead of --slots).
-    #[arg(long, conflicts_with = "slots")]
-    pub host_expert_cache: Option<String>,
-    /// CUDA tests: every expert use a GPU miss.
-    #[arg(long, hide = true)]
-    pub gpu_force_miss: bool,
     /// Replay this recorded expert routing (`.npy`, uint8 [tokens, layers, top_k], e.g.
     /// assets/traces/gemma4-26b-a4b-routing.npy) as the routers' choice: realistic cache hit rates
     /// on synthetic checkpoints, whose random routers pick near-uniformly.
@@ -93,13 +66,6 @@ pub struct BenchArgs {
     /// (other families have none; the output is the same either way).
     #[arg(long, default_value = "on", value_parser = ["on", "off"])]
     pub shadow_prefetch: String,
-    /// Gemma 4 / Qwen 3.6: prefetch up to N experts layer L+1's router predicts from layer L's
-    /// post-attention state, in decode (0 = off; the output is the same either way).
-    #[arg(long, default_value_t = 0)]
-    pub router_lookahead: usize,
-    /// Maple only: FlashHead in single-token decode (approximate; prefill keeps the exact head).
-    #[arg(long)]
-    pub flash_head: bool,
     /// Also write the JSON document to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -117,11 +83,11 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         return Ok(());
     }
     // What the children would only find out one by one, checked once up front.
-    if let Some(m) = crate::run_cmd::max_positions(&a.model)? {
-        if a.ctx > m {
+    if let Some(m) = crate::run_cmd::max_positions(&a.model.model)? {
+        if a.max_context > m {
             bail!(
-                "--ctx {} exceeds the model's max_position_embeddings {m}",
-                a.ctx
+                "--max-context {} exceeds the model's max_position_embeddings {m}",
+                a.max_context
             );
         }
     }
@@ -167,14 +133,14 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         })
         .collect();
     let doc = json!({
-        "model": a.model.display().to_string(),
+        "model": a.model.model.display().to_string(),
         "settings": {
             "slots": first["slots"], "expert_cache_policy": first["expert_cache_policy"],
             "expert_cache": first["expert_cache"], "threads": first["threads"], "direct_io": first["direct_io"],
-            "prefill_chunk": a.prefill_chunk, "prefill_chunk_effective": effective, "ctx": a.ctx, "gen": a.gen, "decode": a.decode,
+            "prefill_chunk": a.prefill_chunk, "prefill_chunk_effective": effective, "ctx": a.max_context, "gen": a.gen, "decode": a.decode,
             "repeats": a.repeats, "warmup": a.warmup, "kernels": first["kernels"],
-            "routing": first["routing"], "device": first["device"], "flash_head": a.flash_head,
-            "router_lookahead": a.router_lookahead,
+            "routing": first["routing"], "device": first["device"], "flash_head": a.model.flash_head,
+            "router_lookahead": a.model.router_lookahead,
         },
         "summary": summary,
         "runs": runs,
@@ -199,26 +165,21 @@ fn validate(a: &BenchArgs) -> Result<()> {
     if a.repeats == 0 {
         bail!("--repeats must be at least 1");
     }
-    if a.gen == 0 || a.ctx == 0 {
-        bail!("--gen and --ctx must be positive");
+    if a.gen == 0 || a.max_context == 0 {
+        bail!("--gen and --max-context must be positive");
     }
     if a.prefill_chunk != "auto" {
-        match a.prefill_chunk.parse::<usize>() {
-            Ok(n) if CHUNKS.contains(&n) => {}
-            _ => bail!("invalid --prefill-chunk '{}': allowed values are 32, 64, 128, 256, 512, 1024, 2048, 4096, auto", a.prefill_chunk),
-        }
+        crate::run_cmd::parse_prefill_chunk(&a.prefill_chunk, None)?;
     }
-    crate::run_cmd::threads_flag(a.threads)?;
-    crate::run_cmd::kernels(&a.kernels)?;
-    crate::run_cmd::slots_flag(&a.slots)?;
-    crate::run_cmd::device_flags(&a.device, &a.gpu_expert_budget, a.gpu_force_miss)?;
-    crate::run_cmd::host_expert_cache_flag(a.host_expert_cache.as_deref())?;
+    // The value syntax of every model flag is checked by clap; what it cannot check is here.
+    crate::flags::threads_flag(a.model.threads)?;
+    crate::load_options::device_flags(&a.model)?;
     for (_, n) in parse_prompts(&a.prompts)? {
-        if n + a.gen > a.ctx {
+        if n + a.gen > a.max_context {
             bail!(
-                "a {n}-token prompt plus --gen {} does not fit --ctx {}",
+                "a {n}-token prompt plus --gen {} does not fit --max-context {}",
                 a.gen,
-                a.ctx
+                a.max_context
             );
         }
     }
@@ -245,46 +206,24 @@ fn parse_prompts(s: &str) -> Result<Vec<(String, usize)>> {
     Ok(out)
 }
 
-/// The child's arguments: the parent's, plus `--child N`. Values go as `--flag=value`, so one
-/// that starts with `-` stays the flag's value.
+/// The child's arguments: the parent's model flags ([`ModelArgs::child_args`]) and bench flags,
+/// plus `--child N`. Values go as `--flag=value`, so one that starts with `-` stays the flag's
+/// value.
 fn spawn_child(exe: &std::path::Path, a: &BenchArgs, n: usize) -> Result<Value> {
     let mut cmd = Command::new(exe);
     cmd.arg("bench")
-        .arg("--model")
-        .arg(&a.model)
+        .args(a.model.child_args())
         .arg(format!("--prefill-chunk={}", a.prefill_chunk))
-        .arg(format!("--ctx={}", a.ctx))
+        .arg(format!("--max-context={}", a.max_context))
         .arg(format!("--gen={}", a.gen))
         .arg(format!("--prompts={n}"))
         .arg(format!("--decode={}", a.decode))
-        .arg(format!("--verify={}", a.verify))
-        .arg(format!("--kernels={}", a.kernels))
-        .arg(format!("--device={}", a.device))
-        .arg(format!("--gpu-expert-budget={}", a.gpu_expert_budget))
         .arg(format!("--shadow-prefetch={}", a.shadow_prefetch))
-        .arg(format!("--router-lookahead={}", a.router_lookahead))
-        .arg(format!("--expert-cache-policy={}", a.expert_cache_policy))
         .arg(format!("--child={n}"));
     if let Some(t) = &a.routing_trace {
         let mut arg = std::ffi::OsString::from("--routing-trace=");
         arg.push(t);
         cmd.arg(arg);
-    }
-    if let Some(t) = a.threads {
-        cmd.arg(format!("--threads={t}"));
-    }
-    if a.direct_io {
-        cmd.arg("--direct-io");
-    }
-    if a.flash_head {
-        cmd.arg("--flash-head");
-    }
-    match &a.host_expert_cache {
-        Some(h) => cmd.arg(format!("--host-expert-cache={h}")),
-        None => cmd.arg(format!("--slots={}", a.slots)),
-    };
-    if a.gpu_force_miss {
-        cmd.arg("--gpu-force-miss");
     }
     let out = cmd
         .stderr(std::process::Stdio::inherit())
@@ -353,27 +292,7 @@ fn argmax(row: &[f32]) -> u32 {
 fn child(a: &BenchArgs, n: usize) -> Result<Value> {
     let rss = crate::rss_peak::PeakSampler::start(std::time::Duration::from_millis(20));
     let chunk = crate::run_cmd::parse_prefill_chunk(&a.prefill_chunk, Some(n))?;
-    let margs = ModelArgs {
-        model: a.model.clone(),
-        // `--host-expert-cache` sizes the host slots itself (clap refuses it beside --slots).
-        expert_cache_slots: match a.host_expert_cache {
-            Some(_) => "auto".into(),
-            None => a.slots.clone(),
-        },
-        expert_cache_policy: a.expert_cache_policy.clone(),
-        verify: a.verify.clone(),
-        direct_io: a.direct_io,
-        threads: a.threads,
-        kv_cache: "f16".into(),
-        kernels: a.kernels.clone(),
-        device: a.device.clone(),
-        gpu_expert_budget: a.gpu_expert_budget.clone(),
-        host_expert_cache: a.host_expert_cache.clone(),
-        gpu_force_miss: a.gpu_force_miss,
-        flash_head: a.flash_head,
-        router_lookahead: a.router_lookahead,
-    };
-    let mut opts = load_options(&margs, chunk, a.ctx)?;
+    let mut opts = load_options(&a.model, chunk, a.max_context)?;
     opts.routing_trace = a.routing_trace.clone();
     opts.shadow_prefetch = a.shadow_prefetch == "on";
     let slots = match opts.slots {
@@ -381,7 +300,7 @@ fn child(a: &BenchArgs, n: usize) -> Result<Value> {
         mference_runtime::CacheSlots::Resident => json!("resident"),
     };
     let t_load = Instant::now();
-    let mut model = mference_models::load(&a.model, &opts)?;
+    let mut model = mference_models::load(&a.model.model, &opts)?;
     let load_s = t_load.elapsed().as_secs_f64();
     eprintln!(
         "[bench: loaded in {load_s:.2}s, device {}, expert cache {}, routing {}]",
@@ -421,7 +340,7 @@ fn child(a: &BenchArgs, n: usize) -> Result<Value> {
                 bail!("the model returned no logits")
             };
             // FlashHead leaves the logits outside its probed clusters at -inf by design.
-            finite &= if a.flash_head {
+            finite &= if a.model.flash_head {
                 l.iter().all(|v| !v.is_nan() && *v != f32::INFINITY)
                     && l.iter().any(|v| v.is_finite())
             } else {
@@ -519,7 +438,7 @@ fn child(a: &BenchArgs, n: usize) -> Result<Value> {
         // What the load used: `--slots auto` turns O_DIRECT on by itself under a cap.
         "direct_io": opts.direct_io,
         "prefill_chunk": chunk,
-        "ctx": a.ctx,
+        "ctx": a.max_context,
         "decode": a.decode,
         "kernels": model.engine().kernels.name(),
         "routing": model.engine().routing(),

@@ -10,9 +10,9 @@ use clap::Args;
 
 use mference_models::{Logits, Want};
 
-use crate::run_cmd::{
-    check_install_dir, load_options, max_positions, read_json_array, validate_model_args, ModelArgs,
-};
+use crate::flags::{threads_flag, ModelArgs};
+use crate::load_options::load_options;
+use crate::run_cmd::{check_install_dir, max_positions, read_json_array};
 
 /// `mference logits`.
 #[derive(Args, Debug)]
@@ -100,7 +100,7 @@ fn npy_bytes(rows: usize, cols: usize, data: &[f32]) -> Vec<u8> {
 /// `mference logits`: loads the install, runs the ids in the chosen mode and writes `[T, vocab]`.
 pub fn logits(a: LogitsArgs) -> Result<()> {
     let t0 = Instant::now();
-    validate_model_args(&a.model)?;
+    threads_flag(a.model.threads)?;
     let mode = Mode::parse(&a.mode)?;
     if a.max_context == 0 {
         bail!("--max-context must be positive");

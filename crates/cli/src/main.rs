@@ -5,8 +5,11 @@
 use clap::{Parser, Subcommand};
 
 mod bench_cmd;
+mod flags;
 mod install_cmd;
+mod load_options;
 mod logits_cmd;
+mod perplexity_cmd;
 mod rss_peak;
 mod run_cmd;
 mod serve_cmd;
@@ -37,7 +40,7 @@ enum Command {
     /// Float32 logits [T, vocab] of a JSON list of token ids, as a NumPy .npy (no tokenizer needed).
     Logits(logits_cmd::LogitsArgs),
     /// Perplexity of a text file, computed as llama-perplexity does.
-    Perplexity(run_cmd::PerplexityArgs),
+    Perplexity(perplexity_cmd::PerplexityArgs),
     /// Serve the model over an OpenAI-compatible HTTP API.
     Serve(serve_cmd::ServeArgs),
     /// Benchmark fixed prompts (short, medium, long), each in a fresh process: table and JSON.
@@ -53,7 +56,7 @@ fn main() -> std::process::ExitCode {
         Command::Discard(a) => install_cmd::discard(a),
         Command::Run(a) => run_cmd::run(a),
         Command::Logits(a) => logits_cmd::logits(a),
-        Command::Perplexity(a) => run_cmd::perplexity(a),
+        Command::Perplexity(a) => perplexity_cmd::perplexity(a),
         Command::Serve(a) => serve_cmd::serve(a),
         Command::Bench(a) => bench_cmd::bench(a),
     };

@@ -1,4 +1,5 @@
-//! `run` (raw prompt, messages file, interactive chat) and `perplexity`.
+//! `run` (raw prompt, messages file, interactive chat), and the install helpers the other
+//! commands share.
 
 use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
@@ -9,73 +10,14 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 
-use mference_format::VerifyPolicy;
-use mference_kernels::Kernels;
-use mference_models::{LoadOptions, Logits, Model, Want};
-use mference_runtime::{CacheSlots, ExpertPolicy, KvDtype, SamplerConfig};
+use mference_models::Model;
+use mference_runtime::SamplerConfig;
 use mference_session::{
     Finish, GenStats, Request, Session, SessionError, Sink, TextSide, TokenLogprob,
 };
 
-/// Options shared by every command that loads a model.
-#[derive(Args, Clone, Debug)]
-pub struct ModelArgs {
-    /// The installed model directory (`<name>.gturbo`).
-    #[arg(long)]
-    pub model: PathBuf,
-    /// Expert cache slots per layer: 8, 16, 24, 32, 64, 96, 128, resident, or auto (by family and RAM).
-    #[arg(long, visible_alias = "slots", default_value = "auto")]
-    pub expert_cache_slots: String,
-    /// Host expert-cache policy: lfu (per-layer slots, least frequently used leaves), lru
-    /// (per-layer, least recently used leaves) or pool (every layer's slots in one LFU pool, so
-    /// hot layers hold more). The same total slots and the same outputs under each.
-    #[arg(long, default_value = "lfu", value_parser = ["lfu", "lru", "pool"])]
-    pub expert_cache_policy: String,
-    /// Integrity check at load: full-sha256 or trusted-receipt.
-    #[arg(long, default_value = "full-sha256")]
-    pub verify: String,
-    /// Read experts with O_DIRECT (no second copy in the page cache).
-    #[arg(long)]
-    pub direct_io: bool,
-    /// Kernel worker threads (default: all cores).
-    #[arg(long)]
-    pub threads: Option<usize>,
-    /// KV cache element type: f16 (half the memory) or f32 (K and V kept exactly).
-    #[arg(long, default_value = "f16")]
-    pub kv_cache: String,
-    /// Kernel table: auto (the fastest exact one this CPU has), scalar, avx2, avx512, or
-    /// avx512vnni (int8 activations in prefill: 1.5-2.2x the prompt speed on Gemma 26B, perplexity +0.1-0.4% on
-    /// the bundled models; decode unchanged).
-    #[arg(long, default_value = "auto")]
-    pub kernels: String,
-    /// Where the ops run: cpu, cuda, cuda:N, or auto (the first CUDA device when a driver and
-    /// NVRTC are present, else the CPU). On CUDA, routed experts live in GPU slots
-    /// (--gpu-expert-budget) fed from the host tier.
-    #[arg(long, default_value = "cpu")]
-    pub device: String,
-    /// CUDA: device memory for routed experts, over all layers: auto (what is free after the
-    /// weights and KV, less 1 GiB or 5%; at least 3 x top-k slots per layer), resident (every
-    /// expert), or bytes (24G, 512M; at least top-k slots per layer).
-    #[arg(long, default_value = "auto")]
-    pub gpu_expert_budget: String,
-    /// The host tier below the GPU slots (page-locked on CUDA), in bytes over all layers (16G,
-    /// 512M); instead of --expert-cache-slots.
-    #[arg(long)]
-    pub host_expert_cache: Option<String>,
-    /// CUDA tests: count every expert use as a GPU miss and copy it in again.
-    #[arg(long, hide = true)]
-    pub gpu_force_miss: bool,
-    /// Maple only: FlashHead in single-token decode (score the centroids, exact logits for the
-    /// probed clusters and the forced tokens, the rest -inf; approximate). Prefill keeps the exact
-    /// head.
-    #[arg(long)]
-    pub flash_head: bool,
-    /// Gemma 4 and Qwen 3.6 decode: layer L+1's router on layer L's post-attention state starts
-    /// non-blocking reads of its N heaviest predicted experts not yet cached (0 = off; the output
-    /// is the same either way).
-    #[arg(long, default_value_t = 0)]
-    pub router_lookahead: usize,
-}
+use crate::flags::{threads_flag, ModelArgs};
+use crate::load_options::load_options;
 
 /// `mference run`.
 #[derive(Args, Debug)]
@@ -126,26 +68,6 @@ pub struct RunArgs {
     pub show_ids: bool,
 }
 
-/// `mference perplexity`.
-#[derive(Args, Debug)]
-pub struct PerplexityArgs {
-    #[command(flatten)]
-    pub model: ModelArgs,
-    /// UTF-8 text file to score.
-    #[arg(long)]
-    pub file: PathBuf,
-    /// Tokens per chunk (the first is replaced by BOS; the second half is scored).
-    #[arg(long, default_value_t = 512)]
-    pub ctx: usize,
-    /// Score only the first N tokens of the stream (BOS included).
-    #[arg(long)]
-    pub max_tokens: Option<usize>,
-    /// Tokenize without a leading BOS (the stream llama-perplexity sees has one when the
-    /// vocabulary adds BOS; chunk-initial BOS is set either way).
-    #[arg(long)]
-    pub no_stream_bos: bool,
-}
-
 const CHUNKS: [usize; 8] = [32, 64, 128, 256, 512, 1024, 2048, 4096];
 
 /// Largest prefill chunk `auto` picks.
@@ -161,7 +83,7 @@ pub(crate) fn check_install_dir(dir: &Path) -> Result<()> {
     Ok(mference_session::check_install_dir(dir)?)
 }
 
-fn load_text(dir: &Path) -> Result<TextSide> {
+pub(crate) fn load_text(dir: &Path) -> Result<TextSide> {
     check_install_dir(dir)?;
     TextSide::load(dir).with_context(|| format!("loading the text side of {}", dir.display()))
 }
@@ -200,61 +122,7 @@ fn validate_sampling(a: &RunArgs) -> Result<()> {
     if a.prefill_chunk != "auto" {
         parse_prefill_chunk(&a.prefill_chunk, None)?;
     }
-    validate_model_args(&a.model)
-}
-
-/// Checks the model flags' values before anything is read from disk.
-pub(crate) fn validate_model_args(m: &ModelArgs) -> Result<()> {
-    slots_flag(&m.expert_cache_slots)?;
-    KvDtype::parse(&m.kv_cache).map_err(anyhow::Error::msg)?;
-    if !matches!(m.verify.as_str(), "full-sha256" | "trusted-receipt") {
-        bail!(
-            "invalid --verify '{}': allowed values are full-sha256, trusted-receipt",
-            m.verify
-        );
-    }
-    threads_flag(m.threads)?;
-    kernels(&m.kernels)?;
-    Ok(())
-}
-
-/// Checks `--threads`: 1 up to 4x the cores this process may run on (more only adds overhead).
-pub(crate) fn threads_flag(t: Option<usize>) -> Result<()> {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    match t {
-        Some(0) => bail!("--threads must be at least 1"),
-        Some(n) if n > 4 * cores => {
-            bail!(
-                "--threads {n} is more than 4x the {cores} cores here; use at most {}",
-                4 * cores
-            )
-        }
-        _ => Ok(()),
-    }
-}
-
-/// Checks an `--expert-cache-slots` / `--slots` value: `auto` or one [`CacheSlots::parse`] takes.
-pub(crate) fn slots_flag(s: &str) -> Result<()> {
-    if s != "auto" && CacheSlots::parse(s).is_err() {
-        bail!("invalid expert cache slots '{s}': allowed values are 8, 16, 24, 32, 64, 96, 128, resident, auto");
-    }
-    Ok(())
-}
-
-/// `--kernels`: `auto` → `None` (detection, or `MFERENCE_KERNELS`); a named table must be one
-/// this CPU runs.
-pub(crate) fn kernels(name: &str) -> Result<Option<String>> {
-    if name == "auto" {
-        return Ok(None);
-    }
-    let here: Vec<&str> = Kernels::available().iter().map(|k| k.name()).collect();
-    if !here.contains(&name) {
-        bail!(
-            "invalid --kernels '{name}': this CPU runs auto, {}",
-            here.join(", ")
-        );
-    }
-    Ok(Some(name.to_string()))
+    threads_flag(a.model.threads)
 }
 
 /// `auto` is the smallest allowed chunk covering a one-shot prompt (the original's rule), capped at
@@ -274,257 +142,6 @@ pub(crate) fn parse_prefill_chunk(s: &str, prompt_len: Option<usize>) -> Result<
         Ok(n) if CHUNKS.contains(&n) => Ok(n),
         _ => bail!("invalid --prefill-chunk '{s}': allowed values are 32, 64, 128, 256, 512, 1024, 2048, 4096, auto"),
     }
-}
-
-/// `--device`, `--gpu-expert-budget` and `--gpu-force-miss` checked together (run, perplexity,
-/// logits, serve, bench): the GPU-only flags are refused on the CPU, not ignored, and a CUDA
-/// device that cannot start is named before anything is read.
-pub fn device_flags(
-    device: &str,
-    gpu_expert_budget: &str,
-    gpu_force_miss: bool,
-) -> Result<(mference_models::Device, mference_models::GpuExpertBudget)> {
-    let d = mference_models::Device::parse(device).map_err(anyhow::Error::msg)?;
-    let budget = mference_models::GpuExpertBudget::parse(gpu_expert_budget)
-        .map_err(|e| anyhow::anyhow!("--gpu-expert-budget: {e}"))?;
-    if d == mference_models::Device::Cpu && (gpu_expert_budget != "auto" || gpu_force_miss) {
-        bail!("--gpu-expert-budget and --gpu-force-miss apply on CUDA: add --device cuda");
-    }
-    // `--device cuda` without CUDA fails here, before the model is sized or read.
-    mference_models::probe_device(d)?;
-    Ok((d, budget))
-}
-
-/// `--host-expert-cache BYTES`, parsed.
-pub fn host_expert_cache_flag(v: Option<&str>) -> Result<Option<u64>> {
-    match v {
-        Some(v) => match mference_runtime::parse_bytes(v) {
-            Some(b) => Ok(Some(b)),
-            None => bail!("invalid --host-expert-cache '{v}': expected bytes such as 16G or 512M"),
-        },
-        None => Ok(None),
-    }
-}
-
-/// `--expert-cache-slots` and the I/O mode: an explicit value wins; `auto` sizes the slot cache
-/// to the memory this process may use ([`mference_runtime::sizing::auto_slots`]: resident
-/// weights, KV at `max_context` and scratch counted) and reads with O_DIRECT when the slots are
-/// smaller than the expert files, and says on stderr what it chose and from which limit.
-fn resolve_slots(
-    m: &ModelArgs,
-    prefill_chunk: usize,
-    max_context: usize,
-) -> Result<(CacheSlots, bool)> {
-    if m.expert_cache_slots != "auto" {
-        if m.host_expert_cache.is_some() {
-            bail!("give one of --expert-cache-slots and --host-expert-cache, not both");
-        }
-        let s = CacheSlots::parse(&m.expert_cache_slots).map_err(anyhow::Error::msg)?;
-        return Ok((s, m.direct_io));
-    }
-    let host_bytes = host_expert_cache_flag(m.host_expert_cache.as_deref())?;
-    let dir = &m.model;
-    let Ok(bytes) = std::fs::read(dir.join("manifest.json")) else {
-        // Not an install: the load reports it.
-        return Ok((CacheSlots::Resident, m.direct_io));
-    };
-    let man = mference_format::Manifest::parse(&bytes)?;
-    if let Some(b) = host_bytes {
-        return Ok((host_tier_slots(&man, b)?, m.direct_io));
-    }
-    let size = |prefix: &str| -> u64 {
-        man.files
-            .iter()
-            .filter(|(k, _)| k.starts_with(prefix))
-            .map(|(_, f)| f.size)
-            .sum()
-    };
-    let a = &man.arch;
-    let kv_bytes: u64 = if m.kv_cache == "f32" { 4 } else { 2 };
-    let kv: u64 = a
-        .full_attention_layer_mask
-        .iter()
-        .map(|&t| {
-            let (rows, width) = match t {
-                0 => (
-                    a.sliding_window + prefill_chunk as u64,
-                    a.num_kv_heads * a.head_dim,
-                ),
-                1 => (max_context as u64, a.num_full_kv_heads * a.full_head_dim),
-                // Compressed KV (DeepSeek-V4 CSA / HCA): a window plus 1/4 or 1/128 of the context.
-                3 => (a.sliding_window + max_context as u64 / 4, a.head_dim),
-                4 => (a.sliding_window + max_context as u64 / 128, a.head_dim),
-                // Gated DeltaNet: a fixed recurrent state.
-                _ => (
-                    a.linear_key_head_dim * a.linear_num_v_heads,
-                    a.linear_value_head_dim,
-                ),
-            };
-            2 * rows * width * kv_bytes
-        })
-        .sum();
-    let (limit, from) = usable_memory();
-    let input = mference_runtime::sizing::SizingInput {
-        limit,
-        resident_weights: size(mference_format::WEIGHTS_FILE),
-        kv,
-        // 256 MiB, plus ~400 KB per prefill row (measured on Gemma 26B: a 4,000-token prompt in
-        // one 4,096-row chunk peaked 1.6 GB above chunk 256; at chunk 64 / 512 everything besides
-        // the slots, KV and mapped weights was 70 / 150 MB), i.e. 36 f32 rows of the hidden size,
-        // plus one head row: prefill computes the logits of the rows wanted, the last one here.
-        scratch: (256 << 20) + prefill_chunk as u64 * a.hidden_size * 4 * 36 + a.vocab_size * 4,
-        expert_files: size("packed_experts/layer_"),
-        moe_layers: man.expert_layer_files() as u64,
-        stride: man.expert_stride,
-        experts_per_layer: man.experts_per_layer,
-        top_k: a.top_k_experts as usize,
-    };
-    let s = mference_runtime::sizing::auto_slots(&input);
-    let gb = |b: u64| b as f64 / 1e9;
-    let slots = match s.slots {
-        CacheSlots::Resident => "resident (layer files mapped)".to_string(),
-        CacheSlots::Fixed(n) => format!("{n} slots per layer"),
-    };
-    eprintln!(
-        "[expert cache auto: {slots}{}; from {:.2} GB ({from}) - weights {:.2} GB - KV {:.2} GB - scratch {:.2} GB = {:.2} GB for {:.2} GB of expert files]",
-        if s.direct_io || m.direct_io { ", O_DIRECT" } else { "" },
-        gb(limit),
-        gb(input.resident_weights),
-        gb(input.kv),
-        gb(input.scratch),
-        gb(s.budget),
-        gb(input.expert_files),
-    );
-    Ok((s.slots, s.direct_io || m.direct_io))
-}
-
-/// Slots per layer for `--host-expert-cache BYTES`: the bytes over every expert layer, at least
-/// top-k per layer (one token's experts), at most every expert.
-fn host_tier_slots(man: &mference_format::Manifest, bytes: u64) -> Result<CacheSlots> {
-    let layers = man.expert_layer_files() as u64;
-    let per_slot = man.expert_stride * layers.max(1);
-    let n = (bytes / per_slot) as usize;
-    let top_k = man.arch.top_k_experts as usize;
-    if n < top_k {
-        bail!(
-            "--host-expert-cache {bytes} bytes holds {n} experts per layer over {layers} layers, \
-             fewer than top-k = {top_k}: give at least {} bytes",
-            top_k as u64 * per_slot
-        );
-    }
-    let n = n.min(man.experts_per_layer);
-    eprintln!(
-        "[host expert cache: {n} slots per layer ({:.2} GB over {layers} layers)]",
-        (n as u64 * per_slot) as f64 / 1e9
-    );
-    Ok(CacheSlots::Fixed(n))
-}
-
-/// Bytes this process can use and where that number comes from: MemAvailable, lowered to the
-/// memory cgroup's limit minus its usage when one is set (cgroup v1 `memory.limit_in_bytes` or v2
-/// `memory.max`), the page cache charged to the cgroup not counted as used
-/// ([`mference_runtime::sizing::cgroup_headroom`]).
-fn usable_memory() -> (u64, &'static str) {
-    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
-    let avail = meminfo
-        .lines()
-        .find(|l| l.starts_with("MemAvailable:"))
-        .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
-        .map_or(0, |kib| kib * 1024);
-    let read = |p: String| {
-        std::fs::read_to_string(p)
-            .ok()
-            .and_then(|v| v.trim().parse::<u64>().ok())
-    };
-    let cgroups = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
-    let mut limit = u64::MAX;
-    let mut from = "MemAvailable";
-    for line in cgroups.lines() {
-        let mut parts = line.splitn(3, ':');
-        let (_, controllers, path) = (
-            parts.next(),
-            parts.next().unwrap_or(""),
-            parts.next().unwrap_or(""),
-        );
-        if controllers.split(',').any(|c| c == "memory") {
-            let base = format!("/sys/fs/cgroup/memory{path}");
-            if let (Some(l), Some(u)) = (
-                read(format!("{base}/memory.limit_in_bytes")),
-                read(format!("{base}/memory.usage_in_bytes")),
-            ) {
-                let stat =
-                    std::fs::read_to_string(format!("{base}/memory.stat")).unwrap_or_default();
-                let room = mference_runtime::sizing::cgroup_headroom(l, u, &stat);
-                if room < limit {
-                    limit = room;
-                    from = "cgroup v1 memory.limit_in_bytes";
-                }
-            }
-        } else if controllers.is_empty() {
-            let base = format!("/sys/fs/cgroup{path}");
-            if let (Some(l), Some(u)) = (
-                read(format!("{base}/memory.max")),
-                read(format!("{base}/memory.current")),
-            ) {
-                let stat =
-                    std::fs::read_to_string(format!("{base}/memory.stat")).unwrap_or_default();
-                let room = mference_runtime::sizing::cgroup_headroom(l, u, &stat);
-                if room < limit {
-                    limit = room;
-                    from = "cgroup v2 memory.max";
-                }
-            }
-        }
-    }
-    if avail <= limit {
-        (avail, "MemAvailable")
-    } else {
-        (limit, from)
-    }
-}
-
-pub(crate) fn load_options(
-    m: &ModelArgs,
-    prefill_chunk: usize,
-    max_context: usize,
-) -> Result<LoadOptions> {
-    let verify = match m.verify.as_str() {
-        "full-sha256" => VerifyPolicy::FullSha256,
-        "trusted-receipt" => VerifyPolicy::TrustedReceipt,
-        other => {
-            bail!("invalid --verify '{other}': allowed values are full-sha256, trusted-receipt")
-        }
-    };
-    // Every flag is checked before the expert-cache sizing prints its line.
-    let (device, gpu_expert_budget) =
-        device_flags(&m.device, &m.gpu_expert_budget, m.gpu_force_miss)?;
-    let kernels = kernels(&m.kernels)?;
-    let kv_dtype = KvDtype::parse(&m.kv_cache).map_err(anyhow::Error::msg)?;
-    let expert_policy = ExpertPolicy::parse(&m.expert_cache_policy).map_err(anyhow::Error::msg)?;
-    let (slots, direct_io) = resolve_slots(m, prefill_chunk, max_context)?;
-    let mut o = LoadOptions {
-        slots,
-        expert_policy,
-        direct_io,
-        prefill_chunk,
-        max_context,
-        verify,
-        kernels,
-        kv_dtype,
-        device,
-        gpu_expert_budget,
-        gpu_force_miss: m.gpu_force_miss,
-        flash_head: m.flash_head,
-        router_lookahead: m.router_lookahead,
-        ..Default::default()
-    };
-    if let Some(t) = m.threads {
-        if t == 0 {
-            bail!("--threads must be at least 1");
-        }
-        o.threads = t;
-    }
-    Ok(o)
 }
 
 /// The non-empty JSON array in `path` (`--messages-file`, `--ids`). Errors name the file and say
@@ -904,102 +521,4 @@ impl Interrupt {
             })?;
         Ok(Interrupt { generating, hit })
     }
-}
-
-/// Scored positions per forward call in `perplexity` (256 × a 262k vocabulary = 256 MiB of logits).
-const SCORED_ROWS: usize = 256;
-
-/// `mference perplexity`: llama-perplexity's protocol — chunks of `ctx` tokens, the first token of
-/// each chunk replaced by BOS, the second half of each chunk scored.
-pub fn perplexity(a: PerplexityArgs) -> Result<()> {
-    validate_model_args(&a.model)?;
-    let text = load_text(&a.model.model)?;
-    if a.ctx < 4 {
-        bail!("--ctx must be at least 4");
-    }
-    if let Some(m) = text.max_positions {
-        if a.ctx > m {
-            bail!(
-                "--ctx {} exceeds the model's max_position_embeddings {m}",
-                a.ctx
-            );
-        }
-    }
-    let body = std::fs::read_to_string(&a.file)
-        .with_context(|| format!("reading {}", a.file.display()))?;
-    if let Some(m) = a.max_tokens {
-        if m < a.ctx {
-            bail!(
-                "--max-tokens {m} is less than one --ctx {} chunk: raise --max-tokens or lower --ctx",
-                a.ctx
-            );
-        }
-    }
-    // llama-perplexity's stream: `common_tokenize(text, add_special = true)`, so BOS first when
-    // the vocabulary adds one; then every chunk's first token becomes BOS.
-    let bos = text.tokenizer.bos_id();
-    let mut ids: Vec<u32> = bos.filter(|_| !a.no_stream_bos).into_iter().collect();
-    ids.extend(text.tokenizer.encode(&body, false)?);
-    if let Some(m) = a.max_tokens {
-        ids.truncate(m);
-    }
-    let chunks = ids.len() / a.ctx;
-    if chunks == 0 {
-        bail!(
-            "{} has {} tokens, fewer than one --ctx {} chunk",
-            a.file.display(),
-            ids.len(),
-            a.ctx
-        );
-    }
-    let mut model = mference_models::load(
-        &a.model.model,
-        &load_options(&a.model, a.ctx.clamp(32, 512).next_power_of_two(), a.ctx)?,
-    )?;
-    let vocab = model.vocab_size();
-    let first = a.ctx / 2;
-    let (mut nll, mut count) = (0.0f64, 0usize);
-    let t0 = Instant::now();
-    for c in 0..chunks {
-        let mut chunk = ids[c * a.ctx..(c + 1) * a.ctx].to_vec();
-        if let Some(b) = bos {
-            chunk[0] = b;
-        }
-        model.truncate(0);
-        model.forward(&chunk[..first], Want::None)?;
-        // The scored half in pieces of at most SCORED_ROWS positions, so the logits held at once
-        // stay bounded (rows · vocab floats) whatever --ctx is.
-        for j0 in (first..a.ctx).step_by(SCORED_ROWS) {
-            let j1 = (j0 + SCORED_ROWS).min(a.ctx);
-            let Logits::Rows(logits) = model.forward(&chunk[j0..j1], Want::All)? else {
-                bail!("model returned no logits")
-            };
-            for j in j0..j1.min(a.ctx - 1) {
-                let row = &logits[(j - j0) * vocab..(j - j0 + 1) * vocab];
-                let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-                let lse = m + row.iter().map(|&z| (z as f64 - m).exp()).sum::<f64>().ln();
-                nll += lse - row[chunk[j + 1] as usize] as f64;
-                count += 1;
-            }
-        }
-        eprintln!(
-            "[chunk {}/{chunks}: running perplexity {:.4}]",
-            c + 1,
-            (nll / count as f64).exp()
-        );
-    }
-    println!("perplexity: {:.4}", (nll / count as f64).exp());
-    eprintln!(
-        "[{} chunks of {}, {} scored tokens, mean NLL {:.6}, {:.1}s, device {}, expert cache {}, kernels {}{}]",
-        chunks,
-        a.ctx,
-        count,
-        nll / count as f64,
-        t0.elapsed().as_secs_f64(),
-        model.device(),
-        model.engine().expert_cache(),
-        model.engine().kernels.name(),
-        lookahead_note(a.model.router_lookahead)
-    );
-    Ok(())
 }

@@ -8,7 +8,8 @@ use clap::Args;
 
 use mference_server::{BindMode, PromptCacheMode, ServerConfig, TextSide};
 
-use crate::run_cmd::{load_options, ModelArgs};
+use crate::flags::ModelArgs;
+use crate::load_options::load_options;
 
 /// Context sizes the server accepts, as the original (`ServerArguments.swift`).
 const CONTEXTS: [usize; 6] = [4096, 8192, 16384, 32768, 65536, 128000];
@@ -60,7 +61,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     if a.model_id.as_deref().is_some_and(|m| m.trim().is_empty()) {
         bail!("--model-id must not be empty (leave it out for the family's id)");
     }
-    crate::run_cmd::validate_model_args(&a.model)?;
+    crate::flags::threads_flag(a.model.threads)?;
     crate::run_cmd::check_install_dir(&a.model.model)?;
     let bind = BindMode::parse(&a.bind).map_err(anyhow::Error::msg)?;
     let cache = PromptCacheMode::parse(&a.prompt_cache_mode).map_err(anyhow::Error::msg)?;

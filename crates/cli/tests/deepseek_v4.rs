@@ -117,7 +117,7 @@ fn install_inspect_logits_and_bench_on_the_fixture() {
             "8",
             "--threads",
             "1",
-            "--ctx",
+            "--max-context",
             "256",
         ],
     );

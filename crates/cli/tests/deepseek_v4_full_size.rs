@@ -132,7 +132,7 @@ fn full_width_truncated_bench() {
                 "--slots",
                 "16",
                 "--direct-io",
-                "--ctx",
+                "--max-context",
                 "4096",
                 "--shadow-prefetch",
                 shadow,

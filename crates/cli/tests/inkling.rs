@@ -100,7 +100,7 @@ fn inkling_bench_reports_json() {
             "8",
             "--threads",
             "1",
-            "--ctx",
+            "--max-context",
             "256",
             "--json",
             json_path.to_str().unwrap(),

@@ -82,7 +82,7 @@ fn check_case(case: &str, extra: &[&str]) {
         "1",
         "--warmup",
         "0",
-        "--ctx",
+        "--max-context",
         "512",
         "--json",
         json_out.to_str().unwrap(),

@@ -1,0 +1,233 @@
+//! The model flags ([`ModelArgs`]) to the models' load options: the one place each flag becomes
+//! a [`LoadOptions`] field, with the expert-cache sizing behind `--expert-cache-slots auto` and
+//! `--host-expert-cache`.
+
+use anyhow::{bail, Result};
+
+use mference_models::{Device, GpuExpertBudget, LoadOptions};
+use mference_runtime::CacheSlots;
+
+use crate::flags::{KvCache, ModelArgs, Slots};
+
+/// `--device`, `--gpu-expert-budget` and `--gpu-force-miss` checked together (run, perplexity,
+/// logits, serve, bench): the GPU-only flags are refused on the CPU, not ignored, and a CUDA
+/// device that cannot start is named before anything is read.
+pub fn device_flags(m: &ModelArgs) -> Result<()> {
+    if m.device == Device::Cpu && (m.gpu_expert_budget != GpuExpertBudget::Auto || m.gpu_force_miss)
+    {
+        bail!("--gpu-expert-budget and --gpu-force-miss apply on CUDA: add --device cuda");
+    }
+    // `--device cuda` without CUDA fails here, before the model is sized or read.
+    mference_models::probe_device(m.device)?;
+    Ok(())
+}
+
+/// `--expert-cache-slots` and the I/O mode: an explicit value wins; `auto` sizes the slot cache
+/// to the memory this process may use ([`mference_runtime::sizing::auto_slots`]: resident
+/// weights, KV at `max_context` and scratch counted) and reads with O_DIRECT when the slots are
+/// smaller than the expert files, and says on stderr what it chose and from which limit.
+fn resolve_slots(
+    m: &ModelArgs,
+    prefill_chunk: usize,
+    max_context: usize,
+) -> Result<(CacheSlots, bool)> {
+    let host_bytes = match (m.expert_cache_slots, m.host_expert_cache) {
+        // clap refuses both flags given: beside --host-expert-cache the slots are the default.
+        (_, Some(b)) => Some(b),
+        (Slots::Set(s), None) => return Ok((s, m.direct_io)),
+        (Slots::Auto, None) => None,
+    };
+    let dir = &m.model;
+    let Ok(bytes) = std::fs::read(dir.join("manifest.json")) else {
+        // Not an install: the load reports it.
+        return Ok((CacheSlots::Resident, m.direct_io));
+    };
+    let man = mference_format::Manifest::parse(&bytes)?;
+    if let Some(b) = host_bytes {
+        return Ok((host_tier_slots(&man, b)?, m.direct_io));
+    }
+    let size = |prefix: &str| -> u64 {
+        man.files
+            .iter()
+            .filter(|(k, _)| k.starts_with(prefix))
+            .map(|(_, f)| f.size)
+            .sum()
+    };
+    let a = &man.arch;
+    let kv_bytes: u64 = if m.kv_cache == KvCache::F32 { 4 } else { 2 };
+    let kv: u64 = a
+        .full_attention_layer_mask
+        .iter()
+        .map(|&t| {
+            let (rows, width) = match t {
+                0 => (
+                    a.sliding_window + prefill_chunk as u64,
+                    a.num_kv_heads * a.head_dim,
+                ),
+                1 => (max_context as u64, a.num_full_kv_heads * a.full_head_dim),
+                // Compressed KV (DeepSeek-V4 CSA / HCA): a window plus 1/4 or 1/128 of the context.
+                3 => (a.sliding_window + max_context as u64 / 4, a.head_dim),
+                4 => (a.sliding_window + max_context as u64 / 128, a.head_dim),
+                // Gated DeltaNet: a fixed recurrent state.
+                _ => (
+                    a.linear_key_head_dim * a.linear_num_v_heads,
+                    a.linear_value_head_dim,
+                ),
+            };
+            2 * rows * width * kv_bytes
+        })
+        .sum();
+    let (limit, from) = usable_memory();
+    let input = mference_runtime::sizing::SizingInput {
+        limit,
+        resident_weights: size(mference_format::WEIGHTS_FILE),
+        kv,
+        // 256 MiB, plus ~400 KB per prefill row (measured on Gemma 26B: a 4,000-token prompt in
+        // one 4,096-row chunk peaked 1.6 GB above chunk 256; at chunk 64 / 512 everything besides
+        // the slots, KV and mapped weights was 70 / 150 MB), i.e. 36 f32 rows of the hidden size,
+        // plus one head row: prefill computes the logits of the rows wanted, the last one here.
+        scratch: (256 << 20) + prefill_chunk as u64 * a.hidden_size * 4 * 36 + a.vocab_size * 4,
+        expert_files: size("packed_experts/layer_"),
+        moe_layers: man.expert_layer_files() as u64,
+        stride: man.expert_stride,
+        experts_per_layer: man.experts_per_layer,
+        top_k: a.top_k_experts as usize,
+    };
+    let s = mference_runtime::sizing::auto_slots(&input);
+    let gb = |b: u64| b as f64 / 1e9;
+    let slots = match s.slots {
+        CacheSlots::Resident => "resident (layer files mapped)".to_string(),
+        CacheSlots::Fixed(n) => format!("{n} slots per layer"),
+    };
+    eprintln!(
+        "[expert cache auto: {slots}{}; from {:.2} GB ({from}) - weights {:.2} GB - KV {:.2} GB - scratch {:.2} GB = {:.2} GB for {:.2} GB of expert files]",
+        if s.direct_io || m.direct_io { ", O_DIRECT" } else { "" },
+        gb(limit),
+        gb(input.resident_weights),
+        gb(input.kv),
+        gb(input.scratch),
+        gb(s.budget),
+        gb(input.expert_files),
+    );
+    Ok((s.slots, s.direct_io || m.direct_io))
+}
+
+/// Slots per layer for `--host-expert-cache BYTES`: the bytes over every expert layer, at least
+/// top-k per layer (one token's experts), at most every expert.
+fn host_tier_slots(man: &mference_format::Manifest, bytes: u64) -> Result<CacheSlots> {
+    let layers = man.expert_layer_files() as u64;
+    let per_slot = man.expert_stride * layers.max(1);
+    let n = (bytes / per_slot) as usize;
+    let top_k = man.arch.top_k_experts as usize;
+    if n < top_k {
+        bail!(
+            "--host-expert-cache {bytes} bytes holds {n} experts per layer over {layers} layers, \
+             fewer than top-k = {top_k}: give at least {} bytes",
+            top_k as u64 * per_slot
+        );
+    }
+    let n = n.min(man.experts_per_layer);
+    eprintln!(
+        "[host expert cache: {n} slots per layer ({:.2} GB over {layers} layers)]",
+        (n as u64 * per_slot) as f64 / 1e9
+    );
+    Ok(CacheSlots::Fixed(n))
+}
+
+/// Bytes this process can use and where that number comes from: MemAvailable, lowered to the
+/// memory cgroup's limit minus its usage when one is set (cgroup v1 `memory.limit_in_bytes` or v2
+/// `memory.max`), the page cache charged to the cgroup not counted as used
+/// ([`mference_runtime::sizing::cgroup_headroom`]).
+fn usable_memory() -> (u64, &'static str) {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let avail = meminfo
+        .lines()
+        .find(|l| l.starts_with("MemAvailable:"))
+        .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        .map_or(0, |kib| kib * 1024);
+    let read = |p: String| {
+        std::fs::read_to_string(p)
+            .ok()
+            .and_then(|v| v.trim().parse::<u64>().ok())
+    };
+    let cgroups = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
+    let mut limit = u64::MAX;
+    let mut from = "MemAvailable";
+    for line in cgroups.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (_, controllers, path) = (
+            parts.next(),
+            parts.next().unwrap_or(""),
+            parts.next().unwrap_or(""),
+        );
+        if controllers.split(',').any(|c| c == "memory") {
+            let base = format!("/sys/fs/cgroup/memory{path}");
+            if let (Some(l), Some(u)) = (
+                read(format!("{base}/memory.limit_in_bytes")),
+                read(format!("{base}/memory.usage_in_bytes")),
+            ) {
+                let stat =
+                    std::fs::read_to_string(format!("{base}/memory.stat")).unwrap_or_default();
+                let room = mference_runtime::sizing::cgroup_headroom(l, u, &stat);
+                if room < limit {
+                    limit = room;
+                    from = "cgroup v1 memory.limit_in_bytes";
+                }
+            }
+        } else if controllers.is_empty() {
+            let base = format!("/sys/fs/cgroup{path}");
+            if let (Some(l), Some(u)) = (
+                read(format!("{base}/memory.max")),
+                read(format!("{base}/memory.current")),
+            ) {
+                let stat =
+                    std::fs::read_to_string(format!("{base}/memory.stat")).unwrap_or_default();
+                let room = mference_runtime::sizing::cgroup_headroom(l, u, &stat);
+                if room < limit {
+                    limit = room;
+                    from = "cgroup v2 memory.max";
+                }
+            }
+        }
+    }
+    if avail <= limit {
+        (avail, "MemAvailable")
+    } else {
+        (limit, from)
+    }
+}
+
+/// The load options the model flags ask for, with the prefill chunk rows and KV positions the
+/// command chose. Every flag is checked (the device probed) before the expert-cache sizing prints
+/// its line.
+pub(crate) fn load_options(
+    m: &ModelArgs,
+    prefill_chunk: usize,
+    max_context: usize,
+) -> Result<LoadOptions> {
+    device_flags(m)?;
+    let (slots, direct_io) = resolve_slots(m, prefill_chunk, max_context)?;
+    let mut o = LoadOptions {
+        slots,
+        expert_policy: m.expert_cache_policy.into(),
+        direct_io,
+        prefill_chunk,
+        max_context,
+        verify: m.verify.into(),
+        kernels: m.kernels.0.map(str::to_string),
+        kv_dtype: m.kv_cache.into(),
+        device: m.device,
+        gpu_expert_budget: m.gpu_expert_budget,
+        gpu_force_miss: m.gpu_force_miss,
+        flash_head: m.flash_head,
+        router_lookahead: m.router_lookahead,
+        ..Default::default()
+    };
+    if let Some(t) = m.threads {
+        if t == 0 {
+            bail!("--threads must be at least 1");
+        }
+        o.threads = t;
+    }
+    Ok(o)
+}
