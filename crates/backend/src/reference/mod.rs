@@ -7,7 +7,9 @@ mod deepseek_v4;
 mod inkling;
 mod recurrent;
 
-pub use deepseek_v4::{attention_sparse, compress_pool, hc_post, hc_pre, index_top_k, matmul_grouped, rope_at};
+pub use deepseek_v4::{
+    attention_sparse, compress_pool, hc_post, hc_pre, index_top_k, matmul_grouped, rope_at,
+};
 pub use inkling::{attention_rel, route_sinks};
 pub use recurrent::{conv1d, conv1d_silu, delta_gates, gated_delta_rule};
 
