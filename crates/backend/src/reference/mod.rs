@@ -185,6 +185,7 @@ fn sink_softmax(scores: &[f64], sink: Option<f64>) -> Vec<f64> {
     scores.iter().map(|x| (x - m).exp() / z).collect()
 }
 
+/// Attention whose logit of (row `r`, head `h`, key at distance `dist`) is
 /// `tau(p) · (q·k·scale + bias(r, h, dist))`.
 fn attention_with(
     q: &[f32],

@@ -58,6 +58,7 @@ impl CudaBackend {
         )
     }
 
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn add_rms_norm_pre(
         &self,
         x: &mut CudaTensor,
