@@ -229,7 +229,12 @@ impl CudaBackend {
     }
 
     /// With profiling on: waits for the launch begun at `t0`, adds its time.
-    pub(crate) fn profile_end(&self, op: &'static str, kernel: &'static str, t0: Option<std::time::Instant>) {
+    pub(crate) fn profile_end(
+        &self,
+        op: &'static str,
+        kernel: &'static str,
+        t0: Option<std::time::Instant>,
+    ) {
         let (Some((sync, p)), Some(t0)) = (&self.profile, t0) else {
             return;
         };

@@ -135,7 +135,12 @@ impl CudaBackend {
 
     /// A tensor the caller's kernel writes in full (no zeroing pass): a reused buffer of that
     /// length, else a fresh one.
-    pub(crate) fn uninit_tensor(&self, op: &'static str, rows: usize, cols: usize) -> OpResult<CudaTensor> {
+    pub(crate) fn uninit_tensor(
+        &self,
+        op: &'static str,
+        rows: usize,
+        cols: usize,
+    ) -> OpResult<CudaTensor> {
         let len = rows * cols;
         let buf = match self.reuse.take(len) {
             Some(b) => b,
@@ -146,7 +151,12 @@ impl CudaBackend {
         Ok(self.wrap(buf, rows, cols))
     }
 
-    pub(crate) fn tensor(&self, op: &'static str, rows: usize, cols: usize) -> OpResult<CudaTensor> {
+    pub(crate) fn tensor(
+        &self,
+        op: &'static str,
+        rows: usize,
+        cols: usize,
+    ) -> OpResult<CudaTensor> {
         let mut t = self.uninit_tensor(op, rows, cols)?;
         self.stream
             .memset_zeros(&mut *t.buf)

@@ -10,8 +10,8 @@ use mference_backend::cpu::ResidentBytes;
 use mference_backend::harness::{run_all, test_weights, Rng, EXACT_REL, F16_KV_REL};
 use mference_backend::reference as refr;
 use mference_backend::{
-    Act, AttnShape, CoreOps, DeviceExpertOps, KvDtype, Mlp, Op, QRef, RouterSpec,
-    Scoring, Tensor, VRef, Weights,
+    Act, AttnShape, CoreOps, DeviceExpertOps, KvDtype, Mlp, Op, QRef, RouterSpec, Scoring, Tensor,
+    VRef, Weights,
 };
 use mference_cuda::{
     CudaBackend, CudaError, ExpertCacheOptions, ExpertGeometry, GpuExpertBudget, KernelOrigin,

@@ -25,9 +25,9 @@ use recurrent::recurrent_ops;
 
 use crate::reference as refr;
 use crate::{
-    Act, AttnShape, Backend, DeltaShape, FRef, HcSpec, KvDtype, LogScaling, Mlp, Norm, Op,
-    OpError, PreNorm, QRef, RelBias, Rope, RouterSpec, Scoring, SinkRouter, Tensor, Unary, VRef,
-    Weights, Yarn,
+    Act, AttnShape, Backend, DeltaShape, FRef, HcSpec, KvDtype, LogScaling, Mlp, Norm, Op, OpError,
+    PreNorm, QRef, RelBias, Rope, RouterSpec, Scoring, SinkRouter, Tensor, Unary, VRef, Weights,
+    Yarn,
 };
 
 /// Exact f32 tables against the f64 reference: relative to the largest reference magnitude.
@@ -260,7 +260,10 @@ fn capability<B: Backend>(h: &mut Harness<B>) {
         if says && missing {
             h.fail(name, "supports() says yes, but the op is missing".into());
         } else if says && !reached {
-            h.fail(name, "supports() says yes, but no case reached the op".into());
+            h.fail(
+                name,
+                "supports() says yes, but no case reached the op".into(),
+            );
         } else if !says && reached {
             h.fail(name, "supports() says no, but the op ran".into());
         }
@@ -339,4 +342,3 @@ pub fn test_weights(rng: &mut Rng, bits: &[usize]) -> (Vec<u8>, TestWeights) {
         },
     )
 }
-

@@ -4,8 +4,8 @@
 
 use super::Op;
 use crate::{
-    check, check_glu_rows, Act, AttnShape, KvDtype, KvState, Mlp, Norm, OpError, OpResult,
-    PreNorm, QRef, Rope, RouterSpec, Routes, Tensor, Unary, VRef, Weights,
+    check, check_glu_rows, Act, AttnShape, KvDtype, KvState, Mlp, Norm, OpError, OpResult, PreNorm,
+    QRef, Rope, RouterSpec, Routes, Tensor, Unary, VRef, Weights,
 };
 
 /// The ops every family uses, and what the other groups build on: the backend's buffer types,

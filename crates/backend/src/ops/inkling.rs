@@ -2,7 +2,7 @@
 //! experts as sinks.
 
 use super::CoreOps;
-use crate::{AttnShape, OpResult, RelBias, Routes, RouterSpec, SinkRouter};
+use crate::{AttnShape, OpResult, RelBias, RouterSpec, Routes, SinkRouter};
 
 /// Inkling-Small's own ops (transformers `InklingRelativeLogits`, `InklingTopkRouter`).
 #[allow(unused_variables)]

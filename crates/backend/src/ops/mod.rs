@@ -109,7 +109,11 @@ ops! {
 /// The ops of `required` that backend type `B` lacks, in `required`'s order (empty: `B` can run
 /// a family that requires them). Needs no instance: ask before any device context exists.
 pub fn missing_ops<B: Backend>(required: &[Op]) -> Vec<Op> {
-    required.iter().copied().filter(|&op| !B::supports(op)).collect()
+    required
+        .iter()
+        .copied()
+        .filter(|&op| !B::supports(op))
+        .collect()
 }
 
 #[cfg(test)]

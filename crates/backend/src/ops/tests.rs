@@ -3,9 +3,8 @@
 
 use super::*;
 use crate::{
-    Act, Norm,
-    AttnShape, DeltaShape, HcSpec, KvDtype, KvState, Mlp, OpError, OpResult, QRef, RelBias, Rope,
-    RouterSpec, Scoring, SinkRouter, Tensor, Unary, VRef, Weights,
+    Act, AttnShape, DeltaShape, HcSpec, KvDtype, KvState, Mlp, Norm, OpError, OpResult, QRef,
+    RelBias, Rope, RouterSpec, Scoring, SinkRouter, Tensor, Unary, VRef, Weights,
 };
 
 /// A backend with every group at its defaults.

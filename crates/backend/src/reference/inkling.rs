@@ -35,8 +35,6 @@ pub fn attention_rel(
     attention_with(q, k, v, pos0, s, &bias, &tau)
 }
 
-/// Attention whose logit of (row `r`, head `h`, key at distance `dist`) is
-
 /// Per row, the chosen `(expert, weight)` pairs of Inkling's sink router sorted by id: routed
 /// experts by the top-k of `sigmoid(l) + bias` (or `spec.forced`), then every shared expert as id
 /// `n_routed + s`; weights `softmax(logsigmoid(l[ids])) · scale`.

@@ -7,7 +7,9 @@ mod deepseek_v4;
 mod inkling;
 mod recurrent;
 
-pub use deepseek_v4::{attention_sparse, compress_pool, hc_post, hc_pre, index_top_k, matmul_grouped, rope_at};
+pub use deepseek_v4::{
+    attention_sparse, compress_pool, hc_post, hc_pre, index_top_k, matmul_grouped, rope_at,
+};
 pub use inkling::{attention_rel, route_sinks};
 pub use recurrent::{conv1d, conv1d_silu, delta_gates, gated_delta_rule};
 
@@ -183,6 +185,7 @@ fn sink_softmax(scores: &[f64], sink: Option<f64>) -> Vec<f64> {
     scores.iter().map(|x| (x - m).exp() / z).collect()
 }
 
+/// Attention whose logit of (row `r`, head `h`, key at distance `dist`) is
 /// `tau(p) · (q·k·scale + bias(r, h, dist))`.
 fn attention_with(
     q: &[f32],

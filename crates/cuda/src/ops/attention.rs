@@ -31,7 +31,13 @@ impl CudaBackend {
         })
     }
 
-    pub(crate) fn rope(&self, x: &mut CudaTensor, rope: &Rope, head_dim: usize, pos0: usize) -> OpResult<()> {
+    pub(crate) fn rope(
+        &self,
+        x: &mut CudaTensor,
+        rope: &Rope,
+        head_dim: usize,
+        pos0: usize,
+    ) -> OpResult<()> {
         let op = "rope";
         let Some((freq, style)) = self.rope_args(op, x, rope, head_dim)? else {
             return Ok(());

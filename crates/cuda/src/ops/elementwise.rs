@@ -72,7 +72,12 @@ impl CudaBackend {
         Ok(out)
     }
 
-    pub(crate) fn split(&self, x: &CudaTensor, group: usize, parts: &[usize]) -> OpResult<Vec<CudaTensor>> {
+    pub(crate) fn split(
+        &self,
+        x: &CudaTensor,
+        group: usize,
+        parts: &[usize],
+    ) -> OpResult<Vec<CudaTensor>> {
         let op = "split";
         check(
             op,
@@ -127,7 +132,12 @@ impl CudaBackend {
         )
     }
 
-    pub(crate) fn matmul_bf16(&self, w: &VRef, rows: usize, x: &CudaTensor) -> OpResult<CudaTensor> {
+    pub(crate) fn matmul_bf16(
+        &self,
+        w: &VRef,
+        rows: usize,
+        x: &CudaTensor,
+    ) -> OpResult<CudaTensor> {
         let op = "matmul_bf16";
         let off = self.vref(op, w, rows * x.cols)?;
         let mut out = self.tensor(op, x.rows(), rows)?;

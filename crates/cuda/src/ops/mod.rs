@@ -2,8 +2,8 @@
 //! the recurrent group's trait impl.
 
 mod attention;
-mod gemm;
 mod elementwise;
+mod gemm;
 mod norm;
 mod quant;
 mod recurrent;

@@ -3,7 +3,13 @@
 use crate::*;
 
 impl CudaBackend {
-    pub(crate) fn rms_norm(&self, x: &mut CudaTensor, dim: usize, norm: Norm, eps: f32) -> OpResult<()> {
+    pub(crate) fn rms_norm(
+        &self,
+        x: &mut CudaTensor,
+        dim: usize,
+        norm: Norm,
+        eps: f32,
+    ) -> OpResult<()> {
         self.rms_norm_impl("rms_norm", None, x, dim, norm, eps)
     }
 
@@ -52,6 +58,7 @@ impl CudaBackend {
         )
     }
 
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn add_rms_norm_pre(
         &self,
         x: &mut CudaTensor,
@@ -157,7 +164,12 @@ impl CudaBackend {
     }
 
     /// The `rms_norm` kernels' mode, weight offset and constant for `norm` over `dim` values.
-    pub(crate) fn norm_args(&self, op: &'static str, norm: Norm, dim: usize) -> OpResult<(i32, u64, f32)> {
+    pub(crate) fn norm_args(
+        &self,
+        op: &'static str,
+        norm: Norm,
+        dim: usize,
+    ) -> OpResult<(i32, u64, f32)> {
         Ok(match norm {
             Norm::NoScale => (0, 0, 1.0),
             Norm::Weight(w) => (1, self.vref(op, w, dim)?, 1.0),

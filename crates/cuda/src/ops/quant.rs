@@ -3,7 +3,12 @@
 use crate::*;
 
 impl CudaBackend {
-    pub(crate) fn embed(&self, table: &QRef, ids: &[u32], scale: Option<f32>) -> OpResult<CudaTensor> {
+    pub(crate) fn embed(
+        &self,
+        table: &QRef,
+        ids: &[u32],
+        scale: Option<f32>,
+    ) -> OpResult<CudaTensor> {
         let op = "embed";
         check(op, ids.iter().all(|&i| (i as usize) < table.rows), || {
             format!("a token id is outside the table's {} rows", table.rows)
@@ -37,7 +42,12 @@ impl CudaBackend {
         Ok(out)
     }
 
-    pub(crate) fn matmul(&self, ws: &[&QRef], src: Weights, x: &CudaTensor) -> OpResult<Vec<CudaTensor>> {
+    pub(crate) fn matmul(
+        &self,
+        ws: &[&QRef],
+        src: Weights,
+        x: &CudaTensor,
+    ) -> OpResult<Vec<CudaTensor>> {
         let op = "matmul";
         for w in ws {
             check(op, w.cols == x.cols, || {
@@ -66,7 +76,13 @@ impl CudaBackend {
         Ok(ys)
     }
 
-    pub(crate) fn glu_mlp(&self, mlp: &Mlp, act: Act, src: Weights, x: &CudaTensor) -> OpResult<CudaTensor> {
+    pub(crate) fn glu_mlp(
+        &self,
+        mlp: &Mlp,
+        act: Act,
+        src: Weights,
+        x: &CudaTensor,
+    ) -> OpResult<CudaTensor> {
         let op = "glu_mlp";
         check_mlp(op, mlp, x.cols)?;
         let mut g = self.uninit_tensor(op, x.rows, mlp.gate_proj.rows)?;

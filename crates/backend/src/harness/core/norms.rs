@@ -2,7 +2,11 @@
 
 use crate::harness::*;
 
-pub(crate) fn norms_and_elementwise<B: Backend>(h: &mut Harness<B>, rng: &mut Rng, w: &TestWeights) {
+pub(crate) fn norms_and_elementwise<B: Backend>(
+    h: &mut Harness<B>,
+    rng: &mut Rng,
+    w: &TestWeights,
+) {
     let buf = h.buf;
     let t = 3;
     let x = rng.vec(t * 256, 2.0);
