@@ -11,6 +11,7 @@ pub mod qwen3_5_moe;
 
 mod engine;
 mod error;
+mod family;
 mod forward;
 mod loading;
 mod model;
@@ -21,9 +22,12 @@ mod streamers;
 
 pub use engine::Engine;
 pub use error::ModelError;
+pub use family::{FamilyModel, Parts};
 pub(crate) use forward::{check_ids, into_residual, one};
 pub use forward::{head, run_chunked, ChunkWant, Head, Logits, Want};
-pub(crate) use loading::check_dims;
+pub(crate) use loading::{
+    check_dims, expert_linear, linear, parse_config, text_config, unsupported,
+};
 pub use mference_backend::DeviceExpertStats;
 pub use mference_cuda::GpuExpertBudget;
 pub use model::{Model, StepTimes};
