@@ -6,35 +6,55 @@ use mference_backend::{Backend, DeviceExpertStats, KvCache};
 use mference_runtime::StreamerStats;
 
 use crate::{
-    run_chunked, ChunkWant, Engine, Logits, Model, ModelError, StepTimes, Streamers, Want,
+    run_chunked, ChunkWant, Engine, Logits, Model, ModelError, RingSnapshot, StepTimes, Streamers,
+    Want,
 };
 
 /// The parts every family holds: the engine, the backend, the expert streamers and the KV cache
-/// (whose `len` is the sequence's position).
+/// (whose `len` is the sequence's position), and for a family whose whole state is its KV cache
+/// the checkpoint of its rings.
 pub struct Parts<'a, B: Backend> {
     pub engine: &'a Engine,
     pub be: &'a B,
     pub streamers: &'a Streamers,
     pub kv: &'a KvCache<B::Kv>,
+    pub rings: Option<&'a RingSnapshot<B>>,
 }
 
-/// The [`FamilyModel::parts`] and [`FamilyModel::streamers_mut`] of a family struct whose fields
-/// are named `engine`, `be`, `streamers` and `kv`, as every family's are.
+/// [`Parts`] with the streamers and the state mutable.
+pub struct PartsMut<'a, B: Backend> {
+    pub engine: &'a Engine,
+    pub be: &'a B,
+    pub streamers: &'a mut Streamers,
+    pub kv: &'a mut KvCache<B::Kv>,
+    pub rings: Option<&'a mut RingSnapshot<B>>,
+}
+
+/// The [`FamilyModel::parts`] and [`FamilyModel::parts_mut`] of a family struct whose fields are
+/// named `engine`, `be`, `streamers` and `kv`, as every family's are; `family_parts!(rings)` for
+/// one whose field `rings` ([`RingSnapshot`]) keeps its checkpoint.
 #[macro_export]
 #[doc(hidden)]
 macro_rules! family_parts {
-    () => {
+    ($($rings:ident)?) => {
         fn parts(&self) -> $crate::Parts<'_, Self::Backend> {
             $crate::Parts {
                 engine: &self.engine,
                 be: &self.be,
                 streamers: &self.streamers,
                 kv: &self.kv,
+                rings: None $(.or(Some(&self.$rings)))?,
             }
         }
 
-        fn streamers_mut(&mut self) -> (&Self::Backend, &$crate::Engine, &mut $crate::Streamers) {
-            (&self.be, &self.engine, &mut self.streamers)
+        fn parts_mut(&mut self) -> $crate::PartsMut<'_, Self::Backend> {
+            $crate::PartsMut {
+                engine: &self.engine,
+                be: &self.be,
+                streamers: &mut self.streamers,
+                kv: &mut self.kv,
+                rings: None $(.or(Some(&mut self.$rings)))?,
+            }
         }
     };
 }
@@ -52,25 +72,43 @@ pub trait FamilyModel: Send + 'static {
     fn begin_forward(&mut self, _tokens: &[u32]) {}
     /// The shared parts, read-only.
     fn parts(&self) -> Parts<'_, Self::Backend>;
-    /// The backend, the engine and the expert streamers, the last mutable.
-    fn streamers_mut(&mut self) -> (&Self::Backend, &Engine, &mut Streamers);
+    /// The shared parts, the streamers and the state mutable.
+    fn parts_mut(&mut self) -> PartsMut<'_, Self::Backend>;
     /// Logits per row (the unpadded vocabulary).
     fn vocab(&self) -> usize;
     /// Time per layer and in the head, for a family that records it.
     fn times(&self) -> Option<&StepTimes> {
         None
     }
-    /// [`Model::truncate`].
-    fn truncate_state(&mut self, n: usize) -> bool;
-    /// [`Model::checkpoint`].
-    fn checkpoint_state(&mut self) {}
-    /// [`Model::is_recurrent`].
+    /// [`Model::truncate`]; by default the KV cache's rule, with the rings' checkpoint if the
+    /// family keeps one ([`RingSnapshot::truncate`]).
+    fn truncate_state(&mut self, n: usize) -> bool {
+        let p = self.parts_mut();
+        match p.rings {
+            Some(rings) => rings.truncate(p.be, p.kv, n),
+            None => p.kv.truncate(n),
+        }
+    }
+    /// [`Model::checkpoint`]; by default a copy of the rings if the family keeps one.
+    fn checkpoint_state(&mut self) {
+        let p = self.parts_mut();
+        if let Some(rings) = p.rings {
+            rings.checkpoint(p.be, p.kv);
+        }
+    }
+    /// [`Model::is_recurrent`]; by default whether the family keeps a rings' checkpoint and has a
+    /// ring.
     fn state_is_recurrent(&self) -> bool {
-        false
+        let p = self.parts();
+        p.rings.is_some() && RingSnapshot::<Self::Backend>::is_recurrent(p.kv)
     }
     /// [`Model::rewind_point`].
     fn state_rewind_point(&self, n: usize) -> usize {
-        n.min(self.parts().kv.len)
+        let p = self.parts();
+        match p.rings {
+            Some(rings) => rings.rewind_point(p.kv, n),
+            None => n.min(p.kv.len),
+        }
     }
     /// [`Model::kv_bytes`].
     fn state_bytes(&self) -> usize {
@@ -132,8 +170,8 @@ impl<F: FamilyModel> Model for F {
         if !F::PRELOADS_DEVICE_EXPERTS {
             return Ok(());
         }
-        let (be, engine, streamers) = self.streamers_mut();
-        streamers.preload(be, engine)
+        let p = self.parts_mut();
+        p.streamers.preload(p.be, p.engine)
     }
 
     fn kv_bytes(&self) -> usize {

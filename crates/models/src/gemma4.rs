@@ -10,15 +10,15 @@ use serde::Deserialize;
 
 use mference_backend::Weights::Resident;
 use mference_backend::{
-    moe, Act, AttnShape, Backend, KvCache, KvState, Mlp, Norm, PreNorm, QRef, Rope, RouterSpec,
-    Scoring, VRef,
+    moe, Act, AttnShape, Backend, KvCache, Mlp, Norm, PreNorm, QRef, Rope, RouterSpec, Scoring,
+    VRef,
 };
 
 use std::time::Instant;
 
 use crate::{
     check_ids, into_residual, one, parse_config, text_config, unsupported, ChunkWant, Engine,
-    FamilyModel, LoadOptions, Logits, ModelError, StepTimes, Streamers,
+    FamilyModel, LoadOptions, Logits, ModelError, RingSnapshot, StepTimes, Streamers,
 };
 
 /// `text_config` of a Gemma 4 `config.json` (HF keys; defaults as mlx-lm's `ModelArgs`).
@@ -160,10 +160,8 @@ pub struct Gemma4<B: Backend> {
     /// sqrt(hidden_size) rounded to bf16, the weight dtype (HF `Gemma4TextScaledWordEmbedding`).
     embed_scale: f32,
     kv: KvCache<B::Kv>,
-    /// [`crate::Model::checkpoint`]: the position and a copy of every sliding-window ring (`None`
-    /// for full layers, whose rows below a cut are never overwritten), so a follow-up turn can
-    /// rewind there after the rings have wrapped.
-    ring_snapshot: Option<(usize, Vec<Option<B::Kv>>)>,
+    /// The sliding-window rings at the last [`crate::Model::checkpoint`].
+    rings: RingSnapshot<B>,
     streamers: Streamers,
     /// [`crate::Model::step_times`].
     times: StepTimes,
@@ -289,7 +287,7 @@ impl<B: Backend> Gemma4<B> {
             layers,
             embed_scale,
             kv: KvCache::new(kv),
-            ring_snapshot: None,
+            rings: RingSnapshot::default(),
             streamers,
             times: StepTimes {
                 layers: vec![Default::default(); n_layers],
@@ -479,7 +477,7 @@ impl<B: Backend + 'static> FamilyModel for Gemma4<B> {
         logits
     }
 
-    crate::family_parts!();
+    crate::family_parts!(rings);
 
     fn vocab(&self) -> usize {
         self.cfg.vocab_size
@@ -487,66 +485,6 @@ impl<B: Backend + 'static> FamilyModel for Gemma4<B> {
 
     fn times(&self) -> Option<&StepTimes> {
         Some(&self.times)
-    }
-
-    fn truncate_state(&mut self, n: usize) -> bool {
-        if self.kv.truncate(n) {
-            // Positions from `n` on will be written again: a checkpoint beyond `n` is stale.
-            if self.ring_snapshot.as_ref().is_some_and(|(p, _)| *p > n) {
-                self.ring_snapshot = None;
-            }
-            return true;
-        }
-        // The rings have wrapped past `n`: only the checkpoint's copy holds their rows.
-        let Some((pos, rings)) = &self.ring_snapshot else {
-            return false;
-        };
-        if *pos != n || n > self.kv.len {
-            return false;
-        }
-        for (layer, ring) in self.kv.layers.iter_mut().zip(rings) {
-            if let Some(ring) = ring {
-                match self.be.kv_clone(ring) {
-                    Ok(copy) => *layer = copy,
-                    Err(_) => {
-                        // Some rings restored, some not: nothing but a cleared cache is sound.
-                        self.kv.clear();
-                        return false;
-                    }
-                }
-            }
-        }
-        self.kv.len = n;
-        true
-    }
-
-    fn checkpoint_state(&mut self) {
-        let be = &self.be;
-        let rings: Result<Vec<Option<B::Kv>>, _> = self
-            .kv
-            .layers
-            .iter()
-            .map(|l| l.is_ring().then(|| be.kv_clone(l)).transpose())
-            .collect();
-        // A backend that cannot copy its KV keeps no checkpoint (follow-ups then start over).
-        self.ring_snapshot = rings.ok().map(|r| (self.kv.len, r));
-    }
-
-    fn state_is_recurrent(&self) -> bool {
-        self.kv.layers.iter().any(|l| l.is_ring())
-    }
-
-    fn state_rewind_point(&self, n: usize) -> usize {
-        let n = n.min(self.kv.len);
-        match &self.ring_snapshot {
-            _ if self.kv.can_truncate(n) => n,
-            Some((pos, _)) if *pos <= n && *pos <= self.kv.len => *pos,
-            _ => 0,
-        }
-    }
-
-    fn state_bytes(&self) -> usize {
-        self.kv.bytes()
     }
 }
 

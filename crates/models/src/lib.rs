@@ -22,7 +22,7 @@ mod streamers;
 
 pub use engine::Engine;
 pub use error::ModelError;
-pub use family::{FamilyModel, Parts};
+pub use family::{FamilyModel, Parts, PartsMut};
 pub(crate) use forward::{check_ids, into_residual, one};
 pub use forward::{head, run_chunked, ChunkWant, Head, Logits, Want};
 pub(crate) use loading::{
@@ -34,5 +34,5 @@ pub use model::{Model, StepTimes};
 pub use options::{Device, LoadOptions};
 pub use prefix::PrefixCache;
 pub use registry::{load, probe_device};
-pub use state::Snapshot;
+pub use state::{RingSnapshot, Snapshot};
 pub use streamers::Streamers;

@@ -20,7 +20,7 @@ use mference_backend::{
 
 use crate::{
     check_dims, check_ids, expert_linear, linear, one, parse_config, unsupported, ChunkWant,
-    Engine, FamilyModel, LoadOptions, Logits, ModelError, Streamers,
+    Engine, FamilyModel, LoadOptions, Logits, ModelError, RingSnapshot, Streamers,
 };
 
 /// `maple.py`'s `MLP_CLAMP`: the experts' SwiGLU clamps the gate to `≤ 7` and up to `[-7, 7]`.
@@ -187,6 +187,9 @@ pub struct Maple<B: Backend> {
     layers: Vec<Layer>,
     rope: Rope,
     kv: KvCache<B::Kv>,
+    /// The sliding-window rings at the last [`crate::Model::checkpoint`], so a follow-up turn can
+    /// rewind after they have wrapped (prefix reuse in `serve` and `run --chat`).
+    rings: RingSnapshot<B>,
     streamers: Streamers,
     /// The approximate head for single-token decode (`--flash-head`).
     flash: Option<FlashHead>,
@@ -427,6 +430,7 @@ impl<B: Backend> Maple<B> {
             lm_head,
             layers,
             kv: KvCache::new(kv),
+            rings: RingSnapshot::default(),
         })
     }
 
@@ -536,18 +540,10 @@ impl<B: Backend + 'static> FamilyModel for Maple<B> {
         }
     }
 
-    crate::family_parts!();
+    crate::family_parts!(rings);
 
     fn vocab(&self) -> usize {
         self.cfg.vocab_size
-    }
-
-    fn truncate_state(&mut self, n: usize) -> bool {
-        self.kv.truncate(n)
-    }
-
-    fn state_bytes(&self) -> usize {
-        self.kv.bytes()
     }
 }
 

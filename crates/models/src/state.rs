@@ -1,5 +1,7 @@
 //! Per-sequence state that a family keeps beside its KV cache, and how it is rewound.
 
+use mference_backend::{Backend, KvCache, KvState};
+
 /// One saved copy of a family's recurrent state `S` and the position it describes
 /// ([`crate::Model::checkpoint`]): the cut rules of a model whose state cannot be cut open.
 pub struct Snapshot<S> {
@@ -57,5 +59,81 @@ impl<S: Clone> Snapshot<S> {
 impl<S: Clone> Default for Snapshot<S> {
     fn default() -> Self {
         Self::new()
+    }
+}
+
+/// One saved copy of the sliding-window rings of a KV cache ([`crate::Model::checkpoint`]): the
+/// cut rules of a family whose whole state is its KV cache (Gemma 4, Maple), so a follow-up turn
+/// can rewind after the rings have wrapped. Full layers are never copied: their rows below a cut
+/// are never overwritten.
+pub struct RingSnapshot<B: Backend> {
+    /// The position and a copy of every ring (`None` for full layers).
+    saved: Option<(usize, Vec<Option<B::Kv>>)>,
+}
+
+impl<B: Backend> Default for RingSnapshot<B> {
+    fn default() -> Self {
+        Self { saved: None }
+    }
+}
+
+impl<B: Backend> RingSnapshot<B> {
+    /// [`crate::Model::truncate`]: any `n` while no ring has wrapped past it, else only the
+    /// checkpoint's position (its rings copied back).
+    pub fn truncate(&mut self, be: &B, kv: &mut KvCache<B::Kv>, n: usize) -> bool {
+        if kv.truncate(n) {
+            // Positions from `n` on will be written again: a checkpoint beyond `n` is stale.
+            if self.saved.as_ref().is_some_and(|(p, _)| *p > n) {
+                self.saved = None;
+            }
+            return true;
+        }
+        // The rings have wrapped past `n`: only the checkpoint's copy holds their rows.
+        let Some((pos, rings)) = &self.saved else {
+            return false;
+        };
+        if *pos != n || n > kv.len {
+            return false;
+        }
+        for (layer, ring) in kv.layers.iter_mut().zip(rings) {
+            if let Some(ring) = ring {
+                match be.kv_clone(ring) {
+                    Ok(copy) => *layer = copy,
+                    Err(_) => {
+                        // Some rings restored, some not: nothing but a cleared cache is sound.
+                        kv.clear();
+                        return false;
+                    }
+                }
+            }
+        }
+        kv.len = n;
+        true
+    }
+
+    /// [`crate::Model::checkpoint`]: copies every ring.
+    pub fn checkpoint(&mut self, be: &B, kv: &KvCache<B::Kv>) {
+        let rings: Result<Vec<Option<B::Kv>>, _> = kv
+            .layers
+            .iter()
+            .map(|l| l.is_ring().then(|| be.kv_clone(l)).transpose())
+            .collect();
+        // A backend that cannot copy its KV keeps no checkpoint (follow-ups then start over).
+        self.saved = rings.ok().map(|r| (kv.len, r));
+    }
+
+    /// [`crate::Model::is_recurrent`]: whether any layer is a ring.
+    pub fn is_recurrent(kv: &KvCache<B::Kv>) -> bool {
+        kv.layers.iter().any(|l| l.is_ring())
+    }
+
+    /// [`crate::Model::rewind_point`].
+    pub fn rewind_point(&self, kv: &KvCache<B::Kv>, n: usize) -> usize {
+        let n = n.min(kv.len);
+        match &self.saved {
+            _ if kv.can_truncate(n) => n,
+            Some((pos, _)) if *pos <= n && *pos <= kv.len => *pos,
+            _ => 0,
+        }
     }
 }
