@@ -10,15 +10,15 @@ use serde::Deserialize;
 
 use mference_backend::Weights::Resident;
 use mference_backend::{
-    moe, Act, AttnShape, Backend, KvCache, KvState, Mlp, Norm, PreNorm, QRef, Rope, RouterSpec,
-    Scoring, VRef,
+    moe, Act, AttnShape, Backend, KvCache, Mlp, Norm, PreNorm, QRef, Rope, RouterSpec, Scoring,
+    VRef,
 };
 
 use std::time::Instant;
 
 use crate::{
-    check_ids, into_residual, one, ChunkWant, Engine, LoadOptions, Logits, ModelError, StepTimes,
-    Streamers, Want,
+    check_ids, into_residual, one, parse_config, text_config, unsupported, ChunkWant, Engine,
+    FamilyModel, LoadOptions, Logits, ModelError, RingSnapshot, StepTimes, Streamers,
 };
 
 /// `text_config` of a Gemma 4 `config.json` (HF keys; defaults as mlx-lm's `ModelArgs`).
@@ -88,14 +88,8 @@ impl Config {
     /// Reads `text_config` (or the top level) of `config.json` and rejects features this runtime
     /// does not implement (per-layer inputs, KV-shared layers, dense-only layers, untied head).
     pub fn from_config_json(v: &serde_json::Value) -> Result<Self, ModelError> {
-        let text = v.get("text_config").unwrap_or(v);
-        let c: Config = serde_json::from_value(text.clone())
-            .map_err(|e| ModelError::Config(format!("gemma4 text_config: {e}")))?;
-        let unsupported = |what: &str| {
-            Err(ModelError::Config(format!(
-                "gemma4: {what} is not supported by this runtime"
-            )))
-        };
+        let c: Config = parse_config(text_config(v), "gemma4 text_config")?;
+        let unsupported = |what: &str| unsupported("gemma4", what);
         if c.hidden_size_per_layer_input != 0 {
             return unsupported("per-layer inputs (hidden_size_per_layer_input > 0)");
         }
@@ -166,10 +160,8 @@ pub struct Gemma4<B: Backend> {
     /// sqrt(hidden_size) rounded to bf16, the weight dtype (HF `Gemma4TextScaledWordEmbedding`).
     embed_scale: f32,
     kv: KvCache<B::Kv>,
-    /// [`crate::Model::checkpoint`]: the position and a copy of every sliding-window ring (`None`
-    /// for full layers, whose rows below a cut are never overwritten), so a follow-up turn can
-    /// rewind there after the rings have wrapped.
-    ring_snapshot: Option<(usize, Vec<Option<B::Kv>>)>,
+    /// The sliding-window rings at the last [`crate::Model::checkpoint`].
+    rings: RingSnapshot<B>,
     streamers: Streamers,
     /// [`crate::Model::step_times`].
     times: StepTimes,
@@ -295,7 +287,7 @@ impl<B: Backend> Gemma4<B> {
             layers,
             embed_scale,
             kv: KvCache::new(kv),
-            ring_snapshot: None,
+            rings: RingSnapshot::default(),
             streamers,
             times: StepTimes {
                 layers: vec![Default::default(); n_layers],
@@ -308,6 +300,11 @@ impl<B: Backend> Gemma4<B> {
     pub fn config(&self) -> &Config {
         &self.cfg
     }
+}
+
+impl<B: Backend + 'static> FamilyModel for Gemma4<B> {
+    type Backend = B;
+    const PRELOADS_DEVICE_EXPERTS: bool = true;
 
     /// Runs `tokens` (one chunk, at most the prefill chunk) at positions `kv.len ..`.
     fn forward_chunk(&mut self, tokens: &[u32], want: ChunkWant) -> Result<Logits, ModelError> {
@@ -479,6 +476,16 @@ impl<B: Backend> Gemma4<B> {
         self.times.head += started.elapsed();
         logits
     }
+
+    crate::family_parts!(rings);
+
+    fn vocab(&self) -> usize {
+        self.cfg.vocab_size
+    }
+
+    fn times(&self) -> Option<&StepTimes> {
+        Some(&self.times)
+    }
 }
 
 /// `layer`'s router input from the post-attention residual: a no-scale norm times the router
@@ -578,105 +585,4 @@ fn check_shapes(c: &Config, l: &Layer, li: usize) -> Result<(), ModelError> {
         }
     }
     Ok(())
-}
-
-impl<B: Backend + 'static> crate::Model for Gemma4<B> {
-    fn forward(&mut self, tokens: &[u32], want: Want) -> Result<Logits, ModelError> {
-        let (chunk, max) = (self.engine.prefill_chunk, self.engine.max_context);
-        crate::run_chunked(tokens, self.kv.len, chunk, max, want, |c, w| {
-            self.forward_chunk(c, w)
-        })
-    }
-
-    fn position(&self) -> usize {
-        self.kv.len
-    }
-
-    fn truncate(&mut self, n: usize) -> bool {
-        if self.kv.truncate(n) {
-            // Positions from `n` on will be written again: a checkpoint beyond `n` is stale.
-            if self.ring_snapshot.as_ref().is_some_and(|(p, _)| *p > n) {
-                self.ring_snapshot = None;
-            }
-            return true;
-        }
-        // The rings have wrapped past `n`: only the checkpoint's copy holds their rows.
-        let Some((pos, rings)) = &self.ring_snapshot else {
-            return false;
-        };
-        if *pos != n || n > self.kv.len {
-            return false;
-        }
-        for (layer, ring) in self.kv.layers.iter_mut().zip(rings) {
-            if let Some(ring) = ring {
-                match self.be.kv_clone(ring) {
-                    Ok(copy) => *layer = copy,
-                    Err(_) => {
-                        // Some rings restored, some not: nothing but a cleared cache is sound.
-                        self.kv.clear();
-                        return false;
-                    }
-                }
-            }
-        }
-        self.kv.len = n;
-        true
-    }
-
-    fn checkpoint(&mut self) {
-        let be = &self.be;
-        let rings: Result<Vec<Option<B::Kv>>, _> = self
-            .kv
-            .layers
-            .iter()
-            .map(|l| l.is_ring().then(|| be.kv_clone(l)).transpose())
-            .collect();
-        // A backend that cannot copy its KV keeps no checkpoint (follow-ups then start over).
-        self.ring_snapshot = rings.ok().map(|r| (self.kv.len, r));
-    }
-
-    fn is_recurrent(&self) -> bool {
-        self.kv.layers.iter().any(|l| l.is_ring())
-    }
-
-    fn rewind_point(&self, n: usize) -> usize {
-        let n = n.min(self.kv.len);
-        match &self.ring_snapshot {
-            _ if self.kv.can_truncate(n) => n,
-            Some((pos, _)) if *pos <= n && *pos <= self.kv.len => *pos,
-            _ => 0,
-        }
-    }
-
-    fn vocab_size(&self) -> usize {
-        self.cfg.vocab_size
-    }
-
-    fn engine(&self) -> &Engine {
-        &self.engine
-    }
-
-    fn expert_stats(&self) -> Vec<mference_runtime::StreamerStats> {
-        self.streamers.stats()
-    }
-
-    fn device_expert_stats(&self) -> Option<mference_backend::DeviceExpertStats> {
-        self.be.device_expert_stats()
-    }
-
-    fn size_device_experts(&self) -> Result<(), ModelError> {
-        Ok(self.be.size_expert_cache()?)
-    }
-
-    fn preload_device_experts(&mut self) -> Result<(), ModelError> {
-        self.streamers.preload(&self.be, &self.engine)
-    }
-
-    fn kv_bytes(&self) -> usize {
-        self.kv.bytes()
-    }
-
-    fn step_times(&self) -> StepTimes {
-        self.times.clone()
-    }
 }

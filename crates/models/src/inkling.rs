@@ -20,8 +20,8 @@ use mference_backend::{
 };
 
 use crate::{
-    check_dims as check, check_ids, one, ChunkWant, Engine, LoadOptions, Logits, ModelError,
-    Snapshot, Streamers, Want,
+    check_ids, expert_linear, linear, one, parse_config, text_config, unsupported, ChunkWant,
+    Engine, FamilyModel, LoadOptions, Logits, ModelError, Snapshot, Streamers,
 };
 
 /// `text_config` of an Inkling `config.json` as the checkpoint stores it (transformers
@@ -94,14 +94,8 @@ fn silu() -> String {
 impl Config {
     /// Reads `text_config` of `config.json` and rejects what this runtime does not implement.
     pub fn from_config_json(v: &serde_json::Value) -> Result<Self, ModelError> {
-        let text = v.get("text_config").unwrap_or(v);
-        let c: Config = serde_json::from_value(text.clone())
-            .map_err(|e| ModelError::Config(format!("inkling text_config: {e}")))?;
-        let unsupported = |what: &str| {
-            Err(ModelError::Config(format!(
-                "inkling: {what} is not supported by this runtime"
-            )))
-        };
+        let c: Config = parse_config(text_config(v), "inkling text_config")?;
+        let unsupported = |what: &str| unsupported("inkling", what);
         if !c.use_sconv || !c.shared_expert_sink || c.hidden_act != "silu" {
             return unsupported("a model without short convolutions, sink shared experts or SiLU");
         }
@@ -287,11 +281,7 @@ impl<B: Backend> Inkling<B> {
         if n_moe > 0 {
             engine.check_moe(n_moe, n_exp, cfg.num_experts_per_tok)?;
         }
-        let q = |base: String, rows: usize, cols: usize| -> Result<QRef, ModelError> {
-            let r = QRef::resident(idx, map.len(), &base)?;
-            check(&base, (r.rows, r.cols), (rows, cols))?;
-            Ok(r)
-        };
+        let q = |base: String, rows, cols| linear(idx, map.len(), &base, rows, cols);
         let v = |name: String, n: usize| VRef::resident(idx, &name, n);
         let vector = |name: String, n: usize| f32_vector(idx, map, &name, n);
         let scalar = |name: String| -> Result<f32, ModelError> { Ok(vector(name, 1)?[0]) };
@@ -338,11 +328,8 @@ impl<B: Backend> Inkling<B> {
                 )
             } else {
                 let blob = engine.expert_blob(l)?;
-                let ex = |part: &str, t, rows, cols| -> Result<QRef, ModelError> {
-                    let name = format!("{b}.mlp.experts.{part}");
-                    let r = QRef::expert(&name, t, stride)?;
-                    check(&name, (r.rows, r.cols), (rows, cols))?;
-                    Ok(r)
+                let ex = |part: &str, t, rows, cols| {
+                    expert_linear(&format!("{b}.mlp.experts.{part}"), t, stride, rows, cols)
                 };
                 let shared = |part: &str, rows, cols| {
                     stacked(
@@ -454,8 +441,12 @@ impl<B: Backend> Inkling<B> {
     pub fn config(&self) -> &Config {
         &self.cfg
     }
+}
 
-    /// Runs `tokens` (one chunk, at most the prefill chunk) at positions `kv.len ..`; see [`Want`].
+impl<B: Backend + 'static> FamilyModel for Inkling<B> {
+    type Backend = B;
+
+    /// Runs `tokens` (one chunk, at most the prefill chunk) at positions `kv.len ..`; see [`crate::Want`].
     fn forward_chunk(&mut self, tokens: &[u32], want: ChunkWant) -> Result<Logits, ModelError> {
         let (cfg, be) = (&self.cfg, &self.be);
         let t = tokens.len();
@@ -510,6 +501,67 @@ impl<B: Backend> Inkling<B> {
             }
             other => other,
         })
+    }
+
+    crate::family_parts!();
+
+    fn vocab(&self) -> usize {
+        self.cfg.vocab_size()
+    }
+
+    /// The short-conv states summarise the prefix: `n == 0`, `n == position()` and `n` at the
+    /// checkpoint (its states restored, the KV cut there) succeed, the last only while the sliding
+    /// rings still hold the checkpoint's window (no more positions follow it than a prefill chunk
+    /// plus [`REWIND_REACH`]); anything else is refused and changes nothing.
+    fn truncate_state(&mut self, n: usize) -> bool {
+        if n == self.kv.len {
+            return true;
+        }
+        if n == 0 {
+            self.snapshot.forget();
+            self.kv.clear();
+            let be = &self.be;
+            return self
+                .states
+                .iter_mut()
+                .flat_map(|s| s.all_mut())
+                .all(|s| be.zero_state(s).is_ok());
+        }
+        // The rings still hold the window before `n` when at most `rewind_reach` positions follow it.
+        let reachable = n <= self.kv.len && self.kv.len - n <= self.rewind_reach;
+        if !(self.snapshot.is_at(n) && reachable) {
+            return false;
+        }
+        self.kv.len = n;
+        self.snapshot.restore(n, &mut self.states)
+    }
+
+    /// Copies the FP32 short-conv states (4 per layer, `kernel − 1` rows each).
+    fn checkpoint_state(&mut self) {
+        self.snapshot.save(self.kv.len, &self.states);
+    }
+
+    fn state_is_recurrent(&self) -> bool {
+        true
+    }
+
+    fn state_rewind_point(&self, n: usize) -> usize {
+        let len = self.kv.len;
+        match self.snapshot.rewind_point(n, len) {
+            p if p < len && len - p > self.rewind_reach => 0,
+            p => p,
+        }
+    }
+
+    /// KV cache plus the FP32 short-conv states.
+    fn state_bytes(&self) -> usize {
+        let states: usize = self
+            .states
+            .iter()
+            .flat_map(|s| s.all())
+            .map(|s| self.be.state_bytes(s))
+            .sum();
+        self.kv.bytes() + states
     }
 }
 
@@ -681,92 +733,4 @@ fn first_rows(w: &QRef, n: usize, buf_len: usize) -> Result<QRef, ModelError> {
         cut(bb),
         buf_len,
     )?)
-}
-
-impl<B: Backend + 'static> crate::Model for Inkling<B> {
-    fn forward(&mut self, tokens: &[u32], want: Want) -> Result<Logits, ModelError> {
-        let (chunk, max) = (self.engine.prefill_chunk, self.engine.max_context);
-        crate::run_chunked(tokens, self.kv.len, chunk, max, want, |c, w| {
-            self.forward_chunk(c, w)
-        })
-    }
-
-    fn position(&self) -> usize {
-        self.kv.len
-    }
-
-    /// The short-conv states summarise the prefix: `n == 0`, `n == position()` and `n` at the
-    /// checkpoint (its states restored, the KV cut there) succeed, the last only while the sliding
-    /// rings still hold the checkpoint's window (no more positions follow it than a prefill chunk
-    /// plus [`REWIND_REACH`]); anything else is refused and changes nothing.
-    fn truncate(&mut self, n: usize) -> bool {
-        if n == self.kv.len {
-            return true;
-        }
-        if n == 0 {
-            self.snapshot.forget();
-            self.kv.clear();
-            let be = &self.be;
-            return self
-                .states
-                .iter_mut()
-                .flat_map(|s| s.all_mut())
-                .all(|s| be.zero_state(s).is_ok());
-        }
-        // The rings still hold the window before `n` when at most `rewind_reach` positions follow it.
-        let reachable = n <= self.kv.len && self.kv.len - n <= self.rewind_reach;
-        if !(self.snapshot.is_at(n) && reachable) {
-            return false;
-        }
-        self.kv.len = n;
-        self.snapshot.restore(n, &mut self.states)
-    }
-
-    /// Copies the FP32 short-conv states (4 per layer, `kernel − 1` rows each).
-    fn checkpoint(&mut self) {
-        self.snapshot.save(self.kv.len, &self.states);
-    }
-
-    fn is_recurrent(&self) -> bool {
-        true
-    }
-
-    fn rewind_point(&self, n: usize) -> usize {
-        let len = self.kv.len;
-        match self.snapshot.rewind_point(n, len) {
-            p if p < len && len - p > self.rewind_reach => 0,
-            p => p,
-        }
-    }
-
-    fn vocab_size(&self) -> usize {
-        self.cfg.vocab_size()
-    }
-
-    fn engine(&self) -> &Engine {
-        &self.engine
-    }
-
-    fn expert_stats(&self) -> Vec<mference_runtime::StreamerStats> {
-        self.streamers.stats()
-    }
-
-    fn device_expert_stats(&self) -> Option<mference_backend::DeviceExpertStats> {
-        self.be.device_expert_stats()
-    }
-
-    fn size_device_experts(&self) -> Result<(), ModelError> {
-        Ok(self.be.size_expert_cache()?)
-    }
-
-    /// KV cache plus the FP32 short-conv states.
-    fn kv_bytes(&self) -> usize {
-        let states: usize = self
-            .states
-            .iter()
-            .flat_map(|s| s.all())
-            .map(|s| self.be.state_bytes(s))
-            .sum();
-        self.kv.bytes() + states
-    }
 }

@@ -18,7 +18,10 @@ use mference_backend::{
     VRef, WeightError,
 };
 
-use crate::{check_ids, one, ChunkWant, Engine, LoadOptions, Logits, ModelError, Streamers, Want};
+use crate::{
+    check_dims, check_ids, expert_linear, linear, one, parse_config, unsupported, ChunkWant,
+    Engine, FamilyModel, LoadOptions, Logits, ModelError, RingSnapshot, Streamers,
+};
 
 /// `maple.py`'s `MLP_CLAMP`: the experts' SwiGLU clamps the gate to `≤ 7` and up to `[-7, 7]`.
 pub const MLP_CLAMP: f32 = 7.0;
@@ -99,13 +102,8 @@ impl Config {
     /// Reads `config.json` and rejects what this runtime does not implement (dense or shared-expert
     /// layers, biases, RoPE scaling, no q/k norm, RoPE on the full layers, unknown layer types).
     pub fn from_config_json(v: &serde_json::Value) -> Result<Self, ModelError> {
-        let c: Config = serde_json::from_value(v.clone())
-            .map_err(|e| ModelError::Config(format!("maple config.json: {e}")))?;
-        let unsupported = |what: &str| {
-            Err(ModelError::Config(format!(
-                "maple: {what} is not supported by this runtime"
-            )))
-        };
+        let c: Config = parse_config(v, "maple config.json")?;
+        let unsupported = |what: &str| unsupported("maple", what);
         if c.first_k_dense_replace != 0 {
             return unsupported("dense MLP layers (first_k_dense_replace > 0)");
         }
@@ -189,6 +187,9 @@ pub struct Maple<B: Backend> {
     layers: Vec<Layer>,
     rope: Rope,
     kv: KvCache<B::Kv>,
+    /// The sliding-window rings at the last [`crate::Model::checkpoint`], so a follow-up turn can
+    /// rewind after they have wrapped (prefix reuse in `serve` and `run --chat`).
+    rings: RingSnapshot<B>,
     streamers: Streamers,
     /// The approximate head for single-token decode (`--flash-head`).
     flash: Option<FlashHead>,
@@ -228,7 +229,7 @@ impl FlashHead {
         let (idx, map) = (&engine.index, &engine.map[..]);
         let (nc, cs, h) = (f.n_clusters, f.cluster_size, cfg.hidden_size);
         let centroids = QRef::resident(idx, map.len(), "lm_head_flash.centroids")?;
-        check(
+        check_dims(
             "lm_head_flash.centroids",
             (centroids.rows, centroids.cols),
             (nc, h),
@@ -363,22 +364,15 @@ impl<B: Backend> Maple<B> {
         let stride = engine.install.layout.expert_stride as usize;
         engine.check_moe(cfg.num_hidden_layers, n_exp, cfg.num_experts_per_tok)?;
         // A quantized Linear `base` that must be [rows, cols].
-        let q = |base: String, rows: usize, cols: usize| -> Result<QRef, ModelError> {
-            let r = QRef::resident(idx, len, &base)?;
-            check(&base, (r.rows, r.cols), (rows, cols))?;
-            Ok(r)
-        };
+        let q = |base: String, rows, cols| linear(idx, len, &base, rows, cols);
         let v = |name: String, n: usize| VRef::resident(idx, &name, n);
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for l in 0..cfg.num_hidden_layers {
             let b = format!("model.layers.{l}");
             let a = format!("{b}.self_attn");
             let blob = engine.expert_blob(l)?;
-            let ex = |part: &str, t, rows, cols| -> Result<QRef, ModelError> {
-                let name = format!("{b}.mlp.switch_mlp.{part}");
-                let r = QRef::expert(&name, t, stride)?;
-                check(&name, (r.rows, r.cols), (rows, cols))?;
-                Ok(r)
+            let ex = |part: &str, t, rows, cols| {
+                expert_linear(&format!("{b}.mlp.switch_mlp.{part}"), t, stride, rows, cols)
             };
             layers.push(Layer {
                 sliding: cfg.is_sliding(l),
@@ -436,6 +430,7 @@ impl<B: Backend> Maple<B> {
             lm_head,
             layers,
             kv: KvCache::new(kv),
+            rings: RingSnapshot::default(),
         })
     }
 
@@ -443,8 +438,16 @@ impl<B: Backend> Maple<B> {
     pub fn config(&self) -> &Config {
         &self.cfg
     }
+}
 
-    /// Runs `tokens` (one chunk, at most the prefill chunk) at positions `kv.len ..`; see [`Want`].
+impl<B: Backend + 'static> FamilyModel for Maple<B> {
+    type Backend = B;
+
+    fn begin_forward(&mut self, tokens: &[u32]) {
+        self.single = tokens.len() == 1;
+    }
+
+    /// Runs `tokens` (one chunk, at most the prefill chunk) at positions `kv.len ..`; see [`crate::Want`].
     fn forward_chunk(&mut self, tokens: &[u32], want: ChunkWant) -> Result<Logits, ModelError> {
         let (cfg, be) = (&self.cfg, &self.be);
         let t = tokens.len();
@@ -536,6 +539,12 @@ impl<B: Backend> Maple<B> {
             _ => crate::head(be, &x, pos0, want, &head),
         }
     }
+
+    crate::family_parts!(rings);
+
+    fn vocab(&self) -> usize {
+        self.cfg.vocab_size
+    }
 }
 
 /// [`crate::head`] through FlashHead for one row: the final norm, then [`FlashHead::logits`];
@@ -580,56 +589,4 @@ fn first_argmax(v: &[f32]) -> usize {
         }
     }
     best
-}
-
-fn check(name: &str, got: (usize, usize), want: (usize, usize)) -> Result<(), ModelError> {
-    if got == want {
-        Ok(())
-    } else {
-        Err(ModelError::Config(format!(
-            "{name} is {got:?}, config.json implies {want:?}"
-        )))
-    }
-}
-
-impl<B: Backend + 'static> crate::Model for Maple<B> {
-    fn forward(&mut self, tokens: &[u32], want: Want) -> Result<Logits, ModelError> {
-        let (chunk, max) = (self.engine.prefill_chunk, self.engine.max_context);
-        self.single = tokens.len() == 1;
-        crate::run_chunked(tokens, self.kv.len, chunk, max, want, |c, w| {
-            self.forward_chunk(c, w)
-        })
-    }
-
-    fn position(&self) -> usize {
-        self.kv.len
-    }
-
-    fn truncate(&mut self, n: usize) -> bool {
-        self.kv.truncate(n)
-    }
-
-    fn vocab_size(&self) -> usize {
-        self.cfg.vocab_size
-    }
-
-    fn engine(&self) -> &Engine {
-        &self.engine
-    }
-
-    fn expert_stats(&self) -> Vec<mference_runtime::StreamerStats> {
-        self.streamers.stats()
-    }
-
-    fn device_expert_stats(&self) -> Option<mference_backend::DeviceExpertStats> {
-        self.be.device_expert_stats()
-    }
-
-    fn size_device_experts(&self) -> Result<(), ModelError> {
-        Ok(self.be.size_expert_cache()?)
-    }
-
-    fn kv_bytes(&self) -> usize {
-        self.kv.bytes()
-    }
 }

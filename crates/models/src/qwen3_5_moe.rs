@@ -19,8 +19,8 @@ use mference_backend::{
 use mference_runtime::ExpertStreamer;
 
 use crate::{
-    check_ids, into_residual, one, ChunkWant, Engine, LoadOptions, Logits, ModelError, Streamers,
-    Want,
+    check_ids, expert_linear, into_residual, linear, one, parse_config, text_config, unsupported,
+    ChunkWant, Engine, FamilyModel, LoadOptions, Logits, ModelError, Streamers,
 };
 
 /// `text_config` of a Qwen 3.5/3.6 MoE `config.json` (HF keys; defaults as mlx-lm's
@@ -99,14 +99,8 @@ impl Config {
     /// Reads `text_config` (or the top level) of `config.json` and rejects what this runtime does not
     /// implement (dense MLP layers, attention biases, RoPE scaling).
     pub fn from_config_json(v: &serde_json::Value) -> Result<Self, ModelError> {
-        let text = v.get("text_config").unwrap_or(v);
-        let c: Config = serde_json::from_value(text.clone())
-            .map_err(|e| ModelError::Config(format!("qwen3_5_moe text_config: {e}")))?;
-        let unsupported = |what: &str| {
-            Err(ModelError::Config(format!(
-                "qwen3_5_moe: {what} is not supported by this runtime"
-            )))
-        };
+        let c: Config = parse_config(text_config(v), "qwen3_5_moe text_config")?;
+        let unsupported = |what: &str| unsupported("qwen3_5_moe", what);
         if c.num_experts == 0 || c.num_experts_per_tok == 0 || c.moe_intermediate_size == 0 {
             return unsupported("a model without the MoE block");
         }
@@ -287,11 +281,7 @@ impl<B: Backend> Qwen35Moe<B> {
         let stride = engine.install.layout.expert_stride as usize;
         engine.check_moe(cfg.num_hidden_layers, n_exp, cfg.num_experts_per_tok)?;
         // A quantized Linear `base` that must be [rows, cols].
-        let q = |base: String, rows: usize, cols: usize| -> Result<QRef, ModelError> {
-            let r = QRef::resident(idx, map.len(), &base)?;
-            check(&base, (r.rows, r.cols), (rows, cols))?;
-            Ok(r)
-        };
+        let q = |base: String, rows, cols| linear(idx, map.len(), &base, rows, cols);
         let v = |name: String, n: usize| VRef::resident(idx, &name, n);
         let vector = |name: String, n: usize| f32_vector(idx, map, &name, n);
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
@@ -346,11 +336,8 @@ impl<B: Backend> Qwen35Moe<B> {
                 )
             };
             let blob = engine.expert_blob(l)?;
-            let ex = |part: &str, t, rows, cols| -> Result<QRef, ModelError> {
-                let name = format!("{b}.mlp.switch_mlp.{part}");
-                let r = QRef::expert(&name, t, stride)?;
-                check(&name, (r.rows, r.cols), (rows, cols))?;
-                Ok(r)
+            let ex = |part: &str, t, rows, cols| {
+                expert_linear(&format!("{b}.mlp.switch_mlp.{part}"), t, stride, rows, cols)
             };
             layers.push(Layer {
                 mixer,
@@ -418,8 +405,13 @@ impl<B: Backend> Qwen35Moe<B> {
     pub fn config(&self) -> &Config {
         &self.cfg
     }
+}
 
-    /// Runs `tokens` (one chunk, at most the prefill chunk) at positions `kv.len ..`; see [`Want`].
+impl<B: Backend + 'static> FamilyModel for Qwen35Moe<B> {
+    type Backend = B;
+    const PRELOADS_DEVICE_EXPERTS: bool = true;
+
+    /// Runs `tokens` (one chunk, at most the prefill chunk) at positions `kv.len ..`; see [`crate::Want`].
     fn forward_chunk(&mut self, tokens: &[u32], want: ChunkWant) -> Result<Logits, ModelError> {
         let (cfg, be) = (&self.cfg, &self.be);
         let t = tokens.len();
@@ -485,6 +477,60 @@ impl<B: Backend> Qwen35Moe<B> {
             softcap: None,
         };
         crate::head(be, &x, pos0, want, &head)
+    }
+
+    crate::family_parts!();
+
+    fn vocab(&self) -> usize {
+        self.cfg.vocab_size
+    }
+
+    /// The DeltaNet state summarises the whole prefix and cannot be cut open: `n == 0` (start
+    /// over), `n == position()` (keep everything) and `n` at the checkpoint (restore its states and
+    /// cut the attention KV there) succeed; anything else is refused and changes nothing.
+    fn truncate_state(&mut self, n: usize) -> bool {
+        if n == self.kv.len {
+            return true;
+        }
+        if n == 0 {
+            // The snapshot described a prefix that is now gone.
+            self.snapshot.forget();
+            self.kv.clear();
+            for s in self.states.iter_mut().flatten() {
+                // A backend that cannot zero its state leaves the sequence unusable: refuse the cut.
+                if self.be.zero_state(&mut s.conv).is_err()
+                    || self.be.zero_state(&mut s.ssm).is_err()
+                {
+                    return false;
+                }
+            }
+            return true;
+        }
+        self.snapshot.is_at(n) && self.kv.truncate(n) && self.snapshot.restore(n, &mut self.states)
+    }
+
+    /// Copies the FP32 DeltaNet states (conv and recurrent; ~60 MiB on the 35B-A3B).
+    fn checkpoint_state(&mut self) {
+        self.snapshot.save(self.kv.len, &self.states);
+    }
+
+    fn state_is_recurrent(&self) -> bool {
+        true
+    }
+
+    fn state_rewind_point(&self, n: usize) -> usize {
+        self.snapshot.rewind_point(n, self.kv.len)
+    }
+
+    /// KV cache of the full-attention layers plus the FP32 DeltaNet states (conv and recurrent).
+    fn state_bytes(&self) -> usize {
+        let states: usize = self
+            .states
+            .iter()
+            .flatten()
+            .map(|s| self.be.state_bytes(&s.conv) + self.be.state_bytes(&s.ssm))
+            .sum();
+        self.kv.bytes() + states
     }
 }
 
@@ -637,99 +683,4 @@ fn router<'a, B: Backend>(
         forced,
     };
     Ok((logits, spec))
-}
-
-fn check(name: &str, got: (usize, usize), want: (usize, usize)) -> Result<(), ModelError> {
-    if got == want {
-        Ok(())
-    } else {
-        Err(ModelError::Config(format!(
-            "{name} is {got:?}, config.json implies {want:?}"
-        )))
-    }
-}
-
-impl<B: Backend + 'static> crate::Model for Qwen35Moe<B> {
-    fn forward(&mut self, tokens: &[u32], want: Want) -> Result<Logits, ModelError> {
-        let (chunk, max) = (self.engine.prefill_chunk, self.engine.max_context);
-        crate::run_chunked(tokens, self.kv.len, chunk, max, want, |c, w| {
-            self.forward_chunk(c, w)
-        })
-    }
-
-    fn position(&self) -> usize {
-        self.kv.len
-    }
-
-    /// The DeltaNet state summarises the whole prefix and cannot be cut open: `n == 0` (start
-    /// over), `n == position()` (keep everything) and `n` at the checkpoint (restore its states and
-    /// cut the attention KV there) succeed; anything else is refused and changes nothing.
-    fn truncate(&mut self, n: usize) -> bool {
-        if n == self.kv.len {
-            return true;
-        }
-        if n == 0 {
-            // The snapshot described a prefix that is now gone.
-            self.snapshot.forget();
-            self.kv.clear();
-            for s in self.states.iter_mut().flatten() {
-                // A backend that cannot zero its state leaves the sequence unusable: refuse the cut.
-                if self.be.zero_state(&mut s.conv).is_err()
-                    || self.be.zero_state(&mut s.ssm).is_err()
-                {
-                    return false;
-                }
-            }
-            return true;
-        }
-        self.snapshot.is_at(n) && self.kv.truncate(n) && self.snapshot.restore(n, &mut self.states)
-    }
-
-    /// Copies the FP32 DeltaNet states (conv and recurrent; ~60 MiB on the 35B-A3B).
-    fn checkpoint(&mut self) {
-        self.snapshot.save(self.kv.len, &self.states);
-    }
-
-    fn is_recurrent(&self) -> bool {
-        true
-    }
-
-    fn rewind_point(&self, n: usize) -> usize {
-        self.snapshot.rewind_point(n, self.kv.len)
-    }
-
-    fn vocab_size(&self) -> usize {
-        self.cfg.vocab_size
-    }
-
-    fn engine(&self) -> &Engine {
-        &self.engine
-    }
-
-    fn expert_stats(&self) -> Vec<mference_runtime::StreamerStats> {
-        self.streamers.stats()
-    }
-
-    fn device_expert_stats(&self) -> Option<mference_backend::DeviceExpertStats> {
-        self.be.device_expert_stats()
-    }
-
-    fn size_device_experts(&self) -> Result<(), ModelError> {
-        Ok(self.be.size_expert_cache()?)
-    }
-
-    fn preload_device_experts(&mut self) -> Result<(), ModelError> {
-        self.streamers.preload(&self.be, &self.engine)
-    }
-
-    /// KV cache of the full-attention layers plus the FP32 DeltaNet states (conv and recurrent).
-    fn kv_bytes(&self) -> usize {
-        let states: usize = self
-            .states
-            .iter()
-            .flatten()
-            .map(|s| self.be.state_bytes(&s.conv) + self.be.state_bytes(&s.ssm))
-            .sum();
-        self.kv.bytes() + states
-    }
 }

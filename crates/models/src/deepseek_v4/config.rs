@@ -3,7 +3,7 @@
 use mference_backend::HcSpec;
 use serde::Deserialize;
 
-use crate::ModelError;
+use crate::{parse_config, ModelError};
 
 /// The flat `config.json` of a DeepSeek-V4 checkpoint (HF keys; the published legacy keys
 /// `compress_ratios`, `num_hash_layers`, `qk_rope_head_dim`, `rope_scaling` as written).
@@ -108,8 +108,7 @@ pub enum Kind {
 impl Config {
     /// Reads `config.json` and rejects what this runtime does not implement.
     pub fn from_config_json(v: &serde_json::Value) -> Result<Self, ModelError> {
-        let c: Config = serde_json::from_value(v.clone())
-            .map_err(|e| ModelError::Config(format!("deepseek_v4 config: {e}")))?;
+        let c: Config = parse_config(v, "deepseek_v4 config")?;
         let bad = |what: String| Err(ModelError::Config(format!("deepseek_v4: {what}")));
         if c.num_key_value_heads != 1 {
             return bad(format!(

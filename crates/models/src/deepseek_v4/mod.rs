@@ -29,7 +29,8 @@ use mference_backend::{
 use std::time::Instant;
 
 use crate::{
-    check_ids, ChunkWant, Engine, LoadOptions, Logits, ModelError, StepTimes, Streamers, Want,
+    check_ids, expert_linear, linear, ChunkWant, Engine, FamilyModel, LoadOptions, Logits,
+    ModelError, StepTimes, Streamers,
 };
 use attention::{attention, tail, Attention, Compressor, CompressorState, Indexer, Ropes};
 pub use config::{Config, Kind, RopeScaling};
@@ -102,7 +103,6 @@ pub struct DeepseekV4<B: Backend> {
     /// Per layer: the compressor's and the indexer's state.
     states: Vec<LayerState<B>>,
     streamers: Streamers,
-    max_context: usize,
     /// [`LoadOptions::shadow_prefetch`].
     shadow_prefetch: bool,
     /// [`crate::Model::checkpoint`]'s copy, if one was taken (and not cut away since).
@@ -134,11 +134,7 @@ impl<B: Backend> DeepseekV4<B> {
         let hc = cfg.hc_mult;
         let stride = engine.install.layout.expert_stride as usize;
         engine.check_moe(cfg.num_hidden_layers, n_exp, cfg.num_experts_per_tok)?;
-        let q = |base: String, rows: usize, cols: usize| -> Result<QRef, ModelError> {
-            let w = QRef::resident(idx, map.len(), &base)?;
-            check(&base, (w.rows, w.cols), (rows, cols))?;
-            Ok(w)
-        };
+        let q = |base: String, rows, cols| linear(idx, map.len(), &base, rows, cols);
         let v = |name: String, n: usize| VRef::resident(idx, &name, n);
         let vector = |name: String, n: usize| f32_vector(idx, map, &name, n);
         let hyper = |p: String, rows: usize| -> Result<HyperConnection<B>, ModelError> {
@@ -215,11 +211,8 @@ impl<B: Backend> DeepseekV4<B> {
                 )?)
             };
             let blob = engine.expert_blob(l)?;
-            let ex = |part: &str, t, rows, cols| -> Result<QRef, ModelError> {
-                let name = format!("{b}.ffn.switch_mlp.{part}");
-                let w = QRef::expert(&name, t, stride)?;
-                check(&name, (w.rows, w.cols), (rows, cols))?;
-                Ok(w)
+            let ex = |part: &str, t, rows, cols| {
+                expert_linear(&format!("{b}.ffn.switch_mlp.{part}"), t, stride, rows, cols)
             };
             layers.push(Layer {
                 kind,
@@ -295,7 +288,6 @@ impl<B: Backend> DeepseekV4<B> {
             lm_head: q("lm_head".into(), cfg.vocab_size, h)?,
             hc_head: hyper("model.hc_head".into(), hc)?,
             streamers: Streamers::new(cfg.num_hidden_layers),
-            max_context: opts.max_context,
             shadow_prefetch: opts.shadow_prefetch,
             checkpoint: None,
             times: StepTimes {
@@ -316,6 +308,10 @@ impl<B: Backend> DeepseekV4<B> {
     pub fn config(&self) -> &Config {
         &self.cfg
     }
+}
+
+impl<B: Backend + 'static> FamilyModel for DeepseekV4<B> {
+    type Backend = B;
 
     /// Runs `tokens` (one chunk, at most the prefill chunk) at positions `kv.len ..`.
     fn forward_chunk(&mut self, tokens: &[u32], want: ChunkWant) -> Result<Logits, ModelError> {
@@ -398,6 +394,80 @@ impl<B: Backend> DeepseekV4<B> {
         logits
     }
 
+    crate::family_parts!();
+
+    fn vocab(&self) -> usize {
+        self.cfg.vocab_size
+    }
+
+    fn times(&self) -> Option<&StepTimes> {
+        Some(&self.times)
+    }
+
+    /// The compressed caches summarise whole windows and the sliding ring keeps only the last
+    /// positions: `n == 0` (start over), `n == position()` (keep everything) and `n` at the
+    /// checkpoint (its rings and compressor states put back; the entries below its count are
+    /// still the ones it saw) succeed; anything else is refused and changes nothing.
+    fn truncate_state(&mut self, n: usize) -> bool {
+        if n == self.kv.len {
+            return true;
+        }
+        if n == 0 {
+            // The checkpoint described a prefix that is now gone.
+            self.checkpoint = None;
+            self.clear();
+            return true;
+        }
+        if self.checkpoint.as_ref().is_none_or(|c| c.pos != n) || n > self.kv.len {
+            return false;
+        }
+        if self.restore().is_err() {
+            // Part restored, part not: nothing but a cleared state is sound.
+            self.checkpoint = None;
+            self.clear();
+            return false;
+        }
+        true
+    }
+
+    /// Copies every sliding ring (window + prefill chunk rows per layer) and the compressors'
+    /// pending and prior rows; the compressed entries are not copied (append-only).
+    fn checkpoint_state(&mut self) {
+        self.checkpoint = self.save().ok();
+    }
+
+    fn state_is_recurrent(&self) -> bool {
+        true
+    }
+
+    fn state_rewind_point(&self, n: usize) -> usize {
+        match &self.checkpoint {
+            _ if n >= self.kv.len => self.kv.len,
+            Some(c) if c.pos <= n => c.pos,
+            _ => 0,
+        }
+    }
+
+    /// The sliding rings plus the compressed caches and their pending and prior rows (f32).
+    fn state_bytes(&self) -> usize {
+        let floats: usize = self
+            .states
+            .iter()
+            .flat_map(|s| [&s.compressor, &s.indexer])
+            .flatten()
+            .map(|s| {
+                let t = |x: &B::Tensor| x.rows() * x.cols();
+                t(&s.entries)
+                    + t(&s.pending_kv)
+                    + t(&s.pending_gate)
+                    + s.prior.as_ref().map_or(0, |(k, g)| t(k) + t(g))
+            })
+            .sum();
+        self.kv.bytes() + 4 * floats
+    }
+}
+
+impl<B: Backend> DeepseekV4<B> {
     /// A copy of the state at the current position (backend copies: a backend without
     /// `kv_clone` or `gather_rows` keeps no checkpoint).
     fn save(&self) -> Result<Checkpoint<B>, OpError> {
@@ -483,113 +553,4 @@ fn copy_prior<B: Backend>(be: &B, prior: &Prior<B>) -> Result<Prior<B>, OpError>
         .as_ref()
         .map(|(k, g)| Ok((copy(be, k)?, copy(be, g)?)))
         .transpose()
-}
-
-fn check(name: &str, got: (usize, usize), want: (usize, usize)) -> Result<(), ModelError> {
-    if got == want {
-        Ok(())
-    } else {
-        Err(ModelError::Config(format!(
-            "{name} is {got:?}, config.json implies {want:?}"
-        )))
-    }
-}
-
-impl<B: Backend + 'static> crate::Model for DeepseekV4<B> {
-    fn forward(&mut self, tokens: &[u32], want: Want) -> Result<Logits, ModelError> {
-        let (chunk, max) = (self.engine.prefill_chunk, self.max_context);
-        crate::run_chunked(tokens, self.kv.len, chunk, max, want, |c, w| {
-            self.forward_chunk(c, w)
-        })
-    }
-
-    fn position(&self) -> usize {
-        self.kv.len
-    }
-
-    /// The compressed caches summarise whole windows and the sliding ring keeps only the last
-    /// positions: `n == 0` (start over), `n == position()` (keep everything) and `n` at the
-    /// checkpoint (its rings and compressor states put back; the entries below its count are
-    /// still the ones it saw) succeed; anything else is refused and changes nothing.
-    fn truncate(&mut self, n: usize) -> bool {
-        if n == self.kv.len {
-            return true;
-        }
-        if n == 0 {
-            // The checkpoint described a prefix that is now gone.
-            self.checkpoint = None;
-            self.clear();
-            return true;
-        }
-        if self.checkpoint.as_ref().is_none_or(|c| c.pos != n) || n > self.kv.len {
-            return false;
-        }
-        if self.restore().is_err() {
-            // Part restored, part not: nothing but a cleared state is sound.
-            self.checkpoint = None;
-            self.clear();
-            return false;
-        }
-        true
-    }
-
-    /// Copies every sliding ring (window + prefill chunk rows per layer) and the compressors'
-    /// pending and prior rows; the compressed entries are not copied (append-only).
-    fn checkpoint(&mut self) {
-        self.checkpoint = self.save().ok();
-    }
-
-    fn is_recurrent(&self) -> bool {
-        true
-    }
-
-    fn rewind_point(&self, n: usize) -> usize {
-        match &self.checkpoint {
-            _ if n >= self.kv.len => self.kv.len,
-            Some(c) if c.pos <= n => c.pos,
-            _ => 0,
-        }
-    }
-
-    fn vocab_size(&self) -> usize {
-        self.cfg.vocab_size
-    }
-
-    fn engine(&self) -> &Engine {
-        &self.engine
-    }
-
-    fn expert_stats(&self) -> Vec<mference_runtime::StreamerStats> {
-        self.streamers.stats()
-    }
-
-    fn device_expert_stats(&self) -> Option<mference_backend::DeviceExpertStats> {
-        self.be.device_expert_stats()
-    }
-
-    fn size_device_experts(&self) -> Result<(), ModelError> {
-        Ok(self.be.size_expert_cache()?)
-    }
-
-    fn step_times(&self) -> StepTimes {
-        self.times.clone()
-    }
-
-    /// The sliding rings plus the compressed caches and their pending and prior rows (f32).
-    fn kv_bytes(&self) -> usize {
-        let floats: usize = self
-            .states
-            .iter()
-            .flat_map(|s| [&s.compressor, &s.indexer])
-            .flatten()
-            .map(|s| {
-                let t = |x: &B::Tensor| x.rows() * x.cols();
-                t(&s.entries)
-                    + t(&s.pending_kv)
-                    + t(&s.pending_gate)
-                    + s.prior.as_ref().map_or(0, |(k, g)| t(k) + t(g))
-            })
-            .sum();
-        self.kv.bytes() + 4 * floats
-    }
 }
