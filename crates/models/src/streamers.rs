@@ -1,0 +1,106 @@
+//! The per-layer expert streamers a family reads its routed experts through.
+
+use std::sync::Arc;
+
+use mference_backend::Backend;
+use mference_runtime::{CachePlan, ExpertStreamer, StreamerStats};
+
+use crate::{Engine, ModelError};
+
+/// The per-layer expert streamers, opened on a layer's first use (after its file is checked),
+/// with their slots as the engine's policy hands them out ([`CachePlan`]).
+pub struct Streamers {
+    layers: Vec<Option<ExpertStreamer>>,
+    plan: Option<CachePlan>,
+}
+
+impl Streamers {
+    pub(crate) fn new(n: usize) -> Self {
+        Self {
+            layers: (0..n).map(|_| None).collect(),
+            plan: None,
+        }
+    }
+
+    /// The streamer of `layer`, opening it (and checking its file per the verify policy) on first use.
+    pub fn get(
+        &mut self,
+        layer: usize,
+        engine: &Engine,
+    ) -> Result<&mut ExpertStreamer, ModelError> {
+        if self.layers[layer].is_none() {
+            engine.install.check_layer_file(layer)?;
+            let l = &engine.install.layout;
+            if self.plan.is_none() {
+                let moe_layers = l.layers.iter().filter(|x| x.blob.is_some()).count();
+                self.plan = Some(CachePlan::new(
+                    engine.expert_policy,
+                    engine.slots,
+                    l.experts_per_layer,
+                    l.expert_stride,
+                    moe_layers,
+                    self.layers.len(),
+                )?);
+            }
+            let plan = self.plan.as_ref().expect("made above");
+            let s = plan.open(
+                layer,
+                &engine.install.layer_path(layer),
+                engine.direct_io,
+                Arc::clone(&engine.io),
+            )?;
+            self.layers[layer] = Some(s);
+        }
+        Ok(self.layers[layer].as_mut().expect("opened above"))
+    }
+
+    /// Fills the backend's own expert cache at load where it holds every expert of a layer
+    /// ([`crate::Model::preload_device_experts`]); only such a layer opens its file (and checks
+    /// it) now, the others on first use as before.
+    pub fn preload<B: Backend>(&mut self, be: &B, engine: &Engine) -> Result<(), ModelError> {
+        for layer in 0..self.layers.len() {
+            if engine.install.layout.layers[layer].blob.is_none() {
+                continue;
+            }
+            let missing = be.experts_to_complete(layer)?;
+            if !missing.is_empty() {
+                mference_backend::moe::complete::<B, ModelError>(
+                    be,
+                    self.get(layer, engine)?,
+                    &missing,
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The streamer of `layer` and, when `next` and a layer follows, the one of `layer + 1` (both
+    /// opened as by [`Streamers::get`]): the router lookahead prefetches into the second while the
+    /// first serves the current layer.
+    pub fn with_next(
+        &mut self,
+        layer: usize,
+        next: bool,
+        engine: &Engine,
+    ) -> Result<(&mut ExpertStreamer, Option<&mut ExpertStreamer>), ModelError> {
+        let next = next && layer + 1 < self.layers.len();
+        if next {
+            self.get(layer + 1, engine)?;
+        }
+        self.get(layer, engine)?;
+        let (this, rest) = self.layers.split_at_mut(layer + 1);
+        let this = this[layer].as_mut().expect("opened above");
+        Ok((
+            this,
+            rest.first_mut().filter(|_| next).and_then(Option::as_mut),
+        ))
+    }
+
+    /// Counters per layer.
+    pub fn stats(&self) -> Vec<StreamerStats> {
+        self.layers
+            .iter()
+            .map(|s| s.as_ref().map(|s| s.stats()).unwrap_or_default())
+            .collect()
+    }
+}
