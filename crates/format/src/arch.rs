@@ -2,76 +2,9 @@
 //! `config.json` (`reference/original-system.md` §3.2; HF config keys per
 //! `reference/architectures.md` §2.1, §3.1).
 
-use crate::FormatError;
+use crate::{Family, FormatError};
 use serde_json::{json, Map, Value};
 use std::collections::BTreeMap;
-
-/// Model family, stored as `arch.family` (omitted for Gemma 4, the format's first family).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Family {
-    Gemma4,
-    Qwen36,
-    DeepseekV4Flash,
-    InklingSmall,
-    Maple,
-}
-
-impl Family {
-    /// The manifest spelling (`gemma4`, `qwen36`, `deepseekV4Flash`, `inklingSmall`, `maple`).
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Family::Gemma4 => "gemma4",
-            Family::Qwen36 => "qwen36",
-            Family::DeepseekV4Flash => "deepseekV4Flash",
-            Family::InklingSmall => "inklingSmall",
-            Family::Maple => "maple",
-        }
-    }
-
-    /// Inverse of [`Family::as_str`].
-    pub fn parse(s: &str) -> Option<Family> {
-        Some(match s {
-            "gemma4" => Family::Gemma4,
-            "qwen36" => Family::Qwen36,
-            "deepseekV4Flash" => Family::DeepseekV4Flash,
-            "inklingSmall" => Family::InklingSmall,
-            "maple" => Family::Maple,
-            _ => return None,
-        })
-    }
-
-    /// Family of a checkpoint `config.json` by its `model_type` (top level, then
-    /// `text_config`). Errors: [`FormatError::UnknownArchitecture`].
-    pub fn from_config(config: &Value) -> Result<Family, FormatError> {
-        let mt = config
-            .get("model_type")
-            .and_then(|m| m.as_str())
-            .or_else(|| {
-                config
-                    .pointer("/text_config/model_type")
-                    .and_then(|m| m.as_str())
-            })
-            .unwrap_or("");
-        Ok(match mt {
-            "gemma4" | "gemma4_text" => Family::Gemma4,
-            "qwen3_5_moe" | "qwen3_5_moe_text" => Family::Qwen36,
-            "deepseek_v4" => Family::DeepseekV4Flash,
-            "maple" => Family::Maple,
-            "inkling_mm_model" | "inkling" => Family::InklingSmall,
-            _ => {
-                return Err(FormatError::UnknownArchitecture {
-                    model_type: mt.to_string(),
-                })
-            }
-        })
-    }
-}
-
-impl std::fmt::Display for Family {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
 
 /// `manifest.json -> arch`. Sizes are element counts; `full_attention_layer_mask` has one
 /// entry per layer: 0 = sliding window, 1 = full, 2 = gated DeltaNet, 3 = CSA, 4 = HCA.
@@ -179,10 +112,10 @@ impl ArchInfo {
         let c = Cfg(text_config(config)?);
         match family {
             Family::Gemma4 => Self::gemma4(&c),
-            Family::Qwen36 => Self::qwen36(&c),
-            Family::DeepseekV4Flash => Self::deepseek_v4(&c),
+            Family::Qwen3_5Moe => Self::qwen3_5_moe(&c),
+            Family::DeepseekV4 => Self::deepseek_v4(&c),
             Family::Maple => Self::maple(&c),
-            Family::InklingSmall => Self::inkling(&c),
+            Family::Inkling => Self::inkling(&c),
         }
     }
 
@@ -264,8 +197,8 @@ impl ArchInfo {
         Ok(a)
     }
 
-    fn qwen36(c: &Cfg) -> Result<ArchInfo, FormatError> {
-        let mut a = Self::base(c, Family::Qwen36)?;
+    fn qwen3_5_moe(c: &Cfg) -> Result<ArchInfo, FormatError> {
+        let mut a = Self::base(c, Family::Qwen3_5Moe)?;
         a.full_attention_layer_mask = c
             .layer_types()?
             .iter()
@@ -406,7 +339,7 @@ impl ArchInfo {
             attention_k_eq_v: true,
             hidden_activation: c.s("hidden_act", "silu"),
             full_attention_layer_mask: mask,
-            family: Family::DeepseekV4Flash,
+            family: Family::DeepseekV4,
             attn_output_gate: false,
             attention_scale: 1.0 / (head_dim as f64).sqrt(),
             embedding_scaled_by_sqrt_hidden: false,
@@ -469,7 +402,7 @@ impl ArchInfo {
     fn inkling(c: &Cfg) -> Result<ArchInfo, FormatError> {
         let mut a = Self::base_with(
             c,
-            Family::InklingSmall,
+            Family::Inkling,
             "intermediate_size",
             "n_routed_experts",
         )?;
@@ -574,7 +507,7 @@ impl ArchInfo {
         let o = m.as_object_mut().expect("object");
         if self.family != Family::Gemma4 {
             let ext = json!({
-                "family": self.family.as_str(),
+                "family": self.family.manifest_name(),
                 "attnOutputGate": self.attn_output_gate,
                 "attentionScale": self.attention_scale,
                 "embeddingScaledBySqrtHidden": self.embedding_scaled_by_sqrt_hidden,
@@ -618,7 +551,7 @@ impl ArchInfo {
             None => Family::Gemma4,
             Some(s) => s
                 .as_str()
-                .and_then(Family::parse)
+                .and_then(Family::from_manifest_name)
                 .ok_or_else(|| merr(format!("arch.family {s} is unknown")))?,
         };
         let ou = |k: &str, d: u64| o.get(k).and_then(|x| x.as_u64()).unwrap_or(d);
@@ -769,7 +702,7 @@ mod tests {
         // The published list has one more (MTP) entry than layers.
         let a =
             ArchInfo::from_config(&dsv4(json!({"compress_ratios": [0, 4, 128, 4, 0]}))).unwrap();
-        assert_eq!(a.family, Family::DeepseekV4Flash);
+        assert_eq!(a.family, Family::DeepseekV4);
         assert_eq!(a.full_attention_layer_mask, vec![0, 3, 4, 3]);
         assert_eq!(a.num_experts, 16);
         assert_eq!(a.partial_rotary_factor, 0.125);

@@ -14,6 +14,7 @@
 pub mod arch;
 pub mod dtype;
 mod error;
+pub mod family;
 pub mod hash;
 pub mod install;
 pub mod layout;
@@ -23,9 +24,10 @@ pub mod receipt;
 pub mod resident;
 pub mod safetensors;
 
-pub use arch::{ArchInfo, Family};
+pub use arch::ArchInfo;
 pub use dtype::Dtype;
 pub use error::FormatError;
+pub use family::{Family, FamilySpec, ToolCallSyntax, REGISTRY};
 pub use install::{Install, OpenOptions, VerifyPolicy};
 pub use layout::{ExpertBlobLayout, ExpertTensor, LayerLayout, Layout};
 pub use manifest::{FileEntry, Flags, Manifest, QuantSlot, QuantSlots};

@@ -172,8 +172,8 @@ pub fn tool_calls(data: &[u8]) {
     let text = String::from_utf8_lossy(data);
     for f in [
         mference_text::Family::Gemma4,
-        mference_text::Family::Qwen36,
-        mference_text::Family::DeepSeekV4,
+        mference_text::Family::Qwen3_5Moe,
+        mference_text::Family::DeepseekV4,
         mference_text::Family::Maple,
         mference_text::Family::Inkling,
     ] {

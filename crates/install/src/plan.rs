@@ -260,9 +260,9 @@ const MAPLE_SLOTS: &[&str] = &[
 /// checkpoints) or `model.llm.` (Inkling's multimodal wrapper).
 fn known_prefix(family: Family, name: &str) -> bool {
     match family {
-        Family::DeepseekV4Flash => name.starts_with("model.") || name.starts_with("lm_head."),
+        Family::DeepseekV4 => name.starts_with("model.") || name.starts_with("lm_head."),
         Family::Maple => maple::known_prefix(name),
-        Family::InklingSmall => name.starts_with("model.llm."),
+        Family::Inkling => name.starts_with("model.llm."),
         _ => name.starts_with("language_model."),
     }
 }
@@ -280,10 +280,10 @@ fn order_key(family: Family, n: &str) -> (u8, usize, usize, String) {
         _ => {}
     }
     let slots = match family {
-        Family::Qwen36 => QWEN_SLOTS,
-        Family::DeepseekV4Flash => DSV4_SLOTS,
+        Family::Qwen3_5Moe => QWEN_SLOTS,
+        Family::DeepseekV4 => DSV4_SLOTS,
         Family::Maple => MAPLE_SLOTS,
-        Family::InklingSmall => INKLING_SLOTS,
+        Family::Inkling => INKLING_SLOTS,
         _ => GEMMA_SLOTS,
     };
     match layer_index(n) {
@@ -297,9 +297,9 @@ fn order_key(family: Family, n: &str) -> (u8, usize, usize, String) {
 
 fn routed_container(family: Family) -> &'static str {
     match family {
-        Family::Qwen36 | Family::Maple => ".mlp.switch_mlp.",
-        Family::DeepseekV4Flash => ".ffn.switch_mlp.",
-        Family::InklingSmall => ".mlp.experts.",
+        Family::Qwen3_5Moe | Family::Maple => ".mlp.switch_mlp.",
+        Family::DeepseekV4 => ".ffn.switch_mlp.",
+        Family::Inkling => ".mlp.experts.",
         _ => ".experts.switch_glu.",
     }
 }
@@ -928,14 +928,14 @@ fn quant_slots(family: Family, q: &QuantConfig, reg: &Resolved) -> QuantSlots {
         ".switch_mlp.gate_proj.weight",
     ]);
     match family {
-        Family::InklingSmall => QuantSlots {
+        Family::Inkling => QuantSlots {
             embedding: find(&["model.llm.embed.weight"]),
             attention: find(&[".attn.wq_du.weight"]),
             router: find(&[".mlp.gate.weight"]),
             shared_expert: find(&[".mlp.shared_experts.gate_proj.weight"]),
             routed_expert: find(&[".mlp.experts.gate_proj.weight"]),
         },
-        Family::Qwen36 => QuantSlots {
+        Family::Qwen3_5Moe => QuantSlots {
             embedding: find(&["model.embed_tokens.weight"]),
             attention: find(&[
                 ".self_attn.q_proj.weight",
@@ -945,7 +945,7 @@ fn quant_slots(family: Family, q: &QuantConfig, reg: &Resolved) -> QuantSlots {
             shared_expert: find(&[".mlp.shared_expert.gate_proj.weight"]),
             routed_expert: routed,
         },
-        Family::DeepseekV4Flash => QuantSlots {
+        Family::DeepseekV4 => QuantSlots {
             embedding: find(&["model.embed_tokens.weight"]),
             attention: find(&[".attn.wq_a.weight"]),
             router: find(&[".ffn.gate.weight"]),

@@ -173,7 +173,7 @@ fn dsv4_fixture(case: &str) -> std::path::PathBuf {
 fn check_dsv4(case: &str) {
     let (_tmp, inst) = install_and_compare(&dsv4_fixture(case), &[]);
     let m = &inst.manifest;
-    assert_eq!(m.arch.family, mference_format::Family::DeepseekV4Flash);
+    assert_eq!(m.arch.family, mference_format::Family::DeepseekV4);
     assert_eq!(m.arch.full_attention_layer_mask, vec![0, 0, 3, 4, 3, 4, 3]);
     let used: Vec<u64> = inst
         .layout

@@ -18,8 +18,6 @@ pub enum ModelError {
     Config(String),
     #[error("device: {0}")]
     Device(String),
-    #[error("unsupported family '{0}' (this build runs: gemma4, qwen3_5_moe, deepseek_v4, maple, inkling_mm_model)")]
-    Family(String),
     #[error("input: {0}")]
     Input(String),
     /// NaN or infinity in the residual stream or the logits: never turned into text.

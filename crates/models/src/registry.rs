@@ -1,10 +1,12 @@
-//! The family registry: [`load`] opens an install, picks the device and hands the engine and
-//! backend to the family that `model_type` names.
+//! The models side of the family registry ([`mference_format::family`]): [`load`] opens an
+//! install, checks the options against its [`Family`], picks the device and hands the engine and
+//! backend to that family's loader.
 
 use std::path::Path;
 
 use mference_backend::Backend;
-use mference_format::Install;
+use mference_format::family::config_model_type;
+use mference_format::{Family, Install};
 
 use crate::{
     deepseek_v4, gemma4, inkling, maple, qwen3_5_moe, Device, Engine, GpuExpertBudget, LoadOptions,
@@ -13,40 +15,13 @@ use crate::{
 
 /// Opens the install at `dir` and loads its family.
 ///
-/// Errors: any install check (`mference_format`), an unknown family, or a tensor that does not match
-/// the config.
+/// Errors: any install check (`mference_format`, an unknown `model_type` among them), an option
+/// the family does not take, or a tensor that does not match the config.
 pub fn load(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn Model>, ModelError> {
     let install = Install::open(dir, opts.verify)?;
-    let model_type = install
-        .config_json
-        .get("model_type")
-        .and_then(|v| v.as_str())
-        .unwrap_or("")
-        .to_string();
-    if !matches!(
-        model_type.as_str(),
-        "gemma4"
-            | "gemma4_text"
-            | "qwen3_5_moe"
-            | "qwen3_5_moe_text"
-            | "deepseek_v4"
-            | "maple"
-            | "inkling_mm_model"
-    ) {
-        return Err(ModelError::Family(model_type));
-    }
-    if opts.flash_head && model_type != "maple" {
-        return Err(ModelError::Config(format!(
-            "--flash-head is a Maple option; this install is {model_type}"
-        )));
-    }
-    let lookahead_families = ["gemma4", "gemma4_text", "qwen3_5_moe", "qwen3_5_moe_text"];
-    if opts.router_lookahead > 0 && !lookahead_families.contains(&model_type.as_str()) {
-        return Err(ModelError::Config(format!(
-            "--router-lookahead is a Gemma 4 / Qwen 3.6 option; this install is {model_type} \
-             (DeepSeek-V4 has its own shadow prefetch)"
-        )));
-    }
+    let family = Family::from_config(&install.config_json)?;
+    let model_type = config_model_type(&install.config_json).to_string();
+    check_options(family, &model_type, opts)?;
     // What CUDA lacks is named before the weights are read; `auto` decides here.
     let auto_cpu = probe_device(opts.device)?;
     let gpu_only = opts.gpu_expert_budget != GpuExpertBudget::Auto || opts.gpu_force_miss;
@@ -58,18 +33,14 @@ pub fn load(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn Model>, ModelError
         )));
     }
     let mut engine = Engine::new(install, opts)?;
-    // The int8 prefill (VNNI) rounds activations to int8; its cost is measured only on these two
-    // families (README). Elsewhere it was found far off the reference: refuse rather than mislead.
-    if !engine.kernels.is_exact()
-        && !matches!(
-            model_type.as_str(),
-            "gemma4" | "gemma4_text" | "qwen3_5_moe" | "qwen3_5_moe_text"
-        )
-    {
+    // The int8 prefill (VNNI) rounds activations to int8 ([`mference_format::FamilySpec::int8_prefill`]): refuse
+    // it where it was found far off the reference rather than mislead.
+    if !engine.kernels.is_exact() && !family.int8_prefill() {
         return Err(ModelError::Config(format!(
-            "--kernels {} (int8 prefill) is checked only for Gemma 4 and Qwen 3.6; on {model_type} \
+            "--kernels {} (int8 prefill) is checked only for {}; on {model_type} \
              it is far from the reference: use --kernels avx512 (or auto)",
-            engine.kernels.name()
+            engine.kernels.name(),
+            Family::display_names_where(Family::int8_prefill, " and "),
         )));
     }
     let cuda = |n: usize, engine: &Engine| {
@@ -80,24 +51,43 @@ pub fn load(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn Model>, ModelError
     match opts.device {
         Device::Cpu => {
             let be = engine.cpu_backend();
-            load_family(&model_type, engine, be, opts)
+            load_family(family, engine, be, opts)
         }
         Device::Cuda(n) => {
             let be = cuda(n, &engine)?;
-            load_family(&model_type, engine, be, opts)
+            load_family(family, engine, be, opts)
         }
         Device::Auto => match auto_cpu {
             Some(why) => {
                 engine.device_fallback = Some(why);
                 let be = engine.cpu_backend();
-                load_family(&model_type, engine, be, opts)
+                load_family(family, engine, be, opts)
             }
             None => {
                 let be = cuda(0, &engine)?;
-                load_family(&model_type, engine, be, opts)
+                load_family(family, engine, be, opts)
             }
         },
     }
+}
+
+/// Refuses the options `family` does not take ([`mference_format::FamilySpec::flash_head`],
+/// [`mference_format::FamilySpec::router_lookahead`]); `model_type` is the install's, for the message.
+fn check_options(family: Family, model_type: &str, opts: &LoadOptions) -> Result<(), ModelError> {
+    if opts.flash_head && !family.flash_head() {
+        return Err(ModelError::Config(format!(
+            "--flash-head is a {} option; this install is {model_type}",
+            Family::display_names_where(Family::flash_head, " / "),
+        )));
+    }
+    if opts.router_lookahead > 0 && !family.router_lookahead() {
+        return Err(ModelError::Config(format!(
+            "--router-lookahead is a {} option; this install is {model_type} \
+             (DeepSeek-V4 has its own shadow prefetch)",
+            Family::display_names_where(Family::router_lookahead, " / "),
+        )));
+    }
+    Ok(())
 }
 
 /// Checks `device` before anything is read: `cuda:N` must have its driver, device and NVRTC
@@ -137,39 +127,92 @@ fn gpu_expert_cache(engine: &Engine, opts: &LoadOptions) -> mference_cuda::Exper
     }
 }
 
-/// The family registry: `model_type` → the family's loader, on backend `be`.
+/// The family's loader, on backend `be`.
 fn load_family<B: Backend + 'static>(
-    model_type: &str,
+    family: Family,
     mut engine: Engine,
     be: B,
     opts: &LoadOptions,
 ) -> Result<Box<dyn Model>, ModelError> {
     engine.device = be.name();
     let config = &engine.install.config_json;
-    let mut model: Box<dyn Model> = match model_type {
-        "gemma4" | "gemma4_text" => {
+    let mut model: Box<dyn Model> = match family {
+        Family::Gemma4 => {
             let cfg = gemma4::Config::from_config_json(config)?;
             Box::new(gemma4::Gemma4::load(engine, be, cfg, opts)?)
         }
-        "qwen3_5_moe" | "qwen3_5_moe_text" => {
+        Family::Qwen3_5Moe => {
             let cfg = qwen3_5_moe::Config::from_config_json(config)?;
             Box::new(qwen3_5_moe::Qwen35Moe::load(engine, be, cfg, opts)?)
         }
-        "deepseek_v4" => {
+        Family::DeepseekV4 => {
             let cfg = deepseek_v4::Config::from_config_json(config)?;
             Box::new(deepseek_v4::DeepseekV4::load(engine, be, cfg, opts)?)
         }
-        "maple" => {
+        Family::Maple => {
             let cfg = maple::Config::from_config_json(config)?;
             Box::new(maple::Maple::load(engine, be, cfg, opts)?)
         }
-        "inkling_mm_model" => {
+        Family::Inkling => {
             let cfg = inkling::Config::from_config_json(config)?;
             Box::new(inkling::Inkling::load(engine, be, cfg, opts)?)
         }
-        other => return Err(ModelError::Family(other.to_string())),
     };
     model.size_device_experts()?;
     model.preload_device_experts()?;
     Ok(model)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn refused(family: Family, opts: &LoadOptions) -> Option<String> {
+        check_options(family, family.model_type(), opts)
+            .err()
+            .map(|e| e.to_string())
+    }
+
+    #[test]
+    fn options_are_checked_against_the_registry() {
+        let flash = LoadOptions {
+            flash_head: true,
+            ..LoadOptions::default()
+        };
+        let lookahead = LoadOptions {
+            router_lookahead: 1,
+            ..LoadOptions::default()
+        };
+        for f in Family::ALL {
+            assert_eq!(refused(f, &LoadOptions::default()), None, "{f:?}");
+            assert_eq!(refused(f, &flash).is_none(), f.flash_head(), "{f:?}");
+            assert_eq!(refused(f, &lookahead).is_none(), f.router_lookahead(), "{f:?}");
+        }
+    }
+
+    #[test]
+    fn option_messages_are_unchanged() {
+        // The messages as they were written by hand before the registry built them.
+        let flash = LoadOptions {
+            flash_head: true,
+            ..LoadOptions::default()
+        };
+        assert_eq!(
+            refused(Family::Gemma4, &flash).unwrap(),
+            "config: --flash-head is a Maple option; this install is gemma4"
+        );
+        let lookahead = LoadOptions {
+            router_lookahead: 2,
+            ..LoadOptions::default()
+        };
+        assert_eq!(
+            refused(Family::DeepseekV4, &lookahead).unwrap(),
+            "config: --router-lookahead is a Gemma 4 / Qwen 3.6 option; this install is \
+             deepseek_v4 (DeepSeek-V4 has its own shadow prefetch)"
+        );
+        assert_eq!(
+            Family::display_names_where(Family::int8_prefill, " and "),
+            "Gemma 4 and Qwen 3.6"
+        );
+    }
 }

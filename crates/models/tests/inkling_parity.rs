@@ -261,3 +261,26 @@ fn inkling_sliding_rings_wrap_and_rewind() {
         "a rewind past the rings' reach was accepted"
     );
 }
+
+/// The flat `inkling` model_type, which the installer has always accepted, also loads (the
+/// loader used to refuse it after the install succeeded) and gives fixture A's logits.
+#[test]
+fn inkling_flat_model_type_loads() {
+    let dir = repo().join("assets/fixtures/inkling/A");
+    let work = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let src = work.path().join("checkpoint");
+    std::fs::create_dir(&src).unwrap();
+    for e in std::fs::read_dir(dir.join("checkpoint")).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), src.join(e.file_name())).unwrap();
+    }
+    let cfg_path = src.join("config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&cfg_path).unwrap()).unwrap();
+    cfg["model_type"] = "inkling".into();
+    std::fs::write(&cfg_path, serde_json::to_vec_pretty(&cfg).unwrap()).unwrap();
+    let install = install(&src, work.path());
+    let f = fixture("A");
+    let ours = prefill_all(&install, &f.prompt, &f32_kv(f.prompt.len()));
+    check_exact("A as `inkling`", &ours, &f.prefill, f.vocab);
+}

@@ -6,8 +6,8 @@ use mference_text::Family;
 
 const FAMILIES: [Family; 5] = [
     Family::Gemma4,
-    Family::Qwen36,
-    Family::DeepSeekV4,
+    Family::Qwen3_5Moe,
+    Family::DeepseekV4,
     Family::Maple,
     Family::Inkling,
 ];

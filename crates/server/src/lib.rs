@@ -167,8 +167,8 @@ impl PromptCacheMode {
 pub fn default_model_id(family: Family) -> &'static str {
     match family {
         Family::Gemma4 => "gemma-4-26b-a4b-it",
-        Family::Qwen36 => "qwen3.6-35b-a3b",
-        Family::DeepSeekV4 => "deepseek-v4-flash-2bit-dq",
+        Family::Qwen3_5Moe => "qwen3.6-35b-a3b",
+        Family::DeepseekV4 => "deepseek-v4-flash-2bit-dq",
         Family::Maple => "maple-preview-2bit",
         Family::Inkling => "inkling-small",
     }

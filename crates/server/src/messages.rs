@@ -240,7 +240,7 @@ mod tests {
         let g = normalize(&msgs, Family::Gemma4).unwrap();
         assert_eq!(roles(&g), ["system", "developer", "user"]);
         assert_eq!(g[0]["content"], "a\n\nb");
-        let q = normalize(&msgs, Family::Qwen36).unwrap();
+        let q = normalize(&msgs, Family::Qwen3_5Moe).unwrap();
         assert_eq!(roles(&q), ["system", "user"]);
         assert_eq!(q[0]["content"], "a\n\nb\n\nc");
     }

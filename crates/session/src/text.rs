@@ -78,8 +78,8 @@ pub fn check_install_dir(dir: &Path) -> Result<(), SessionError> {
 pub fn tool_marker(family: Family) -> &'static str {
     match family {
         Family::Gemma4 => "<|tool_call>",
-        Family::Qwen36 | Family::Maple => "<tool_call>",
-        Family::DeepSeekV4 => "<｜DSML｜tool_calls>",
+        Family::Qwen3_5Moe | Family::Maple => "<tool_call>",
+        Family::DeepseekV4 => "<｜DSML｜tool_calls>",
         // Inkling's tool-invocation content marker; its text template renders no tools, and the
         // family's parser returns any such text as content.
         Family::Inkling => "<|content_invoke_tool_json|>",
@@ -92,7 +92,7 @@ pub fn tool_marker(family: Family) -> &'static str {
 /// is `｜DSML｜`, which every DSML tag the model writes carries.
 pub fn tool_marker_token(family: Family) -> &'static str {
     match family {
-        Family::DeepSeekV4 => "｜DSML｜",
+        Family::DeepseekV4 => "｜DSML｜",
         f => tool_marker(f),
     }
 }

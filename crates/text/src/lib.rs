@@ -12,7 +12,8 @@
 //! - [`Tokenizer::token_bytes`]: the bytes each id writes, for constrained decoding.
 
 mod detokenizer;
-mod family;
+#[cfg(test)]
+mod family_tests;
 mod pyjson;
 mod reasoning;
 mod stops;
@@ -22,7 +23,7 @@ mod tool_calls;
 mod vocab;
 
 pub use detokenizer::StreamingDetokenizer;
-pub use family::Family;
+pub use mference_format::{Family, ToolCallSyntax};
 pub use reasoning::ReasoningGate;
 pub use stops::{stop_token_ids, StopStrings};
 pub use template::ChatTemplate;
@@ -82,13 +83,26 @@ pub enum TextError {
     #[error("chat template rejected the conversation: {0}")]
     TemplateRender(String),
     /// The model's output contains a tool-call block that does not parse; the whole output is rejected.
-    #[error("malformed {family:?} tool call: {message}")]
+    #[error("malformed {} tool call: {message}", message_name(*family))]
     MalformedToolCall {
         /// The family whose syntax was expected.
         family: Family,
         /// What was wrong, with the offending part.
         message: String,
     },
+}
+
+/// The family's name in [`TextError::MalformedToolCall`]'s message: the spelling the message has
+/// always had (it printed the family with `{:?}` before the family registry moved to
+/// `mference-format` and renamed the variants), so the API's error text stays the same.
+fn message_name(family: Family) -> &'static str {
+    match family {
+        Family::Gemma4 => "Gemma4",
+        Family::Qwen3_5Moe => "Qwen36",
+        Family::DeepseekV4 => "DeepSeekV4",
+        Family::Inkling => "Inkling",
+        Family::Maple => "Maple",
+    }
 }
 
 #[cfg(test)]

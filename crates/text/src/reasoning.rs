@@ -91,7 +91,7 @@ mod tests {
 
     #[test]
     fn families_without_an_open_block_pass_everything() {
-        assert_eq!(run(Family::Qwen36, &["</think>\n\nx"]), "</think>\n\nx");
+        assert_eq!(run(Family::Qwen3_5Moe, &["</think>\n\nx"]), "</think>\n\nx");
         assert_eq!(run(Family::Gemma4, &["\n\nhi"]), "\n\nhi");
     }
 }

@@ -1,17 +1,11 @@
 use crate::{Family, Tokenizer};
 
-/// The ids that end generation for `family` (`reference/original-system.md` §2.6):
-/// Gemma `<eos>` (1), `<turn|>` (106), `<|tool_response>` (50); ChatML `<|im_end|>`,
-/// `<|endoftext|>`; DeepSeek `<｜end▁of▁sentence｜>`; Inkling `<|content_model_end_sampling|>` (tml-renderers
-/// v0 `Renderer.stop()`). Tokens missing from `tok` are left out, so the
-/// list may be shorter than that (never longer).
+/// The ids that end generation for `family`: the ids of [`Family::stop_tokens`] (Gemma `<eos>`
+/// (1), `<turn|>` (106), `<|tool_response>` (50); ChatML `<|im_end|>`, `<|endoftext|>`;
+/// DeepSeek `<｜end▁of▁sentence｜>`; Inkling `<|content_model_end_sampling|>`). Tokens missing
+/// from `tok` are left out, so the list may be shorter than that (never longer).
 pub fn stop_token_ids(family: Family, tok: &Tokenizer) -> Vec<u32> {
-    let names: &[&str] = match family {
-        Family::Gemma4 => &["<eos>", "<turn|>", "<|tool_response>"],
-        Family::Qwen36 | Family::Maple => &["<|im_end|>", "<|endoftext|>"],
-        Family::DeepSeekV4 => &["<｜end▁of▁sentence｜>"],
-        Family::Inkling => &["<|content_model_end_sampling|>"],
-    };
+    let names = family.stop_tokens();
     let mut ids = Vec::with_capacity(names.len());
     for id in names.iter().filter_map(|n| tok.token_id(n)) {
         if !ids.contains(&id) {

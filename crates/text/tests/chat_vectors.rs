@@ -46,11 +46,11 @@ fn default_kwargs_give_the_original_generation_suffixes() {
             "<|turn>model\n<|channel>thought\n<channel|>",
         ),
         (
-            Family::Qwen36,
+            Family::Qwen3_5Moe,
             "qwen3_6",
             "<|im_start|>assistant\n<think>\n\n</think>\n\n",
         ),
-        (Family::DeepSeekV4, "deepseek_v4", "<｜Assistant｜></think>"),
+        (Family::DeepseekV4, "deepseek_v4", "<｜Assistant｜></think>"),
     ] {
         let t = ChatTemplate::from_dir(&tokenizer_dir(name)).unwrap();
         let messages = [

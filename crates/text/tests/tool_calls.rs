@@ -15,14 +15,14 @@ use serde_json::{json, Value};
 fn assistant_segments(family: Family, rendered: &str) -> Vec<String> {
     let (open, close) = match family {
         Family::Gemma4 => ("<|turn>model\n", "<|tool_response>"),
-        Family::Qwen36 | Family::Maple => ("<|im_start|>assistant\n", "<|im_end|>"),
-        Family::DeepSeekV4 => ("<｜Assistant｜>", "<｜end▁of▁sentence｜>"),
+        Family::Qwen3_5Moe | Family::Maple => ("<|im_start|>assistant\n", "<|im_end|>"),
+        Family::DeepseekV4 => ("<｜Assistant｜>", "<｜end▁of▁sentence｜>"),
         Family::Inkling => ("<|message_model|>", "<|content_model_end_sampling|>"),
     };
     let marker = match family {
         Family::Gemma4 => "<|tool_call>",
-        Family::Qwen36 | Family::Maple => "<tool_call>",
-        Family::DeepSeekV4 => "<｜DSML｜tool_calls>",
+        Family::Qwen3_5Moe | Family::Maple => "<tool_call>",
+        Family::DeepseekV4 => "<｜DSML｜tool_calls>",
         Family::Inkling => "<|content_invoke_tool_json|>",
     };
     rendered
@@ -64,8 +64,8 @@ fn template_rendered_calls_parse_back_to_their_arguments() {
     let mut checked = 0;
     for (family, file) in [
         (Family::Gemma4, "gemma4__chat_template.json"),
-        (Family::Qwen36, "qwen3_6__chat_template.json"),
-        (Family::DeepSeekV4, "deepseek_v4__chat_template.json"),
+        (Family::Qwen3_5Moe, "qwen3_6__chat_template.json"),
+        (Family::DeepseekV4, "deepseek_v4__chat_template.json"),
     ] {
         let doc = read_json(golden.join(file));
         for case in doc["cases"].as_array().unwrap() {
@@ -118,9 +118,9 @@ fn upstream_chat_vector_calls_parse() {
     }];
     for (family, name, chats) in [
         (Family::Gemma4, "gemma4", &["tools", "tools_thinking"][..]),
-        (Family::Qwen36, "qwen3_6", &["tools", "tools_reasoning"][..]),
+        (Family::Qwen3_5Moe, "qwen3_6", &["tools", "tools_reasoning"][..]),
         (
-            Family::DeepSeekV4,
+            Family::DeepseekV4,
             "deepseek_v4",
             &["tools", "tools_thinking"][..],
         ),
@@ -163,7 +163,7 @@ fn gemma_content_reasoning_and_calls() {
 #[test]
 fn qwen_json_form_and_untyped_values() {
     let out = parse_tool_calls(
-        Family::Qwen36,
+        Family::Qwen3_5Moe,
         "Thinking done.</think>\n\nSure.\n<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": [1, {\"b\": null}]}}\n</tool_call>\n<tool_call>\n{\"name\": \"g\", \"arguments\": \"{\\\"s\\\": \\\"x\\\"}\"}\n</tool_call>",
     )
     .unwrap();
@@ -180,7 +180,7 @@ fn qwen_json_form_and_untyped_values() {
 
     // Without schemas: JSON literals become JSON, the rest stays text (multi-line kept).
     let xml = "<tool_call>\n<function=h>\n<parameter=n>\n42\n</parameter>\n<parameter=s>\nline 1\nline 2\n</parameter>\n<parameter=o>\n{\"k\": true}\n</parameter>\n<parameter=q>\n\"quoted\"\n</parameter>\n</function>\n</tool_call>";
-    let out = parse_tool_calls(Family::Qwen36, xml).unwrap();
+    let out = parse_tool_calls(Family::Qwen3_5Moe, xml).unwrap();
     assert_eq!(
         out.tool_calls[0].arguments,
         json!({"n": 42, "s": "line 1\nline 2", "o": {"k": true}, "q": "\"quoted\""})
@@ -191,14 +191,14 @@ fn qwen_json_form_and_untyped_values() {
         json!({"type": "function", "function": {"name": "h", "parameters": {"type": "object",
         "properties": {"n": {"type": "string"}, "s": {"type": "string"}, "o": {"type": "object"}, "q": {"type": "string"}}}}}),
     ];
-    let out = parse_tool_calls_with_tools(Family::Qwen36, xml, Some(&tools)).unwrap();
+    let out = parse_tool_calls_with_tools(Family::Qwen3_5Moe, xml, Some(&tools)).unwrap();
     assert_eq!(out.tool_calls[0].arguments["n"], json!("42"));
 }
 
 #[test]
 fn deepseek_calls_and_content() {
     let text = "<think>plan</think>Here.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"f\">\n<｜DSML｜parameter name=\"s\" string=\"true\">a \"b\" 1</｜DSML｜parameter>\n<｜DSML｜parameter name=\"o\" string=\"false\">{\"k\": [1, 2.5]}</｜DSML｜parameter>\n</｜DSML｜invoke>\n<｜DSML｜invoke name=\"g\">\n\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>";
-    let out = parse_tool_calls(Family::DeepSeekV4, text).unwrap();
+    let out = parse_tool_calls(Family::DeepseekV4, text).unwrap();
     assert_eq!(out.reasoning.as_deref(), Some("plan"));
     assert_eq!(out.content, "Here.");
     assert_eq!(
@@ -265,7 +265,7 @@ fn qwen_malformed_fails_closed() {
         "<tool_call>\ncall f\n</tool_call>",                                           // neither form
         "answer</tool_call>",                                                          // stray close
     ] {
-        assert_malformed(Family::Qwen36, text);
+        assert_malformed(Family::Qwen3_5Moe, text);
     }
     for text in [
         "<tool_call>\n<function=f>\n<parameter=n>\n1.5\n</parameter>\n</function>\n</tool_call>",
@@ -274,7 +274,7 @@ fn qwen_malformed_fails_closed() {
     ] {
         assert!(
             matches!(
-                parse_tool_calls_with_tools(Family::Qwen36, text, Some(&tools)),
+                parse_tool_calls_with_tools(Family::Qwen3_5Moe, text, Some(&tools)),
                 Err(TextError::MalformedToolCall { .. })
             ),
             "accepted {text:?}"
@@ -298,6 +298,6 @@ fn deepseek_malformed_fails_closed() {
         "text </｜DSML｜tool_calls>".to_string(),                                            // stray close
         "<｜DSML｜invoke name=\"f\">\n</｜DSML｜invoke>".to_string(),                          // invoke outside block
     ] {
-        assert_malformed(Family::DeepSeekV4, &text);
+        assert_malformed(Family::DeepseekV4, &text);
     }
 }

@@ -16,7 +16,7 @@ const PARAM_OPEN: &str = "<｜DSML｜parameter name=\"";
 const PARAM_CLOSE: &str = "</｜DSML｜parameter>";
 
 const SYNTAX: BlockSyntax = BlockSyntax {
-    family: Family::DeepSeekV4,
+    family: Family::DeepseekV4,
     open: OPEN,
     close: CLOSE,
     inner: &[INVOKE_OPEN, INVOKE_CLOSE, PARAM_OPEN, PARAM_CLOSE],
@@ -29,7 +29,7 @@ pub(super) fn parse(text: &str) -> Result<ParsedOutput, TextError> {
 }
 
 fn err(message: String) -> TextError {
-    malformed(Family::DeepSeekV4, message)
+    malformed(Family::DeepseekV4, message)
 }
 
 fn parse_invokes(block: &str, calls: &mut Vec<ToolCall>) -> Result<(), TextError> {

@@ -1,12 +1,14 @@
-//! Tool-call parsers, one file per family. Each one fails closed: output with a call block that
+//! Tool-call parsers, one file per syntax ([`mference_format::ToolCallSyntax`], named after the
+//! family that introduced it). Each one fails closed: output with a call block that
 //! does not parse is rejected as a whole ([`TextError::MalformedToolCall`]), never passed on as
 //! content or as a half-parsed call (`reference/original-system.md` §2.4).
 
 mod deepseek_v4;
 mod gemma4;
-mod qwen3_6;
+mod qwen3_5_moe;
 
 use crate::{Family, TextError};
+use mference_format::ToolCallSyntax;
 
 /// One function call made by the model.
 #[derive(Debug, Clone, PartialEq)]
@@ -59,13 +61,12 @@ pub fn parse_tool_calls_with_tools(
     text: &str,
     tools: Option<&[serde_json::Value]>,
 ) -> Result<ParsedOutput, TextError> {
-    match family {
-        Family::Gemma4 => gemma4::parse(text),
-        // Maple writes the Qwen 2.5/3 JSON form, which the Qwen parser reads.
-        Family::Qwen36 | Family::Maple => qwen3_6::parse(text, tools),
-        Family::DeepSeekV4 => deepseek_v4::parse(text),
-        // The Inkling template renders no tools, so its output carries no call syntax to parse.
-        Family::Inkling => Ok(ParsedOutput {
+    match family.tool_call_syntax() {
+        ToolCallSyntax::Gemma4 => gemma4::parse(text),
+        ToolCallSyntax::Qwen3_5Moe => qwen3_5_moe::parse(text, tools),
+        ToolCallSyntax::Dsml => deepseek_v4::parse(text),
+        // A template that renders no tools leaves no call syntax in the output to parse.
+        ToolCallSyntax::None => Ok(ParsedOutput {
             content: text.to_string(),
             tool_calls: Vec::new(),
             reasoning: None,

@@ -8,8 +8,8 @@ use mference_text::{Family, Tokenizer};
 
 pub const FAMILIES: [(Family, &str); 3] = [
     (Family::Gemma4, "gemma4"),
-    (Family::Qwen36, "qwen3_6"),
-    (Family::DeepSeekV4, "deepseek_v4"),
+    (Family::Qwen3_5Moe, "qwen3_6"),
+    (Family::DeepseekV4, "deepseek_v4"),
 ];
 
 /// `assets/tokenizers/<name>` of the repository.

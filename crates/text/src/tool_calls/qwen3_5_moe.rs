@@ -1,4 +1,4 @@
-//! Qwen 3.5/3.6 tool calls: `<tool_call>` blocks holding either the Qwen 3.6 template's XML form
+//! Qwen 3.6 (`qwen3_5_moe`) tool calls, also Maple's: `<tool_call>` blocks holding either the Qwen 3.6 template's XML form
 //! (`<function=NAME>` with `<parameter=KEY>\nVALUE\n</parameter>` children) or the JSON form
 //! `{"name": …, "arguments": {…}}` of earlier Qwen templates.
 
@@ -14,7 +14,7 @@ const OPEN: &str = "<tool_call>";
 const CLOSE: &str = "</tool_call>";
 
 const SYNTAX: BlockSyntax = BlockSyntax {
-    family: Family::Qwen36,
+    family: Family::Qwen3_5Moe,
     open: OPEN,
     close: CLOSE,
     inner: &[],
@@ -37,7 +37,7 @@ fn parse_call(block: &str, tools: Option<&[Value]>) -> Result<ToolCall, TextErro
         parse_xml_call(inner, tools)
     } else {
         Err(malformed(
-            Family::Qwen36,
+            Family::Qwen3_5Moe,
             format!(
                 "expected <function=…> or a JSON object in {OPEN}: {}",
                 excerpt(inner)
@@ -47,7 +47,7 @@ fn parse_call(block: &str, tools: Option<&[Value]>) -> Result<ToolCall, TextErro
 }
 
 fn parse_json_call(inner: &str) -> Result<ToolCall, TextError> {
-    let err = |what: &str| malformed(Family::Qwen36, format!("{what}: {}", excerpt(inner)));
+    let err = |what: &str| malformed(Family::Qwen3_5Moe, format!("{what}: {}", excerpt(inner)));
     let value: Value =
         serde_json::from_str(inner).map_err(|e| err(&format!("invalid JSON ({e})")))?;
     let name = value
@@ -72,7 +72,7 @@ fn parse_json_call(inner: &str) -> Result<ToolCall, TextError> {
 }
 
 fn parse_xml_call(inner: &str, tools: Option<&[Value]>) -> Result<ToolCall, TextError> {
-    let err = |what: &str| malformed(Family::Qwen36, format!("{what}: {}", excerpt(inner)));
+    let err = |what: &str| malformed(Family::Qwen3_5Moe, format!("{what}: {}", excerpt(inner)));
     let after = &inner["<function=".len()..];
     let gt = after.find('>').ok_or_else(|| err("unclosed <function="))?;
     let name = after[..gt].trim();
