@@ -17,8 +17,14 @@ pub fn device_flags(m: &ModelArgs) -> Result<()> {
     {
         bail!("--gpu-expert-budget and --gpu-force-miss apply on CUDA: add --device cuda");
     }
-    // `--device cuda` without CUDA fails here, before the model is sized or read.
-    mference_models::probe_device(m.device)?;
+    // `--device cuda` without CUDA, or without a kernel for an op the install's family needs,
+    // fails here, before the model is sized or read (the family from its manifest, when there
+    // is one: a path that is not an install is reported by the load).
+    let family = std::fs::read(m.model.join("manifest.json"))
+        .ok()
+        .and_then(|b| mference_format::Manifest::parse(&b).ok())
+        .map(|man| man.arch.family);
+    mference_models::check_device(m.device, family)?;
     Ok(())
 }
 

@@ -400,12 +400,7 @@ impl ArchInfo {
     /// sliding layers (`swa_*`, falling back to the global counts when absent), `numFullKVHeads`/
     /// `fullHeadDim` the global ones; the rest of the family's keys go to `extra`.
     fn inkling(c: &Cfg) -> Result<ArchInfo, FormatError> {
-        let mut a = Self::base_with(
-            c,
-            Family::Inkling,
-            "intermediate_size",
-            "n_routed_experts",
-        )?;
+        let mut a = Self::base_with(c, Family::Inkling, "intermediate_size", "n_routed_experts")?;
         let or = |k: &str, d: u64| c.0.get(k).and_then(|v| v.as_u64()).unwrap_or(d);
         a.num_full_kv_heads = a.num_kv_heads;
         a.full_head_dim = a.head_dim;

@@ -53,7 +53,10 @@ pub enum FormatError {
     ReceiptInvalid { detail: String },
     #[error("config.json is invalid: {detail}")]
     ConfigInvalid { detail: String },
-    #[error("unknown architecture \"{model_type}\": supported model_type values are {}", crate::family::supported_model_types())]
+    #[error(
+        "unknown architecture \"{model_type}\": supported model_type values are {}",
+        crate::family::supported_model_types()
+    )]
     UnknownArchitecture { model_type: String },
     #[error("quantization metadata is missing or incompatible: {detail}; install an MLX affine-quantized checkpoint (config.json with a \"quantization\" block)")]
     QuantInvalid { detail: String },

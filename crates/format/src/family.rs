@@ -339,12 +339,24 @@ mod tests {
         let names: Vec<_> = Family::ALL.map(Family::manifest_name).into();
         assert_eq!(
             names,
-            ["gemma4", "qwen36", "deepseekV4Flash", "inklingSmall", "maple"]
+            [
+                "gemma4",
+                "qwen36",
+                "deepseekV4Flash",
+                "inklingSmall",
+                "maple"
+            ]
         );
         let canonical: Vec<_> = Family::ALL.map(Family::model_type).into();
         assert_eq!(
             canonical,
-            ["gemma4", "qwen3_5_moe", "deepseek_v4", "inkling_mm_model", "maple"]
+            [
+                "gemma4",
+                "qwen3_5_moe",
+                "deepseek_v4",
+                "inkling_mm_model",
+                "maple"
+            ]
         );
     }
 
@@ -352,7 +364,14 @@ mod tests {
     fn other_model_types_are_refused_with_the_full_list() {
         // Dense Qwen 3.5 (`qwen3_5`) is another architecture; `qwen3_6*` is no Hub model_type
         // (Qwen 3.6 checkpoints say `qwen3_5_moe`).
-        for mt in ["llama", "", "qwen3_5", "qwen3_5_text", "qwen3_6", "qwen3_6_moe"] {
+        for mt in [
+            "llama",
+            "",
+            "qwen3_5",
+            "qwen3_5_text",
+            "qwen3_6",
+            "qwen3_6_moe",
+        ] {
             assert_eq!(Family::from_model_type(mt), None, "{mt}");
         }
         let e = Family::from_config(&serde_json::json!({ "model_type": "llama" })).unwrap_err();

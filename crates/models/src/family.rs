@@ -2,7 +2,7 @@
 //! forward over one chunk, where its shared parts live, its per-sequence state) and the blanket
 //! impl gives it [`Model`] (chunking, position, vocabulary, stats, the device expert hooks).
 
-use mference_backend::{Backend, DeviceExpertStats, KvCache};
+use mference_backend::{Backend, DeviceExpertOps, DeviceExpertStats, KvCache};
 use mference_runtime::StreamerStats;
 
 use crate::{

@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-use mference_backend::Backend;
+use mference_backend::{missing_ops, Backend, Op};
 use mference_format::family::config_model_type;
 use mference_format::{Family, Install};
 
@@ -23,7 +23,7 @@ pub fn load(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn Model>, ModelError
     let model_type = config_model_type(&install.config_json).to_string();
     check_options(family, &model_type, opts)?;
     // What CUDA lacks is named before the weights are read; `auto` decides here.
-    let auto_cpu = probe_device(opts.device)?;
+    let auto_cpu = check_device(opts.device, Some(family))?;
     let gpu_only = opts.gpu_expert_budget != GpuExpertBudget::Auto || opts.gpu_force_miss;
     if let Some(why) = auto_cpu.as_ref().filter(|_| gpu_only) {
         // The GPU-only settings would be dropped without a word: refuse them instead.
@@ -88,6 +88,139 @@ fn check_options(family: Family, model_type: &str, opts: &LoadOptions) -> Result
         )));
     }
     Ok(())
+}
+
+/// Checks `device` for `family` before anything is read or moved: first the ops the family needs
+/// ([`required_ops`]) that the CUDA backend has no kernel for, then the driver, device and NVRTC
+/// ([`probe_device`]; also alone when the family is not known yet). `cuda:N` is refused naming
+/// what is missing; for `auto`, `Some(why it takes the CPU)`, `None` when it takes `cuda:0`.
+pub fn check_device(device: Device, family: Option<Family>) -> Result<Option<String>, ModelError> {
+    match (device, family.and_then(cuda_lacks)) {
+        (Device::Cuda(n), Some(why)) => Err(ModelError::Device(format!(
+            "cuda:{n}: {why}: use --device cpu (or auto, which takes the CPU for it)"
+        ))),
+        (Device::Auto, Some(why)) => Ok(Some(why)),
+        _ => probe_device(device),
+    }
+}
+
+/// The ops `family`'s forward pass calls (its own, the shared head and MoE step, and the default
+/// bodies of the fused ops it uses): [`load`] checks them against the backend before any weight
+/// moves. `SetRows` is left out of the MoE families' lists for the default `glu_mlp_rows` alone,
+/// since a backend that holds experts overrides that op.
+pub fn required_ops(family: Family) -> &'static [Op] {
+    use Op::*;
+    match family {
+        Family::Gemma4 => &[
+            Zeros, Copy, Read, AllFinite, GatherRows, Embed, Matmul, GluMlp, HeadArgmax, RmsNorm,
+            Unary, MulCols, Add, ScatterAdd, NewKv, Rope, KvWrite, KvClone, Attention, Route,
+        ],
+        Family::Qwen3_5Moe => &[
+            Upload,
+            Zeros,
+            Copy,
+            Read,
+            AllFinite,
+            GatherRows,
+            Split,
+            Embed,
+            Matmul,
+            GluMlp,
+            HeadArgmax,
+            RmsNorm,
+            Unary,
+            MulCols,
+            MulSigmoid,
+            MulRowsSigmoid,
+            Add,
+            ScatterAdd,
+            NewKv,
+            Rope,
+            KvWrite,
+            Attention,
+            Route,
+            NewState,
+            ZeroState,
+            Conv1dSilu,
+            DeltaGates,
+            GatedDeltaRule,
+            RmsNormGated,
+        ],
+        Family::DeepseekV4 => &[
+            Upload,
+            Zeros,
+            Read,
+            AllFinite,
+            GatherRows,
+            Split,
+            SetRows,
+            Embed,
+            Matmul,
+            Linear,
+            GluMlp,
+            HeadArgmax,
+            RmsNorm,
+            Unary,
+            Add,
+            ScatterAdd,
+            NewKv,
+            Rope,
+            KvWrite,
+            KvClone,
+            Attention,
+            Route,
+            RouteSqrtSoftplus,
+            RopeAt,
+            MatmulGrouped,
+            HcPre,
+            HcPost,
+            CompressPool,
+            AttentionSparse,
+            IndexTopK,
+        ],
+        Family::Inkling => &[
+            Upload,
+            Zeros,
+            Copy,
+            Read,
+            AllFinite,
+            GatherRows,
+            Embed,
+            Matmul,
+            Linear,
+            GluMlp,
+            HeadArgmax,
+            RmsNorm,
+            Unary,
+            Add,
+            ScatterAdd,
+            NewKv,
+            KvWrite,
+            NewState,
+            ZeroState,
+            Conv1d,
+            AttentionRel,
+            RouteSinks,
+        ],
+        Family::Maple => &[
+            Zeros, Copy, Read, AllFinite, GatherRows, Embed, Matmul, MatmulBf16, GluMlp,
+            HeadArgmax, RmsNorm, Unary, Add, ScatterAdd, NewKv, Rope, KvWrite, Attention, Route,
+        ],
+    }
+}
+
+/// What the CUDA backend lacks for `family`, as a sentence naming the ops, or `None`.
+fn cuda_lacks(family: Family) -> Option<String> {
+    let missing = missing_ops::<mference_cuda::CudaBackend>(required_ops(family));
+    (!missing.is_empty()).then(|| {
+        let names: Vec<&str> = missing.iter().map(|op| op.name()).collect();
+        format!(
+            "the CUDA backend has no kernel for {} of the ops {} needs ({})",
+            missing.len(),
+            family.display_name(),
+            names.join(", ")
+        )
+    })
 }
 
 /// Checks `device` before anything is read: `cuda:N` must have its driver, device and NVRTC
@@ -186,7 +319,11 @@ mod tests {
         for f in Family::ALL {
             assert_eq!(refused(f, &LoadOptions::default()), None, "{f:?}");
             assert_eq!(refused(f, &flash).is_none(), f.flash_head(), "{f:?}");
-            assert_eq!(refused(f, &lookahead).is_none(), f.router_lookahead(), "{f:?}");
+            assert_eq!(
+                refused(f, &lookahead).is_none(),
+                f.router_lookahead(),
+                "{f:?}"
+            );
         }
     }
 

@@ -61,10 +61,22 @@ fn each_family_parses_its_own_call_syntax() {
 #[test]
 fn malformed_call_messages_keep_their_names() {
     let cases = [
-        (Family::Gemma4, "<|tool_call>", "malformed Gemma4 tool call: "),
-        (Family::Qwen3_5Moe, "<tool_call>", "malformed Qwen36 tool call: "),
+        (
+            Family::Gemma4,
+            "<|tool_call>",
+            "malformed Gemma4 tool call: ",
+        ),
+        (
+            Family::Qwen3_5Moe,
+            "<tool_call>",
+            "malformed Qwen36 tool call: ",
+        ),
         (Family::Maple, "<tool_call>", "malformed Qwen36 tool call: "),
-        (Family::DeepseekV4, "<｜DSML｜tool_calls>", "malformed DeepSeekV4 tool call: "),
+        (
+            Family::DeepseekV4,
+            "<｜DSML｜tool_calls>",
+            "malformed DeepSeekV4 tool call: ",
+        ),
     ];
     for (family, open, want) in cases {
         let e = parse_tool_calls(family, open).unwrap_err();

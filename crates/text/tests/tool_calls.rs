@@ -118,7 +118,11 @@ fn upstream_chat_vector_calls_parse() {
     }];
     for (family, name, chats) in [
         (Family::Gemma4, "gemma4", &["tools", "tools_thinking"][..]),
-        (Family::Qwen3_5Moe, "qwen3_6", &["tools", "tools_reasoning"][..]),
+        (
+            Family::Qwen3_5Moe,
+            "qwen3_6",
+            &["tools", "tools_reasoning"][..],
+        ),
         (
             Family::DeepseekV4,
             "deepseek_v4",
