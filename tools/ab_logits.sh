@@ -6,6 +6,10 @@
 # behaviour change must print "identical" for every line.
 #
 #   tools/ab_logits.sh OLD_BIN NEW_BIN [WORK_DIR]     # exit 1 on any difference
+#
+# Env: AB_CASES (an extended regex: only the case names it matches, e.g. 'tiny'), AB_FLAGS (more
+# `logits` flags for both builds, e.g. '--device cuda --gpu-expert-budget resident'), AB_KERNELS
+# (default 'auto scalar').
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 old="$(realpath "$1")"
@@ -26,6 +30,7 @@ cases+=("qwen3_6-tiny:assets/models/qwen3_6-tiny:$work/tiny_ids.json")
 fail=0
 for entry in "${cases[@]}"; do
     IFS=: read -r name ckpt ids <<<"$entry"
+    [[ "$name" =~ ${AB_CASES:-.} ]] || continue
     for side in old new; do
         bin="${!side}"
         "$bin" install "$repo/$ckpt" --output "$work/$side-$name.gturbo" >"$work/$side-$name.install.log" 2>&1
@@ -34,16 +39,19 @@ for entry in "${cases[@]}"; do
         echo "DIFFERENT manifest.json $name"
         fail=1
     fi
-    for kernels in auto scalar; do
+    for kernels in ${AB_KERNELS:-auto scalar}; do
         for mode in prefill decode chunk:7; do
             for side in old new; do
                 bin="${!side}"
                 "$bin" logits --model "$work/$side-$name.gturbo" --ids "$ids" --mode "$mode" \
-                    --kernels "$kernels" --out "$work/$side-$name-$kernels-${mode/:/}.npy" \
+                    --kernels "$kernels" ${AB_FLAGS:-} --out "$work/$side-$name-$kernels-${mode/:/}.npy" \
                     >"$work/$side-$name-$kernels-${mode/:/}.log" 2>&1
             done
             if cmp -s "$work/old-$name-$kernels-${mode/:/}.npy" "$work/new-$name-$kernels-${mode/:/}.npy"; then
                 echo "identical  $name $kernels $mode"
+            elif [ ! -s "$work/old-$name-$kernels-${mode/:/}.npy" ]; then
+                echo "FAILED     $name $kernels $mode (see $work/old-$name-$kernels-${mode/:/}.log)"
+                fail=1
             else
                 echo "DIFFERENT  $name $kernels $mode"
                 fail=1
