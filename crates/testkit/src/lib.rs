@@ -91,12 +91,75 @@ pub fn dsv4_text_install() -> &'static Path {
     })
 }
 
+/// The Maple golden fixture A (`assets/fixtures/maple/A/checkpoint`) with its
+/// `model.word_embeddings` and `lm_head` widened to the Qwen3 vocabulary of the Maple tokenizer
+/// (151,936 rows; the fixture's 1,024 rows repeated) and that tokenizer and template
+/// (`assets/tokenizers/maple`), installed like [`demo_install`]: a random tiny Maple that takes
+/// every id the tokenizer makes, for `run --chat` and `serve` (its text is gibberish).
+pub fn maple_text_install() -> &'static Path {
+    installed_once("maple-text", &|root: &Path| {
+        let src = root.join("src");
+        write_widened_checkpoint(
+            &Widen {
+                fixture: "maple/A",
+                shard: "model.safetensors",
+                tables: &["model.word_embeddings.", "lm_head."],
+                fixture_rows: 1024,
+                vocab: 151_936,
+                tokenizer: "maple",
+            },
+            &src,
+            &|config| {
+                config["vocab_size"] = 151_936.into();
+                config["eos_token_id"] = 151_645.into();
+            },
+        );
+        src
+    })
+}
+
 /// Writes the checkpoint of [`inkling_text_install`] into `dst`.
 fn write_inkling_text_checkpoint(dst: &Path) {
-    const SHARD: &str = "model-00001-of-00001.safetensors";
-    const VOCAB: u64 = 201_024;
-    let fixture = repo().join("assets/fixtures/inkling/A/checkpoint");
-    let bytes = std::fs::read(fixture.join(SHARD)).unwrap();
+    write_widened_checkpoint(
+        &Widen {
+            fixture: "inkling/A",
+            shard: "model-00001-of-00001.safetensors",
+            tables: &["model.llm.embed.", "model.llm.unembed."],
+            fixture_rows: 1000,
+            vocab: 201_024,
+            tokenizer: "inkling",
+        },
+        dst,
+        &|config| {
+            config["text_config"]["vocab_size"] = 201_024.into();
+            config["text_config"]["unpadded_vocab_size"] = 200_058.into();
+        },
+    );
+}
+
+/// A golden fixture's vocabulary tables widened to a real tokenizer's vocabulary.
+struct Widen {
+    /// `assets/fixtures/<fixture>/checkpoint`.
+    fixture: &'static str,
+    /// Its single safetensors file.
+    shard: &'static str,
+    /// Name prefixes of the tensors with one row per vocabulary id (weight, scales, biases).
+    tables: &'static [&'static str],
+    /// The fixture's rows that row `r` of a wide table repeats (`r % fixture_rows`).
+    fixture_rows: usize,
+    /// Rows of a wide table.
+    vocab: u64,
+    /// `assets/tokenizers/<tokenizer>`: its tokenizer files and chat template are copied.
+    tokenizer: &'static str,
+}
+
+/// Writes `w`'s widened checkpoint into `dst`, its config edited by `config_edit`.
+fn write_widened_checkpoint(w: &Widen, dst: &Path, config_edit: &dyn Fn(&mut Value)) {
+    let fixture = repo()
+        .join("assets/fixtures")
+        .join(w.fixture)
+        .join("checkpoint");
+    let bytes = std::fs::read(fixture.join(w.shard)).unwrap();
     let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
     let header: serde_json::Map<String, Value> = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
     let data = &bytes[8 + n..];
@@ -108,16 +171,13 @@ fn write_inkling_text_checkpoint(dst: &Path) {
         let [a, b] = [0, 1].map(|i| t["data_offsets"][i].as_u64().unwrap() as usize);
         let mut shape: Vec<u64> = serde_json::from_value(t["shape"].clone()).unwrap();
         let mut raw = data[a..b].to_vec();
-        let widen = ["embed", "unembed"]
-            .iter()
-            .any(|m| name.starts_with(&format!("model.llm.{m}.")));
-        if widen {
-            // Row r of the wide table is fixture row r % 1000 (the fixture's unpadded rows).
-            let row = raw.len() / shape[0] as usize;
-            raw = (0..VOCAB as usize)
-                .flat_map(|r| raw[(r % 1000) * row..(r % 1000 + 1) * row].to_vec())
+        if w.tables.iter().any(|m| name.starts_with(m)) {
+            // Row r of the wide table is fixture row r % fixture_rows.
+            let (rows, k) = (w.fixture_rows, raw.len() / shape[0] as usize);
+            raw = (0..w.vocab as usize)
+                .flat_map(|r| raw[(r % rows) * k..(r % rows + 1) * k].to_vec())
                 .collect();
-            shape[0] = VOCAB;
+            shape[0] = w.vocab;
         }
         tensors.push((
             name.clone(),
@@ -134,7 +194,7 @@ fn write_inkling_text_checkpoint(dst: &Path) {
         t["data_offsets"] = serde_json::json!([off, off + raw.len()]);
         off += raw.len();
         head.insert(name.clone(), t);
-        weight_map.insert(name, SHARD.into());
+        weight_map.insert(name, w.shard.into());
     }
     let mut hb = serde_json::to_vec(&head).unwrap();
     hb.resize(hb.len().div_ceil(8) * 8, b' ');
@@ -144,15 +204,14 @@ fn write_inkling_text_checkpoint(dst: &Path) {
     for (_, _, raw) in &tensors {
         out.extend_from_slice(raw);
     }
-    std::fs::write(dst.join(SHARD), out).unwrap();
+    std::fs::write(dst.join(w.shard), out).unwrap();
     let index = serde_json::json!({"metadata": {"total_size": off}, "weight_map": weight_map});
     std::fs::write(dst.join("model.safetensors.index.json"), index.to_string()).unwrap();
     let mut config: Value =
         serde_json::from_slice(&std::fs::read(fixture.join("config.json")).unwrap()).unwrap();
-    config["text_config"]["vocab_size"] = VOCAB.into();
-    config["text_config"]["unpadded_vocab_size"] = 200_058.into();
+    config_edit(&mut config);
     std::fs::write(dst.join("config.json"), config.to_string()).unwrap();
-    let tok = repo().join("assets/tokenizers/inkling");
+    let tok = repo().join("assets/tokenizers").join(w.tokenizer);
     for f in [
         "tokenizer.json",
         "tokenizer_config.json",
