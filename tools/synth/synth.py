@@ -269,7 +269,7 @@ def ternary_codes(n_bytes: int, noise) -> np.ndarray:
 
 
 def inkling_plan(cfg: dict) -> list:
-    """model.llm.* tensors as inkling-mlx's converter writes them (family-oracles.md §2.4):
+    """model.llm.* tensors as inkling-mlx's converter writes them (pipenetwork/Inkling-Small-MLX-4bit's names):
     router, norms, short convolutions and rel_logits_proj unquantized; router bias and
     global_scale F32, the dense global_scale BF16."""
     t = cfg["text_config"]

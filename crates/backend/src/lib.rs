@@ -148,7 +148,7 @@ pub enum Act {
     /// SwiGLU (Qwen 3.6, DeepSeek-V4, Inkling).
     Silu,
     /// SwiGLU with the gate clamped to `≤ limit` and the up projection to `[-limit, limit]` first
-    /// (Maple's clamped SwiGLU, `reference/architectures.md` §6).
+    /// (Maple's clamped SwiGLU, deepgrove-ai/mlx-lm-deepgrove `mlx_lm/models/maple.py`).
     SiluClamped(f32),
 }
 
@@ -166,7 +166,7 @@ pub struct AttnShape {
     pub sinks: Option<Vec<f32>>,
 }
 
-/// The log position scale of Inkling's global layers (`reference/architectures.md` §5): the
+/// The log position scale of Inkling's global layers (transformers `modeling_inkling.py`): the
 /// attention logits of the query at position `p` (q·k·scale plus the position bias) are multiplied
 /// by `τ_p = 1 + alpha · ln(max((p + 1) / n_floor, 1))`, computed in f32.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -194,7 +194,7 @@ pub struct RelBias<'a, T> {
     pub log_scaling: Option<LogScaling>,
 }
 
-/// Inkling's router (`reference/architectures.md` §5, transformers `InklingTopkRouter`): the
+/// Inkling's router (transformers `InklingTopkRouter`): the
 /// logits are `[T, n_routed + n_shared]`; the top-k of `sigmoid(l[..n_routed]) + bias` picks the
 /// routed experts, and `softmax(logsigmoid([l[chosen], l[n_routed..]])) · scale` weighs them and
 /// the shared experts (sinks) together.
@@ -235,7 +235,7 @@ pub enum Scoring {
 }
 
 /// The sizes of one manifold-constrained hyper-connection site (DeepSeek-V4's mHC,
-/// `reference/architectures.md` §4.2): `streams` residual streams of width `dim`.
+/// transformers `modeling_deepseek_v4.py`): `streams` residual streams of width `dim`.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct HcSpec {
     pub streams: usize,

@@ -1,6 +1,6 @@
 //! The routed-experts step of one MoE layer, written once for every family and backend
-//! (`shared/docs/DESIGN.md` §4–5): plan the router's experts against the layer's slot cache in
-//! tiles, compute the experts already cached while the misses are read, start the next tile's
+//! (`docs/ARCHITECTURE.md`, "The MoE step"): plan the router's experts against the layer's slot
+//! cache in tiles, compute the experts already cached while the misses are read, start the next tile's
 //! reads before computing this tile's misses, and combine in expert order, so the result never
 //! depends on which experts happened to be cached or on the slot count. A backend with its own
 //! expert cache (GPU slots) is asked first: experts it holds are computed before any host read,
@@ -292,7 +292,7 @@ where
     Ok((carry, acc))
 }
 
-/// Router lookahead (`shared/reference/family-oracles.md` §5.1, "shadow speculative prefetch"):
+/// Router lookahead (`docs/ARCHITECTURE.md`, "Reads ahead of the router"):
 /// starts reads, in the next layer's streamer `next`, of the `n` heaviest experts of `predicted`
 /// that it does not hold yet. `predicted` is the next layer's router applied to this layer's
 /// post-attention state, one row (decode); its weights rank the experts (ties: lower id first).

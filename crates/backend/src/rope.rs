@@ -14,7 +14,8 @@ pub enum RopeStyle {
 /// 1 otherwise). `inv_freq[i] = 0` leaves a pair unrotated (Gemma 4's proportional RoPE).
 ///
 /// Source: transformers `modeling_rope_utils.py` (`default`, `proportional`, `yarn`),
-/// `reference/architectures.md` §2.2 (Gemma 4), §3 (Qwen partial), §4 (DeepSeek-V4 YaRN).
+/// mlx-lm `gemma4_text.py` (Gemma 4), `qwen3_5.py` (Qwen partial), transformers
+/// `modeling_deepseek_v4.py` (DeepSeek-V4 YaRN).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Rope {
     pub inv_freq: Vec<f32>,

@@ -58,8 +58,8 @@ impl QRef {
     /// A matrix `[rows, cols]` whose packed weights, scales and biases are the byte ranges
     /// `(offset, len)` `w`, `s`, `b` of a buffer of `buf_len` bytes.
     ///
-    /// Derives bits and group size from the byte sizes (`reference/architectures.md` §7) and checks
-    /// them against the kernel's rules, so a malformed install fails at load, not mid-generation.
+    /// Derives bits and group size from the byte sizes (MLX affine layout, `docs/FORMAT.md`) and
+    /// checks them against the kernel's rules, so a malformed install fails at load, not mid-generation.
     pub fn from_parts(
         name: &str,
         rows: usize,

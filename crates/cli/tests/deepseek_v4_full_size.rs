@@ -1,9 +1,9 @@
 //! DeepSeek-V4-Flash at full width (`mference_testkit::dsv4`: the pinned 2-bit DQ checkpoint's
-//! tensor table, `reference/family-oracles.md` §2.2).
+//! tensor table, mlx-community/DeepSeek-V4-Flash-2bit-DQ).
 //!
 //! - The 43-layer plan from headers alone: accepted, one 8 MiB expert stride (the g32-gate blob;
 //!   layer 42's g64 blob is 7.5 MiB), and the installed size the original measured on the real
-//!   repository (96,689,373,952 bytes, `reference/original-system.md` §4.1) within 1%.
+//!   repository (96,689,373,952 bytes) within 1%.
 //! - `#[ignore]`d (about 5 GB of disk while it runs, 2.2 GB more per further layer): a
 //!   layer-truncated full-width checkpoint with random weights (layer 0 CSA + hash routing,
 //!   layer 1 HCA + learned routing; the first `MFERENCE_DSV4_LAYERS` layers of the published

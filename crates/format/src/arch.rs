@@ -1,6 +1,6 @@
 //! Architecture facts recorded in `manifest.json -> arch` and derived from the checkpoint's
-//! `config.json` (`reference/original-system.md` §3.2; HF config keys per
-//! `reference/architectures.md` §2.1, §3.1).
+//! `config.json` (`docs/FORMAT.md`, `manifest.json`; HF config keys as
+//! each family's transformers configuration names them).
 
 use crate::{Family, FormatError};
 use serde_json::{json, Map, Value};
@@ -244,7 +244,7 @@ impl ArchInfo {
         Ok(a)
     }
 
-    /// DeepSeek-V4 (`reference/architectures.md` §4.1, `family-oracles.md` §1.5): a flat config;
+    /// DeepSeek-V4 (transformers `models/deepseek_v4`): a flat config;
     /// the attention schedule comes from `layer_types` or the legacy `compress_ratios` (0 sliding,
     /// 4 CSA, 128 HCA; truncated to `num_hidden_layers`, so the published list with its trailing
     /// MTP entry works). Neither present is refused: transformers' default is the V4-Pro schedule,
@@ -358,7 +358,8 @@ impl ArchInfo {
         Ok(a)
     }
 
-    /// Maple Preview (`reference/architectures.md` §6): 3 sliding layers with partial NeoX RoPE,
+    /// Maple Preview (deepgrove-ai/mlx-lm-deepgrove `mlx_lm/models/maple.py`): 3 sliding layers
+    /// with partial NeoX RoPE,
     /// then 1 full layer without positional encoding; every layer routed (no dense or shared
     /// expert). `fullRopeTheta` is 0: the full layers rotate nothing.
     fn maple(c: &Cfg) -> Result<ArchInfo, FormatError> {
@@ -394,7 +395,7 @@ impl ArchInfo {
         Ok(a)
     }
 
-    /// Inkling-Small (`inkling_mm_model`, `reference/family-oracles.md` §2.4). The checkpoint's
+    /// Inkling-Small (`inkling_mm_model`, transformers `models/inkling`). The checkpoint's
     /// `intermediate_size` is the expert width and `dense_intermediate_size` the dense layers'
     /// (transformers swaps them in `__post_init__`). `numHeads`/`numKVHeads`/`headDim` describe the
     /// sliding layers (`swa_*`, falling back to the global counts when absent), `numFullKVHeads`/

@@ -1,7 +1,7 @@
 //! Element types of resident entries and expert tensors.
 
 /// Element type of a stored tensor. The discriminant is the `dtype` byte of a resident
-/// index entry (`reference/original-system.md` §3.3): 0 = U32 (packed MLX affine codes),
+/// index entry (`docs/FORMAT.md`, `model_weights.bin`): 0 = U32 (packed MLX affine codes),
 /// 1 = BF16, 2 = F16, 3 = F32, 4 = I64, 5 = I32.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[repr(u8)]

@@ -1,5 +1,5 @@
-//! Opening an install with the load-time checks (`docs/DESIGN.md` §1,
-//! `reference/original-system.md` §3.5).
+//! Opening an install with the load-time checks (`docs/FORMAT.md`,
+//! "Loading").
 
 use crate::hash::{read_capped, sha256_file, sha256_hex};
 use crate::layout::LAYOUT_MAX_BYTES;

@@ -1,4 +1,4 @@
-//! `packed_experts/layout.json` (`reference/original-system.md` §3.4). Each MoE layer file
+//! `packed_experts/layout.json` (`docs/FORMAT.md`). Each MoE layer file
 //! `layer_NN.bin` holds `expertsPerLayer` blobs of `expertStride` bytes, expert `e` at
 //! `e × expertStride`; inside a blob: gate w,s,b | up w,s,b | down w,s,b, contiguous.
 

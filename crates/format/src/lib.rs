@@ -1,4 +1,4 @@
-//! The `.gturbo` install format (`reference/original-system.md` §3, `docs/FORMAT.md`).
+//! The `.gturbo` install format (`docs/FORMAT.md`).
 //!
 //! An install is a directory:
 //! ```text

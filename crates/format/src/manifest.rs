@@ -1,4 +1,4 @@
-//! `manifest.json` (`reference/original-system.md` §3.2): magic `GTURBO` v1.0, flags,
+//! `manifest.json` (`docs/FORMAT.md`): magic `GTURBO` v1.0, flags,
 //! model id, source snapshot hash, `arch`, `quant`, `files`, expert geometry.
 
 use crate::{ArchInfo, FormatError};

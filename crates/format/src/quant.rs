@@ -1,4 +1,4 @@
-//! MLX affine quantization metadata (`reference/architectures.md` §7): the `config.json`
+//! MLX affine quantization metadata (as mlx-lm `mlx_lm/utils.py` writes it): the `config.json`
 //! `"quantization"` block with per-module overrides, and the cross-check of bits and group
 //! size against the stored shapes.
 
@@ -82,7 +82,8 @@ impl QuantConfig {
                 continue;
             }
             // inkling-mlx's converter names its recipe; "uniform" quantizes every target module
-            // with the base bits (`reference/family-oracles.md` §2.4), so no override follows.
+            // with the base bits (pipenetwork/Inkling-Small-MLX-4bit's `config.json`), so no
+            // override follows.
             if k == "recipe" {
                 match v.as_str() {
                     Some("uniform") => continue,

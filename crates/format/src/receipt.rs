@@ -1,4 +1,4 @@
-//! `verified-install.json` (`reference/original-system.md` §3.5): binds a verification to
+//! `verified-install.json` (`docs/FORMAT.md`): binds a verification to
 //! the manifest hash and the install directory path.
 
 use crate::manifest::FileEntry;

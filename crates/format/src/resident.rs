@@ -1,6 +1,6 @@
 //! `model_weights.bin`: the resident index (24-byte header, 72-byte entries, string table,
 //! padded to 16 KiB) followed by the resident tensors packed back to back
-//! (`reference/original-system.md` §3.3).
+//! (`docs/FORMAT.md`, `model_weights.bin`).
 
 use crate::{round_up_to_page, Dtype, FormatError};
 

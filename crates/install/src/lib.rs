@@ -1,4 +1,4 @@
-//! mference-install: builds `.gturbo` installs (`docs/DESIGN.md` §2, `docs/FORMAT.md`).
+//! mference-install: builds `.gturbo` installs (`docs/FORMAT.md`).
 //!
 //! Sequence: take `<out>.install.lock`; read `config.json`, the index (checked against a
 //! pin) and each shard's safetensors header with byte ranges; plan every tensor piece as a

@@ -1,4 +1,4 @@
-//! Maple Preview's checkpoint layout (`reference/family-oracles.md` §2.5): tensor names without the
+//! Maple Preview's checkpoint layout (deepgrove/maple-preview-2bit-mlx): tensor names without the
 //! `language_model.` prefix, ternary projections stored as 2-bit codes plus one BF16 `row_alpha`
 //! per output row (no scales or biases), and the optional FlashHead tensors whose bits and group
 //! sizes live in `config.json -> flash_head`, not in the quantization block.

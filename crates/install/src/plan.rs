@@ -1,4 +1,4 @@
-//! The range plan (`docs/DESIGN.md` §2.3, `reference/original-system.md` §3.6): every
+//! The range plan (`docs/FORMAT.md`, "Installer"): every
 //! tensor piece becomes a copy `(shard, source offset, size) → (dest file, dest offset)`;
 //! copies are checked for overlapping destinations, sorted by source position and coalesced
 //! into ranges of at most `max_range_bytes` (64 MiB by default, gap bytes included).
@@ -178,7 +178,8 @@ const QWEN_SLOTS: &[&str] = &[
     ".post_attention_layernorm.weight",
 ];
 
-/// Inkling-Small (`reference/family-oracles.md` §2.4): attention, the four short convolutions,
+/// Inkling-Small (pipenetwork/Inkling-Small-MLX-4bit's tensor names): attention, the four short
+/// convolutions,
 /// norms, then the dense MLP or the router and the resident shared (sink) experts.
 const INKLING_SLOTS: &[&str] = &[
     ".attn.wq_du.weight",
@@ -207,7 +208,7 @@ const INKLING_SLOTS: &[&str] = &[
     ".mlp.shared_experts.down_proj.weight",
 ];
 
-/// DeepSeek-V4's per-layer slot order (`reference/family-oracles.md` §2.2 names).
+/// DeepSeek-V4's per-layer slot order (mlx-community/DeepSeek-V4-Flash-2bit-DQ's tensor names).
 const DSV4_SLOTS: &[&str] = &[
     ".attn.wq_a.weight",
     ".attn.q_norm.weight",

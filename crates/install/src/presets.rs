@@ -1,4 +1,4 @@
-//! Pinned presets (`reference/original-system.md` §4.1): repo, revision and the SHA-256 of
+//! Pinned presets: repo, revision and the SHA-256 of
 //! `model.safetensors.index.json`, checked before planning.
 
 /// One pinned source.

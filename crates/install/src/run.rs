@@ -1,5 +1,5 @@
 //! The install driver: plan, state checks, copy with journal, finalize, promote
-//! (`docs/DESIGN.md` §2).
+//! (`docs/FORMAT.md`, "Installer").
 
 use crate::checkpoint::{self, Checkpoint, Pin};
 use crate::copy::{digest_destinations, run_range, Dests};

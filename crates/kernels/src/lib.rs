@@ -1,4 +1,4 @@
-//! mference-kernels: the CPU speed core (`docs/DESIGN.md` §6).
+//! mference-kernels: the CPU speed core (`docs/ARCHITECTURE.md`).
 //!
 //! - [`QMatrix`]: a zero-copy view of an MLX affine-quantized Linear (mlx's `mx.quantize` affine mode; `docs/FORMAT.md`):
 //!   packed u32 words (little-endian), bf16 scales and biases, group size 32/64/128, bits 2, 4 or 8.

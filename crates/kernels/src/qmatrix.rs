@@ -189,7 +189,7 @@ mod tests {
 
     #[test]
     fn bit_order_matches_the_mlx_examples() {
-        // architectures.md §7: 4-bit codes 15,14,…,8 pack to the word 0x89abcdef; 8-bit codes 255,238,221,204
+        // MLX affine packing, low bits first: 4-bit codes 15,14,…,8 pack to the word 0x89abcdef; 8-bit codes 255,238,221,204
         // pack to 0xccddeeff.
         let w4 = 0x89abcdefu32.to_le_bytes();
         let one = 0x3f80u16.to_le_bytes(); // bf16 1.0

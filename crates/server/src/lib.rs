@@ -163,7 +163,8 @@ impl PromptCacheMode {
     }
 }
 
-/// The original's default model id per family (`ServerInference.swift`, original-system.md §2.4).
+/// The original's default model id per family (`ServerInference.swift` of
+/// github.com/NeelM0906/Mference).
 pub fn default_model_id(family: Family) -> &'static str {
     match family {
         Family::Gemma4 => "gemma-4-26b-a4b-it",

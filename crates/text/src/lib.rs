@@ -3,12 +3,13 @@
 //!
 //! - [`Tokenizer`]: the HF `tokenizer.json` of an install, behind our own type.
 //! - [`ChatTemplate`]: the install's Jinja chat template rendered with minijinja configured like
-//!   transformers' `apply_chat_template` (`DESIGN.md` §7, `reference/dependencies.md`).
+//!   transformers' `apply_chat_template` (transformers
+//!   `utils/chat_template_utils.py`).
 //! - [`StreamingDetokenizer`]: incremental decode that never splits a multi-byte UTF-8 character.
 //! - [`stop_token_ids`] and [`StopStrings`]: per-family stop tokens and user stop strings
-//!   (`reference/original-system.md` §2.6).
+//!   (the original system's, github.com/NeelM0906/Mference).
 //! - [`parse_tool_calls`]: per-family tool-call parsers that fail closed on malformed output
-//!   (`reference/original-system.md` §2.4).
+//!   (as in the original system, github.com/NeelM0906/Mference).
 //! - [`Tokenizer::token_bytes`]: the bytes each id writes, for constrained decoding.
 
 mod detokenizer;

@@ -8,7 +8,7 @@ use crate::TextError;
 /// pure-Rust `tokenizers` crate, plus the special tokens named in `tokenizer_config.json`.
 ///
 /// Ids are `u32` token ids; text is UTF-8. Wrapped in our own type so the `tokenizers` 1.0 API change
-/// (`reference/dependencies.md`) stays inside this crate.
+/// stays inside this crate.
 pub struct Tokenizer {
     pub(crate) inner: tokenizers::Tokenizer,
     bos_token: Option<String>,

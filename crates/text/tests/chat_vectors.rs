@@ -34,8 +34,8 @@ fn plain_chats_render_like_the_vectors() {
     );
 }
 
-/// With the default kwargs, generation prompts end as `reference/original-system.md` §2.6 and
-/// `reference/architectures.md` §10 describe.
+/// With the default kwargs, generation prompts end as in the original system
+/// (github.com/NeelM0906/Mference) and the checkpoints' chat templates.
 #[test]
 fn default_kwargs_give_the_original_generation_suffixes() {
     use mference_text::Family;

@@ -119,7 +119,8 @@ fn chat_vectors_encode_and_round_trip() {
     }
 }
 
-/// Ids, BOS and vocabulary sizes against `special_tokens.json` and `reference/architectures.md` §10.
+/// Ids, BOS and vocabulary sizes against `special_tokens.json` and the checkpoints'
+/// tokenizer files (the repos of `crates/install/src/presets.rs`).
 #[test]
 fn special_tokens_match_the_folder() {
     for (family, name) in FAMILIES {

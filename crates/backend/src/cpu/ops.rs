@@ -288,8 +288,9 @@ pub fn softplus(x: f32) -> f32 {
 }
 
 /// Depthwise causal 1-D convolution followed by the activation `act`, continuing from a rolling
-/// state: SiLU for Gated DeltaNet's `conv1d` (`reference/architectures.md` §3.2 step 2; mlx-lm
-/// `qwen3_5.py` `GatedDeltaNet.__call__`), the identity for Inkling's short convolutions (§5).
+/// state: SiLU for Gated DeltaNet's `conv1d` (mlx-lm
+/// `qwen3_5.py` `GatedDeltaNet.__call__`), the identity for Inkling's short convolutions
+/// (transformers `modeling_inkling.py`).
 ///
 /// - `x`: `[t, channels]` pre-conv rows; `out`: `[t, channels]`.
 /// - `w`: `[channels, kernel]` (the MLX `[C, K, 1]` weight); output row `r` of channel `c` is
@@ -324,8 +325,8 @@ pub fn causal_conv1d(
     state.copy_from_slice(&seq[t * channels..]);
 }
 
-/// The gated delta rule recurrence over `t` rows (mlx-lm `gated_delta.py::_gated_delta_step_ops`;
-/// `reference/architectures.md` §3.2 step 6), one value head per work item, in FP32:
+/// The gated delta rule recurrence over `t` rows (mlx-lm `gated_delta.py::_gated_delta_step_ops`),
+/// one value head per work item, in FP32:
 ///
 /// ```text
 /// S ← g·S;  u = (v − S·k)·β;  S ← S + u ⊗ k;  o = S·q

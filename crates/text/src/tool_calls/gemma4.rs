@@ -1,6 +1,6 @@
 //! Gemma 4 tool calls: `<|tool_call>call:NAME{ARGS}<tool_call|>`, where ARGS uses the template's
 //! `format_argument` syntax: bare keys, strings wrapped in `<|"|>`, `true`/`false`, numbers,
-//! nested `{…}` and `[…]` (`reference/architectures.md` §10, `chat_template.jinja`).
+//! nested `{…}` and `[…]` (the Gemma 4 checkpoint's `chat_template.jinja`).
 
 use serde_json::{Map, Value};
 

@@ -1,7 +1,8 @@
 //! Tool-call parsers, one file per syntax ([`mference_format::ToolCallSyntax`], named after the
 //! family that introduced it). Each one fails closed: output with a call block that
 //! does not parse is rejected as a whole ([`TextError::MalformedToolCall`]), never passed on as
-//! content or as a half-parsed call (`reference/original-system.md` §2.4).
+//! content or as a half-parsed call (as in the original system,
+//! github.com/NeelM0906/Mference).
 
 mod deepseek_v4;
 mod gemma4;
