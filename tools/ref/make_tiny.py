@@ -171,7 +171,7 @@ def gemma4_check(weights: dict, config: dict, bits: int, gs: int) -> None:
     want = gemma4_expected_names(text)
     have = set(weights)
     if have != want:
-        raise SystemExit(f"tensor names differ from architectures.md §2.4:\n  missing {sorted(want - have)}"
+        raise SystemExit(f"tensor names differ from the Gemma 4 checkpoint layout (mlx-lm gemma4_text.py):\n  missing {sorted(want - have)}"
                          f"\n  unexpected {sorted(have - want)}")
     H, E, I = text["hidden_size"], text["num_experts"], text["moe_intermediate_size"]
     P = "language_model.model.layers."
@@ -281,7 +281,7 @@ def qwen36_check(weights: dict, config: dict, bits: int, gs: int) -> None:
             need += [f"{p}self_attn.q_proj.weight", f"{p}self_attn.q_norm.weight"]
         missing = [n for n in need if n not in weights]
         if missing:
-            raise SystemExit(f"missing tensors (architectures.md §3.3): {missing}")
+            raise SystemExit(f"missing tensors (the Qwen 3.5 MoE layout of mlx-lm qwen3_5_moe.py): {missing}")
         for g in ("mlp.gate", "mlp.shared_expert_gate"):
             assert config["quantization"].get(f"language_model.model.layers.{L}.{g}") == \
                 {"group_size": 64, "bits": 8}, (L, g)

@@ -2,8 +2,8 @@
 //! a no-scale V norm, K = V on full layers, proportional partial RoPE, a dense shared MLP in parallel
 //! with 128 routed GeGLU experts, sandwich norms, a per-layer scalar and a tied, softcapped head.
 //!
-//! Math: `reference/architectures.md` §2 (transformers `modeling_gemma4.py`, mlx-lm `gemma4_text.py`);
-//! checkpoint names: §2.4. Intermediates are named after the reference (`attn_norm`, `router_logits`,
+//! Math: transformers `modeling_gemma4.py`, mlx-lm `gemma4_text.py`; checkpoint names:
+//! mlx-community/gemma-4-26b-a4b-it-4bit. Intermediates are named after the reference (`attn_norm`, `router_logits`,
 //! `moe_out`) so a layer-by-layer diff stays easy.
 
 use serde::Deserialize;

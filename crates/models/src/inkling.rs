@@ -4,10 +4,10 @@
 //! whose two shared experts act as sinks in the routing softmax; embedding norm, untied head with a
 //! muP divisor, logits cut to the unpadded vocabulary.
 //!
-//! Math: `reference/architectures.md` §5 and transformers 5.23 `models/inkling/modeling_inkling.py`
+//! Math: transformers 5.23 `models/inkling/modeling_inkling.py`
 //! (`InklingAttention`, `InklingRelativeLogits`, `InklingShortConvolution`, `InklingTopkRouter`,
 //! `InklingSharedExperts`, `InklingForCausalLM`); checkpoint names and dtypes:
-//! `reference/family-oracles.md` §2.4; the original system's numerics (§5.2): FP32 residual stream
+//! pipenetwork/Inkling-Small-MLX-4bit; the original system's numerics: FP32 residual stream
 //! and conv state, FP32 shared-expert outputs, dense `global_scale` BF16 and the router's
 //! `global_scale`/`bias` FP32. Every norm is the plain `rms(x)·w` (`InklingRMSNorm`).
 

@@ -3,8 +3,8 @@
 //! encoding (NoPE), per-head q/k RMSNorm, and a routed MoE in every layer: an fp32 softmax router
 //! over a raw BF16 gate, top-8 renormalised, clamped SwiGLU experts; no shared expert, untied head.
 //!
-//! Math: `reference/architectures.md` §6 (deepgrove-ai/mlx-lm-deepgrove eba96c16
-//! `mlx_lm/models/maple.py`); checkpoint layout: `reference/family-oracles.md` §2.5. The ternary
+//! Math: deepgrove-ai/mlx-lm-deepgrove eba96c16 `mlx_lm/models/maple.py`; checkpoint layout:
+//! deepgrove/maple-preview-2bit-mlx. The ternary
 //! projections are installed as MLX 2-bit affine matrices (`row_alpha` → scales `a`, biases `-a`,
 //! `docs/FORMAT.md`), so every product here is the ordinary quantized matmul. Activations are f32
 //! (the reference's fp32 mode); the original's native-bf16 residual stream is not reproduced.
@@ -198,7 +198,7 @@ pub struct Maple<B: Backend> {
     single: bool,
 }
 
-/// FlashHead (`maple.py` `FlashHead`; `reference/family-oracles.md` §2.5): score the
+/// FlashHead (`maple.py` `FlashHead`): score the
 /// `n_clusters` centroids (`lm_head_flash.centroids`, scaled by their cluster's largest row norm),
 /// take the `n_probes` best clusters, compute exact logits only for their tokens (the
 /// cluster-ordered head `lm_head_flash.head`, rows of `lm_head` permuted by `token_map`) and for

@@ -2,9 +2,9 @@
 //! (linear attention with a recurrent FP32 state) and gated full attention, every layer followed by
 //! a softmax-routed MoE (renormalised top-k) plus a sigmoid-gated shared expert; untied head.
 //!
-//! Math: `reference/architectures.md` §3 and the installed mlx-lm (`qwen3_5.py` for the decoder and
+//! Math: the installed mlx-lm (`qwen3_5.py` for the decoder and
 //! `GatedDeltaNet`, `qwen3_next.py` for attention, MoE block and gated norm, `gated_delta.py` for the
-//! recurrence); checkpoint names: §3.3. MLX checkpoints store `1 + w` for the zero-centred norms
+//! recurrence); checkpoint names: mlx-community/Qwen3.6-35B-A3B-4bit. MLX checkpoints store `1 + w` for the zero-centred norms
 //! (`input_layernorm`, `post_attention_layernorm`, `norm`, `q_norm`, `k_norm`), so every norm here is
 //! the plain `rms(x)·w`; the DeltaNet gated norm is plain in both formats. Intermediates are named
 //! after the reference (`attn_norm`, `router_logits`, `moe_out`) for layer-by-layer diffs.

@@ -6,9 +6,9 @@
 //! first layers (`tid2eid[token]`) and sqrt-softplus routing with a selection-only correction bias
 //! after them, clamped SwiGLU experts plus a shared expert, untied head.
 //!
-//! Math: `reference/architectures.md` §4 and transformers 5.23 `modeling_deepseek_v4.py` (the
-//! fixtures' reference); checkpoint names: the MLX layout of `mlx-community/DeepSeek-V4-Flash-2bit-DQ`
-//! (`reference/family-oracles.md` §2.2): `attn.{wq_a, q_norm, wq_b, wkv, kv_norm, wo_a, wo_b,
+//! Math: transformers 5.23 `modeling_deepseek_v4.py` (the
+//! fixtures' reference); checkpoint names: the MLX layout of `mlx-community/DeepSeek-V4-Flash-2bit-DQ`:
+//! `attn.{wq_a, q_norm, wq_b, wkv, kv_norm, wo_a, wo_b,
 //! attn_sink}` are HF's `q_a_proj, q_a_norm, q_b_proj, kv_proj, kv_norm, o_a_proj, o_b_proj, sinks`;
 //! `compressor.{wkv, wgate, ape, norm}` are `kv_proj, gate_proj, position_bias, kv_norm`;
 //! `attn_norm` / `ffn_norm` are `input_layernorm` / `post_attention_layernorm`. Every norm is the
@@ -112,7 +112,7 @@ pub struct DeepseekV4<B: Backend> {
 }
 
 /// Speculative reads started per layer by the shadow prefetch (the original system's sweep of
-/// 1/2/3/4/6 peaked at 2, `reference/family-oracles.md` §5.1).
+/// 1/2/3/4/6 peaked at 2).
 const SHADOW_BUDGET: usize = 2;
 
 impl<B: Backend> DeepseekV4<B> {
