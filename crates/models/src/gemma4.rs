@@ -18,7 +18,7 @@ use std::time::Instant;
 
 use crate::{
     check_ids, into_residual, one, parse_config, text_config, unsupported, ChunkWant, Engine,
-    FamilyModel, LoadOptions, Logits, ModelError, RingSnapshot, StepTimes, Streamers,
+    FamilyModel, LoadOptions, Logits, ModelError, SequenceState, StepTimes, Streamers,
 };
 
 /// `text_config` of a Gemma 4 `config.json` (HF keys; defaults as mlx-lm's `ModelArgs`).
@@ -159,9 +159,8 @@ pub struct Gemma4<B: Backend> {
     layers: Vec<Layer>,
     /// sqrt(hidden_size) rounded to bf16, the weight dtype (HF `Gemma4TextScaledWordEmbedding`).
     embed_scale: f32,
-    kv: KvCache<B::Kv>,
-    /// The sliding-window rings at the last [`crate::Model::checkpoint`].
-    rings: RingSnapshot<B>,
+    /// The KV cache (full layers and sliding rings; the rings copied at a checkpoint).
+    state: SequenceState<B>,
     streamers: Streamers,
     /// [`crate::Model::step_times`].
     times: StepTimes,
@@ -286,8 +285,7 @@ impl<B: Backend> Gemma4<B> {
             norm,
             layers,
             embed_scale,
-            kv: KvCache::new(kv),
-            rings: RingSnapshot::default(),
+            state: SequenceState::new(KvCache::new(kv)),
             streamers,
             times: StepTimes {
                 layers: vec![Default::default(); n_layers],
@@ -312,7 +310,7 @@ impl<B: Backend + 'static> FamilyModel for Gemma4<B> {
         let t = tokens.len();
         let h = cfg.hidden_size;
         let nh = cfg.num_attention_heads;
-        let pos0 = self.kv.len;
+        let pos0 = self.state.kv.len;
         let eps = cfg.rms_norm_eps;
         check_ids(tokens, cfg.vocab_size)?;
         // RMSNorm over the hidden size with a checkpoint weight.
@@ -368,7 +366,7 @@ impl<B: Backend + 'static> FamilyModel for Gemma4<B> {
                 d,
                 pos0,
             )?;
-            let kv = &mut self.kv.layers[li];
+            let kv = &mut self.state.kv.layers[li];
             be.kv_write(kv, pos0, &k, &v)?;
             let shape = AttnShape {
                 n_heads: nh,
@@ -462,7 +460,7 @@ impl<B: Backend + 'static> FamilyModel for Gemma4<B> {
             }
             self.times.layers[li][1] += attended.elapsed();
         }
-        self.kv.len = pos0 + t;
+        self.state.kv.len = pos0 + t;
         let started = Instant::now();
 
         // Final norm and the tied head, only for the rows asked for.
@@ -477,7 +475,7 @@ impl<B: Backend + 'static> FamilyModel for Gemma4<B> {
         logits
     }
 
-    crate::family_parts!(rings);
+    crate::family_parts!();
 
     fn vocab(&self) -> usize {
         self.cfg.vocab_size

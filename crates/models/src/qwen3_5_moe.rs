@@ -20,7 +20,8 @@ use mference_runtime::ExpertStreamer;
 
 use crate::{
     check_ids, expert_linear, into_residual, linear, one, parse_config, text_config, unsupported,
-    ChunkWant, Engine, FamilyModel, LoadOptions, Logits, ModelError, Streamers,
+    ChunkWant, Engine, FamilyModel, LayerState, LoadOptions, Logits, ModelError, SequenceState,
+    Streamers,
 };
 
 /// `text_config` of a Qwen 3.5/3.6 MoE `config.json` (HF keys; defaults as mlx-lm's
@@ -213,28 +214,6 @@ struct Layer<B: Backend> {
     switch_mlp: Mlp,
 }
 
-/// The recurrent state of one DeltaNet layer (FP32).
-struct DeltaState<B: Backend> {
-    /// `[kernel - 1, conv_dim]` last pre-conv rows.
-    conv: B::State,
-    /// `[n_v_heads, head_v_dim, head_k_dim]`.
-    ssm: B::State,
-}
-
-impl<B: Backend> Clone for DeltaState<B> {
-    fn clone(&self) -> Self {
-        Self {
-            conv: self.conv.clone(),
-            ssm: self.ssm.clone(),
-        }
-    }
-
-    fn clone_from(&mut self, o: &Self) {
-        self.conv.clone_from(&o.conv);
-        self.ssm.clone_from(&o.ssm);
-    }
-}
-
 /// A loaded Qwen 3.6 MoE model with its KV cache, DeltaNet states and expert streamers (one
 /// sequence) on backend `B`.
 pub struct Qwen35Moe<B: Backend> {
@@ -246,11 +225,10 @@ pub struct Qwen35Moe<B: Backend> {
     lm_head: QRef,
     layers: Vec<Layer<B>>,
     rope: Rope,
-    kv: KvCache<B::Kv>,
-    /// One per layer; `None` for full-attention layers.
-    states: Vec<Option<DeltaState<B>>>,
-    /// The DeltaNet states as they were at one earlier position ([`crate::Model::checkpoint`]).
-    snapshot: crate::Snapshot<Vec<Option<DeltaState<B>>>>,
+    /// The full-attention layers' KV and, per DeltaNet layer, its FP32 conv and recurrent
+    /// states (`[kernel − 1, conv_dim]` and `[n_v_heads, head_v_dim, head_k_dim]`: mlx-lm's
+    /// `ArraysCache(size=2)`).
+    state: SequenceState<B>,
     streamers: Streamers,
 }
 
@@ -376,13 +354,13 @@ impl<B: Backend> Qwen35Moe<B> {
             .collect::<Result<_, _>>()?;
         let mut states = Vec::with_capacity(cfg.num_hidden_layers);
         for l in 0..cfg.num_hidden_layers {
-            states.push(match cfg.is_linear(l) {
-                true => Some(DeltaState {
-                    conv: be.new_state((kern - 1) * conv_dim)?,
-                    ssm: be.new_state(nv * dv * dk)?,
-                }),
-                false => None,
-            });
+            states.push(LayerState::arrays(match cfg.is_linear(l) {
+                true => vec![
+                    be.new_state((kern - 1) * conv_dim)?,
+                    be.new_state(nv * dv * dk)?,
+                ],
+                false => Vec::new(),
+            }));
         }
         let streamers = Streamers::new(cfg.num_hidden_layers);
         Ok(Self {
@@ -394,9 +372,7 @@ impl<B: Backend> Qwen35Moe<B> {
             norm,
             lm_head,
             layers,
-            kv: KvCache::new(kv),
-            states,
-            snapshot: crate::Snapshot::new(),
+            state: SequenceState::new(KvCache::new(kv)).with_layers(states),
             streamers,
         })
     }
@@ -416,7 +392,7 @@ impl<B: Backend + 'static> FamilyModel for Qwen35Moe<B> {
         let (cfg, be) = (&self.cfg, &self.be);
         let t = tokens.len();
         let h = cfg.hidden_size;
-        let pos0 = self.kv.len;
+        let pos0 = self.state.kv.len;
         let eps = cfg.rms_norm_eps;
         check_ids(tokens, cfg.vocab_size)?;
 
@@ -428,11 +404,13 @@ impl<B: Backend + 'static> FamilyModel for Qwen35Moe<B> {
         for (li, layer) in self.layers.iter().enumerate() {
             let mixer_out = match &layer.mixer {
                 Mixer::Linear(d) => {
-                    let st = self.states[li].as_mut().expect("state of a DeltaNet layer");
-                    delta_net(cfg, be, d, st, &attn_norm)?
+                    let [conv, ssm] = &mut self.state.layers[li].arrays[..] else {
+                        unreachable!("a DeltaNet layer has its conv and recurrent states")
+                    };
+                    delta_net(cfg, be, d, conv, ssm, &attn_norm)?
                 }
                 Mixer::Full(a, kvi) => {
-                    let kv = &mut self.kv.layers[*kvi];
+                    let kv = &mut self.state.kv.layers[*kvi];
                     full_attention(cfg, be, a, kv, &self.rope, &attn_norm, pos0)?
                 }
             };
@@ -468,7 +446,7 @@ impl<B: Backend + 'static> FamilyModel for Qwen35Moe<B> {
                 attn_norm = n;
             }
         }
-        self.kv.len = pos0 + t;
+        self.state.kv.len = pos0 + t;
 
         let head = crate::Head {
             norm: &self.norm,
@@ -484,63 +462,17 @@ impl<B: Backend + 'static> FamilyModel for Qwen35Moe<B> {
     fn vocab(&self) -> usize {
         self.cfg.vocab_size
     }
-
-    /// The DeltaNet state summarises the whole prefix and cannot be cut open: `n == 0` (start
-    /// over), `n == position()` (keep everything) and `n` at the checkpoint (restore its states and
-    /// cut the attention KV there) succeed; anything else is refused and changes nothing.
-    fn truncate_state(&mut self, n: usize) -> bool {
-        if n == self.kv.len {
-            return true;
-        }
-        if n == 0 {
-            // The snapshot described a prefix that is now gone.
-            self.snapshot.forget();
-            self.kv.clear();
-            for s in self.states.iter_mut().flatten() {
-                // A backend that cannot zero its state leaves the sequence unusable: refuse the cut.
-                if self.be.zero_state(&mut s.conv).is_err()
-                    || self.be.zero_state(&mut s.ssm).is_err()
-                {
-                    return false;
-                }
-            }
-            return true;
-        }
-        self.snapshot.is_at(n) && self.kv.truncate(n) && self.snapshot.restore(n, &mut self.states)
-    }
-
-    /// Copies the FP32 DeltaNet states (conv and recurrent; ~60 MiB on the 35B-A3B).
-    fn checkpoint_state(&mut self) {
-        self.snapshot.save(self.kv.len, &self.states);
-    }
-
-    fn state_is_recurrent(&self) -> bool {
-        true
-    }
-
-    fn state_rewind_point(&self, n: usize) -> usize {
-        self.snapshot.rewind_point(n, self.kv.len)
-    }
-
-    /// KV cache of the full-attention layers plus the FP32 DeltaNet states (conv and recurrent).
-    fn state_bytes(&self) -> usize {
-        let states: usize = self
-            .states
-            .iter()
-            .flatten()
-            .map(|s| self.be.state_bytes(&s.conv) + self.be.state_bytes(&s.ssm))
-            .sum();
-        self.kv.bytes() + states
-    }
 }
 
-/// Gated DeltaNet over the rows of `a` (`[T, hidden]`), continuing `st`; returns `[T, hidden]`
+/// Gated DeltaNet over the rows of `a` (`[T, hidden]`), continuing the `conv` and recurrent
+/// `ssm` states; returns `[T, hidden]`
 /// (mlx-lm `qwen3_5.GatedDeltaNet.__call__`).
 fn delta_net<B: Backend>(
     cfg: &Config,
     be: &B,
     d: &DeltaNet<B>,
-    st: &mut DeltaState<B>,
+    conv: &mut B::State,
+    ssm: &mut B::State,
     a: &B::Tensor,
 ) -> Result<B::Tensor, ModelError> {
     let (nk, nv) = (cfg.linear_num_key_heads, cfg.linear_num_value_heads);
@@ -551,12 +483,7 @@ fn delta_net<B: Backend>(
     let b = one(be.matmul(&[&d.in_proj_b], Resident, a)?); // [T, n_v_heads]
     let alpha = one(be.matmul(&[&d.in_proj_a], Resident, a)?); // [T, n_v_heads]
 
-    let conv_out = be.conv1d_silu(
-        &mixed_qkv,
-        &mut st.conv,
-        &d.conv1d,
-        cfg.linear_conv_kernel_dim,
-    )?;
+    let conv_out = be.conv1d_silu(&mixed_qkv, conv, &d.conv1d, cfg.linear_conv_kernel_dim)?;
     let conv_dim = 2 * key_dim + nv * dv;
     let mut qkv = be.split(&conv_out, conv_dim, &[key_dim, key_dim, nv * dv])?;
     let v = qkv.pop().expect("v"); // [T, n_v_heads · head_v_dim]
@@ -575,7 +502,7 @@ fn delta_net<B: Backend>(
         head_k_dim: dk,
         head_v_dim: dv,
     };
-    let mut core = be.gated_delta_rule(&q, &k, &v, &decay, &beta, &mut st.ssm, &shape)?;
+    let mut core = be.gated_delta_rule(&q, &k, &v, &decay, &beta, ssm, &shape)?;
     // Gated RMSNorm per value head: rms_norm(o)·w ⊙ silu(z) (`Qwen3NextRMSNormGated`).
     be.rms_norm_gated(&mut core, dv, &d.norm, &z, cfg.rms_norm_eps)?;
     Ok(one(be.matmul(&[&d.out_proj], Resident, &core)?))
