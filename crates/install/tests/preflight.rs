@@ -93,7 +93,7 @@ fn a_shape_contradicting_config_is_refused() {
 fn not_enough_free_disk_is_refused() {
     let tmp = tempfile::tempdir().unwrap();
     let o = mference_install::InstallOptions {
-        disk_reserve_bytes: u64::MAX / 4,
+        disk_reserve_bytes: Some(u64::MAX / 4),
         ..common::quiet()
     };
     let err = refused_with(&common::asset("gemma4-tiny"), tmp.path(), &o);

@@ -28,7 +28,7 @@ pub fn asset(name: &str) -> PathBuf {
 pub fn quiet() -> InstallOptions {
     InstallOptions {
         progress: ProgressMode::Quiet,
-        disk_reserve_bytes: 0,
+        disk_reserve_bytes: Some(0),
         ..InstallOptions::default()
     }
 }
