@@ -46,11 +46,12 @@ pub fn fetch(
         .filter(|(n, _)| n != "config.json")
         .map(|(_, s)| s)
         .sum();
-    let names: Vec<&str> = ck.sidecars.iter().map(|(n, _)| n.as_str()).collect();
-    progress.stage(&format!(
-        "reading {} ({total} bytes besides config.json)",
-        names.join(", ")
-    ));
+    let names: Vec<String> = ck
+        .sidecars
+        .iter()
+        .map(|(n, s)| format!("{n} ({s} bytes)"))
+        .collect();
+    progress.stage(&format!("reading {}", names.join(", ")));
     progress.start_bytes(total, 0);
     let mut files = Vec::with_capacity(ck.sidecars.len());
     for (name, size) in &ck.sidecars {
