@@ -58,8 +58,14 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     };
     let r = mference_install::install(source.as_ref(), &out, &opts)?;
     eprintln!(
-        "fetched {} ranges, reused {}",
-        r.ranges_fetched, r.ranges_reused
+        "fetched {} ranges ({} bytes), reused {}; {} source bytes read only to be hashed; {} files \
+         verified, {} not",
+        r.ranges_fetched,
+        r.fetched_bytes,
+        r.ranges_reused,
+        r.hashed_only_bytes,
+        r.verified_files.len(),
+        r.unverified_files.len()
     );
     Ok(())
 }

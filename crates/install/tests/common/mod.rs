@@ -101,9 +101,29 @@ pub fn interrupted_install(
 
 /// [`tree_digest`] of a local install of the bundled checkpoint `model` made in `dir`.
 pub fn local_digest(model: &str, dir: &Path, opts: &InstallOptions) -> BTreeMap<String, String> {
-    let out = dir.join(format!("{model}-reference.gturbo"));
-    mference_install::install_local(&asset(model), &out, opts).unwrap();
+    local_digest_of(&asset(model), dir, opts)
+}
+
+/// [`tree_digest`] of a local install of the checkpoint directory `src` made in `dir`.
+pub fn local_digest_of(src: &Path, dir: &Path, opts: &InstallOptions) -> BTreeMap<String, String> {
+    let name = src.file_name().unwrap().to_string_lossy();
+    let out = dir.join(format!("{name}-reference.gturbo"));
+    mference_install::install_local(src, &out, opts).unwrap();
     tree_digest(&out)
+}
+
+/// The weights of the bundled checkpoint `model` without its tokenizer files (config, index and
+/// shards linked into `dir/<model>-weights`): for tests of the copy itself, which then skip the
+/// tokenizer's read and parse.
+pub fn weights_only(model: &str, dir: &Path) -> PathBuf {
+    let out = dir.join(format!("{model}-weights"));
+    std::fs::create_dir_all(&out).unwrap();
+    for (name, path) in checkpoint_files(&asset(model)) {
+        if name == "config.json" || name.contains("safetensors") {
+            std::os::unix::fs::symlink(path, out.join(name)).unwrap();
+        }
+    }
+    out
 }
 
 /// Assert that the install at `out` holds exactly the bytes of a local install of the bundled
