@@ -58,14 +58,7 @@ fn kill_dash_nine_at_random_points_then_resume_gives_an_identical_install() {
     let src = common::weights_only("gemma4-tiny", tmp.path());
     let reference = common::local_digest_of(&src, tmp.path(), &opts());
     let ids = range_ids("gemma4-tiny");
-    let srv = common::server::Server::start(
-        "127.0.0.1:0",
-        common::REPO,
-        common::REV,
-        common::server::checkpoint_files(&src),
-        None,
-        None,
-    );
+    let srv = common::serve_dir(&src);
     srv.throttle_ms
         .store(3, std::sync::atomic::Ordering::Relaxed);
     // An uninterrupted run's duration sets the scale of the kill points.

@@ -99,7 +99,8 @@ fn a_clean_mirror_installs_and_the_receipt_says_what_each_file_was_checked_again
 #[test]
 fn a_flipped_byte_in_a_shard_is_refused_and_a_resume_checks_the_shard_again() {
     let tmp = tempfile::tempdir().unwrap();
-    let srv = common::serve(MODEL);
+    let src = common::weights_only(MODEL, tmp.path());
+    let srv = common::serve_dir(&src);
     let shard = served("model.safetensors");
     let (sha256, _) = digests_of(&shard);
     let len = shard.metadata().unwrap().len();
@@ -121,13 +122,14 @@ fn a_flipped_byte_in_a_shard_is_refused_and_a_resume_checks_the_shard_again() {
     // Fixed, the resume installs exactly the checkpoint's bytes.
     *srv.corrupt.lock().unwrap() = None;
     common::install_from(&srv, &out, &resume()).unwrap();
-    common::assert_same_as_local(&out, MODEL, &opts());
+    common::assert_same_as_local_dir(&out, &src, &opts());
 }
 
 #[test]
 fn a_resume_reads_the_ranges_written_before_again_and_refuses_changed_ones() {
     let tmp = tempfile::tempdir().unwrap();
-    let srv = common::serve(MODEL);
+    let src = common::weights_only(MODEL, tmp.path());
+    let srv = common::serve_dir(&src);
     let (sha256, _) = digests_of(&served("model.safetensors"));
     let out = tmp.path().join("r.gturbo");
     let paths = OutPaths::new(&out).unwrap();
@@ -151,7 +153,7 @@ fn a_resume_reads_the_ranges_written_before_again_and_refuses_changed_ones() {
         p.ranges.len(),
         "the refused shard is fetched whole"
     );
-    common::assert_same_as_local(&out, MODEL, &opts());
+    common::assert_same_as_local_dir(&out, &src, &opts());
 }
 
 #[test]

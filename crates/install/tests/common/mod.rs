@@ -52,14 +52,12 @@ pub fn plan_of(model: &str, range_bytes: u64) -> plan::Plan {
 /// A loopback server (127.0.0.1) serving the bundled checkpoint `model` as [`REPO`]@[`REV`],
 /// without authentication or redirects.
 pub fn serve(model: &str) -> Server {
-    Server::start(
-        "127.0.0.1:0",
-        REPO,
-        REV,
-        checkpoint_files(&asset(model)),
-        None,
-        None,
-    )
+    serve_dir(&asset(model))
+}
+
+/// [`serve`] for the checkpoint directory `dir`.
+pub fn serve_dir(dir: &Path) -> Server {
+    Server::start("127.0.0.1:0", REPO, REV, checkpoint_files(dir), None, None)
 }
 
 /// A source for [`REPO`]@[`REV`] at `base`, retrying after 5 ms.
@@ -129,12 +127,18 @@ pub fn weights_only(model: &str, dir: &Path) -> PathBuf {
 /// Assert that the install at `out` holds exactly the bytes of a local install of the bundled
 /// checkpoint `model` with `opts` (made next to `out`).
 pub fn assert_same_as_local(out: &Path, model: &str, opts: &InstallOptions) {
-    let reference = local_digest(model, out.parent().unwrap(), opts);
+    assert_same_as_local_dir(out, &asset(model), opts)
+}
+
+/// [`assert_same_as_local`] for the checkpoint directory `src`.
+pub fn assert_same_as_local_dir(out: &Path, src: &Path, opts: &InstallOptions) {
+    let reference = local_digest_of(src, out.parent().unwrap(), opts);
     assert_eq!(
         tree_digest(out),
         reference,
-        "{} differs from a local install of {model}",
-        out.display()
+        "{} differs from a local install of {}",
+        out.display(),
+        src.display()
     );
 }
 
