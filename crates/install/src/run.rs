@@ -375,6 +375,7 @@ fn install_locked(
     };
     let streamed = crate::stream::copy_shards(&job, &mut journal, &mut progress)?;
     report.ranges_fetched = streamed.ranges_fetched;
+    report.ranges_reused -= streamed.ranges_rewritten;
     report.fetched_bytes = streamed.fetched_bytes;
     report.hashed_only_bytes = streamed.hashed_only_bytes;
     drop(dests);

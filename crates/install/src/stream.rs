@@ -23,6 +23,8 @@ pub struct Streamed {
     pub checks: Vec<SourceCheck>,
     /// Ranges written by this run and their source bytes.
     pub ranges_fetched: usize,
+    /// Of those, ranges journaled by an earlier run that the source now served differently.
+    pub ranges_rewritten: usize,
     pub fetched_bytes: u64,
     /// Source bytes read only to be hashed: headers, tensors left out, gaps between ranges, and
     /// ranges written by an earlier run.
@@ -138,6 +140,7 @@ pub fn copy_shards(
                         });
                     }
                     journal.completed_ranges.retain(|c| c.id != r.id);
+                    out.ranges_rewritten += 1;
                 }
                 None => {}
             }

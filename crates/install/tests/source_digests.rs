@@ -94,6 +94,10 @@ fn a_clean_mirror_installs_and_the_receipt_says_what_each_file_was_checked_again
         assert_eq!(against, want);
     }
     assert_eq!(files.len(), 6, "{files:?}");
+    // `verify` rewrites the receipt and keeps what the source was checked against.
+    mference_install::state::verify(&out).unwrap();
+    assert_eq!(receipt(&out).source_files, r.source_files);
+    assert_eq!(receipt(&out).source_bytes, r.source_bytes);
 }
 
 #[test]
