@@ -43,6 +43,28 @@ fn max_positions_of(config: &Value) -> Option<usize> {
         .map(|v| v as usize)
 }
 
+/// Every id the tokenizer can produce must have an embedding row: an install made from a
+/// checkpoint with a foreign tokenizer (a 1,024-id fixture with a full tokenizer) would otherwise
+/// load and then fail every request. The installer refuses such a checkpoint; this catches
+/// installs made before it did. Nothing to check when `config.json` states no vocabulary.
+///
+/// Errors: [`SessionError::Install`] naming both sizes.
+fn check_vocab(tokenizer: &Tokenizer, config: &Value) -> Result<(), SessionError> {
+    let Ok(arch) = mference_format::ArchInfo::from_config(config) else {
+        return Ok(());
+    };
+    let ids = tokenizer.vocab_size() as u64;
+    if ids > arch.vocab_size {
+        return Err(SessionError::Install(format!(
+            "tokenizer/tokenizer.json has {ids} token ids but the model's vocabulary \
+             (config.json vocab_size, the embedding rows) is {}: ids from {} up would index past \
+             the embedding. Reinstall from a checkpoint whose tokenizer belongs to it",
+            arch.vocab_size, arch.vocab_size
+        )));
+    }
+    Ok(())
+}
+
 /// The install's `max_position_embeddings`, when its `tokenizer/config.json` states one.
 ///
 /// Errors: [`SessionError::Install`] when that file cannot be read or is not JSON.
@@ -120,12 +142,9 @@ impl TextSide {
         let config: Value = serde_json::from_slice(&config).map_err(|e| {
             SessionError::Install(format!("tokenizer/config.json is not valid JSON: {e}"))
         })?;
-        let mt = config
-            .get("model_type")
-            .and_then(|v| v.as_str())
-            .unwrap_or("");
-        let family = Family::from_model_type(mt)
-            .ok_or_else(|| SessionError::Install(format!("unknown model_type '{mt}'")))?;
+        let family =
+            Family::from_config(&config).map_err(|e| SessionError::Install(e.to_string()))?;
+        check_vocab(&tokenizer, &config)?;
         Ok(Self::new(
             tokenizer,
             template,
@@ -193,5 +212,33 @@ impl TextSide {
         }
         let bytes = s.as_bytes().to_vec();
         (s, bytes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An install's `tokenizer/` holding a fixture's config (1,024 ids) and a full tokenizer.
+    #[test]
+    fn a_tokenizer_larger_than_the_vocabulary_is_refused_at_load_naming_both_sizes() {
+        let assets = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets");
+        let install = std::env::temp_dir().join(format!("session-vocab-{}", std::process::id()));
+        let dir = install.join("tokenizer");
+        std::fs::create_dir_all(&dir).unwrap();
+        let tok = assets.join("tokenizers/deepseek_v4");
+        for f in ["tokenizer.json", "tokenizer_config.json"] {
+            std::fs::copy(tok.join(f), dir.join(f)).unwrap();
+        }
+        let cfg = assets.join("fixtures/deepseek_v4/A/checkpoint/config.json");
+        std::fs::copy(cfg, dir.join("config.json")).unwrap();
+        let err = TextSide::load(&install).err().map(|e| e.to_string());
+        let ids = Tokenizer::from_dir(&dir).unwrap().vocab_size();
+        std::fs::remove_dir_all(&install).unwrap();
+        let msg = err.expect("the install loaded");
+        assert!(
+            msg.contains(&format!("has {ids} token ids")) && msg.contains("is 1024"),
+            "{msg}"
+        );
     }
 }
