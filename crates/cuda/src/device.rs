@@ -4,7 +4,7 @@
 use crate::*;
 
 /// Every kernel of `ops/`, loaded at startup (a missing one fails [`CudaBackend::new`]).
-pub(crate) const KERNELS: [&str; 51] = [
+pub(crate) const KERNELS: [&str; 55] = [
     "all_finite",
     "matmul_bf16",
     "gather_rows",
@@ -48,8 +48,12 @@ pub(crate) const KERNELS: [&str; 51] = [
     "attention_f16",
     "attention_f32",
     "attention_merge",
-    "attention_tiled_f16",
-    "attention_tiled_f32",
+    "attention_tiled4_f16",
+    "attention_tiled8_f16",
+    "attention_tiled16_f16",
+    "attention_tiled4_f32",
+    "attention_tiled8_f32",
+    "attention_tiled16_f32",
     "conv1d_silu",
     "delta_gates",
     "gated_delta_rule",

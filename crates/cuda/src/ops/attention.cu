@@ -360,33 +360,22 @@ __device__ void attention_tiled_impl(float (*kt)[32 * DK], float (*vt)[32 * DK],
     }
 }
 
-// grid (item tiles of AT_ITEMS, nkv), AT_WARPS * 32 threads; d <= 512.
-template <typename S>
-__device__ __forceinline__ void attention_tiled_any(const float* q, const S* ks, const S* vs,
-                                                   int t_rows, int nh, int nkv, int d, int rows,
-                                                   int ring, int pos0, int window, float scale,
-                                                   const float* sinks, float* out) {
-    __shared__ __align__(16) float kt[AT_POS * 512];
-    __shared__ __align__(16) float vt[AT_POS * 512];
-    if (d <= 128)
-        attention_tiled_impl<S, 4>((float (*)[128])kt, (float (*)[128])vt, q, ks, vs, t_rows, nh,
-                                   nkv, d, rows, ring, pos0, window, scale, sinks, out);
-    else if (d <= 256)
-        attention_tiled_impl<S, 8>((float (*)[256])kt, (float (*)[256])vt, q, ks, vs, t_rows, nh,
-                                   nkv, d, rows, ring, pos0, window, scale, sinks, out);
-    else
-        attention_tiled_impl<S, 16>((float (*)[512])kt, (float (*)[512])vt, q, ks, vs, t_rows, nh,
-                                    nkv, d, rows, ring, pos0, window, scale, sinks, out);
-}
-
-#define ATTN_TILED(NAME, S)                                                                   \
-    extern "C" __global__ void __launch_bounds__(AT_WARPS * 32)                               \
-        NAME(const float* q, const S* ks, const S* vs, int t_rows, int nh, int nkv, int d,    \
-             int rows, int ring, int pos0, int window, float scale, const float* sinks,      \
-             float* out) {                                                                    \
-        attention_tiled_any<S>(q, ks, vs, t_rows, nh, nkv, d, rows, ring, pos0, window, scale, \
-                               sinks, out);                                                   \
+// One kernel per store type and lane width (DK dims per lane: d <= 32 * DK), each with its own
+// register allocation. grid (item tiles of AT_ITEMS, nkv), AT_WARPS * 32 threads.
+#define ATTN_TILED(NAME, S, DK)                                                                 \
+    extern "C" __global__ void __launch_bounds__(AT_WARPS * 32)                                 \
+        NAME(const float* q, const S* ks, const S* vs, int t_rows, int nh, int nkv, int d,      \
+             int rows, int ring, int pos0, int window, float scale, const float* sinks,        \
+             float* out) {                                                                      \
+        __shared__ __align__(16) float kt[AT_POS][32 * DK];                                     \
+        __shared__ __align__(16) float vt[AT_POS][32 * DK];                                     \
+        attention_tiled_impl<S, DK>(kt, vt, q, ks, vs, t_rows, nh, nkv, d, rows, ring, pos0,    \
+                                    window, scale, sinks, out);                                 \
     }
 
-ATTN_TILED(attention_tiled_f16, u16)
-ATTN_TILED(attention_tiled_f32, float)
+ATTN_TILED(attention_tiled4_f16, u16, 4)
+ATTN_TILED(attention_tiled8_f16, u16, 8)
+ATTN_TILED(attention_tiled16_f16, u16, 16)
+ATTN_TILED(attention_tiled4_f32, float, 4)
+ATTN_TILED(attention_tiled8_f32, float, 8)
+ATTN_TILED(attention_tiled16_f32, float, 16)

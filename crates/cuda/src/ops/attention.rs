@@ -271,7 +271,13 @@ impl CudaBackend {
         let op = "attention";
         let group_items = q.rows * (s.n_heads / s.n_kv_heads);
         let [t, nh, nkv, d, rows, ring, p0, win] = attn_ints(q, kv, pos0, s);
-        let (kernel, ks, vs) = self.kv_ptrs(kv, "attention_tiled_f16", "attention_tiled_f32");
+        // Dims of a head per lane: 4, 8 or 16 (a kernel each).
+        let names = match s.head_dim {
+            0..=128 => ("attention_tiled4_f16", "attention_tiled4_f32"),
+            129..=256 => ("attention_tiled8_f16", "attention_tiled8_f32"),
+            _ => ("attention_tiled16_f16", "attention_tiled16_f32"),
+        };
+        let (kernel, ks, vs) = self.kv_ptrs(kv, names.0, names.1);
         launch!(
             self,
             op,

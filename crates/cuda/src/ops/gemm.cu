@@ -231,13 +231,16 @@ extern "C" __global__ void qgemm_sum(QGSums sums, int splits) {
 // qgemm_tc: the same products on the tensor cores (mma.sync m16n8k16, BF16 in, f32 accumulate).
 //
 // A product is split by the affine form of the weights: over the columns of one scale group,
-// sum_c (s q_c + b) x_c = s (q . x) + b sum(x). The codes q (integers below 256) are exact in
-// BF16, so the tensor cores compute q . x with x as two BF16 terms, x = hi + lo (hi = x rounded
-// to BF16, lo = x - hi rounded to BF16: x to about 16 significant bits), and f32 accumulation.
-// Per group (or the part of a group in a column split) the partial sum P = q . x is folded into
-// the output by one fma each: acc += s P + b X, with X the f32 sum of the group's x in a fixed
-// order. So the result keeps f32-like accuracy (relative ~1e-6) where a single BF16 rounding of
-// x or of the dequantized weight would give ~4e-3.
+// sum_c (s q_c + b) x_c = s (q' . x) + b' sum(x) with the codes centred, q' = q - m (m =
+// 2^(BITS-1)) and b' = b + s m (in f32), so that s (q' . x) and b' sum(x) do not cancel. The
+// centred codes (integers in [-128, 128)) are exact in BF16, so the tensor cores compute q' . x
+// with x as three BF16 terms, x = hi + mid + lo (each the rounding of what the previous terms
+// leave: x to about 24 significant bits), and f32 accumulation. Per group (or the part of a
+// group in a column split) the partial sum P = q' . x is folded into the output by one fma
+// each: acc += s P + b' X, with X the f32 sum of the group's x in a fixed order. So the result
+// keeps f32-like accuracy (the tensor cores' f32 accumulation truncates; measured within the
+// op harness's f32 budget) where one BF16 rounding of x or of the dequantized weight would give
+// ~4e-3.
 //
 // A block of 4 warps computes QT_BM rows of w by QT_BT rows of x (a warp: 32 w rows = 2 m16
 // tiles, by all 32 x rows = 4 n8 tiles), stepping QT_BK columns at a time: per step the threads
@@ -286,8 +289,7 @@ __device__ __forceinline__ u32 f32_to_bf16_rn(float f) {
 // The shared buffers of one step.
 struct QtStage {
     u16 a[QT_BM * QT_LD];   // codes of the block's w rows, BF16, k contiguous
-    u16 xh[QT_BT * QT_LD];  // x rows, BF16 high part
-    u16 xl[QT_BT * QT_LD];  // x rows, BF16 low part
+    u16 x3[3][QT_BT * QT_LD];  // x rows as three BF16 terms (hi, mid, lo)
     float xs[QT_BT];        // sum of each x row over the step's columns
 };
 
@@ -303,6 +305,7 @@ __device__ __forceinline__ void qgemm_tc_tile(QtStage* st, const QJobs& q, int j
     const int NU = QT_BM * UPR / QT_THREADS;  // units each thread loads per step
     const int RSTEP = QT_THREADS / UPR;     // tile rows between a thread's units
     const u32 mask = (1u << BITS) - 1u;
+    const int mid = 1 << (BITS - 1);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, tig = lane & 3;
     const int up = tid % UPR, um = tid / UPR;   // this thread's unit column and first row
@@ -336,25 +339,30 @@ __device__ __forceinline__ void qgemm_tc_tile(QtStage* st, const QJobs& q, int j
             u32* dst = (u32*)(s->a + (um + RSTEP * h) * QT_LD + up * CPU);
 #pragma unroll
             for (int e = 0; e < CPU; e += 2) {
-                u32 lo = __float_as_uint((float)((wu[h] >> (BITS * e)) & mask)) >> 16;
-                u32 hi = __float_as_uint((float)((wu[h] >> (BITS * (e + 1))) & mask)) >> 16;
+                u32 lo = __float_as_uint((float)((int)((wu[h] >> (BITS * e)) & mask) - mid)) >> 16;
+                u32 hi =
+                    __float_as_uint((float)((int)((wu[h] >> (BITS * (e + 1))) & mask) - mid)) >> 16;
                 dst[e / 2] = lo | (hi << 16);
             }
         }
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             float v[4] = {xv[h].x, xv[h].y, xv[h].z, xv[h].w};
-            u32 hb[4], lb[4];
+            u32 tb[3][4];
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                hb[e] = f32_to_bf16_rn(v[e]);
-                lb[e] = f32_to_bf16_rn(v[e] - __uint_as_float(hb[e] << 16));
+                float rest = v[e];
+#pragma unroll
+                for (int k = 0; k < 3; ++k) {
+                    tb[k][e] = f32_to_bf16_rn(rest);
+                    rest -= __uint_as_float(tb[k][e] << 16);
+                }
             }
             int t = xn + 16 * h;
-            *(uint2*)(s->xh + t * QT_LD + 4 * xq) =
-                make_uint2(hb[0] | (hb[1] << 16), hb[2] | (hb[3] << 16));
-            *(uint2*)(s->xl + t * QT_LD + 4 * xq) =
-                make_uint2(lb[0] | (lb[1] << 16), lb[2] | (lb[3] << 16));
+#pragma unroll
+            for (int k = 0; k < 3; ++k)
+                *(uint2*)(s->x3[k] + t * QT_LD + 4 * xq) =
+                    make_uint2(tb[k][0] | (tb[k][1] << 16), tb[k][2] | (tb[k][3] << 16));
             float sum = ((v[0] + v[1]) + v[2]) + v[3];
             sum += __shfl_xor_sync(0xffffffffu, sum, 1);
             sum += __shfl_xor_sync(0xffffffffu, sum, 2);
@@ -389,8 +397,10 @@ __device__ __forceinline__ void qgemm_tc_tile(QtStage* st, const QJobs& q, int j
 #pragma unroll
                     for (int hh = 0; hh < 2; ++hh) {
                         int r = r0 + warp * 32 + i * 16 + g + 8 * hh;
-                        sv[i][hh] = r < rows ? bf16_to_f32(sc[(u64)r * groups + gi]) : 0.0f;
-                        bv[i][hh] = r < rows ? bf16_to_f32(bi[(u64)r * groups + gi]) : 0.0f;
+                        float sg = r < rows ? bf16_to_f32(sc[(u64)r * groups + gi]) : 0.0f;
+                        float bg = r < rows ? bf16_to_f32(bi[(u64)r * groups + gi]) : 0.0f;
+                        sv[i][hh] = sg;
+                        bv[i][hh] = fmaf(sg, (float)mid, bg);
                     }
             }
             if (more) load(kt + 1);
@@ -405,8 +415,8 @@ __device__ __forceinline__ void qgemm_tc_tile(QtStage* st, const QJobs& q, int j
                     ldsm_x4(smem_addr(p), af[i][0], af[i][1], af[i][2], af[i][3]);
                 }
 #pragma unroll
-                for (int part_lo = 0; part_lo < 2; ++part_lo) {
-                    const u16* xb = part_lo ? s->xl : s->xh;
+                for (int term = 0; term < 3; ++term) {
+                    const u16* xb = s->x3[term];
                     u32 bf[4][2];
 #pragma unroll
                     for (int np = 0; np < 2; ++np) {
