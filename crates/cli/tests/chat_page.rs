@@ -19,8 +19,8 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use browser::{
-    browser, browser_present, click, input_value, js, loaded, reload, screenshot, stored,
-    type_into, until, Driver, PATIENCE,
+    browser_present, click, input_value, js, open_page, reload, reply_done, screenshot, send,
+    send_greedy, stored, type_into, until, PATIENCE,
 };
 use fantoccini::{Client, Locator};
 use mference_testkit::demo_install;
@@ -54,20 +54,6 @@ impl Hud {
             .filter(|v| !v.is_empty())
             .map(|v| v.parse().unwrap_or_else(|_| panic!("{id}: {v:?}")))
     }
-}
-
-/// Waits for the page to finish a reply: the Stop button hidden and the footer filled in.
-async fn reply_done(c: &Client, n: usize) {
-    until(
-        c,
-        "the reply to finish",
-        &format!(
-            "return document.getElementById('stop').hidden && \
-             document.querySelectorAll('.msg').length === {n} && \
-             !!document.querySelector('.msg:last-child .foot');"
-        ),
-    )
-    .await;
 }
 
 /// Whitespace-insensitive text (rendered paragraphs vs the raw reply).
@@ -111,11 +97,7 @@ async fn chat_page_streams_the_greedy_reply_shows_the_hud_stops_and_survives_a_r
         .to_string();
     assert!(!want_text.trim().is_empty(), "the greedy reply is empty");
 
-    let driver = Driver::start();
-    let profile = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let c = browser(&driver, profile.path()).await;
-    c.goto(&format!("http://{addr}/")).await.unwrap();
-    loaded(&c).await;
+    let (c, _driver, _profile) = open_page(addr).await;
 
     // The Markdown renderer escapes HTML and keeps only the markup it makes.
     let html = js(
@@ -152,12 +134,7 @@ async fn chat_page_streams_the_greedy_reply_shows_the_hud_stops_and_survives_a_r
     );
 
     // Greedy from the page: the same request as the API's.
-    type_into(&c, "temperature", "0").await;
-    type_into(&c, "seed", "7").await;
-    type_into(&c, "max_tokens", "40").await;
-    type_into(&c, "input", PROMPT).await;
-    click(&c, "send").await;
-    reply_done(&c, 2).await;
+    send_greedy(&c, PROMPT, 40, 2).await;
     let conv = stored(&c).await;
     assert_eq!(conv.len(), 2);
     assert_eq!(conv[0]["content"], PROMPT);
@@ -227,9 +204,7 @@ async fn chat_page_streams_the_greedy_reply_shows_the_hud_stops_and_survives_a_r
 
     // Stop a long reply once some of it has arrived (with a system prompt from now on).
     type_into(&c, "system", SYSTEM).await;
-    type_into(&c, "max_tokens", "3000").await;
-    type_into(&c, "input", "And the queen?").await;
-    click(&c, "send").await;
+    send(&c, "And the queen?", 3000).await;
     until(
         &c,
         "part of the long reply",

@@ -14,7 +14,7 @@ mod browser;
 use std::time::Duration;
 
 use browser::{
-    browser, browser_present, click, js, loaded, screenshot, stored, type_into, until, Driver,
+    browser_present, click, js, open_page, screenshot, send, send_greedy, stored, until,
 };
 use mference_testkit::http::post;
 use mference_testkit::{installed_asset, ServeProcess};
@@ -50,11 +50,7 @@ async fn the_thinking_switch_folds_the_reasoning_and_a_dead_server_is_named() {
     let reasoning = want["reasoning_content"].as_str().unwrap().to_string();
     assert!(!reasoning.is_empty());
 
-    let driver = Driver::start();
-    let profile = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let c = browser(&driver, profile.path()).await;
-    c.goto(&format!("http://{addr}/")).await.unwrap();
-    loaded(&c).await;
+    let (c, _driver, _profile) = open_page(addr).await;
 
     // The placeholder fits inside the field, beside a number field's spin buttons (~15 px).
     let fits = js(
@@ -68,19 +64,7 @@ async fn the_thinking_switch_folds_the_reasoning_and_a_dead_server_is_named() {
     assert_eq!(fits[0], true, "the seed placeholder is cut: {fits}");
 
     click(&c, "thinking").await;
-    type_into(&c, "temperature", "0").await;
-    type_into(&c, "seed", "7").await;
-    type_into(&c, "max_tokens", "24").await;
-    type_into(&c, "input", PROMPT).await;
-    click(&c, "send").await;
-    until(
-        &c,
-        "the reply to finish",
-        "return document.getElementById('stop').hidden && \
-         document.querySelectorAll('.msg').length === 2 && \
-         !!document.querySelector('.msg:last-child .foot');",
-    )
-    .await;
+    send_greedy(&c, PROMPT, 24, 2).await;
     let conv = stored(&c).await;
     assert_eq!(
         conv[1]["reasoning"],
@@ -98,9 +82,7 @@ async fn the_thinking_switch_folds_the_reasoning_and_a_dead_server_is_named() {
     screenshot(&c, "thinking.png").await;
 
     // The server dies in the middle of a long reply.
-    type_into(&c, "max_tokens", "3000").await;
-    type_into(&c, "input", "And the queen?").await;
-    click(&c, "send").await;
+    send(&c, "And the queen?", 3000).await;
     until(
         &c,
         "part of the long reply",

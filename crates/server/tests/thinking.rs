@@ -9,9 +9,7 @@ mod common;
 
 use std::net::SocketAddr;
 
-use common::start_install;
-use mference_models::LoadOptions;
-use mference_runtime::CacheSlots;
+use common::{resident_opts, start_install};
 use mference_server::PromptCacheMode;
 use mference_testkit::http::{post, post_stream};
 use mference_testkit::{installed_asset, py, repo};
@@ -52,15 +50,8 @@ fn ok(addr: SocketAddr, path: &str, body: &Value) -> Value {
 
 #[test]
 fn enable_thinking_changes_the_prompt_and_the_reasoning_comes_back_apart() {
-    let opts = LoadOptions {
-        slots: CacheSlots::Resident,
-        threads: 1,
-        prefill_chunk: 128,
-        max_context: 1024,
-        ..Default::default()
-    };
     let dir = installed_asset("qwen3_6-tiny");
-    let server = start_install(dir, &opts, PromptCacheMode::Off, MODEL);
+    let server = start_install(dir, &resident_opts(1024), PromptCacheMode::Off, MODEL);
     let addr = server.local_addr();
     let mut prompts = Vec::new();
     for thinking in [false, true] {

@@ -502,6 +502,8 @@
   // longer claims a request is running.
   function staleHud() {
     $("hud").classList.add("stale");
+    $("health").className = "dot bad";
+    $("health").title = "server unreachable";
     const q = document.getElementById("hud-queue");
     if (q) {
       q.textContent = "– (server unreachable)";

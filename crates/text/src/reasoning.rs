@@ -101,13 +101,9 @@ impl ReasoningParser {
                     }
                 }
                 State::ReasoningStart => {
-                    let t = self.held.trim_start_matches('\n');
-                    if t.is_empty() {
-                        self.held.clear();
+                    if !self.skip_newlines(State::Reasoning) {
                         return out;
                     }
-                    self.held = t.to_string();
-                    self.state = State::Reasoning;
                 }
                 State::Reasoning => {
                     if let Some(at) = self.held.find(close) {
@@ -122,13 +118,9 @@ impl ReasoningParser {
                     return out;
                 }
                 State::ContentStart => {
-                    let t = self.held.trim_start_matches('\n');
-                    if t.is_empty() {
-                        self.held.clear();
+                    if !self.skip_newlines(State::Content) {
                         return out;
                     }
-                    self.held = t.to_string();
-                    self.state = State::Content;
                 }
                 State::Content => {
                     out.content.push_str(&self.held);
@@ -153,6 +145,19 @@ impl ReasoningParser {
             State::ContentStart | State::Content => out.content = held,
         }
         out
+    }
+
+    /// Drops the newlines that start what is held; once other text follows them, moves to
+    /// `next` and returns `true` (`false`: only newlines so far).
+    fn skip_newlines(&mut self, next: State) -> bool {
+        let t = self.held.trim_start_matches('\n');
+        if t.is_empty() {
+            self.held.clear();
+            return false;
+        }
+        self.held = t.to_string();
+        self.state = next;
+        true
     }
 
     /// Passes on `held[..end]` as reasoning; at the close marker (`closing`) without the

@@ -2,6 +2,7 @@
 //! tests: start the driver and a browser, run script in the page, wait for it, act as a user.
 #![allow(dead_code)]
 
+use std::net::SocketAddr;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -172,4 +173,46 @@ pub async fn input_value(c: &Client, id: &str) -> String {
         .await
         .unwrap()
         .unwrap_or_default()
+}
+
+/// A headless Chromium on the chat page at `addr`, loaded. The driver and the browser profile
+/// live as long as the returned guards.
+pub async fn open_page(addr: SocketAddr) -> (Client, Driver, tempfile::TempDir) {
+    let driver = Driver::start();
+    let profile = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let c = browser(&driver, profile.path()).await;
+    c.goto(&format!("http://{addr}/")).await.unwrap();
+    loaded(&c).await;
+    (c, driver, profile)
+}
+
+/// Waits for the page to finish a reply: the Stop button hidden, `n` messages, and the last
+/// one's footer filled in.
+pub async fn reply_done(c: &Client, n: usize) {
+    until(
+        c,
+        "the reply to finish",
+        &format!(
+            "return document.getElementById('stop').hidden && \
+             document.querySelectorAll('.msg').length === {n} && \
+             !!document.querySelector('.msg:last-child .foot');"
+        ),
+    )
+    .await;
+}
+
+/// Sends `text` from the page with greedy settings (temperature 0, seed 7) and `max_tokens`, and
+/// waits for the reply, after which the page holds `n` messages.
+pub async fn send_greedy(c: &Client, text: &str, max_tokens: usize, n: usize) {
+    type_into(c, "temperature", "0").await;
+    type_into(c, "seed", "7").await;
+    send(c, text, max_tokens).await;
+    reply_done(c, n).await;
+}
+
+/// Sends `text` from the page with `max_tokens` (the other settings as they are).
+pub async fn send(c: &Client, text: &str, max_tokens: usize) {
+    type_into(c, "max_tokens", &max_tokens.to_string()).await;
+    type_into(c, "input", text).await;
+    click(c, "send").await;
 }
