@@ -4,8 +4,8 @@
 use std::path::Path;
 use std::sync::OnceLock;
 
-use mference_text::{stop_token_ids, ChatTemplate, Family, TextError, Tokenizer};
-use serde_json::Value;
+use mference_text::{stop_token_ids, ChatTemplate, Family, ReasoningParser, TextError, Tokenizer};
+use serde_json::{Map, Value};
 
 use crate::constraint::Grammars;
 use crate::SessionError;
@@ -31,6 +31,17 @@ pub struct TextSide {
     pub tool_marker_id: Option<u32>,
     /// The grammar compiler, built on the first constrained request (it indexes the vocabulary).
     pub(crate) grammars: OnceLock<Result<Grammars, String>>,
+}
+
+/// A chat rendered for generation ([`TextSide::render_chat`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChatPrompt {
+    /// The prompt's token ids.
+    pub ids: Vec<u32>,
+    /// The generation prompt ends inside the family's reasoning block (Qwen 3.6 with thinking
+    /// on, Maple always): the reply starts with reasoning
+    /// ([`Reasoning::Split`](crate::Reasoning::Split)).
+    pub reasoning_open: bool,
 }
 
 /// `max_position_embeddings` of a config.json (its `text_config` for multimodal configs).
@@ -179,24 +190,30 @@ impl TextSide {
     }
 
     /// Renders `messages` (`{role, content, …}` objects ready for the template) with `tools`
-    /// through the chat template with the generation prompt and the family's template variables
-    /// (thinking off), and tokenizes the result (the template writes BOS itself).
+    /// through the chat template with the generation prompt, and tokenizes the result (the
+    /// template writes BOS itself). The template variables are the family's defaults (thinking
+    /// off: [`Family::default_template_kwargs`]) overridden by `kwargs` (`chat_template_kwargs`
+    /// such as `enable_thinking`, `reasoning_effort`), as vLLM and llama-server pass them.
     ///
-    /// Errors: [`SessionError::NoTemplate`]; [`SessionError::Text`] when the template rejects
-    /// the conversation or the text does not tokenize.
+    /// Errors: [`SessionError::NoTemplate`]; [`SessionError::Text`] when a key of `kwargs` is
+    /// one the template never reads ([`TextError::TemplateVariable`]: it would change nothing)
+    /// or a render argument, when the template rejects the conversation, or when the text does
+    /// not tokenize.
     pub fn render_chat(
         &self,
         messages: &[Value],
         tools: Option<&[Value]>,
-    ) -> Result<Vec<u32>, SessionError> {
+        kwargs: &Map<String, Value>,
+    ) -> Result<ChatPrompt, SessionError> {
         let t = self.template.as_ref().ok_or(SessionError::NoTemplate)?;
-        let s = t.render(
-            messages,
-            tools,
-            true,
-            &self.family.default_template_kwargs(),
-        )?;
-        Ok(self.tokenizer.encode(&s, false)?)
+        t.check_extra(kwargs)?;
+        let mut vars = self.family.default_template_kwargs();
+        vars.extend(kwargs.iter().map(|(k, v)| (k.clone(), v.clone())));
+        let s = t.render(messages, tools, true, &vars)?;
+        Ok(ChatPrompt {
+            ids: self.tokenizer.encode(&s, false)?,
+            reasoning_open: ReasoningParser::prompt_leaves_open(self.family, &s),
+        })
     }
 
     /// The text and bytes of one token for logprobs: its decoded text, except that a
