@@ -101,6 +101,18 @@ impl CoreOps for CudaBackend {
         self.glu_mlp_rows(mlp, act, srcs, x, out, rows)
     }
 
+    fn glu_mlp_combine(
+        &self,
+        mlp: &Mlp,
+        act: Act,
+        srcs: &[Weights],
+        weights: &[f32],
+        x: &CudaTensor,
+        acc: &mut CudaTensor,
+    ) -> OpResult<()> {
+        CudaBackend::glu_mlp_combine(self, mlp, act, srcs, weights, x, acc)
+    }
+
     fn head_argmax(&self, w: &QRef, x: &CudaTensor) -> OpResult<(u32, f32)> {
         self.head_argmax(w, x)
     }

@@ -4,7 +4,7 @@
 use crate::*;
 
 /// Every kernel of `ops/`, loaded at startup (a missing one fails [`CudaBackend::new`]).
-pub(crate) const KERNELS: [&str; 46] = [
+pub(crate) const KERNELS: [&str; 51] = [
     "all_finite",
     "matmul_bf16",
     "gather_rows",
@@ -50,7 +50,12 @@ pub(crate) const KERNELS: [&str; 46] = [
     "gated_delta_rule",
     "route",
     "route_one",
-    "combine_ids",
+    "qmv_down_combine2",
+    "qmv_down_combine4",
+    "qmv_down_combine8",
+    "qmv_down_combine_ids2",
+    "qmv_down_combine_ids4",
+    "qmv_down_combine_ids8",
 ];
 
 /// Where the kernels came from at startup.
@@ -84,6 +89,8 @@ pub struct CudaBackend {
     pub(crate) profile: Option<(bool, Mutex<Profile>)>,
     /// Freed activation buffers kept for reuse.
     pub(crate) reuse: Arc<Reuse>,
+    /// Kernel launches since load (every op, counted by `launch!`).
+    pub(crate) launches: std::sync::atomic::AtomicU64,
 }
 
 /// (op, kernel) → (launches, time from launch to its end).
@@ -181,6 +188,7 @@ impl CudaBackend {
             profile: std::env::var_os("MFERENCE_CUDA_PROFILE")
                 .map(|v| (v != "host", Mutex::new(BTreeMap::new()))),
             reuse: Arc::default(),
+            launches: Default::default(),
         })
     }
 

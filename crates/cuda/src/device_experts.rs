@@ -47,7 +47,11 @@ impl DeviceExpertOps for CudaBackend {
     }
 
     fn device_expert_stats(&self) -> Option<DeviceExpertStats> {
-        self.cache().map(|c| c.stats())
+        let launches = self.launches.load(std::sync::atomic::Ordering::Relaxed);
+        self.cache().map(|c| DeviceExpertStats {
+            launches,
+            ..c.stats()
+        })
     }
 
     fn experts_to_complete(&self, layer: usize) -> OpResult<Vec<usize>> {
@@ -158,13 +162,7 @@ impl DeviceExpertOps for CudaBackend {
         )?;
         let mut g = self.uninit_tensor(op, k, inner)?;
         let u = self.uninit_tensor(op, k, inner)?;
-        let stack = self.uninit_tensor(op, k, h)?;
-        let (xa, ga, ua, sa) = (
-            self.addr(&*x.buf),
-            self.addr(&*g.buf),
-            self.addr(&*u.buf),
-            self.addr(&*stack.buf),
-        );
+        let (xa, ga, ua) = (self.addr(&*x.buf), self.addr(&*g.buf), self.addr(&*u.buf));
         let row = |base: u64, r: usize, width: usize| base + (4 * r * width) as u64;
         let (gate, up) = (&mlp.gate_proj, &mlp.up_proj);
         let gate_jobs: Vec<_> = (0..k).map(|i| (0, i, xa, row(ga, i, inner))).collect();
@@ -184,23 +182,7 @@ impl DeviceExpertOps for CudaBackend {
             }
             self.glu_act(op, act, &mut g, &u)?;
         }
-        let down: Vec<_> = (0..k)
-            .map(|i| (0, i, row(ga, i, inner), row(sa, i, h)))
-            .collect();
-        self.products_by_id(op, &[&mlp.down_proj], &down, slots, ids, stride, None)?;
-        let cols = h as u64;
-        launch!(
-            self,
-            op,
-            "combine_ids",
-            elems(h),
-            &mut *acc.buf,
-            &*stack.buf,
-            &ids,
-            &wts,
-            &ki,
-            &cols
-        )
+        self.down_combine_by_id(op, &mlp.down_proj, &g, slots, ids, wts, stride, acc)
     }
 
     fn size_expert_cache(&self) -> OpResult<()> {

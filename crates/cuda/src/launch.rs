@@ -12,6 +12,7 @@ macro_rules! launch {
             Ok(())
         } else {
             let kernel: &'static str = $k;
+            $be.launches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let t0 = $be.profile_start();
             let mut b = $be.stream.launch_builder(&$be.funcs[kernel]);
             $( b.arg($arg); )+
@@ -71,7 +72,7 @@ unsafe impl cudarc::driver::DeviceRepr for QJobs {}
 /// blob, and per product the input and output rows, the place of its expert among the device-side
 /// ids and which matrix it multiplies.
 #[repr(C)]
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Default)]
 pub(crate) struct QIdJobs {
     pub(crate) w_off: [u64; 2],
     pub(crate) s_off: [u64; 2],

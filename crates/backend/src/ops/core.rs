@@ -4,8 +4,8 @@
 
 use super::Op;
 use crate::{
-    check, check_glu_rows, Act, AttnShape, KvDtype, KvState, Mlp, Norm, OpError, OpResult, PreNorm,
-    QRef, Rope, RouterSpec, Routes, Tensor, Unary, VRef, Weights,
+    check, check_glu_combine, check_glu_rows, Act, AttnShape, KvDtype, KvState, Mlp, Norm, OpError,
+    OpResult, PreNorm, QRef, Rope, RouterSpec, Routes, Tensor, Unary, VRef, Weights,
 };
 
 /// The ops every family uses, and what the other groups build on: the backend's buffer types,
@@ -157,6 +157,35 @@ pub trait CoreOps: Send + Sync + Sized {
             self.set_rows(out, r, &y)?;
         }
         Ok(())
+    }
+    /// One decode row's routed experts, combined: `acc ← acc + Σ_j weights[j] · glu_mlp(srcs[j],
+    /// x)` for a one-row `x` and `acc` (`[1, down.rows]`), the terms added one after the other in
+    /// `j` order (the routed-experts step passes the experts in ascending id). Bit for bit
+    /// [`CoreOps::glu_mlp_rows`] into a stack then [`CoreOps::scatter_add`], which the default
+    /// runs; a backend with its own expert cache does it in two launches (gate and up with the
+    /// GLU, then down with the weighted sum), so the decode step calls it once, after every
+    /// expert's bytes are placed.
+    ///
+    /// Errors: as [`CoreOps::glu_mlp_rows`]; `srcs` and `weights` of different lengths, `acc` not
+    /// `[1, down.rows]`.
+    fn glu_mlp_combine(
+        &self,
+        mlp: &Mlp,
+        act: Act,
+        srcs: &[Weights],
+        weights: &[f32],
+        x: &Self::Tensor,
+        acc: &mut Self::Tensor,
+    ) -> OpResult<()> {
+        check_glu_combine("glu_mlp_combine", mlp, srcs.len(), weights.len(), x, acc)?;
+        if srcs.is_empty() {
+            return Ok(());
+        }
+        let mut stack = self.zeros(srcs.len(), acc.cols())?;
+        let rows: Vec<usize> = (0..srcs.len()).collect();
+        self.glu_mlp_rows(mlp, act, srcs, x, &mut stack, &rows)?;
+        let pairs: Vec<(usize, f32)> = weights.iter().map(|&w| (0, w)).collect();
+        self.scatter_add(acc, &stack, &pairs)
     }
     /// The head of one row with a fused greedy argmax: `argmax_r (W x)_r` without materialising
     /// the logits (softcap is monotonic, so it does not change the index). The readback is the id

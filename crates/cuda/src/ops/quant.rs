@@ -403,15 +403,7 @@ impl CudaBackend {
                 )
             },
         )?;
-        let mut a = QIdJobs {
-            w_off: [0; 2],
-            s_off: [0; 2],
-            b_off: [0; 2],
-            x: [0; QM_JOBS],
-            y: [0; QM_JOBS],
-            pick: [0; QM_JOBS],
-            mat: [0; QM_JOBS],
-        };
+        let mut a = QIdJobs::default();
         for (i, m) in mats.iter().enumerate() {
             [a.w_off[i], a.s_off[i], a.b_off[i]] = qref_offsets(op, m, stride)?;
         }

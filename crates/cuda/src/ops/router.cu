@@ -102,7 +102,7 @@ struct ForcedIds {
 };
 
 // route for the one row of a decode step (one thread, no trace), its ids and weights left in
-// device memory for qmv_ids and combine_ids.
+// device memory for qmv_glu_ids and qmv_down_combine_ids (moe.cu).
 extern "C" __global__ void route_one(const float* logits, int n, int k, int scoring, int norm,
                                      const unsigned char* base, u64 pes_off, int has_pes,
                                      ForcedIds forced, int has_forced, u32* ids, float* weights) {
@@ -110,27 +110,4 @@ extern "C" __global__ void route_one(const float* logits, int n, int k, int scor
     float margin;
     route_row(logits, n, k, scoring, norm, base, pes_off, has_pes, 0, forced.ids, has_forced, ids,
               weights, &margin);
-}
-
-// acc[c] += weights[i] * y[i * cols + c] over the k experts of one decode row, taken in
-// ascending expert id (scatter_add over a stack in expert order: the same sums in the same
-// order).
-extern "C" __global__ void combine_ids(float* acc, const float* y, const u32* ids,
-                                       const float* weights, int k, u64 cols) {
-    __shared__ int order[ROUTE_MAX_K];
-    if (threadIdx.x == 0) {
-        // Selection by rank: the ids of a row are distinct.
-        for (int i = 0; i < k; ++i) {
-            int rank = 0;
-            for (int j = 0; j < k; ++j) rank += ids[j] < ids[i];
-            order[rank] = i;
-        }
-    }
-    __syncthreads();
-    FOR_EACH(c, cols) {
-        for (int j = 0; j < k; ++j) {
-            int i = order[j];
-            acc[c] += weights[i] * y[(u64)i * cols + c];
-        }
-    }
 }
