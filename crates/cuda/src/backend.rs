@@ -156,6 +156,22 @@ impl CoreOps for CudaBackend {
         self.add_rms_norm_pre(x, y, dim, post, eps, s, pre)
     }
 
+    fn add_rms_norm2_pre(
+        &self,
+        x: &mut CudaTensor,
+        a: &mut CudaTensor,
+        a_norm: Norm,
+        b: &CudaTensor,
+        b_norm: Norm,
+        dim: usize,
+        post: Option<Norm>,
+        eps: f32,
+        s: f32,
+        pre: &[PreNorm],
+    ) -> OpResult<Vec<CudaTensor>> {
+        CudaBackend::add_rms_norm2_pre(self, x, a, a_norm, b, b_norm, dim, post, eps, s, pre)
+    }
+
     fn rms_norm_rope(
         &self,
         x: &mut CudaTensor,
@@ -166,6 +182,25 @@ impl CoreOps for CudaBackend {
         pos0: usize,
     ) -> OpResult<()> {
         self.rms_norm_rope(x, norm, eps, rope, head_dim, pos0)
+    }
+
+    fn rms_norm_rope_kv(
+        &self,
+        q: &mut CudaTensor,
+        q_norm: Norm,
+        k: &mut CudaTensor,
+        k_norm: Norm,
+        v: &mut CudaTensor,
+        v_norm: Option<Norm>,
+        eps: f32,
+        rope: &Rope,
+        head_dim: usize,
+        pos0: usize,
+        kv: &mut CudaKv,
+    ) -> OpResult<()> {
+        CudaBackend::rms_norm_rope_kv(
+            self, q, q_norm, k, k_norm, v, v_norm, eps, rope, head_dim, pos0, kv,
+        )
     }
 
     fn unary(&self, x: &mut CudaTensor, op: Unary) -> OpResult<()> {

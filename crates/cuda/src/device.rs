@@ -4,7 +4,7 @@
 use crate::*;
 
 /// Every kernel of `ops/`, loaded at startup (a missing one fails [`CudaBackend::new`]).
-pub(crate) const KERNELS: [&str; 51] = [
+pub(crate) const KERNELS: [&str; 54] = [
     "all_finite",
     "matmul_bf16",
     "gather_rows",
@@ -20,7 +20,10 @@ pub(crate) const KERNELS: [&str; 51] = [
     "rms_norm",
     "rms_norm_add",
     "rms_norm_rope",
+    "rms_norm_rope_kv_f16",
+    "rms_norm_rope_kv_f32",
     "rms_norm_add_pre",
+    "rms_norm2_add_pre",
     "qmatmul",
     "qmv2",
     "qmv4",

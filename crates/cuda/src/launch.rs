@@ -118,6 +118,20 @@ pub(crate) struct PreNorms {
 // ops/norm.cu.
 unsafe impl cudarc::driver::DeviceRepr for PreNorms {}
 
+/// The `QkvNorms` argument of `rms_norm_rope_kv_*` (ops/norm.cu): the mode, weight offset and
+/// constant of q's, k's and v's per-head norms (v's mode -1: none).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub(crate) struct QkvNorms {
+    pub(crate) w_off: [u64; 3],
+    pub(crate) c: [f32; 3],
+    pub(crate) mode: [i32; 3],
+}
+
+// SAFETY: plain `repr(C)` arrays of u64, f32 and i32, laid out as `struct QkvNorms` in
+// ops/norm.cu.
+unsafe impl cudarc::driver::DeviceRepr for QkvNorms {}
+
 /// The `Pairs` argument of `scatter_add`.
 #[repr(C)]
 #[derive(Clone, Copy)]
