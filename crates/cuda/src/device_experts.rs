@@ -111,7 +111,7 @@ impl DeviceExpertOps for CudaBackend {
                 )
             },
         )?;
-        let (scoring, norm, pes_off, has_pes) = self.route_args(op, spec, 1, n_exp)?;
+        self.route_args(op, spec, 1, n_exp)?;
         let (slots, stride) = {
             let mut cache = self.cache();
             let Some(c) = cache.as_mut() else {
@@ -127,39 +127,12 @@ impl DeviceExpertOps for CudaBackend {
             c.count_device_step(k);
             (slots.expect("checked"), c.stride())
         };
-        let mut forced = ForcedIds {
-            ids: [0; ROUTE_MAX_K],
-        };
-        if let Some(f) = spec.forced {
-            for (d, &e) in forced.ids.iter_mut().zip(f) {
-                *d = e as u32;
-            }
-        }
-        let has_forced = spec.forced.is_some() as i32;
         // The chosen ids, then their weights' bits.
         // SAFETY: `route_one` writes all 2k values before anything reads them (stream order).
         let sel = unsafe { self.stream.alloc::<u32>(2 * k) }.map_err(|e| self.dev(op, e))?;
         let ids = self.addr(&sel);
         let wts = ids + 4 * k as u64;
-        let (ni, ki) = (n_exp as i32, k as i32);
-        launch!(
-            self,
-            op,
-            "route_one",
-            blocks(1, 32),
-            &*logits.buf,
-            &ni,
-            &ki,
-            &scoring,
-            &norm,
-            &self.resident,
-            &pes_off,
-            &has_pes,
-            &forced,
-            &has_forced,
-            &ids,
-            &wts
-        )?;
+        self.route_one(op, logits, spec, ids, wts)?;
         let mut g = self.uninit_tensor(op, k, inner)?;
         let u = self.uninit_tensor(op, k, inner)?;
         let (xa, ga, ua) = (self.addr(&*x.buf), self.addr(&*g.buf), self.addr(&*u.buf));
