@@ -68,6 +68,16 @@ pub(crate) struct QJobs {
 // SAFETY: plain `repr(C)` u64 arrays, laid out as `struct QJobs` in ops/quant.cu.
 unsafe impl cudarc::driver::DeviceRepr for QJobs {}
 
+/// The `QvRows` argument of `qmv`: each job's output rows.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub(crate) struct QvRows {
+    pub(crate) rows: [i32; QM_JOBS],
+}
+
+// SAFETY: a plain `repr(C)` i32 array, laid out as `struct QvRows` in ops/quant.cu.
+unsafe impl cudarc::driver::DeviceRepr for QvRows {}
+
 /// The `QIdJobs` argument of `qmv_ids`: byte offsets of up to two matrices in an expert
 /// blob, and per product the input and output rows, the place of its expert among the device-side
 /// ids and which matrix it multiplies.

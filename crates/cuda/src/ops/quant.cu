@@ -445,10 +445,17 @@ __device__ __forceinline__ QvMats qv_id_mats(const QIdJobs& jobs, const u64* slo
     return m;
 }
 
+// The output rows of each job of a qmv launch (its jobs share cols, bits and group, not rows:
+// a block past its job's rows returns at once).
+struct QvRows {
+    int rows[QM_JOBS];
+};
+
 // One kernel per bit width (fewer registers than one dispatching on it), blockIdx.y = job,
 // blockIdx.x = the block's QV_WARPS * 32 / lpr lane groups; lpr (lanes per row) is 4, 8, 16 or
 // 32, cols a multiple of 32 and of group.
-// - qmv<BITS>: up to QM_JOBS products of one shape (the QJobs of qmatmul, one row of x each);
+// - qmv<BITS>: up to QM_JOBS products of one row of x each (the QJobs of qmatmul) with the same
+//   columns, bits and group, rows per job in jr;
 // - qmv_glu<BITS>: QM_JOBS / 2 gated pairs, jobs 2j (gate) and 2j + 1 (up) of one x, into the
 //   y of job 2j: glu_f(gate, up) with the gate's and up's sums as qmv computes them;
 // - qmv_ids<BITS> / qmv_glu_ids<BITS>: the same for experts named by device-side ids (decode's
@@ -456,8 +463,9 @@ __device__ __forceinline__ QvMats qv_id_mats(const QIdJobs& jobs, const u64* slo
 //   on the readback path, so bit-identical results.
 #define QMV_KERNELS(BITS)                                                                        \
     extern "C" __global__ void __launch_bounds__(QV_WARPS * 32)                                  \
-        qmv##BITS(QJobs jobs, int rows, int cols, int group, int lpr) {                          \
-        int j = blockIdx.y;                                                                      \
+        qmv##BITS(QJobs jobs, QvRows jr, int cols, int group, int lpr) {                         \
+        int j = blockIdx.y, rows = jr.rows[j];                                                   \
+        if ((int)blockIdx.x * (QV_WARPS * 32 / lpr) * QV_R >= rows) return;                      \
         qmv_lanes<BITS, 1>(lpr, qv_mats(jobs, j, 1, 0, 0.0f), jobs.x[j], jobs.y[j], rows, cols,  \
                            group);                                                               \
     }                                                                                            \
