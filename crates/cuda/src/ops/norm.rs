@@ -260,13 +260,7 @@ impl CudaBackend {
                 )
             },
         )?;
-        check(op, kv.ring || pos0 + k.rows <= kv.rows, || {
-            format!(
-                "positions {pos0}..{} beyond the {}-row KV cache",
-                pos0 + k.rows,
-                kv.rows
-            )
-        })?;
+        super::attention::check_kv_room(op, kv, pos0, k.rows)?;
         let Some((freq, style)) = self.rope_args(op, q, rope, head_dim)? else {
             // No rotation: the separate ops.
             self.rms_norm_impl(op, None, q, head_dim, q_norm, eps)?;

@@ -14,6 +14,18 @@ __device__ __forceinline__ bool before(int ka, int ia, int kb, int ib) {
 
 #define ROUTE_MAX_K 64
 
+// One candidate e of pick j of a row's top-k search: its score (the raw logit for scoring 0, its
+// probability exp(lg[e] - m) / z for scoring 1) in total order; taken as (best, bk) when it comes
+// after the previous pick (pk, pi) and before the best so far.
+__device__ __forceinline__ void route_consider(const float* lg, int e, int scoring, float m,
+                                               float z, int j, int pk, int pi, int& best,
+                                               int& bk) {
+    float p = scoring == 1 ? expf(lg[e] - m) / z : lg[e];
+    int ke = total_key(p);
+    if (j > 0 && !before(pk, pi, ke, e)) return;
+    if (best < 0 || before(ke, e, bk, best)) { best = e; bk = ke; }
+}
+
 // The weights of the k experts `pick` of one row (lg its logits; m, z the max and the softmax
 // denominator of scoring 1) and their writing: route_row's second half.
 __device__ void route_write(const float* lg, int k, int scoring, int norm, float m, float z,
@@ -61,12 +73,7 @@ __device__ void route_row(const float* lg, int n, int k, int scoring, int norm,
             continue;
         }
         int best = -1, bk = 0;
-        for (int e = 0; e < n; ++e) {
-            float p = scoring == 1 ? expf(lg[e] - m) / z : lg[e];
-            int ke = total_key(p);
-            if (j > 0 && !before(pk, pi, ke, e)) continue;
-            if (best < 0 || before(ke, e, bk, best)) { best = e; bk = ke; }
-        }
+        for (int e = 0; e < n; ++e) route_consider(lg, e, scoring, m, z, j, pk, pi, best, bk);
         pick[j] = best;
         pk = bk;
         pi = best;
@@ -130,12 +137,7 @@ __device__ void route_row_warp(const float* lg, int n, int k, int scoring, int n
             continue;
         }
         int best = -1, bk = 0;
-        for (int e = lane; e < n; e += 32) {
-            float p = scoring == 1 ? expf(lg[e] - m) / z : lg[e];
-            int ke = total_key(p);
-            if (j > 0 && !before(pk, pi, ke, e)) continue;
-            if (best < 0 || before(ke, e, bk, best)) { best = e; bk = ke; }
-        }
+        for (int e = lane; e < n; e += 32) route_consider(lg, e, scoring, m, z, j, pk, pi, best, bk);
         for (int o = 16; o > 0; o >>= 1) {
             int ob = __shfl_xor_sync(FULL, best, o), ok = __shfl_xor_sync(FULL, bk, o);
             if (ob >= 0 && (best < 0 || before(ok, ob, bk, best))) { best = ob; bk = ok; }
