@@ -99,6 +99,8 @@ pub struct DeviceExpertStats {
     /// Decode steps of a layer routed on the device without a readback
     /// ([`DeviceExpertOps::routed_experts_held`]); their uses count as hits.
     pub device_routed: u64,
+    /// Kernel launches of the backend since load, every op counted (not only the experts').
+    pub launches: u64,
 }
 
 /// The scale of an RMSNorm `x · rsqrt(mean(x²) + eps) · s` (mlx `fast.rms_norm`).
@@ -316,6 +318,34 @@ pub fn check_glu_rows<T: Tensor>(
                 x.cols(),
                 out.rows(),
                 out.cols()
+            )
+        },
+    )
+}
+
+/// The operand check of [`CoreOps::glu_mlp_combine`] shared by the backends: one row of
+/// `gate.cols` in, an accumulator `[1, down.rows]`, one weight per source.
+pub fn check_glu_combine<T: Tensor>(
+    op: &'static str,
+    mlp: &Mlp,
+    n_srcs: usize,
+    n_weights: usize,
+    x: &T,
+    acc: &T,
+) -> OpResult<()> {
+    check_mlp(op, mlp, x.cols())?;
+    check(
+        op,
+        x.rows() == 1 && acc.rows() == 1 && acc.cols() == mlp.down_proj.rows && n_srcs == n_weights,
+        || {
+            format!(
+                "{n_srcs} experts and {n_weights} weights of a [{}, {}] input into a [{}, {}] \
+                 accumulator (one row, {} wide)",
+                x.rows(),
+                x.cols(),
+                acc.rows(),
+                acc.cols(),
+                mlp.down_proj.rows
             )
         },
     )

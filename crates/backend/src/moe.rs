@@ -255,6 +255,34 @@ where
         streamer.acquire(&ids)?
     };
     let (carry, mut acc) = meanwhile()?;
+    let weights: Vec<f32> = routed
+        .iter()
+        .map(|e| routes.experts[e].first().map_or(0.0, |&(_, w)| w))
+        .collect();
+    if be.device_expert_stats().is_some() {
+        // A backend with its own expert cache copies the misses in asynchronously: every expert
+        // is placed first, then the row's experts run in one call (two launches on a GPU), the
+        // same sums in the same order as the groups below.
+        if !ids.is_empty() {
+            streamer.wait()?;
+        }
+        let mut from_host = needed.iter().zip(&slots);
+        let mut srcs = Vec::with_capacity(routed.len());
+        for (&e, &h) in routed.iter().zip(&held) {
+            srcs.push(if h {
+                Weights::Held { layer, expert: e }
+            } else {
+                let (_, &(slot, _)) = from_host.next().expect("one host slot per needed expert");
+                be.load_expert(layer, e, streamer.blob(slot))?
+            });
+        }
+        be.glu_mlp_combine(experts, act, &srcs, &weights, x, &mut acc)?;
+        drop(srcs);
+        if !ids.is_empty() {
+            streamer.release(&ids);
+        }
+        return Ok((carry, acc));
+    }
     let mut stack = be.zeros(routed.len().max(1), acc.cols())?;
 
     // Held experts first: their bytes are in place while the host reads the rest.
@@ -286,10 +314,7 @@ where
         // slots waits for them first (above, and before every prefill tile).
         streamer.release(&ids);
     }
-    let pairs: Vec<(usize, f32)> = routed
-        .iter()
-        .map(|e| (0, routes.experts[e].first().map_or(0.0, |&(_, w)| w)))
-        .collect();
+    let pairs: Vec<(usize, f32)> = weights.iter().map(|&w| (0, w)).collect();
     if !pairs.is_empty() {
         be.scatter_add(&mut acc, &stack, &pairs)?;
     }

@@ -392,6 +392,7 @@ fn child(a: &BenchArgs, n: usize) -> Result<Value> {
             "h2d_bytes_per_token": per((g.h2d_bytes - gpu_prefill.h2d_bytes) as f64),
             "copy_wait_per_token_s": per((g.copy_wait - gpu_prefill.copy_wait).as_secs_f64()),
             "device_routed_layers_per_token": per((g.device_routed - gpu_prefill.device_routed) as f64),
+            "launches_per_token": per((g.launches - gpu_prefill.launches) as f64),
         })
     });
     Ok(json!({
@@ -513,6 +514,7 @@ fn median_row(name: &str, runs: &[Value]) -> Value {
             "h2d_bytes_per_token": g("h2d_bytes_per_token"),
             "copy_wait_per_token_s": g("copy_wait_per_token_s"),
             "device_routed_layers_per_token": g("device_routed_layers_per_token"),
+            "launches_per_token": g("launches_per_token"),
         })
     } else {
         Value::Null

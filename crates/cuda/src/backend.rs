@@ -105,6 +105,18 @@ impl CoreOps for CudaBackend {
         self.glu_mlp_rows(mlp, act, srcs, x, out, rows)
     }
 
+    fn glu_mlp_combine(
+        &self,
+        mlp: &Mlp,
+        act: Act,
+        srcs: &[Weights],
+        weights: &[f32],
+        x: &CudaTensor,
+        acc: &mut CudaTensor,
+    ) -> OpResult<()> {
+        CudaBackend::glu_mlp_combine(self, mlp, act, srcs, weights, x, acc)
+    }
+
     fn head_argmax(&self, w: &QRef, x: &CudaTensor) -> OpResult<(u32, f32)> {
         self.head_argmax(w, x)
     }
@@ -148,6 +160,22 @@ impl CoreOps for CudaBackend {
         self.add_rms_norm_pre(x, y, dim, post, eps, s, pre)
     }
 
+    fn add_rms_norm2_pre(
+        &self,
+        x: &mut CudaTensor,
+        a: &mut CudaTensor,
+        a_norm: Norm,
+        b: &CudaTensor,
+        b_norm: Norm,
+        dim: usize,
+        post: Option<Norm>,
+        eps: f32,
+        s: f32,
+        pre: &[PreNorm],
+    ) -> OpResult<Vec<CudaTensor>> {
+        CudaBackend::add_rms_norm2_pre(self, x, a, a_norm, b, b_norm, dim, post, eps, s, pre)
+    }
+
     fn rms_norm_rope(
         &self,
         x: &mut CudaTensor,
@@ -158,6 +186,25 @@ impl CoreOps for CudaBackend {
         pos0: usize,
     ) -> OpResult<()> {
         self.rms_norm_rope(x, norm, eps, rope, head_dim, pos0)
+    }
+
+    fn rms_norm_rope_kv(
+        &self,
+        q: &mut CudaTensor,
+        q_norm: Norm,
+        k: &mut CudaTensor,
+        k_norm: Norm,
+        v: &mut CudaTensor,
+        v_norm: Option<Norm>,
+        eps: f32,
+        rope: &Rope,
+        head_dim: usize,
+        pos0: usize,
+        kv: &mut CudaKv,
+    ) -> OpResult<()> {
+        CudaBackend::rms_norm_rope_kv(
+            self, q, q_norm, k, k_norm, v, v_norm, eps, rope, head_dim, pos0, kv,
+        )
     }
 
     fn unary(&self, x: &mut CudaTensor, op: Unary) -> OpResult<()> {

@@ -28,6 +28,7 @@ pub(crate) const SOURCES: &[(&str, &str)] = &[
     ("norm.cu", include_str!("ops/norm.cu")),
     ("recurrent.cu", include_str!("ops/recurrent.cu")),
     ("router.cu", include_str!("ops/router.cu")),
+    ("moe.cu", include_str!("ops/moe.cu")),
 ];
 
 /// NVRTC options besides the target (no fast-math: the math builtins keep their ulp bounds).

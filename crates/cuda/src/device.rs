@@ -4,7 +4,7 @@
 use crate::*;
 
 /// Every kernel of `ops/`, loaded at startup (a missing one fails [`CudaBackend::new`]).
-pub(crate) const KERNELS: [&str; 55] = [
+pub(crate) const KERNELS: [&str; 63] = [
     "all_finite",
     "matmul_bf16",
     "gather_rows",
@@ -22,7 +22,10 @@ pub(crate) const KERNELS: [&str; 55] = [
     "rms_norm",
     "rms_norm_add",
     "rms_norm_rope",
+    "rms_norm_rope_kv_f16",
+    "rms_norm_rope_kv_f32",
     "rms_norm_add_pre",
+    "rms_norm2_add_pre",
     "qmatmul",
     "qmv2",
     "qmv4",
@@ -59,7 +62,12 @@ pub(crate) const KERNELS: [&str; 55] = [
     "gated_delta_rule",
     "route",
     "route_one",
-    "combine_ids",
+    "qmv_down_combine2",
+    "qmv_down_combine4",
+    "qmv_down_combine8",
+    "qmv_down_combine_ids2",
+    "qmv_down_combine_ids4",
+    "qmv_down_combine_ids8",
 ];
 
 /// Where the kernels came from at startup.
@@ -93,6 +101,8 @@ pub struct CudaBackend {
     pub(crate) profile: Option<(bool, Mutex<Profile>)>,
     /// Freed activation buffers kept for reuse.
     pub(crate) reuse: Arc<Reuse>,
+    /// Kernel launches since load (every op, counted by `launch!`).
+    pub(crate) launches: std::sync::atomic::AtomicU64,
 }
 
 /// (op, kernel) → (launches, time from launch to its end).
@@ -190,6 +200,7 @@ impl CudaBackend {
             profile: std::env::var_os("MFERENCE_CUDA_PROFILE")
                 .map(|v| (v != "host", Mutex::new(BTreeMap::new()))),
             reuse: Arc::default(),
+            launches: Default::default(),
         })
     }
 

@@ -47,7 +47,11 @@ impl DeviceExpertOps for CudaBackend {
     }
 
     fn device_expert_stats(&self) -> Option<DeviceExpertStats> {
-        self.cache().map(|c| c.stats())
+        let launches = self.launches.load(std::sync::atomic::Ordering::Relaxed);
+        self.cache().map(|c| DeviceExpertStats {
+            launches,
+            ..c.stats()
+        })
     }
 
     fn experts_to_complete(&self, layer: usize) -> OpResult<Vec<usize>> {
@@ -107,7 +111,7 @@ impl DeviceExpertOps for CudaBackend {
                 )
             },
         )?;
-        let (scoring, norm, pes_off, has_pes) = self.route_args(op, spec, 1, n_exp)?;
+        self.route_args(op, spec, 1, n_exp)?;
         let (slots, stride) = {
             let mut cache = self.cache();
             let Some(c) = cache.as_mut() else {
@@ -123,48 +127,15 @@ impl DeviceExpertOps for CudaBackend {
             c.count_device_step(k);
             (slots.expect("checked"), c.stride())
         };
-        let mut forced = ForcedIds {
-            ids: [0; ROUTE_MAX_K],
-        };
-        if let Some(f) = spec.forced {
-            for (d, &e) in forced.ids.iter_mut().zip(f) {
-                *d = e as u32;
-            }
-        }
-        let has_forced = spec.forced.is_some() as i32;
         // The chosen ids, then their weights' bits.
         // SAFETY: `route_one` writes all 2k values before anything reads them (stream order).
         let sel = unsafe { self.stream.alloc::<u32>(2 * k) }.map_err(|e| self.dev(op, e))?;
         let ids = self.addr(&sel);
         let wts = ids + 4 * k as u64;
-        let (ni, ki) = (n_exp as i32, k as i32);
-        launch!(
-            self,
-            op,
-            "route_one",
-            blocks(1, 32),
-            &*logits.buf,
-            &ni,
-            &ki,
-            &scoring,
-            &norm,
-            &self.resident,
-            &pes_off,
-            &has_pes,
-            &forced,
-            &has_forced,
-            &ids,
-            &wts
-        )?;
+        self.route_one(op, logits, spec, ids, wts)?;
         let mut g = self.uninit_tensor(op, k, inner)?;
         let u = self.uninit_tensor(op, k, inner)?;
-        let stack = self.uninit_tensor(op, k, h)?;
-        let (xa, ga, ua, sa) = (
-            self.addr(&*x.buf),
-            self.addr(&*g.buf),
-            self.addr(&*u.buf),
-            self.addr(&*stack.buf),
-        );
+        let (xa, ga, ua) = (self.addr(&*x.buf), self.addr(&*g.buf), self.addr(&*u.buf));
         let row = |base: u64, r: usize, width: usize| base + (4 * r * width) as u64;
         let (gate, up) = (&mlp.gate_proj, &mlp.up_proj);
         let gate_jobs: Vec<_> = (0..k).map(|i| (0, i, xa, row(ga, i, inner))).collect();
@@ -184,23 +155,7 @@ impl DeviceExpertOps for CudaBackend {
             }
             self.glu_act(op, act, &mut g, &u)?;
         }
-        let down: Vec<_> = (0..k)
-            .map(|i| (0, i, row(ga, i, inner), row(sa, i, h)))
-            .collect();
-        self.products_by_id(op, &[&mlp.down_proj], &down, slots, ids, stride, None)?;
-        let cols = h as u64;
-        launch!(
-            self,
-            op,
-            "combine_ids",
-            elems(h),
-            &mut *acc.buf,
-            &*stack.buf,
-            &ids,
-            &wts,
-            &ki,
-            &cols
-        )
+        self.down_combine_by_id(op, &mlp.down_proj, &g, slots, ids, wts, stride, acc)
     }
 
     fn size_expert_cache(&self) -> OpResult<()> {

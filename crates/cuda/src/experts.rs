@@ -248,7 +248,7 @@ impl GpuExperts {
     }
 
     /// [`DeviceExpertOps::held_experts`](mference_backend::DeviceExpertOps::held_experts): counts a use of each
-    /// expert and says which are in a device slot.
+    /// expert and says which are in a device slot, pinning those slots until they are read.
     pub(crate) fn held(
         &mut self,
         compute: &Arc<CudaStream>,
@@ -273,10 +273,14 @@ impl GpuExperts {
                 )));
             }
             l.table.touch(e);
-            let hit = !force_miss && l.table.slot_of(e).is_some();
-            if hit {
+            let slot = l.table.slot_of(e).filter(|_| !force_miss);
+            if let Some(s) = slot {
+                // Kept until the kernels reading it are queued (`after_read`): the copies of
+                // the same step's misses must not evict it.
+                l.table.set_pinned(s, true);
                 self.stats.hits += 1;
             }
+            let hit = slot.is_some();
             out.push(hit);
         }
         Ok(out)

@@ -12,6 +12,7 @@ macro_rules! launch {
             Ok(())
         } else {
             let kernel: &'static str = $k;
+            $be.launches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let t0 = $be.profile_start();
             let mut b = $be.stream.launch_builder(&$be.funcs[kernel]);
             $( b.arg($arg); )+
@@ -71,11 +72,21 @@ pub(crate) struct QJobs {
 // SAFETY: plain `repr(C)` u64 arrays, laid out as `struct QJobs` in ops/quant.cu.
 unsafe impl cudarc::driver::DeviceRepr for QJobs {}
 
+/// The `QvRows` argument of `qmv`: each job's output rows.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub(crate) struct QvRows {
+    pub(crate) rows: [i32; QM_JOBS],
+}
+
+// SAFETY: a plain `repr(C)` i32 array, laid out as `struct QvRows` in ops/quant.cu.
+unsafe impl cudarc::driver::DeviceRepr for QvRows {}
+
 /// The `QIdJobs` argument of `qmv_ids`: byte offsets of up to two matrices in an expert
 /// blob, and per product the input and output rows, the place of its expert among the device-side
 /// ids and which matrix it multiplies.
 #[repr(C)]
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Default)]
 pub(crate) struct QIdJobs {
     pub(crate) w_off: [u64; 2],
     pub(crate) s_off: [u64; 2],
@@ -120,6 +131,20 @@ pub(crate) struct PreNorms {
 // SAFETY: plain `repr(C)` arrays of u64, f32 and i32 and an i32, laid out as `struct PreNorms` in
 // ops/norm.cu.
 unsafe impl cudarc::driver::DeviceRepr for PreNorms {}
+
+/// The `QkvNorms` argument of `rms_norm_rope_kv_*` (ops/norm.cu): the mode, weight offset and
+/// constant of q's, k's and v's per-head norms (v's mode -1: none).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub(crate) struct QkvNorms {
+    pub(crate) w_off: [u64; 3],
+    pub(crate) c: [f32; 3],
+    pub(crate) mode: [i32; 3],
+}
+
+// SAFETY: plain `repr(C)` arrays of u64, f32 and i32, laid out as `struct QkvNorms` in
+// ops/norm.cu.
+unsafe impl cudarc::driver::DeviceRepr for QkvNorms {}
 
 /// The `Pairs` argument of `scatter_add`.
 #[repr(C)]

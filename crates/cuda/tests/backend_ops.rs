@@ -336,3 +336,41 @@ fn the_cuda_backend_names_what_it_lacks_without_a_device() {
         ]
     );
 }
+
+/// One row of x through matrices of one column count, bit width and group but different row
+/// counts (Gemma's q, k and v), which share a `qmv` launch: each within the f64 reference's
+/// budget and bit for bit the product of its matrix alone.
+#[test]
+fn one_row_products_of_different_row_counts_share_a_launch() {
+    let mut rng = Rng(2718);
+    let mut buf = Vec::new();
+    let mats = [
+        qmatrix(&mut buf, &mut rng, 4096, 2816, 4, 64),
+        qmatrix(&mut buf, &mut rng, 1024, 2816, 4, 64),
+        qmatrix(&mut buf, &mut rng, 7, 2816, 4, 64),
+        qmatrix(&mut buf, &mut rng, 1024, 2816, 4, 64),
+    ];
+    buf.extend([0u8; 64]);
+    let bytes = Arc::new(buf);
+    let Some(be) = start(&bytes) else { return };
+    let x = vals(&mut rng, 2816, 1.0);
+    let xt = be.upload(&x, 2816).expect("upload");
+    let refs: Vec<_> = mats.iter().collect();
+    let ys = be.matmul(&refs, Weights::Resident, &xt).expect("matmul");
+    let mut fails = Vec::new();
+    for (i, (m, y)) in mats.iter().zip(&ys).enumerate() {
+        let got = be.read(y).expect("read");
+        expect(
+            &mut fails,
+            format!("product {i} [{}, 2816]", m.rows),
+            &got,
+            &refr::matmul(m, &bytes, &x),
+            EXACT_REL,
+        );
+        let alone = be.matmul(&[m], Weights::Resident, &xt).expect("matmul");
+        if bits_differ(&got, &be.read(&alone[0]).expect("read")) {
+            fails.push(format!("product {i}: not the bits of the matrix alone"));
+        }
+    }
+    assert!(fails.is_empty(), "{}", fails.join("\n"));
+}

@@ -19,7 +19,8 @@ use mference_cuda::{ExpertCacheOptions, ExpertGeometry, GpuExpertBudget};
 /// `routed_experts_held` (a decode step's experts from device-side router ids, no readback)
 /// against the f64-checked reference (route, each expert's GLU MLP from its blob, the weighted
 /// sum in ascending id) and bit for bit against the readback path it replaces (`route`,
-/// `glu_mlp_rows` over held experts in expert order, `scatter_add`): Gemma's scoring with a
+/// `glu_mlp_rows` over held experts in expert order, `scatter_add`; and `glu_mlp_combine`, the
+/// readback path's one call): Gemma's scoring with a
 /// per-expert scale and Qwen's, chosen and forced ids.
 #[test]
 fn decode_experts_routed_on_the_device_equal_the_readback_path() {
@@ -164,6 +165,23 @@ fn decode_experts_routed_on_the_device_equal_the_readback_path() {
                 rel(&got, &readback)
             ));
         }
+        // The readback path of the decode step with a GPU cache: one `glu_mlp_combine`.
+        let weights: Vec<f32> = pairs.iter().map(|p| p.1).collect();
+        let mut acc = be.upload(&acc0, hidden).expect("upload");
+        be.glu_mlp_combine(&mlp, act, &srcs, &weights, &xt, &mut acc)
+            .expect("glu_mlp_combine");
+        let combined = be.read(&acc).expect("read");
+        if combined
+            .iter()
+            .map(|v| v.to_bits())
+            .ne(got.iter().map(|v| v.to_bits()))
+        {
+            fails.push(format!(
+                "glu_mlp_combine case {case}: not bit-identical to routed_experts_held \
+                 (max difference {:e})",
+                rel(&got, &combined)
+            ));
+        }
     }
     let stats = be.device_expert_stats().expect("stats");
     if stats.device_routed != 3 {
@@ -303,6 +321,73 @@ fn prefill_experts_give_the_same_bits_from_a_slot_the_staging_buffer_and_a_batch
                      (max difference {:e})",
                     rel(&got, want)
                 ));
+            }
+        }
+    }
+    assert!(
+        fails.is_empty(),
+        "{} failures:\n{}",
+        fails.len(),
+        fails.join("\n")
+    );
+}
+
+/// `glu_mlp_combine` of one decode row over distinct experts (staged blobs) where the down rows
+/// are long (2048 columns: 32 lanes per row, fewer lane groups in a block than experts) and short
+/// (96: 4 lanes), with 8 and 5 experts (5 does not divide a block's lane groups) and 2-, 4- and
+/// 8-bit down matrices: within the f64 reference's budget and bit for bit `glu_mlp_rows` into a
+/// stack followed by `scatter_add`.
+#[test]
+fn decode_experts_combined_in_one_call_equal_the_stack_and_scatter() {
+    let mut rng = Rng(4321);
+    let mut fails = Vec::new();
+    for (hidden, inner, bits) in [(256usize, 2048usize, 4usize), (512, 96, 2), (320, 512, 8)] {
+        let mut blobs = Vec::new();
+        let mut mlp = None;
+        for _ in 0..8 {
+            let mut b = Vec::new();
+            mlp = Some(Mlp {
+                gate_proj: qmatrix(&mut b, &mut rng, inner, hidden, 4, 64),
+                up_proj: qmatrix(&mut b, &mut rng, inner, hidden, 4, 64),
+                down_proj: qmatrix(&mut b, &mut rng, hidden, inner, bits, 32),
+            });
+            b.extend([0u8; 16]);
+            blobs.push(b);
+        }
+        let mlp = mlp.expect("experts");
+        let Some(be) = start(&Arc::new(vec![0u8; 64])) else {
+            return;
+        };
+        for k in [8usize, 5] {
+            let x = vals(&mut rng, hidden, 1.0);
+            let acc0 = vals(&mut rng, hidden, 0.5);
+            let weights = vals(&mut rng, k, 1.0);
+            let srcs: Vec<Weights> = blobs[..k].iter().map(|b| Weights::Blob(b)).collect();
+            let xt = be.upload(&x, hidden).expect("upload");
+            let mut acc = be.upload(&acc0, hidden).expect("upload");
+            be.glu_mlp_combine(&mlp, Act::GeluTanh, &srcs, &weights, &xt, &mut acc)
+                .expect("glu_mlp_combine");
+            let got = be.read(&acc).expect("read");
+            let mut want = acc0.clone();
+            for (b, &w) in blobs.iter().zip(&weights) {
+                let (g, u, d) = (&mlp.gate_proj, &mlp.up_proj, &mlp.down_proj);
+                let y = refr::glu_mlp(g, u, d, Act::GeluTanh, b, &x);
+                for (a, v) in want.iter_mut().zip(y) {
+                    *a += w * v;
+                }
+            }
+            let name = format!("glu_mlp_combine {hidden}x{inner} {bits}-bit, {k} experts");
+            expect(&mut fails, name.clone(), &got, &want, EXACT_REL);
+            let mut stack = be.zeros(k, hidden).expect("zeros");
+            let rows: Vec<usize> = (0..k).collect();
+            be.glu_mlp_rows(&mlp, Act::GeluTanh, &srcs, &xt, &mut stack, &rows)
+                .expect("glu_mlp_rows");
+            let pairs: Vec<(usize, f32)> = weights.iter().map(|&w| (0, w)).collect();
+            let mut acc = be.upload(&acc0, hidden).expect("upload");
+            be.scatter_add(&mut acc, &stack, &pairs)
+                .expect("scatter_add");
+            if bits_differ(&got, &be.read(&acc).expect("read")) {
+                fails.push(format!("{name}: not the bits of the stack and scatter_add"));
             }
         }
     }

@@ -164,14 +164,20 @@ pub(crate) fn into_residual<B: Backend>(
     s: f32,
     next: Option<&VRef>,
 ) -> Result<Option<B::Tensor>, ModelError> {
-    let pre: Vec<PreNorm> = next
-        .map(|w| PreNorm {
-            norm: Norm::Weight(w),
-            cols: None,
-        })
-        .into_iter()
-        .collect();
-    Ok(be.add_rms_norm_pre(x, y, dim, post, eps, s, &pre)?.pop())
+    Ok(be
+        .add_rms_norm_pre(x, y, dim, post, eps, s, &next_pre(next))?
+        .pop())
+}
+
+/// The pre-norm list of a residual update that computes the next layer's input norm `next`
+/// (none after the last layer).
+pub(crate) fn next_pre(next: Option<&VRef>) -> Vec<PreNorm<'_>> {
+    next.map(|w| PreNorm {
+        norm: Norm::Weight(w),
+        cols: None,
+    })
+    .into_iter()
+    .collect()
 }
 
 /// Token ids must index the vocabulary.

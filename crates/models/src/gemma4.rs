@@ -17,7 +17,7 @@ use mference_backend::{
 use std::time::Instant;
 
 use crate::{
-    check_ids, into_residual, one, parse_config, text_config, unsupported, ChunkWant, Engine,
+    check_ids, next_pre, one, parse_config, text_config, unsupported, ChunkWant, Engine,
     FamilyModel, LoadOptions, Logits, ModelError, SequenceState, StepTimes, Streamers,
 };
 
@@ -313,14 +313,8 @@ impl<B: Backend + 'static> FamilyModel for Gemma4<B> {
         let pos0 = self.state.kv.len;
         let eps = cfg.rms_norm_eps;
         check_ids(tokens, cfg.vocab_size)?;
-        // RMSNorm over the hidden size with a checkpoint weight.
-        let norm = |x: &mut B::Tensor, w: &VRef| be.rms_norm(x, h, Norm::Weight(w), eps);
         // The same norm into a new tensor (a block's input from the residual).
         let normed = |x: &B::Tensor, w: &VRef| be.rms_norm_to(x, h, Norm::Weight(w), eps);
-        // x ← (x + norm(y)) · s (a block's output post-norm into the residual).
-        let add_normed = |x: &mut B::Tensor, y: &B::Tensor, w: &VRef, s: f32| {
-            be.add_rms_norm(x, y, h, Norm::Weight(w), eps, s)
-        };
 
         let mut x = be.embed(&self.embed_tokens, tokens, Some(self.embed_scale))?; // [T, hidden]
 
@@ -338,36 +332,29 @@ impl<B: Backend + 'static> FamilyModel for Gemma4<B> {
                 )?,
                 None => be.matmul(&[&layer.q_proj, &layer.k_proj], Resident, &attn_norm)?,
             };
-            // V: its projection, or with attention_k_eq_v the raw K projection (before k_norm and
-            // RoPE), normed without a scale.
-            let v = match layer.v_proj {
-                Some(_) => {
-                    let mut v = projs.pop().expect("three projections");
-                    be.rms_norm(&mut v, d, Norm::NoScale, eps)?;
-                    v
-                }
-                None => be.rms_norm_to(&projs[1], d, Norm::NoScale, eps)?,
+            // V: its projection, normed without a scale with q and k below, or with
+            // attention_k_eq_v the raw K projection (before k_norm and RoPE), normed here.
+            let (mut v, v_norm) = match layer.v_proj {
+                Some(_) => (projs.pop().expect("three projections"), Some(Norm::NoScale)),
+                None => (be.rms_norm_to(&projs[1], d, Norm::NoScale, eps)?, None),
             }; // [T, n_kv_heads · head_dim]
             let mut k = projs.pop().expect("k_proj");
             let mut q = projs.pop().expect("q_proj"); // [T, n_heads · head_dim]
-            be.rms_norm_rope(
+                                                      // q and k per-head norms and RoPE, the V norm, K and V into the cache: one op.
+            let kv = &mut self.state.kv.layers[li];
+            be.rms_norm_rope_kv(
                 &mut q,
                 Norm::Weight(&layer.q_norm),
-                eps,
-                &layer.rope,
-                d,
-                pos0,
-            )?;
-            be.rms_norm_rope(
                 &mut k,
                 Norm::Weight(&layer.k_norm),
+                &mut v,
+                v_norm,
                 eps,
                 &layer.rope,
                 d,
                 pos0,
+                kv,
             )?;
-            let kv = &mut self.state.kv.layers[li];
-            be.kv_write(kv, pos0, &k, &v)?;
             let shape = AttnShape {
                 n_heads: nh,
                 n_kv_heads: layer.n_kv_heads,
@@ -439,23 +426,27 @@ impl<B: Backend + 'static> FamilyModel for Gemma4<B> {
                     if let (Some(next), Some(guess)) = (next, &guess) {
                         moe::prefetch_predicted(next, guess, ahead);
                     }
-                    let mut shared = be.glu_mlp(&layer.mlp, Act::GeluTanh, Resident, &u)?;
-                    norm(&mut shared, &layer.post_feedforward_layernorm_1)?;
+                    let shared = be.glu_mlp(&layer.mlp, Act::GeluTanh, Resident, &u)?;
                     Ok::<_, ModelError>((shared, be.zeros(t, h)?))
                 },
             )?;
             self.engine.note_router_margins(pos0, &margins);
-            add_normed(
-                &mut shared,
-                &moe_out,
-                &layer.post_feedforward_layernorm_2,
-                1.0,
-            )?;
-            // The MLP block's output into the residual, scaled, and the next layer's input norm.
-            let post = Some(Norm::Weight(&layer.post_feedforward_layernorm));
+            // Each MLP's post-norm, their sum, the block's post-norm into the residual, scaled,
+            // and the next layer's input norm, in one op.
             let next = self.layers.get(li + 1).map(|n| &n.input_layernorm);
-            let s = layer.layer_scalar;
-            if let Some(n) = into_residual(be, &mut x, &shared, h, post, eps, s, next)? {
+            let outs = be.add_rms_norm2_pre(
+                &mut x,
+                &mut shared,
+                Norm::Weight(&layer.post_feedforward_layernorm_1),
+                &moe_out,
+                Norm::Weight(&layer.post_feedforward_layernorm_2),
+                h,
+                Some(Norm::Weight(&layer.post_feedforward_layernorm)),
+                eps,
+                layer.layer_scalar,
+                &next_pre(next),
+            )?;
+            if let Some(n) = outs.into_iter().next() {
                 attn_norm = n;
             }
             self.times.layers[li][1] += attended.elapsed();

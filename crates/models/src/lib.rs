@@ -23,7 +23,7 @@ mod streamers;
 pub use engine::Engine;
 pub use error::ModelError;
 pub use family::{FamilyModel, Parts, PartsMut};
-pub(crate) use forward::{check_ids, into_residual, one};
+pub(crate) use forward::{check_ids, into_residual, next_pre, one};
 pub use forward::{head, run_chunked, ChunkWant, Head, Logits, Want};
 pub(crate) use loading::{
     check_dims, expert_linear, linear, parse_config, text_config, unsupported,

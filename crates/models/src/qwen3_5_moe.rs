@@ -379,15 +379,15 @@ fn full_attention<B: Backend>(
     let (nh, nkv) = (cfg.num_attention_heads, cfg.num_key_value_heads);
     let eps = cfg.rms_norm_eps;
     let mut p = be.matmul(&[&at.q_proj, &at.k_proj, &at.v_proj], Resident, a)?;
-    let v = p.pop().expect("v_proj"); // [T, n_kv_heads · head_dim]
+    let mut v = p.pop().expect("v_proj"); // [T, n_kv_heads · head_dim]
     let mut k = p.pop().expect("k_proj");
     let qg = p.pop().expect("q_proj"); // [T, n_heads · 2·head_dim] = q | gate per head
     let mut qg = be.split(&qg, 2 * d, &[d, d])?;
     let gate = qg.pop().expect("gate"); // [T, n_heads · head_dim]
     let mut q = qg.pop().expect("q");
-    be.rms_norm_rope(&mut q, Norm::Weight(&at.q_norm), eps, rope, d, pos0)?;
-    be.rms_norm_rope(&mut k, Norm::Weight(&at.k_norm), eps, rope, d, pos0)?;
-    be.kv_write(kv, pos0, &k, &v)?;
+    // q and k per-head norms and RoPE, K and V into the cache: one op.
+    let (qn, kn) = (Norm::Weight(&at.q_norm), Norm::Weight(&at.k_norm));
+    be.rms_norm_rope_kv(&mut q, qn, &mut k, kn, &mut v, None, eps, rope, d, pos0, kv)?;
     let shape = AttnShape {
         n_heads: nh,
         n_kv_heads: nkv,

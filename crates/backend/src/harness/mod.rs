@@ -17,7 +17,8 @@ mod recurrent;
 use std::collections::BTreeSet;
 
 use self::core::{
-    attention_ops, check_routes, data_ops, norms_and_elementwise, products, rope_ops, router_ops,
+    attention_ops, check_routes, data_ops, norm_rope_kv, norms_and_elementwise, products, rope_ops,
+    router_ops, two_into_residual,
 };
 use deepseek_v4::dsv4_ops;
 use inkling::inkling_ops;
@@ -239,6 +240,9 @@ pub fn run_all<B: Backend>(
     data_ops(&mut h, &mut rng);
     products(&mut h, &mut rng, w);
     norms_and_elementwise(&mut h, &mut rng, w);
+    // Its own stream, so the later cases see the numbers they always saw.
+    two_into_residual(&mut h, &mut Rng(seed ^ 0x5EED), w);
+    norm_rope_kv(&mut h, &mut Rng(seed ^ 0x0A77), w);
     rope_ops(&mut h, &mut rng, w);
     attention_ops(&mut h, &mut rng);
     recurrent_ops(&mut h, &mut rng);

@@ -4,8 +4,8 @@
 
 use super::Op;
 use crate::{
-    check, check_glu_rows, Act, AttnShape, KvDtype, KvState, Mlp, Norm, OpError, OpResult, PreNorm,
-    QRef, Rope, RouterSpec, Routes, Tensor, Unary, VRef, Weights,
+    check, check_glu_combine, check_glu_rows, Act, AttnShape, KvDtype, KvState, Mlp, Norm, OpError,
+    OpResult, PreNorm, QRef, Rope, RouterSpec, Routes, Tensor, Unary, VRef, Weights,
 };
 
 /// The ops every family uses, and what the other groups build on: the backend's buffer types,
@@ -164,6 +164,35 @@ pub trait CoreOps: Send + Sync + Sized {
         }
         Ok(())
     }
+    /// One decode row's routed experts, combined: `acc ← acc + Σ_j weights[j] · glu_mlp(srcs[j],
+    /// x)` for a one-row `x` and `acc` (`[1, down.rows]`), the terms added one after the other in
+    /// `j` order (the routed-experts step passes the experts in ascending id). Bit for bit
+    /// [`CoreOps::glu_mlp_rows`] into a stack then [`CoreOps::scatter_add`], which the default
+    /// runs; a backend with its own expert cache does it in two launches (gate and up with the
+    /// GLU, then down with the weighted sum), so the decode step calls it once, after every
+    /// expert's bytes are placed.
+    ///
+    /// Errors: as [`CoreOps::glu_mlp_rows`]; `srcs` and `weights` of different lengths, `acc` not
+    /// `[1, down.rows]`.
+    fn glu_mlp_combine(
+        &self,
+        mlp: &Mlp,
+        act: Act,
+        srcs: &[Weights],
+        weights: &[f32],
+        x: &Self::Tensor,
+        acc: &mut Self::Tensor,
+    ) -> OpResult<()> {
+        check_glu_combine("glu_mlp_combine", mlp, srcs.len(), weights.len(), x, acc)?;
+        if srcs.is_empty() {
+            return Ok(());
+        }
+        let mut stack = self.zeros(srcs.len(), acc.cols())?;
+        let rows: Vec<usize> = (0..srcs.len()).collect();
+        self.glu_mlp_rows(mlp, act, srcs, x, &mut stack, &rows)?;
+        let pairs: Vec<(usize, f32)> = weights.iter().map(|&w| (0, w)).collect();
+        self.scatter_add(acc, &stack, &pairs)
+    }
     /// The head of one row with a fused greedy argmax: `argmax_r (W x)_r` without materialising
     /// the logits (softcap is monotonic, so it does not change the index). The readback is the id
     /// and its raw logit (NaN when every logit is NaN).
@@ -237,6 +266,31 @@ pub trait CoreOps: Send + Sync + Sized {
             })
             .collect()
     }
+    /// Two block outputs normed, summed and added into the residual: `a ← rms_norm(a, a_norm) +
+    /// rms_norm(b, b_norm)` (Gemma 4's shared MLP and routed experts, each with its own
+    /// post-norm), then [`CoreOps::add_rms_norm_pre`] of `x` by the new `a` (the MLP block's
+    /// post-norm, the layer scalar, the next layer's input norm), all over pieces of `dim` with
+    /// one `eps`. The default runs [`CoreOps::rms_norm`], [`CoreOps::add_rms_norm`] (scale 1)
+    /// and [`CoreOps::add_rms_norm_pre`]; a backend may do them in one pass with the same
+    /// arithmetic.
+    #[allow(clippy::too_many_arguments)]
+    fn add_rms_norm2_pre(
+        &self,
+        x: &mut Self::Tensor,
+        a: &mut Self::Tensor,
+        a_norm: Norm,
+        b: &Self::Tensor,
+        b_norm: Norm,
+        dim: usize,
+        post: Option<Norm>,
+        eps: f32,
+        s: f32,
+        pre: &[PreNorm],
+    ) -> OpResult<Vec<Self::Tensor>> {
+        self.rms_norm(a, dim, a_norm, eps)?;
+        self.add_rms_norm(a, b, dim, b_norm, eps, 1.0)?;
+        self.add_rms_norm_pre(x, a, dim, post, eps, s, pre)
+    }
     /// [`CoreOps::rms_norm`] of every `head_dim` head, then [`CoreOps::rope`] from `pos0` (a
     /// per-head q/k norm before the rotation). The default runs the two; a backend may do both in
     /// one pass with the same arithmetic.
@@ -251,6 +305,33 @@ pub trait CoreOps: Send + Sync + Sized {
     ) -> OpResult<()> {
         self.rms_norm(x, head_dim, norm, eps)?;
         self.rope(x, rope, head_dim, pos0)
+    }
+    /// A layer's attention inputs into its KV cache: [`CoreOps::rms_norm_rope`] of `q` and of
+    /// `k` (per `head_dim` head, each by its own norm, the same `rope` from `pos0`), `v ←
+    /// rms_norm(v)` per head by `v_norm` (`None`: `v` as it is), then [`CoreOps::kv_write`] of
+    /// `k` and `v` at `pos0`. The default runs those ops; a backend may do them in one launch
+    /// (the same values up to the norms' summation order).
+    #[allow(clippy::too_many_arguments)]
+    fn rms_norm_rope_kv(
+        &self,
+        q: &mut Self::Tensor,
+        q_norm: Norm,
+        k: &mut Self::Tensor,
+        k_norm: Norm,
+        v: &mut Self::Tensor,
+        v_norm: Option<Norm>,
+        eps: f32,
+        rope: &Rope,
+        head_dim: usize,
+        pos0: usize,
+        kv: &mut Self::Kv,
+    ) -> OpResult<()> {
+        self.rms_norm_rope(q, q_norm, eps, rope, head_dim, pos0)?;
+        self.rms_norm_rope(k, k_norm, eps, rope, head_dim, pos0)?;
+        if let Some(n) = v_norm {
+            self.rms_norm(v, head_dim, n, eps)?;
+        }
+        self.kv_write(kv, pos0, k, v)
     }
     /// `x ← op(x)` elementwise.
     fn unary(&self, x: &mut Self::Tensor, op: Unary) -> OpResult<()> {

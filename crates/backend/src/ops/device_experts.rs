@@ -10,7 +10,9 @@ use crate::{Act, DeviceExpertStats, Mlp, OpResult, RouterSpec, Weights};
 pub trait DeviceExpertOps: CoreOps {
     /// Which of the distinct `experts` of MoE layer `layer` the backend holds in its own memory,
     /// each counted as one use. Held experts are computed from [`Weights::Held`] and are not
-    /// asked of the host streamer. Default: none (the CPU computes from the host slots).
+    /// asked of the host streamer; the caller computes every one it is told is held (a held
+    /// expert stays in place, whatever this step loads, until it is read). Default: none (the
+    /// CPU computes from the host slots).
     fn held_experts(&self, layer: usize, experts: &[usize]) -> OpResult<Vec<bool>> {
         Ok(vec![false; experts.len()])
     }

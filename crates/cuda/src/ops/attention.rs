@@ -102,13 +102,7 @@ impl CudaBackend {
         check(op, k.cols == w, || {
             format!("rows of {} into a KV row of {w}", k.cols)
         })?;
-        check(op, kv.ring || pos0 + k.rows <= kv.rows, || {
-            format!(
-                "positions {pos0}..{} beyond the {}-row KV cache",
-                pos0 + k.rows,
-                kv.rows
-            )
-        })?;
+        check_kv_room(op, kv, pos0, k.rows)?;
         let (t, wi, rows, ring, p0) = (
             k.rows as i32,
             w as i32,
@@ -365,4 +359,15 @@ fn attn_ints(q: &CudaTensor, kv: &CudaKv, pos0: usize, s: &AttnShape) -> [i32; 8
         pos0 as i32,
         s.window.unwrap_or(0) as i32,
     ]
+}
+
+/// A linear KV cache has room for `t` rows from `pos0` (a ring always has).
+pub(crate) fn check_kv_room(op: &'static str, kv: &CudaKv, pos0: usize, t: usize) -> OpResult<()> {
+    check(op, kv.ring || pos0 + t <= kv.rows, || {
+        format!(
+            "positions {pos0}..{} beyond the {}-row KV cache",
+            pos0 + t,
+            kv.rows
+        )
+    })
 }

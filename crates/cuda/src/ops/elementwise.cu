@@ -101,14 +101,14 @@ struct Pairs {
     float w[SCATTER_PAIRS];
 };
 
-// acc[p.rows[j], c] += p.w[j] * y[j, c] for j < n_pairs in order (one thread per column, so rows
+// acc[p.rows[j], c] += p.w[j] * y[j, c] (one fma) for j < n_pairs in order (one thread per column, so rows
 // routed to twice accumulate in the caller's order, as the CPU does).
 extern "C" __global__ void scatter_add(float* acc, const float* y, Pairs p, int n_pairs,
                                        u64 cols) {
     FOR_EACH(c, cols) {
         for (int j = 0; j < n_pairs; ++j) {
             u64 o = (u64)p.rows[j] * cols + c;
-            acc[o] += p.w[j] * y[(u64)j * cols + c];
+            acc[o] = __fmaf_rn(p.w[j], y[(u64)j * cols + c], acc[o]);
         }
     }
 }

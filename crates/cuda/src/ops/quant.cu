@@ -276,12 +276,13 @@ struct QvMats {
     float limit;
 };
 
-// Rows r0 .. r0 + QV_R / NM (those below `rows`) of each of the NM matrices, by the LPR lanes of a
-// lane group (sl = lane within the group): y[r] = the row's product (NM = 1) or
-// glu_f(gate row, up row) (NM = 2). Every lane of the warp runs the reduction, whatever its rows.
+// The sums of rows r0 .. r0 + QV_R / NM (those below `rows`) of each of the NM matrices, by the
+// LPR lanes of a lane group (sl = lane within the group), into acc (matrix mi's row r0 + rr at
+// acc[mi * QV_R / NM + rr], every lane of the group gets them). Every lane of the warp runs the
+// reduction, whatever its rows (rows <= r0: none, nothing of the matrices is read; x is).
 template <int BITS, int LPR, int NM>
-__device__ void qmv_rows(const QvMats& mat, const float* x, float* y, int r0, int rows, int cols,
-                         int group, int sl) {
+__device__ __forceinline__ void qmv_sums(const QvMats& mat, const float* x, int r0, int rows,
+                                         int cols, int group, int sl, float* acc) {
     const int PER = 16 / BITS;
     const int RG = QV_R / NM;         // rows of each matrix
     int n16 = cols / PER;             // pieces per row
@@ -294,7 +295,6 @@ __device__ void qmv_rows(const QvMats& mat, const float* x, float* y, int r0, in
     int words = (m + n16 + 3) / 4;    // words a row touches
     u64 row_bytes = (u64)n16 * 2;     // a multiple of 8
     int nr = min(RG, rows - r0);      // rows of this group (none past the end)
-    float acc[QV_R];
 #pragma unroll
     for (int rr = 0; rr < QV_R; ++rr) acc[rr] = 0.0f;
     for (int k0 = sl; k0 < words; k0 += LPR * QV_U) {
@@ -362,6 +362,17 @@ __device__ void qmv_rows(const QvMats& mat, const float* x, float* y, int r0, in
 #pragma unroll
         for (int o = LPR / 2; o > 0; o >>= 1) acc[rr] += __shfl_xor_sync(0xffffffffu, acc[rr], o);
     }
+}
+
+// Rows r0 .. r0 + QV_R / NM (those below `rows`) by a lane group (qmv_sums): y[r] = the row's
+// product (NM = 1) or glu_f(gate row, up row) (NM = 2).
+template <int BITS, int LPR, int NM>
+__device__ void qmv_rows(const QvMats& mat, const float* x, float* y, int r0, int rows, int cols,
+                         int group, int sl) {
+    const int RG = QV_R / NM;
+    int nr = min(RG, rows - r0);
+    float acc[QV_R];
+    qmv_sums<BITS, LPR, NM>(mat, x, r0, rows, cols, group, sl, acc);
     if (sl != 0) return;
 #pragma unroll
     for (int rr = 0; rr < RG; ++rr) {
@@ -434,10 +445,17 @@ __device__ __forceinline__ QvMats qv_id_mats(const QIdJobs& jobs, const u64* slo
     return m;
 }
 
+// The output rows of each job of a qmv launch (its jobs share cols, bits and group, not rows:
+// a block past its job's rows returns at once).
+struct QvRows {
+    int rows[QM_JOBS];
+};
+
 // One kernel per bit width (fewer registers than one dispatching on it), blockIdx.y = job,
 // blockIdx.x = the block's QV_WARPS * 32 / lpr lane groups; lpr (lanes per row) is 4, 8, 16 or
 // 32, cols a multiple of 32 and of group.
-// - qmv<BITS>: up to QM_JOBS products of one shape (the QJobs of qmatmul, one row of x each);
+// - qmv<BITS>: up to QM_JOBS products of one row of x each (the QJobs of qmatmul) with the same
+//   columns, bits and group, rows per job in jr;
 // - qmv_glu<BITS>: QM_JOBS / 2 gated pairs, jobs 2j (gate) and 2j + 1 (up) of one x, into the
 //   y of job 2j: glu_f(gate, up) with the gate's and up's sums as qmv computes them;
 // - qmv_ids<BITS> / qmv_glu_ids<BITS>: the same for experts named by device-side ids (decode's
@@ -445,8 +463,9 @@ __device__ __forceinline__ QvMats qv_id_mats(const QIdJobs& jobs, const u64* slo
 //   on the readback path, so bit-identical results.
 #define QMV_KERNELS(BITS)                                                                        \
     extern "C" __global__ void __launch_bounds__(QV_WARPS * 32)                                  \
-        qmv##BITS(QJobs jobs, int rows, int cols, int group, int lpr) {                          \
-        int j = blockIdx.y;                                                                      \
+        qmv##BITS(QJobs jobs, QvRows jr, int cols, int group, int lpr) {                         \
+        int j = blockIdx.y, rows = jr.rows[j];                                                   \
+        if ((int)blockIdx.x * (QV_WARPS * 32 / lpr) * QV_R >= rows) return;                      \
         qmv_lanes<BITS, 1>(lpr, qv_mats(jobs, j, 1, 0, 0.0f), jobs.x[j], jobs.y[j], rows, cols,  \
                            group);                                                               \
     }                                                                                            \

@@ -225,7 +225,8 @@ impl CudaBackend {
 
     /// Runs `jobs` (each `[t_rows, cols]` rows of x into `[t_rows, rows]` outputs; the caller
     /// gives every job an input and an output of that size), one `qmatmul` launch per shape and
-    /// at most `QM_JOBS` jobs; products of `gemm::min_rows()` or more rows run on `qgemm_tc`
+    /// at most `QM_JOBS` jobs (one row of x: one `qmv` launch per columns, bits and group); products
+    /// of `gemm::min_rows()` or more rows run on `qgemm_tc`
     /// instead where it takes the shape (`gemm.rs`).
     pub(crate) fn products(&self, op: &'static str, jobs: &[QJob], t_rows: usize) -> OpResult<()> {
         let rest;
@@ -235,7 +236,16 @@ impl CudaBackend {
         } else {
             jobs
         };
-        let shape = |w: &QRef| (w.rows, w.cols, w.bits as usize, w.group_size);
+        // One row of x: products of any row counts share a `qmv` launch (rows per job).
+        let one = t_rows == 1;
+        let shape = |w: &QRef| {
+            (
+                if one { 0 } else { w.rows },
+                w.cols,
+                w.bits as usize,
+                w.group_size,
+            )
+        };
         let mut shapes: Vec<(usize, usize, usize, usize)> =
             jobs.iter().map(|j| shape(j.w)).collect();
         shapes.sort_unstable();
@@ -248,16 +258,21 @@ impl CudaBackend {
             for chunk in same.chunks(QM_JOBS) {
                 let a = qjobs(op, chunk.iter().copied())?;
                 let (ri, ci, bi, gi) = (rows as i32, cols as i32, bits as i32, group as i32);
-                if t_rows == 1 {
+                if one {
                     let lanes = qmv_lanes(cols, bits);
                     let li = lanes as i32;
+                    let mut jr = QvRows::default();
+                    for (r, j) in jr.rows.iter_mut().zip(chunk) {
+                        *r = j.w.rows as i32;
+                    }
+                    let most = chunk.iter().map(|j| j.w.rows).max().unwrap_or(0);
                     launch!(
                         self,
                         op,
                         ["qmv2", "qmv4", "qmv8"][bits / 4],
-                        qmv_grid(rows, lanes, chunk.len(), 1),
+                        qmv_grid(most, lanes, chunk.len(), 1),
                         &a,
-                        &ri,
+                        &jr,
                         &ci,
                         &gi,
                         &li
@@ -403,15 +418,7 @@ impl CudaBackend {
                 )
             },
         )?;
-        let mut a = QIdJobs {
-            w_off: [0; 2],
-            s_off: [0; 2],
-            b_off: [0; 2],
-            x: [0; QM_JOBS],
-            y: [0; QM_JOBS],
-            pick: [0; QM_JOBS],
-            mat: [0; QM_JOBS],
-        };
+        let mut a = QIdJobs::default();
         for (i, m) in mats.iter().enumerate() {
             [a.w_off[i], a.s_off[i], a.b_off[i]] = qref_offsets(op, m, stride)?;
         }

@@ -14,6 +14,42 @@ __device__ __forceinline__ bool before(int ka, int ia, int kb, int ib) {
 
 #define ROUTE_MAX_K 64
 
+// One candidate e of pick j of a row's top-k search: its score (the raw logit for scoring 0, its
+// probability exp(lg[e] - m) / z for scoring 1) in total order; taken as (best, bk) when it comes
+// after the previous pick (pk, pi) and before the best so far.
+__device__ __forceinline__ void route_consider(const float* lg, int e, int scoring, float m,
+                                               float z, int j, int pk, int pi, int& best,
+                                               int& bk) {
+    float p = scoring == 1 ? expf(lg[e] - m) / z : lg[e];
+    int ke = total_key(p);
+    if (j > 0 && !before(pk, pi, ke, e)) return;
+    if (best < 0 || before(ke, e, bk, best)) { best = e; bk = ke; }
+}
+
+// The weights of the k experts `pick` of one row (lg its logits; m, z the max and the softmax
+// denominator of scoring 1) and their writing: route_row's second half.
+__device__ void route_write(const float* lg, int k, int scoring, int norm, float m, float z,
+                            const int* pick, const unsigned char* base, u64 pes_off, int has_pes,
+                            u32* ids, float* weights) {
+    float w[ROUTE_MAX_K];
+    if (scoring == 0) {
+        float mm = -F32_INF, zz = 0.0f;
+        for (int j = 0; j < k; ++j) mm = fmaxf(mm, lg[pick[j]]);
+        for (int j = 0; j < k; ++j) { w[j] = expf(lg[pick[j]] - mm); zz += w[j]; }
+        for (int j = 0; j < k; ++j) w[j] /= zz;
+    } else {
+        float zz = 0.0f;
+        for (int j = 0; j < k; ++j) { w[j] = expf(lg[pick[j]] - m) / z; zz += w[j]; }
+        if (!norm) zz = 1.0f;
+        for (int j = 0; j < k; ++j) w[j] /= zz;
+    }
+    const u16* pes = (const u16*)(base + pes_off);
+    for (int j = 0; j < k; ++j) {
+        ids[j] = (u32)pick[j];
+        weights[j] = has_pes ? w[j] * bf16_to_f32(pes[pick[j]]) : w[j];
+    }
+}
+
 // One row's routing, lg its n logits. scoring 0: top-k of the raw logits, softmax over the k
 // chosen (Gemma 4). scoring 1: softmax over all, top-k of the probabilities, divided by their sum
 // when norm (Qwen 3.6). Each weight is then multiplied by the BF16 per-expert scale at pes_off
@@ -37,33 +73,12 @@ __device__ void route_row(const float* lg, int n, int k, int scoring, int norm,
             continue;
         }
         int best = -1, bk = 0;
-        for (int e = 0; e < n; ++e) {
-            float p = scoring == 1 ? expf(lg[e] - m) / z : lg[e];
-            int ke = total_key(p);
-            if (j > 0 && !before(pk, pi, ke, e)) continue;
-            if (best < 0 || before(ke, e, bk, best)) { best = e; bk = ke; }
-        }
+        for (int e = 0; e < n; ++e) route_consider(lg, e, scoring, m, z, j, pk, pi, best, bk);
         pick[j] = best;
         pk = bk;
         pi = best;
     }
-    float w[ROUTE_MAX_K];
-    if (scoring == 0) {
-        float mm = -F32_INF, zz = 0.0f;
-        for (int j = 0; j < k; ++j) mm = fmaxf(mm, lg[pick[j]]);
-        for (int j = 0; j < k; ++j) { w[j] = expf(lg[pick[j]] - mm); zz += w[j]; }
-        for (int j = 0; j < k; ++j) w[j] /= zz;
-    } else {
-        float zz = 0.0f;
-        for (int j = 0; j < k; ++j) { w[j] = expf(lg[pick[j]] - m) / z; zz += w[j]; }
-        if (!norm) zz = 1.0f;
-        for (int j = 0; j < k; ++j) w[j] /= zz;
-    }
-    const u16* pes = (const u16*)(base + pes_off);
-    for (int j = 0; j < k; ++j) {
-        ids[j] = (u32)pick[j];
-        weights[j] = has_pes ? w[j] * bf16_to_f32(pes[pick[j]]) : w[j];
-    }
+    route_write(lg, k, scoring, norm, m, z, pick, base, pes_off, has_pes, ids, weights);
     if (trace) {
         // The k-th and (k+1)-th raw logits in total order.
         float kth = 0.0f, next = F32_INF;
@@ -96,41 +111,56 @@ extern "C" __global__ void route(const float* logits, int t_rows, int n, int k, 
               forced + (has_forced ? at : 0), has_forced, ids + at, weights + at, margins + row);
 }
 
+// route_row (no trace) by the 32 lanes of one warp: each round's largest remaining key is found
+// by the lanes over their experts and a shuffle reduction (the order is total: the same pick as
+// the serial search), and lane 0 computes m and z serially and writes the weights as route_row
+// does, so the results are route_row's bits.
+__device__ void route_row_warp(const float* lg, int n, int k, int scoring, int norm,
+                               const unsigned char* base, u64 pes_off, int has_pes,
+                               const u32* forced, int has_forced, u32* ids, float* weights) {
+    const unsigned FULL = 0xffffffffu;
+    int lane = threadIdx.x & 31;
+    float m = -F32_INF, z = 0.0f;
+    if (scoring == 1) {
+        if (lane == 0) {
+            for (int e = 0; e < n; ++e) m = fmaxf(m, lg[e]);
+            for (int e = 0; e < n; ++e) z += expf(lg[e] - m);
+        }
+        m = __shfl_sync(FULL, m, 0);
+        z = __shfl_sync(FULL, z, 0);
+    }
+    int pick[ROUTE_MAX_K];
+    int pk = 0, pi = -1;
+    for (int j = 0; j < k; ++j) {
+        if (has_forced) {
+            pick[j] = (int)forced[j];
+            continue;
+        }
+        int best = -1, bk = 0;
+        for (int e = lane; e < n; e += 32) route_consider(lg, e, scoring, m, z, j, pk, pi, best, bk);
+        for (int o = 16; o > 0; o >>= 1) {
+            int ob = __shfl_xor_sync(FULL, best, o), ok = __shfl_xor_sync(FULL, bk, o);
+            if (ob >= 0 && (best < 0 || before(ok, ob, bk, best))) { best = ob; bk = ok; }
+        }
+        pick[j] = best;
+        pk = bk;
+        pi = best;
+    }
+    if (lane == 0)
+        route_write(lg, k, scoring, norm, m, z, pick, base, pes_off, has_pes, ids, weights);
+}
+
 // The forced ids of one decode row, passed by value (no host-to-device copy).
 struct ForcedIds {
     u32 ids[ROUTE_MAX_K];
 };
 
-// route for the one row of a decode step (one thread, no trace), its ids and weights left in
-// device memory for qmv_ids and combine_ids.
+// route for the one row of a decode step (one warp, no trace), its ids and weights left in
+// device memory for qmv_glu_ids and qmv_down_combine_ids (moe.cu).
 extern "C" __global__ void route_one(const float* logits, int n, int k, int scoring, int norm,
                                      const unsigned char* base, u64 pes_off, int has_pes,
                                      ForcedIds forced, int has_forced, u32* ids, float* weights) {
-    if (blockIdx.x != 0 || threadIdx.x != 0) return;
-    float margin;
-    route_row(logits, n, k, scoring, norm, base, pes_off, has_pes, 0, forced.ids, has_forced, ids,
-              weights, &margin);
-}
-
-// acc[c] += weights[i] * y[i * cols + c] over the k experts of one decode row, taken in
-// ascending expert id (scatter_add over a stack in expert order: the same sums in the same
-// order).
-extern "C" __global__ void combine_ids(float* acc, const float* y, const u32* ids,
-                                       const float* weights, int k, u64 cols) {
-    __shared__ int order[ROUTE_MAX_K];
-    if (threadIdx.x == 0) {
-        // Selection by rank: the ids of a row are distinct.
-        for (int i = 0; i < k; ++i) {
-            int rank = 0;
-            for (int j = 0; j < k; ++j) rank += ids[j] < ids[i];
-            order[rank] = i;
-        }
-    }
-    __syncthreads();
-    FOR_EACH(c, cols) {
-        for (int j = 0; j < k; ++j) {
-            int i = order[j];
-            acc[c] += weights[i] * y[(u64)i * cols + c];
-        }
-    }
+    if (blockIdx.x != 0 || threadIdx.x >= 32) return;
+    route_row_warp(logits, n, k, scoring, norm, base, pes_off, has_pes, forced.ids, has_forced,
+                   ids, weights);
 }

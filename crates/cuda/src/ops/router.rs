@@ -6,7 +6,7 @@ impl CudaBackend {
     pub(crate) fn route(&self, logits: &CudaTensor, spec: &RouterSpec) -> OpResult<Routes> {
         let op = "route";
         let (t, n_exp, k) = (logits.rows, logits.cols, spec.top_k);
-        let (scoring, norm, pes_off, has_pes) = self.route_args(op, spec, t, n_exp)?;
+        self.route_args(op, spec, t, n_exp)?;
         // One readback: ids, then weight bits, then margin bits.
         let out = self
             .stream
@@ -15,6 +15,47 @@ impl CudaBackend {
         let base = self.addr(&out);
         let (ids_at, wts_at, margins_at) =
             (base, base + (4 * t * k) as u64, base + (8 * t * k) as u64);
+        if t == 1 && !spec.trace {
+            // One decode row: the warp kernel of the device-routed path (the same bits as
+            // `route`'s one thread per row, faster), forced ids by value.
+            self.route_one(op, logits, spec, ids_at, wts_at)?;
+        } else {
+            self.route_rows(op, logits, spec, base, ids_at, wts_at, margins_at)?;
+        }
+        let back = self.to_host(op, &out)?;
+        let (ids, rest) = back.split_at(t * k);
+        let (wts, margins) = rest.split_at(t * k);
+        let wts: Vec<f32> = wts.iter().map(|&b| f32::from_bits(b)).collect();
+        let mut experts: BTreeMap<usize, Vec<(usize, f32)>> = BTreeMap::new();
+        for (row, (ri, rw)) in ids.chunks_exact(k).zip(wts.chunks_exact(k)).enumerate() {
+            for (&e, &w) in ri.iter().zip(rw) {
+                experts.entry(e as usize).or_default().push((row, w));
+            }
+        }
+        let margins = if spec.trace {
+            margins.iter().map(|&b| f32::from_bits(b)).collect()
+        } else {
+            Vec::new()
+        };
+        Ok(Routes { experts, margins })
+    }
+
+    /// The `route` kernel over `logits`' rows (one thread each): ids, weight bits and margin
+    /// bits at the device addresses `ids_at`, `wts_at`, `margins_at`; `scratch` is a device
+    /// address the kernel never reads when no ids are forced.
+    #[allow(clippy::too_many_arguments)]
+    fn route_rows(
+        &self,
+        op: &'static str,
+        logits: &CudaTensor,
+        spec: &RouterSpec,
+        scratch: u64,
+        ids_at: u64,
+        wts_at: u64,
+        margins_at: u64,
+    ) -> OpResult<()> {
+        let (t, n_exp, k) = (logits.rows, logits.cols, spec.top_k);
+        let (scoring, norm, pes_off, has_pes) = self.route_args(op, spec, t, n_exp)?;
         let forced = match spec.forced {
             Some(f) => {
                 let v: Vec<u32> = f.iter().map(|&e| e as u32).collect();
@@ -23,7 +64,7 @@ impl CudaBackend {
             None => None,
         };
         // Without forced ids the kernel never reads the pointer.
-        let forced_at = forced.as_ref().map_or(base, |f| self.addr(f));
+        let forced_at = forced.as_ref().map_or(scratch, |f| self.addr(f));
         let has_forced = spec.forced.is_some() as i32;
         let (ti, ni, ki) = (t as i32, n_exp as i32, k as i32);
         let trace = spec.trace as i32;
@@ -51,23 +92,49 @@ impl CudaBackend {
             &ids_at,
             &wts_at,
             &margins_at
-        )?;
-        let back = self.to_host(op, &out)?;
-        let (ids, rest) = back.split_at(t * k);
-        let (wts, margins) = rest.split_at(t * k);
-        let wts: Vec<f32> = wts.iter().map(|&b| f32::from_bits(b)).collect();
-        let mut experts: BTreeMap<usize, Vec<(usize, f32)>> = BTreeMap::new();
-        for (row, (ri, rw)) in ids.chunks_exact(k).zip(wts.chunks_exact(k)).enumerate() {
-            for (&e, &w) in ri.iter().zip(rw) {
-                experts.entry(e as usize).or_default().push((row, w));
+        )
+    }
+
+    /// The `route_one` kernel (one warp) over the one row of `logits`: ids and weight bits at
+    /// the device addresses `ids`, `wts` (forced ids passed by value).
+    pub(crate) fn route_one(
+        &self,
+        op: &'static str,
+        logits: &CudaTensor,
+        spec: &RouterSpec,
+        ids: u64,
+        wts: u64,
+    ) -> OpResult<()> {
+        let (n_exp, k) = (logits.cols, spec.top_k);
+        let (scoring, norm, pes_off, has_pes) = self.route_args(op, spec, 1, n_exp)?;
+        let mut forced = ForcedIds {
+            ids: [0; ROUTE_MAX_K],
+        };
+        if let Some(f) = spec.forced {
+            for (d, &e) in forced.ids.iter_mut().zip(f) {
+                *d = e as u32;
             }
         }
-        let margins = if spec.trace {
-            margins.iter().map(|&b| f32::from_bits(b)).collect()
-        } else {
-            Vec::new()
-        };
-        Ok(Routes { experts, margins })
+        let has_forced = spec.forced.is_some() as i32;
+        let (ni, ki) = (n_exp as i32, k as i32);
+        launch!(
+            self,
+            op,
+            "route_one",
+            blocks(1, 32),
+            &*logits.buf,
+            &ni,
+            &ki,
+            &scoring,
+            &norm,
+            &self.resident,
+            &pes_off,
+            &has_pes,
+            &forced,
+            &has_forced,
+            &ids,
+            &wts
+        )
     }
 
     /// The `route` / `route_one` kernels' scoring code, renormalisation flag and per-expert

@@ -195,3 +195,102 @@ pub(crate) fn write_and_attend<B: Backend>(
     }
     true
 }
+
+/// `rms_norm_rope_kv`: q (4 heads) and k, v (2 heads) of 2 rows after 7 written positions, into
+/// a linear FP32 cache and an FP16 ring that wraps: q, k and v against the reference norms and
+/// partial RoPE, then attention over the cache against the reference over the host rows.
+pub(crate) fn norm_rope_kv<B: Backend>(h: &mut Harness<B>, rng: &mut Rng, w: &TestWeights) {
+    let buf = h.buf;
+    let (d, nh, nkv, t, prior) = (32, 4, 2, 2, 7);
+    let rope = Rope::neox(16, 10000.0);
+    let (qn, kn) = (Norm::Weight(&w.w32), Norm::OnePlusWeight(&w.w32));
+    for (dtype, window) in [(KvDtype::F32, None), (KvDtype::F16, Some(3))] {
+        let name = format!("rms_norm_rope_kv {dtype:?} window {window:?}");
+        let rows = window.map_or(prior + t, |w| w + 5);
+        let r = h.be.new_kv(rows, window.is_some(), nkv, d, dtype);
+        let Some(mut kv) = h.ok("new_kv", r) else {
+            return;
+        };
+        let (pk, pv) = (rng.vec(prior * nkv * d, 2.0), rng.vec(prior * nkv * d, 1.0));
+        let (q, k, v) = (
+            rng.vec(t * nh * d, 2.0),
+            rng.vec(t * nkv * d, 2.0),
+            rng.vec(t * nkv * d, 1.5),
+        );
+        let ups =
+            [(&pk, nkv), (&pv, nkv), (&q, nh), (&k, nkv), (&v, nkv)].map(|(x, n)| h.up(x, n * d));
+        let [Some(pkt), Some(pvt), Some(mut qt), Some(mut kt), Some(mut vt)] = ups else {
+            return;
+        };
+        let r = h.be.kv_write(&mut kv, 0, &pkt, &pvt);
+        if h.ok("kv_write", r).is_none() {
+            return;
+        }
+        let r = h.be.rms_norm_rope_kv(
+            &mut qt,
+            qn,
+            &mut kt,
+            kn,
+            &mut vt,
+            Some(Norm::NoScale),
+            1e-6,
+            &rope,
+            d,
+            prior,
+            &mut kv,
+        );
+        if h.ok("rms_norm_rope_kv", r).is_none() {
+            continue;
+        }
+        let want_q = refr::rope(
+            &refr::rms_norm(&q, d, qn, buf, 1e-6),
+            nh * d,
+            &rope,
+            d,
+            prior,
+        );
+        let want_k = refr::rope(
+            &refr::rms_norm(&k, d, kn, buf, 1e-6),
+            nkv * d,
+            &rope,
+            d,
+            prior,
+        );
+        let want_v = refr::rms_norm(&v, d, Norm::NoScale, buf, 1e-6);
+        for (what, tensor, want) in [
+            ("q", &qt, &want_q),
+            ("k", &kt, &want_k),
+            ("v", &vt, &want_v),
+        ] {
+            if let Some(got) = h.read(tensor) {
+                h.expect_close(&format!("{name} {what}"), &got, want, 2e-6);
+            }
+        }
+        let mut hk = kv_rounded(dtype, &pk);
+        let mut hv = kv_rounded(dtype, &pv);
+        hk.extend(kv_rounded(dtype, &want_k));
+        hv.extend(kv_rounded(dtype, &want_v));
+        let shape = AttnShape {
+            n_heads: nh,
+            n_kv_heads: nkv,
+            head_dim: d,
+            window,
+            scale: 1.0 / (d as f32).sqrt(),
+            sinks: None,
+        };
+        let qa = rng.vec(t * nh * d, 2.0);
+        let Some(qat) = h.up(&qa, nh * d) else { return };
+        let r = h.be.attention(&qat, &kv, prior, &shape);
+        if let Some(o) = h.ok("attention", r) {
+            let want = refr::attention(&qa, &hk, &hv, prior, &shape);
+            let budget = if dtype == KvDtype::F16 {
+                F16_KV_REL
+            } else {
+                EXACT_REL
+            };
+            if let Some(got) = h.read(&o) {
+                h.expect_close(&format!("{name} attention"), &got, &want, budget);
+            }
+        }
+    }
+}

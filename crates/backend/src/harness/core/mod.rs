@@ -5,8 +5,8 @@ mod norms;
 mod products;
 mod router;
 
-pub(crate) use attention::{attention_ops, rope_ops};
-pub(crate) use norms::norms_and_elementwise;
+pub(crate) use attention::{attention_ops, norm_rope_kv, rope_ops};
+pub(crate) use norms::{norms_and_elementwise, two_into_residual};
 pub(crate) use products::products;
 pub(crate) use router::{check_routes, router_ops};
 

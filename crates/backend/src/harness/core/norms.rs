@@ -288,3 +288,103 @@ fn scatter_many<B: Backend>(h: &mut Harness<B>, rng: &mut Rng, x: &[f32]) {
         }
     }
 }
+
+/// `add_rms_norm2_pre`: two block outputs normed (a weight, a 1 + w weight) and summed, into the
+/// residual by a post-norm and a scale, then two pre-norms of the new residual (one with a column
+/// scale), over whole rows and 32-wide pieces: against the reference, and bit for bit the ops it
+/// stands for (`rms_norm`, `add_rms_norm`, `add_rms_norm_pre`) on the same backend.
+pub(crate) fn two_into_residual<B: Backend>(h: &mut Harness<B>, rng: &mut Rng, w: &TestWeights) {
+    let buf = h.buf;
+    let t = 3;
+    for (dim, wd) in [(256, &w.w256), (32, &w.w32)] {
+        let (res, a, b) = (
+            rng.vec(t * 256, 1.0),
+            rng.vec(t * 256, 2.0),
+            rng.vec(t * 256, 0.5),
+        );
+        let (an, bn, post) = (Norm::Weight(wd), Norm::OnePlusWeight(wd), Norm::Weight(wd));
+        let pre = [
+            PreNorm {
+                norm: Norm::Weight(wd),
+                cols: None,
+            },
+            PreNorm {
+                norm: Norm::NoScale,
+                cols: Some((&w.w256, 0.5)),
+            },
+        ];
+        let name = format!("add_rms_norm2_pre (pieces of {dim})");
+        let ups = [&res, &a, &b, &res, &a].map(|v| h.up(v, 256));
+        let [Some(mut xt), Some(mut at), Some(bt), Some(mut xs), Some(mut a_sep)] = ups else {
+            return;
+        };
+        let r = h.be.add_rms_norm2_pre(
+            &mut xt,
+            &mut at,
+            an,
+            &bt,
+            bn,
+            dim,
+            Some(post),
+            1e-6,
+            0.75,
+            &pre,
+        );
+        let Some(outs) = h.ok("add_rms_norm2_pre", r) else {
+            continue;
+        };
+        let na = refr::rms_norm(&a, dim, an, buf, 1e-6);
+        let nb = refr::rms_norm(&b, dim, bn, buf, 1e-6);
+        let y: Vec<f32> = na.iter().zip(&nb).map(|(p, q)| p + q).collect();
+        let ny = refr::rms_norm(&y, dim, post, buf, 1e-6);
+        let new_x: Vec<f32> = res.iter().zip(&ny).map(|(r, n)| (r + n) * 0.75).collect();
+        // The sum left in `a`, the residual, the pre-norms.
+        let got: Vec<Option<Vec<f32>>> = [&at, &xt]
+            .into_iter()
+            .chain(outs.iter())
+            .map(|t| h.read(t))
+            .collect();
+        let mut wants = vec![y.clone(), new_x.clone()];
+        for p in &pre {
+            let mut want = refr::rms_norm(&new_x, dim, p.norm, buf, 1e-6);
+            if let Some((cw, c)) = p.cols {
+                for (j, v) in want.iter_mut().enumerate() {
+                    *v = (*v as f64 * cw.get(buf, j % 256) as f64 * c as f64) as f32;
+                }
+            }
+            wants.push(want);
+        }
+        for (i, (g, want)) in got.iter().zip(&wants).enumerate() {
+            if let Some(g) = g {
+                h.expect_close(&format!("{name} tensor {i}"), g, want, EXACT_REL);
+            }
+        }
+        // The separate ops.
+        let r = h.be.rms_norm(&mut a_sep, dim, an, 1e-6);
+        let r = r.and_then(|_| h.be.add_rms_norm(&mut a_sep, &bt, dim, bn, 1e-6, 1.0));
+        let r = r.and_then(|_| {
+            h.be.add_rms_norm_pre(&mut xs, &a_sep, dim, Some(post), 1e-6, 0.75, &pre)
+        });
+        let Some(sep_outs) = h.ok("add_rms_norm2_pre (separate ops)", r) else {
+            continue;
+        };
+        let sep: Vec<Option<Vec<f32>>> = [&a_sep, &xs]
+            .into_iter()
+            .chain(sep_outs.iter())
+            .map(|t| h.read(t))
+            .collect();
+        for (i, (g, s)) in got.iter().zip(&sep).enumerate() {
+            if let (Some(g), Some(s)) = (g, s) {
+                if g.iter()
+                    .map(|v| v.to_bits())
+                    .ne(s.iter().map(|v| v.to_bits()))
+                {
+                    h.fail(
+                        "add_rms_norm2_pre",
+                        format!("{name}: tensor {i} differs from the separate ops'"),
+                    );
+                }
+            }
+        }
+    }
+}

@@ -93,6 +93,82 @@ pub(crate) fn glu_rows<B: Backend>(
     }
 }
 
+/// `glu_mlp_combine`: three weighted experts (a blob, the resident bytes, the blob again: one
+/// matrix set) of one row added into an accumulator, against the f64 reference and bit for bit
+/// against `glu_mlp_rows` into a stack followed by `scatter_add`, the composition it replaces.
+pub(crate) fn glu_combine<B: Backend>(
+    h: &mut Harness<B>,
+    w: &TestWeights,
+    blob: &[u8],
+    x: &[f32],
+    xt: &B::Tensor,
+) {
+    let buf = h.buf;
+    let weights = [0.625f32, -1.25, 0.375];
+    let acc0: Vec<f32> = (0..256)
+        .map(|i| ((i * 37 % 101) as f32 - 50.0) / 64.0)
+        .collect();
+    let srcs = [Weights::Blob(blob), Weights::Resident, Weights::Blob(blob)];
+    for (i, mlp) in w.mlps.iter().enumerate() {
+        let (g, u, d) = (&mlp.gate_proj, &mlp.up_proj, &mlp.down_proj);
+        let y = refr::glu_mlp(g, u, d, Act::Silu, buf, x);
+        let sw: f64 = weights.iter().map(|&v| v as f64).sum();
+        let want: Vec<f32> = acc0
+            .iter()
+            .zip(&y)
+            .map(|(&a, &v)| (a as f64 + sw * v as f64) as f32)
+            .collect();
+        let Some(mut acc) = h.up(&acc0, 256) else {
+            return;
+        };
+        let r =
+            h.be.glu_mlp_combine(mlp, Act::Silu, &srcs, &weights, xt, &mut acc);
+        if h.ok("glu_mlp_combine", r).is_none() {
+            continue;
+        }
+        let Some(got) = h.read(&acc) else { continue };
+        let budget = match h.budget_q(1) {
+            EXACT_REL => EXACT_REL,
+            _ => Q8_GLU_REL,
+        };
+        h.expect_close(&format!("glu_mlp_combine {i}"), &got, &want, budget);
+        // The composition: a stack of the three, then the weighted adds in order.
+        let (Some(mut stack), Some(mut acc2)) = (h.up(&[0.0; 3 * 256], 256), h.up(&acc0, 256))
+        else {
+            return;
+        };
+        let r =
+            h.be.glu_mlp_rows(mlp, Act::Silu, &srcs, xt, &mut stack, &[0, 1, 2]);
+        let pairs: Vec<(usize, f32)> = weights.iter().map(|&v| (0, v)).collect();
+        let r = r.and_then(|_| h.be.scatter_add(&mut acc2, &stack, &pairs));
+        if h.ok("glu_mlp_rows + scatter_add", r).is_none() {
+            continue;
+        }
+        if let Some(then) = h.read(&acc2) {
+            if then
+                .iter()
+                .map(|v| v.to_bits())
+                .ne(got.iter().map(|v| v.to_bits()))
+            {
+                h.fail(
+                    "glu_mlp_combine",
+                    format!("mlp {i}: not the bits of glu_mlp_rows + scatter_add"),
+                );
+            }
+        }
+        // One weight per expert.
+        if h.be
+            .glu_mlp_combine(mlp, Act::Silu, &srcs, &weights[..2], xt, &mut acc)
+            .is_ok()
+        {
+            h.fail(
+                "glu_mlp_combine",
+                "two weights for three experts were accepted".into(),
+            );
+        }
+    }
+}
+
 pub(crate) fn products<B: Backend>(h: &mut Harness<B>, rng: &mut Rng, w: &TestWeights) {
     let buf = h.buf;
     // Embedding.
@@ -173,6 +249,7 @@ pub(crate) fn products<B: Backend>(h: &mut Harness<B>, rng: &mut Rng, w: &TestWe
         }
         if t == 1 {
             glu_rows(h, w, &blob, &x, &xt);
+            glu_combine(h, w, &blob, &x, &xt);
             for (m, bits, gs) in &w.mats {
                 let r = h.be.head_argmax(m, &xt);
                 let Some((id, _)) = h.ok("head_argmax", r) else {

@@ -101,5 +101,41 @@ pub(crate) fn router_ops<B: Backend>(h: &mut Harness<B>, rng: &mut Rng, w: &Test
                 format!("margins {:?}, want {want_m:?}", routes.margins),
             );
         }
+        // Each row alone, untraced (a decode step; a GPU may run it on another kernel): the
+        // same ids and weight bits as in the batch.
+        for row in 0..t {
+            let one = &logits[row * n_exp..(row + 1) * n_exp];
+            let Some(ot) = h.up(one, n_exp) else { return };
+            let spec = RouterSpec {
+                trace: false,
+                forced: forced.map(|f| &f[row * k..(row + 1) * k]),
+                ..spec
+            };
+            let r = h.be.route(&ot, &spec);
+            let Some(alone) = h.ok("route", r) else {
+                continue;
+            };
+            let mut want: Vec<(usize, u32)> = routes
+                .experts
+                .iter()
+                .flat_map(|(&e, rs)| {
+                    rs.iter()
+                        .filter(|p| p.0 == row)
+                        .map(move |p| (e, p.1.to_bits()))
+                })
+                .collect();
+            want.sort_unstable();
+            let got: Vec<(usize, u32)> = alone
+                .experts
+                .iter()
+                .flat_map(|(&e, rs)| rs.iter().map(move |p| (e, p.1.to_bits())))
+                .collect();
+            if got != want || alone.experts.values().any(|rs| rs.iter().any(|p| p.0 != 0)) {
+                h.fail(
+                    &name,
+                    format!("row {row} alone: {got:?}, in the batch {want:?}"),
+                );
+            }
+        }
     }
 }
