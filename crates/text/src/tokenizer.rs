@@ -72,8 +72,20 @@ impl Tokenizer {
             Some(Err(why)) => Some(why),
             None => None,
         };
-        let inner = parse_json(&path, &bytes)?;
-        let outcome = match tokenizer_cache::encode(&bytes, &sha) {
+        // The cache's form is made while the `tokenizers` crate parses the same bytes; it is
+        // written only if that parse succeeds.
+        let (inner, encoded) = std::thread::scope(|s| {
+            let encoded = s.spawn(|| tokenizer_cache::encode(&bytes, &sha));
+            let inner = parse_json(&path, &bytes);
+            (
+                inner,
+                encoded
+                    .join()
+                    .expect("encoding the tokenizer cache panicked"),
+            )
+        });
+        let inner = inner?;
+        let outcome = match encoded {
             Err(why) => TokenizerCache::NotCacheable(why),
             Ok(c) => match write_atomically(cache, &c) {
                 Ok(()) => TokenizerCache::Written {
