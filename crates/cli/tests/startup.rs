@@ -3,9 +3,9 @@
 //! model's experts, and `--messages-file` taking the messages `serve` takes.
 
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Output;
 
-use mference_testkit::{demo_install, run_ok, run_refused};
+use mference_testkit::{copy_install, demo_install, run_ok, run_refused};
 
 const BIN: &str = env!("CARGO_BIN_EXE_mference");
 
@@ -25,16 +25,7 @@ fn ids(out: &Output) -> serde_json::Value {
 
 /// A copy of the demo install under `work` (so its cache starts absent).
 fn copy_demo(work: &Path) -> String {
-    let copy = work.join("demo.gturbo");
-    let ok = Command::new("cp")
-        .args([
-            "-r",
-            demo_install().to_str().unwrap(),
-            copy.to_str().unwrap(),
-        ])
-        .status()
-        .unwrap();
-    assert!(ok.success());
+    let copy = copy_install(demo_install(), work, "demo.gturbo");
     let _ = std::fs::remove_dir_all(copy.join("cache"));
     copy.to_str().unwrap().to_string()
 }

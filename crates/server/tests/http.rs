@@ -588,16 +588,7 @@ fn shutdown_ends_open_streams_in_band_and_answers_waiting_requests_503() {
 #[test]
 fn health_reports_a_model_that_cannot_serve() {
     let work = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let copy = work.path().join("copy.gturbo");
-    let ok = std::process::Command::new("cp")
-        .args([
-            "-r",
-            demo_install().to_str().unwrap(),
-            copy.to_str().unwrap(),
-        ])
-        .status()
-        .unwrap();
-    assert!(ok.success());
+    let copy = mference_testkit::copy_install(demo_install(), work.path(), "copy.gturbo");
     let srv = start_with(Opts::default(), |ctx| {
         let m = load_model_from(&copy, ctx);
         // After the load, before the first request (`serve` checks the files before its ready
