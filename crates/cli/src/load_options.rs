@@ -4,6 +4,7 @@
 
 use anyhow::{bail, Result};
 
+use mference_format::{Install, Manifest};
 use mference_models::{Device, GpuExpertBudget, LoadOptions};
 use mference_runtime::CacheSlots;
 
@@ -13,6 +14,16 @@ use crate::flags::{KvCache, ModelArgs, Slots};
 /// logits, serve, bench): the GPU-only flags are refused on the CPU, not ignored, and a CUDA
 /// device that cannot start is named before anything is read.
 pub fn device_flags(m: &ModelArgs) -> Result<()> {
+    let man = read_manifest(&m.model);
+    device_flags_for(
+        m,
+        man.as_ref().and_then(|b| Manifest::parse(b).ok()).as_ref(),
+    )
+}
+
+/// [`device_flags`] with the install's manifest already read (`None`: not an install, which the
+/// load reports).
+fn device_flags_for(m: &ModelArgs, man: Option<&Manifest>) -> Result<()> {
     if m.device == Device::Cpu && (m.gpu_expert_budget != GpuExpertBudget::Auto || m.gpu_force_miss)
     {
         bail!("--gpu-expert-budget and --gpu-force-miss apply on CUDA: add --device cuda");
@@ -20,12 +31,21 @@ pub fn device_flags(m: &ModelArgs) -> Result<()> {
     // `--device cuda` without CUDA, or without a kernel for an op the install's family needs,
     // fails here, before the model is sized or read (the family from its manifest, when there
     // is one: a path that is not an install is reported by the load).
-    let family = std::fs::read(m.model.join("manifest.json"))
-        .ok()
-        .and_then(|b| mference_format::Manifest::parse(&b).ok())
-        .map(|man| man.arch.family);
-    mference_models::check_device(m.device, family)?;
+    mference_models::check_device(m.device, man.map(|man| man.arch.family))?;
     Ok(())
+}
+
+/// The bytes of `dir/manifest.json`, if it can be read.
+fn read_manifest(dir: &std::path::Path) -> Option<Vec<u8>> {
+    std::fs::read(dir.join(mference_format::MANIFEST_FILE)).ok()
+}
+
+/// `run`'s start: the device flags checked, then the install opened with the load's checks
+/// (`--verify`), so that the checks can run while the tokenizer is built. The load options
+/// follow from [`load_options_for`] once the prompt (and so the prefill chunk) is known.
+pub(crate) fn open_install(m: &ModelArgs) -> Result<Install> {
+    device_flags(m)?;
+    Ok(Install::open(&m.model, m.verify.into())?)
 }
 
 /// `--expert-cache-slots` and the I/O mode: an explicit value wins; `auto` sizes the slot cache
@@ -34,23 +54,22 @@ pub fn device_flags(m: &ModelArgs) -> Result<()> {
 /// smaller than the expert files, and says on stderr what it chose and from which limit.
 fn resolve_slots(
     m: &ModelArgs,
+    man: Option<&Manifest>,
     prefill_chunk: usize,
     max_context: usize,
 ) -> Result<(CacheSlots, bool)> {
     let host_bytes = match (m.expert_cache_slots, m.host_expert_cache) {
         // clap refuses both flags given: beside --host-expert-cache the slots are the default.
         (_, Some(b)) => Some(b),
-        (Slots::Set(s), None) => return Ok((s, m.direct_io)),
+        (Slots::Set(s), None) => return Ok((clamp_slots(s, man), m.direct_io)),
         (Slots::Auto, None) => None,
     };
-    let dir = &m.model;
-    let Ok(bytes) = std::fs::read(dir.join("manifest.json")) else {
+    let Some(man) = man else {
         // Not an install: the load reports it.
         return Ok((CacheSlots::Resident, m.direct_io));
     };
-    let man = mference_format::Manifest::parse(&bytes)?;
     if let Some(b) = host_bytes {
-        return Ok((host_tier_slots(&man, b)?, m.direct_io));
+        return Ok((host_tier_slots(man, b)?, m.direct_io));
     }
     let size = |prefix: &str| -> u64 {
         man.files
@@ -118,9 +137,23 @@ fn resolve_slots(
     Ok((s.slots, s.direct_io || m.direct_io))
 }
 
+/// `--expert-cache-slots N` above the install's experts per layer is that many, with a note:
+/// the extra slots would hold nothing.
+fn clamp_slots(s: CacheSlots, man: Option<&Manifest>) -> CacheSlots {
+    match (s, man.map(|m| m.experts_per_layer)) {
+        (CacheSlots::Fixed(n), Some(experts)) if experts > 0 && n > experts => {
+            eprintln!(
+                "[--expert-cache-slots {n} is more than this model's {experts} experts per layer: using {experts} slots per layer]"
+            );
+            CacheSlots::Fixed(experts)
+        }
+        _ => s,
+    }
+}
+
 /// Slots per layer for `--host-expert-cache BYTES`: the bytes over every expert layer, at least
 /// top-k per layer (one token's experts), at most every expert.
-fn host_tier_slots(man: &mference_format::Manifest, bytes: u64) -> Result<CacheSlots> {
+fn host_tier_slots(man: &Manifest, bytes: u64) -> Result<CacheSlots> {
     let layers = man.expert_layer_files() as u64;
     let per_slot = man.expert_stride * layers.max(1);
     let n = (bytes / per_slot) as usize;
@@ -205,14 +238,47 @@ fn usable_memory() -> (u64, &'static str) {
 
 /// The load options the model flags ask for, with the prefill chunk rows and KV positions the
 /// command chose. Every flag is checked (the device probed) before the expert-cache sizing prints
-/// its line.
+/// its line; `manifest.json` is read once for both.
 pub(crate) fn load_options(
     m: &ModelArgs,
     prefill_chunk: usize,
     max_context: usize,
 ) -> Result<LoadOptions> {
-    device_flags(m)?;
-    let (slots, direct_io) = resolve_slots(m, prefill_chunk, max_context)?;
+    let bytes = read_manifest(&m.model);
+    device_flags_for(
+        m,
+        bytes
+            .as_ref()
+            .and_then(|b| Manifest::parse(b).ok())
+            .as_ref(),
+    )?;
+    // A manifest that does not parse is an error only where the sizing needs it (the load
+    // reports it otherwise).
+    let man = match (&bytes, m.expert_cache_slots, m.host_expert_cache) {
+        (Some(b), Slots::Auto, _) | (Some(b), _, Some(_)) => Some(Manifest::parse(b)?),
+        (Some(b), Slots::Set(_), None) => Manifest::parse(b).ok(),
+        _ => None,
+    };
+    options_for(m, man.as_ref(), prefill_chunk, max_context)
+}
+
+/// [`load_options`] for an install opened by [`open_install`] (flags checked, manifest parsed).
+pub(crate) fn load_options_for(
+    m: &ModelArgs,
+    install: &Install,
+    prefill_chunk: usize,
+    max_context: usize,
+) -> Result<LoadOptions> {
+    options_for(m, Some(&install.manifest), prefill_chunk, max_context)
+}
+
+fn options_for(
+    m: &ModelArgs,
+    man: Option<&Manifest>,
+    prefill_chunk: usize,
+    max_context: usize,
+) -> Result<LoadOptions> {
+    let (slots, direct_io) = resolve_slots(m, man, prefill_chunk, max_context)?;
     let mut o = LoadOptions {
         slots,
         expert_policy: m.expert_cache_policy.into(),

@@ -9,7 +9,7 @@ use clap::Args;
 use mference_server::{BindMode, PromptCacheMode, ServerConfig, TextSide};
 
 use crate::flags::ModelArgs;
-use crate::load_options::load_options;
+use crate::load_options::{load_options_for, open_install};
 
 /// Context sizes the server accepts, as the original (`ServerArguments.swift`).
 const CONTEXTS: [usize; 6] = [4096, 8192, 16384, 32768, 65536, 128000];
@@ -65,14 +65,24 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     crate::run_cmd::check_install_dir(&a.model.model)?;
     let bind = BindMode::parse(&a.bind).map_err(anyhow::Error::msg)?;
     let cache = PromptCacheMode::parse(&a.prompt_cache_mode).map_err(anyhow::Error::msg)?;
-    // Resolve the address first: a tailnet failure should not wait for a model load.
+    // The port first: a tailnet failure or a port in use fails now, before anything is read.
     let ip = bind.resolve()?;
-    // The load time on the ready line counts the tokenizer too, as `run`'s load line does.
+    let listener = mference_server::bind(SocketAddr::new(ip, a.port))?;
+    // The load time on the ready line counts the tokenizer too, as `run`'s load line does. The
+    // text side is built while the install's files are checked, as in `run`.
     let t0 = Instant::now();
-    let text = TextSide::load(&a.model.model)
-        .with_context(|| format!("loading the text side of {}", a.model.model.display()))?;
-    let limit = crate::run_cmd::max_positions(&a.model.model)?;
-    let max_context = match (a.max_context, limit) {
+    let (text, install) = std::thread::scope(|s| {
+        let text = s.spawn(|| TextSide::load(&a.model.model));
+        let install = open_install(&a.model);
+        (
+            text.join().expect("loading the text side panicked"),
+            install,
+        )
+    });
+    let text =
+        text.with_context(|| format!("loading the text side of {}", a.model.model.display()))?;
+    crate::run_cmd::cache_note(&text);
+    let max_context = match (a.max_context, text.max_positions) {
         (Some(c), Some(m)) if c > m => {
             bail!("--max-context {c} exceeds the model's max_position_embeddings {m}")
         }
@@ -89,10 +99,9 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         .model_id
         .clone()
         .unwrap_or_else(|| mference_server::default_model_id(text.family).to_string());
-    let opts = load_options(&a.model, prefill_chunk, max_context)?;
-    // The port first: one in use fails now, not after the load.
-    let listener = mference_server::bind(SocketAddr::new(ip, a.port))?;
-    let model = mference_models::load(&a.model.model, &opts)?;
+    let install = install?;
+    let opts = load_options_for(&a.model, &install, prefill_chunk, max_context)?;
+    let model = mference_models::load_install(install, &opts)?;
     // Every expert file is checked (under the verify policy) before the ready line, so a damaged
     // install fails here instead of failing every request.
     let install = &model.engine().install;

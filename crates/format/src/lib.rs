@@ -52,6 +52,10 @@ pub const LAYOUT_FILE: &str = "packed_experts/layout.json";
 pub const EXPERTS_DIR: &str = "packed_experts";
 /// Directory (relative) holding the tokenizer sidecars and the checkpoint's `config.json`.
 pub const TOKENIZER_DIR: &str = "tokenizer";
+/// The compact form of `tokenizer/tokenizer.json` that `run` and `serve` build on their first
+/// start and use afterwards, bound to that file's SHA-256 (ours; not in the manifest or the
+/// receipt: it is derived, checked on every load, and may be deleted).
+pub const TOKENIZER_CACHE_FILE: &str = "cache/tokenizer.bin";
 
 /// Relative path of the expert file of `layer` (`packed_experts/layer_NN.bin`).
 pub fn layer_file_name(layer: usize) -> String {

@@ -189,6 +189,14 @@ impl Engine {
                 "prefill chunk and max context must be positive".into(),
             ));
         }
+        // More slots than a layer has experts hold nothing more (the streamer uses
+        // `count(experts)`): the engine states the slots that exist.
+        let slots = match (opts.slots, install.layout.experts_per_layer) {
+            (CacheSlots::Fixed(n), experts) if experts > 0 && n > experts => {
+                CacheSlots::Fixed(experts)
+            }
+            (s, _) => s,
+        };
         Ok(Self {
             install,
             map: Arc::new(map),
@@ -198,7 +206,7 @@ impl Engine {
             device: String::new(),
             device_fallback: None,
             io: IoPool::new(4),
-            slots: opts.slots,
+            slots,
             expert_policy: opts.expert_policy,
             direct_io: opts.direct_io,
             prefill_chunk: opts.prefill_chunk,

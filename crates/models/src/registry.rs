@@ -18,7 +18,14 @@ use crate::{
 /// Errors: any install check (`mference_format`, an unknown `model_type` among them), an option
 /// the family does not take, or a tensor that does not match the config.
 pub fn load(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn Model>, ModelError> {
-    let install = Install::open(dir, opts.verify)?;
+    load_install(Install::open(dir, opts.verify)?, opts)
+}
+
+/// [`load`] of an install the caller has opened (with `opts.verify`), so that the install's
+/// checks can run while the caller does other work (`run` builds its tokenizer meanwhile).
+///
+/// Errors: those of [`load`] after the install checks.
+pub fn load_install(install: Install, opts: &LoadOptions) -> Result<Box<dyn Model>, ModelError> {
     let family = Family::from_config(&install.config_json)?;
     let model_type = config_model_type(&install.config_json).to_string();
     check_options(family, &model_type, opts)?;

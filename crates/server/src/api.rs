@@ -92,6 +92,20 @@ fn integer(o: &Map<String, Value>, key: &str) -> Result<Option<i64>, ApiError> {
     }
 }
 
+/// `seed`: any integer from 0 to 2^64 - 1 (the sampler's seed is a `u64`); a negative or larger
+/// number, a fraction or a string is refused with the range.
+fn seed(o: &Map<String, Value>) -> Result<Option<u64>, ApiError> {
+    match field(o, "seed") {
+        None => Ok(None),
+        Some(v) => v.as_u64().map(Some).ok_or_else(|| {
+            ApiError::param(
+                "seed",
+                format!("`seed` must be an integer from 0 to {}, got {v}", u64::MAX),
+            )
+        }),
+    }
+}
+
 fn boolean(o: &Map<String, Value>, key: &str) -> Result<Option<bool>, ApiError> {
     match field(o, key) {
         None => Ok(None),
@@ -193,7 +207,7 @@ fn common(o: &Map<String, Value>, logprobs: Option<usize>) -> Result<Common, Api
             format!("`repetition_penalty` must be > 0, got {repetition_penalty}"),
         ));
     }
-    let seed = integer(o, "seed")?.map(|s| s as u64);
+    let seed = seed(o)?;
     let stop = match field(o, "stop") {
         None => Vec::new(),
         Some(Value::String(s)) => vec![s.clone()],
@@ -379,7 +393,8 @@ pub(crate) fn parse_chat(
         .ok_or_else(|| ApiError::param("messages", "`messages` is required"))?
         .as_array()
         .ok_or_else(|| ApiError::param("messages", "`messages` must be an array"))?;
-    let messages = crate::messages::normalize(messages, family)?;
+    let messages = mference_session::normalize_messages(messages, family)
+        .map_err(|e| ApiError::param(e.param, e.message))?;
     Ok(ChatRequest {
         common,
         messages,
@@ -578,6 +593,26 @@ mod tests {
             let e = top_k(bad.clone()).unwrap_err();
             assert_eq!(e.status.as_u16(), 400, "{bad}");
             assert_eq!(e.param.as_deref(), Some("top_k"), "{bad}");
+        }
+    }
+
+    /// The sampler's seed is a u64: its whole range reaches it unchanged (2^64 - 1 was refused as
+    /// "must be an integer", and -1 became 2^64 - 1 without a word).
+    #[test]
+    fn seed_takes_the_whole_u64_range_and_refuses_the_rest_with_it() {
+        let seed = |v: Value| chat(json!({ "seed": v })).map(|r| r.common.sampling.seed);
+        assert_eq!(seed(json!(0)).unwrap(), Some(0));
+        assert_eq!(seed(json!(u64::MAX)).unwrap(), Some(u64::MAX));
+        assert_eq!(seed(Value::Null).unwrap(), None, "null: no seed");
+        let body = r#"{"model": "m", "messages": [{"role": "user", "content": "hi"}], "seed": 18446744073709551615}"#;
+        let parsed = parse_chat(&serde_json::from_str(body).unwrap(), "m", Family::Gemma4);
+        assert_eq!(parsed.unwrap().common.sampling.seed, Some(u64::MAX));
+        let too_big: Value = serde_json::from_str("18446744073709551616").unwrap();
+        for bad in [json!(-1), json!(1.5), json!("7"), too_big] {
+            let e = seed(bad.clone()).unwrap_err();
+            assert_eq!(e.status.as_u16(), 400, "{bad}");
+            assert_eq!(e.param.as_deref(), Some("seed"), "{bad}");
+            assert!(e.message.contains("18446744073709551615"), "{}", e.message);
         }
     }
 }

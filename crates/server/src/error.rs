@@ -23,6 +23,9 @@ pub struct ApiError {
     /// `false`: sending the same request again cannot help (the header `x-should-retry: false`,
     /// which the official OpenAI clients obey, goes with the status).
     pub retryable: bool,
+    /// Seconds after which the same request may succeed (a full queue), sent as the standard
+    /// `Retry-After` header (RFC 9110 section 10.2.3), which the official OpenAI clients obey.
+    pub retry_after: Option<u32>,
     /// Already written to the server log (by the generation thread's completion line).
     pub(crate) logged: bool,
 }
@@ -49,6 +52,7 @@ impl ApiError {
             code: None,
             raw_output: None,
             retryable: true,
+            retry_after: None,
             logged: false,
         }
     }
@@ -56,6 +60,12 @@ impl ApiError {
     /// Sets the machine-readable code.
     pub fn with_code(mut self, code: &'static str) -> Self {
         self.code = Some(code);
+        self
+    }
+
+    /// Says when to try again ([`ApiError::retry_after`]).
+    pub fn with_retry_after(mut self, seconds: u32) -> Self {
+        self.retry_after = Some(seconds);
         self
     }
 
@@ -102,6 +112,10 @@ impl IntoResponse for ApiError {
                 "x-should-retry",
                 axum::http::HeaderValue::from_static("false"),
             );
+        }
+        if let Some(s) = self.retry_after {
+            r.headers_mut()
+                .insert(axum::http::header::RETRY_AFTER, s.into());
         }
         r
     }

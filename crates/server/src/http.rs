@@ -325,6 +325,11 @@ async fn completions(State(st): State<Shared>, req: Request) -> Response {
     }
 }
 
+/// The `Retry-After` of a 429 (queue full), in seconds: a place in the queue opens whenever a
+/// generation ends, which the server cannot foresee; one second lets a client poll without
+/// flooding the server.
+const QUEUE_FULL_RETRY_AFTER_S: u32 = 1;
+
 /// Context check, queue admission (429 when full), then the JSON or SSE response.
 async fn submit(
     st: &Shared,
@@ -391,7 +396,8 @@ async fn submit(
             StatusCode::TOO_MANY_REQUESTS,
             "the generation queue is full; retry later",
         )
-        .with_code("queue_full"),
+        .with_code("queue_full")
+        .with_retry_after(QUEUE_FULL_RETRY_AFTER_S),
         mpsc::error::TrySendError::Closed(_) => ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
             "the generation thread has stopped",

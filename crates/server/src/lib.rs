@@ -25,7 +25,6 @@ mod error;
 #[doc(hidden)]
 pub mod fuzz;
 mod http;
-mod messages;
 mod metrics;
 mod stats;
 mod ui;

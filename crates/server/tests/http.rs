@@ -516,9 +516,15 @@ fn queue_limit_gives_429_and_streams_get_heartbeats() {
     std::thread::sleep(Duration::from_millis(400));
     let queued = std::thread::spawn(move || post_stream(a, "/v1/completions", &long(true)));
     std::thread::sleep(Duration::from_millis(300));
-    let (s, b) = post(a, "/v1/completions", &long(false));
+    let (s, b, retry_after) = post_header(a, "/v1/completions", &long(false), "retry-after");
     assert_error(s, &b, 429, "third request with queue limit 1");
     assert_eq!(b["error"]["type"], "rate_limit_error");
+    // When to try again (RFC 9110 `Retry-After`, in seconds), which OpenAI clients obey.
+    let retry_after: u32 = retry_after
+        .expect("a 429 without Retry-After")
+        .parse()
+        .expect("Retry-After in whole seconds");
+    assert!(retry_after >= 1, "{retry_after}");
     let (ra, rb) = (running.join().unwrap(), queued.join().unwrap());
     assert_eq!((ra.status, rb.status), (200, 200));
     assert_eq!(ra.data().last().unwrap(), "[DONE]");
@@ -582,16 +588,7 @@ fn shutdown_ends_open_streams_in_band_and_answers_waiting_requests_503() {
 #[test]
 fn health_reports_a_model_that_cannot_serve() {
     let work = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let copy = work.path().join("copy.gturbo");
-    let ok = std::process::Command::new("cp")
-        .args([
-            "-r",
-            demo_install().to_str().unwrap(),
-            copy.to_str().unwrap(),
-        ])
-        .status()
-        .unwrap();
-    assert!(ok.success());
+    let copy = mference_testkit::copy_install(demo_install(), work.path(), "copy.gturbo");
     let srv = start_with(Opts::default(), |ctx| {
         let m = load_model_from(&copy, ctx);
         // After the load, before the first request (`serve` checks the files before its ready

@@ -11,6 +11,8 @@
 //! - [`ResponseFormat`] → [`TextSide::compile`] → [`Constraint`]: JSON mode and JSON Schema by
 //!   llguidance; the mask is applied before sampling, so a constrained greedy request reads the
 //!   full logits row back instead of the fused head argmax.
+//! - [`normalize_messages`]: OpenAI chat messages (string content or text parts, tool calls)
+//!   checked and turned into template input, for `serve` and `run --messages-file` alike.
 //! - [`check_install_dir`], [`max_positions`]: what a command checks before loading.
 //!
 //! Units: token counts are tokens, durations are [`std::time::Duration`]s, logits rows are
@@ -19,12 +21,14 @@
 mod constraint;
 mod generate;
 mod logprobs;
+mod messages;
 mod text;
 mod tool_gate;
 
 pub use constraint::{Constraint, ResponseFormat};
 pub use generate::{Finish, GenStats, Outcome, Reasoning, Request, Session, Sink};
 pub use logprobs::TokenLogprob;
+pub use messages::{normalize_messages, MessageError};
 pub use text::{check_install_dir, max_positions, tool_marker, ChatPrompt, TextSide};
 
 use mference_models::ModelError;

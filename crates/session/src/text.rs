@@ -4,7 +4,9 @@
 use std::path::Path;
 use std::sync::OnceLock;
 
-use mference_text::{stop_token_ids, ChatTemplate, Family, ReasoningParser, TextError, Tokenizer};
+use mference_text::{
+    stop_token_ids, ChatTemplate, Family, ReasoningParser, TextError, Tokenizer, TokenizerCache,
+};
 use serde_json::{Map, Value};
 
 use crate::constraint::Grammars;
@@ -29,6 +31,10 @@ pub struct TextSide {
     /// The family's tool-call marker token ([`tool_marker_token`]) as one id: a call carries
     /// this token; the same characters spelled by other tokens are prose.
     pub tool_marker_id: Option<u32>,
+    /// What [`TextSide::load`] did with the install's tokenizer cache
+    /// ([`mference_format::TOKENIZER_CACHE_FILE`]); `None` for a text side made by
+    /// [`TextSide::new`].
+    pub tokenizer_cache: Option<TokenizerCache>,
     /// The grammar compiler, built on the first constrained request (it indexes the vocabulary).
     pub(crate) grammars: OnceLock<Result<Grammars, String>>,
 }
@@ -132,13 +138,16 @@ pub fn tool_marker_token(family: Family) -> &'static str {
 
 impl TextSide {
     /// Loads `<install>/tokenizer/` (tokenizer, template and `config.json`'s `model_type` and
-    /// position limit).
+    /// position limit). The tokenizer comes from the install's tokenizer cache when that was
+    /// made from this `tokenizer.json`, else from `tokenizer.json`, and the cache is then
+    /// (re)written ([`Tokenizer::from_dir_cached`]; the outcome is in `tokenizer_cache`).
     ///
     /// Errors: [`SessionError::Text`] for the tokenizer or a template that does not compile,
     /// [`SessionError::Install`] for a missing `config.json` or an unknown `model_type`.
     pub fn load(install: &Path) -> Result<Self, SessionError> {
         let dir = install.join("tokenizer");
-        let tokenizer = Tokenizer::from_dir(&dir)?;
+        let (tokenizer, cache) =
+            Tokenizer::from_dir_cached(&dir, &install.join(mference_format::TOKENIZER_CACHE_FILE))?;
         let template = match ChatTemplate::from_dir(&dir) {
             Ok(t) => Some(t),
             Err(TextError::NoChatTemplate(_)) => None,
@@ -156,12 +165,9 @@ impl TextSide {
         let family =
             Family::from_config(&config).map_err(|e| SessionError::Install(e.to_string()))?;
         check_vocab(&tokenizer, &config)?;
-        Ok(Self::new(
-            tokenizer,
-            template,
-            family,
-            max_positions_of(&config),
-        ))
+        let mut text = Self::new(tokenizer, template, family, max_positions_of(&config));
+        text.tokenizer_cache = Some(cache);
+        Ok(text)
     }
 
     /// A text side from its parts (the stop ids and markers are looked up in `tokenizer`).
@@ -185,6 +191,7 @@ impl TextSide {
             template,
             family,
             max_positions,
+            tokenizer_cache: None,
             grammars: OnceLock::new(),
         }
     }

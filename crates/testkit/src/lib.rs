@@ -64,6 +64,19 @@ pub fn demo_install() -> &'static Path {
     installed_asset("gemma4-tiny")
 }
 
+/// A copy of the install `src` at `dir/name` (`cp -r`), for a test that damages or changes it.
+pub fn copy_install(src: &Path, dir: &Path, name: &str) -> PathBuf {
+    let copy = dir.join(name);
+    let ok = Command::new("cp")
+        .arg("-r")
+        .arg(src)
+        .arg(&copy)
+        .status()
+        .expect("running cp");
+    assert!(ok.success(), "cp -r {} {}", src.display(), copy.display());
+    copy
+}
+
 /// `assets/models/<name>` installed like [`demo_install`], once per test process and model.
 pub fn installed_asset(name: &str) -> &'static Path {
     installed_once(name, &|_| repo().join("assets/models").join(name))

@@ -4,7 +4,7 @@
 use crate::{parse_tool_calls, stop_token_ids, Family, TextError, Tokenizer, ToolCallSyntax};
 
 /// The bundled tokenizer folder (`assets/tokenizers/<name>`) of each family.
-fn tokenizer_dir(family: Family) -> std::path::PathBuf {
+pub(crate) fn tokenizer_dir(family: Family) -> std::path::PathBuf {
     let name = match family {
         Family::Gemma4 => "gemma4",
         Family::Qwen3_5Moe => "qwen3_6",

@@ -21,6 +21,9 @@ mod reasoning;
 mod stops;
 mod template;
 mod tokenizer;
+mod tokenizer_cache;
+#[cfg(test)]
+mod tokenizer_cache_tests;
 mod tool_calls;
 mod vocab;
 
@@ -29,7 +32,7 @@ pub use mference_format::{Family, ToolCallSyntax};
 pub use reasoning::{ReasoningParser, Split as ReasoningSplit};
 pub use stops::{stop_token_ids, StopStrings};
 pub use template::ChatTemplate;
-pub use tokenizer::Tokenizer;
+pub use tokenizer::{Tokenizer, TokenizerCache};
 pub use tool_calls::{parse_tool_calls, parse_tool_calls_with_tools, ParsedOutput, ToolCall};
 pub use vocab::TokenBytes;
 

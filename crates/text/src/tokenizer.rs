@@ -2,7 +2,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
-use crate::TextError;
+use crate::{tokenizer_cache, TextError};
 
 /// The tokenizer of an install: HF `tokenizer.json` (BPE, byte fallback / byte level), loaded with the
 /// pure-Rust `tokenizers` crate, plus the special tokens named in `tokenizer_config.json`.
@@ -33,28 +33,72 @@ impl Tokenizer {
     /// when it cannot be read, [`TextError::TokenizerLoad`] when it is not a valid HF tokenizer,
     /// [`TextError::Json`] when `tokenizer_config.json` is not valid JSON.
     pub fn from_dir(dir: &Path) -> Result<Self, TextError> {
-        let path = dir.join("tokenizer.json");
-        let bytes = std::fs::read(&path).map_err(|source| {
-            if source.kind() != std::io::ErrorKind::NotFound {
-                return TextError::Io {
-                    path: path.clone(),
-                    source,
-                };
+        let (path, bytes) = read_tokenizer_json(dir)?;
+        Self::with_config(dir, parse_json(&path, &bytes)?)
+    }
+
+    /// [`Tokenizer::from_dir`] through the compact form at `cache` (an install keeps it in
+    /// `cache/tokenizer.bin`): used when it was made from this `tokenizer.json` (SHA-256) and is
+    /// intact; otherwise `tokenizer.json` is parsed and the cache written (through a temporary
+    /// file and a rename, so a reader never sees half of one). The tokenizer is the same either
+    /// way; the [`TokenizerCache`] says which way it came.
+    ///
+    /// Errors: those of [`Tokenizer::from_dir`]; a cache that cannot be read or written is not
+    /// an error (the tokenizer is parsed from `tokenizer.json`, and the outcome says why).
+    pub fn from_dir_cached(dir: &Path, cache: &Path) -> Result<(Self, TokenizerCache), TextError> {
+        // tokenizer.json is hashed while the cache is read and built (the two take about as
+        // long as each other on two cores); the cache is used only if the digests then agree.
+        let (json, cached) = std::thread::scope(|s| {
+            let json = s.spawn(|| {
+                read_tokenizer_json(dir)
+                    .map(|(path, bytes)| (path, mference_format::hash::sha256_hex(&bytes), bytes))
+            });
+            let cached = match std::fs::read(cache) {
+                Ok(c) => Some(tokenizer_cache::decode(&c)),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+                Err(e) => Some(Err(tokenizer_cache::Stale::Invalid(e.to_string()))),
+            };
+            (
+                json.join().expect("hashing tokenizer.json panicked"),
+                cached,
+            )
+        });
+        let (path, sha, bytes) = json?;
+        let stale = match cached {
+            Some(Ok((bound, inner))) if bound == sha => {
+                return Ok((Self::with_config(dir, inner)?, TokenizerCache::Used));
             }
-            let missing: Vec<&str> = ["tokenizer.json", "tokenizer_config.json"]
-                .into_iter()
-                .filter(|f| !dir.join(f).exists())
-                .collect();
-            TextError::NoTokenizer {
-                dir: dir.to_path_buf(),
-                missing: missing.join(", "),
-            }
-        })?;
-        let inner =
-            tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| TextError::TokenizerLoad {
-                path: path.clone(),
-                message: e.to_string(),
-            })?;
+            Some(Ok(_)) => Some(tokenizer_cache::Stale::OtherSource),
+            Some(Err(why)) => Some(why),
+            None => None,
+        };
+        // The cache's form is made while the `tokenizers` crate parses the same bytes; it is
+        // written only if that parse succeeds.
+        let (inner, encoded) = std::thread::scope(|s| {
+            let encoded = s.spawn(|| tokenizer_cache::encode(&bytes, &sha));
+            let inner = parse_json(&path, &bytes);
+            (
+                inner,
+                encoded
+                    .join()
+                    .expect("encoding the tokenizer cache panicked"),
+            )
+        });
+        let inner = inner?;
+        let outcome = match encoded {
+            Err(why) => TokenizerCache::NotCacheable(why),
+            Ok(c) => match write_atomically(cache, &c) {
+                Ok(()) => TokenizerCache::Written {
+                    replaced: stale.map(|s| s.to_string()),
+                },
+                Err(e) => TokenizerCache::NotWritten(format!("{}: {e}", cache.display())),
+            },
+        };
+        Ok((Self::with_config(dir, inner)?, outcome))
+    }
+
+    /// The tokenizer `inner` with the special tokens of `dir/tokenizer_config.json`.
+    fn with_config(dir: &Path, inner: tokenizers::Tokenizer) -> Result<Self, TextError> {
         let config = read_tokenizer_config(dir)?;
         let bos_token = config.as_ref().and_then(|c| special_token(c, "bos_token"));
         let eos_token = config.as_ref().and_then(|c| special_token(c, "eos_token"));
@@ -114,6 +158,68 @@ impl Tokenizer {
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
     }
+}
+
+/// What [`Tokenizer::from_dir_cached`] did with the cache of `tokenizer.json`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TokenizerCache {
+    /// The cache was made from this `tokenizer.json`, was intact, and was used.
+    Used,
+    /// `tokenizer.json` was parsed and the cache written; `replaced` says why an existing cache
+    /// was not used (made from another `tokenizer.json`, damaged, another format).
+    Written {
+        /// Why the cache that was there was not used; `None` when there was none.
+        replaced: Option<String>,
+    },
+    /// `tokenizer.json` has no compact form (not a BPE model in the current layout): it is
+    /// parsed on every load. The reason.
+    NotCacheable(String),
+    /// `tokenizer.json` was parsed, and writing the cache failed (a read-only install): the
+    /// next load parses it again. The path and the I/O error.
+    NotWritten(String),
+}
+
+/// `dir/tokenizer.json`'s path and bytes.
+fn read_tokenizer_json(dir: &Path) -> Result<(PathBuf, Vec<u8>), TextError> {
+    let path = dir.join("tokenizer.json");
+    match std::fs::read(&path) {
+        Ok(bytes) => Ok((path, bytes)),
+        Err(source) if source.kind() != std::io::ErrorKind::NotFound => {
+            Err(TextError::Io { path, source })
+        }
+        Err(_) => {
+            let missing: Vec<&str> = ["tokenizer.json", "tokenizer_config.json"]
+                .into_iter()
+                .filter(|f| !dir.join(f).exists())
+                .collect();
+            Err(TextError::NoTokenizer {
+                dir: dir.to_path_buf(),
+                missing: missing.join(", "),
+            })
+        }
+    }
+}
+
+/// The `tokenizers` crate's own reading of `tokenizer.json` (the reference the cache is held to).
+fn parse_json(path: &Path, bytes: &[u8]) -> Result<tokenizers::Tokenizer, TextError> {
+    tokenizers::Tokenizer::from_bytes(bytes).map_err(|e| TextError::TokenizerLoad {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    })
+}
+
+/// Writes `bytes` to `path` through a temporary file in the same folder (created if missing)
+/// and a rename.
+fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir)?;
+    let name = path.file_name().unwrap_or_default().to_string_lossy();
+    let tmp = dir.join(format!(".{name}.{}.tmp", std::process::id()));
+    let written = std::fs::write(&tmp, bytes).and_then(|()| std::fs::rename(&tmp, path));
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written
 }
 
 /// Reads `dir/tokenizer_config.json` as a JSON object; `Ok(None)` when the file does not exist.

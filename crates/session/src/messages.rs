@@ -1,4 +1,5 @@
-//! Chat messages → template input, with the original's rules (the original Mference's server, github.com/NeelM0906/Mference):
+//! Chat messages → template input (one parser for `serve`'s `messages` and `run
+//! --messages-file`), with the original's rules (the original Mference's server, github.com/NeelM0906/Mference):
 //! roles system, developer, user, assistant and tool; guidance (system/developer) only at the
 //! start, consecutive guidance messages of the same role merged with a blank line; `developer` a
 //! distinct role only for Gemma (other families map it to system); tool-call arguments passed to
@@ -9,12 +10,32 @@ use std::collections::HashMap;
 
 use serde_json::{json, Value};
 
-use crate::error::ApiError;
 use mference_text::Family;
+
+/// A message list that cannot be rendered: the field at fault (`messages[2].tool_call_id`) and
+/// what was wrong. The server answers it as a 400 naming the field; `run --messages-file`
+/// prints it with the file's name.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{param}: {message}")]
+pub struct MessageError {
+    /// The field at fault, in the request's JSON (`messages[0].content[1]`).
+    pub param: String,
+    /// What was wrong and, where there is one, what to do.
+    pub message: String,
+}
+
+impl MessageError {
+    fn new(param: impl Into<String>, message: impl Into<String>) -> Self {
+        MessageError {
+            param: param.into(),
+            message: message.into(),
+        }
+    }
+}
 
 /// The text of a `content` field: a string, or a list of `{"type": "text", "text": …}` parts
 /// (joined with newlines). `null`/missing gives `None`; other part types are refused.
-fn text_content(m: &Value, at: &str) -> Result<Option<String>, ApiError> {
+fn text_content(m: &Value, at: &str) -> Result<Option<String>, MessageError> {
     match m.get("content") {
         None | Some(Value::Null) => Ok(None),
         Some(Value::String(s)) => Ok(Some(s.clone())),
@@ -27,13 +48,13 @@ fn text_content(m: &Value, at: &str) -> Result<Option<String>, ApiError> {
                 ) {
                     (Some("text"), Some(t)) => texts.push(t),
                     (Some("text"), None) => {
-                        return Err(ApiError::param(
+                        return Err(MessageError::new(
                             format!("{at}.content[{j}].text"),
                             "a text part needs a string `text`",
                         ))
                     }
                     (t, _) => {
-                        return Err(ApiError::param(
+                        return Err(MessageError::new(
                             format!("{at}.content[{j}]"),
                             format!(
                                 "content part type {} is not supported: only text (no multimodal input)",
@@ -45,17 +66,20 @@ fn text_content(m: &Value, at: &str) -> Result<Option<String>, ApiError> {
             }
             Ok(Some(texts.join("\n")))
         }
-        Some(_) => Err(ApiError::param(
+        Some(_) => Err(MessageError::new(
             format!("{at}.content"),
             "`content` must be a string or a list of text parts",
         )),
     }
 }
 
-/// Validates `messages` and returns the list to hand to `family`'s chat template.
-pub(crate) fn normalize(messages: &[Value], family: Family) -> Result<Vec<Value>, ApiError> {
+/// Validates `messages` (OpenAI chat messages: `content` a string or a list of text parts) and
+/// returns the list to hand to `family`'s chat template.
+///
+/// Errors: [`MessageError`] naming the first field at fault.
+pub fn normalize_messages(messages: &[Value], family: Family) -> Result<Vec<Value>, MessageError> {
     if messages.is_empty() {
-        return Err(ApiError::param(
+        return Err(MessageError::new(
             "messages",
             "`messages` must hold at least one message",
         ));
@@ -67,12 +91,12 @@ pub(crate) fn normalize(messages: &[Value], family: Family) -> Result<Vec<Value>
     for (i, m) in messages.iter().enumerate() {
         let at = format!("messages[{i}]");
         let role = m.get("role").and_then(Value::as_str).ok_or_else(|| {
-            ApiError::param(format!("{at}.role"), "every message needs a string `role`")
+            MessageError::new(format!("{at}.role"), "every message needs a string `role`")
         })?;
         match role {
             "system" | "developer" => {
                 if seen_turn {
-                    return Err(ApiError::param(
+                    return Err(MessageError::new(
                         format!("{at}.role"),
                         format!("a {role} message must come before every user, assistant and tool message"),
                     ));
@@ -83,7 +107,7 @@ pub(crate) fn normalize(messages: &[Value], family: Family) -> Result<Vec<Value>
                     role
                 };
                 let content = text_content(m, &at)?.ok_or_else(|| {
-                    ApiError::param(
+                    MessageError::new(
                         format!("{at}.content"),
                         format!("a {role} message needs `content`"),
                     )
@@ -100,7 +124,7 @@ pub(crate) fn normalize(messages: &[Value], family: Family) -> Result<Vec<Value>
             "user" => {
                 seen_turn = true;
                 let content = text_content(m, &at)?.ok_or_else(|| {
-                    ApiError::param(format!("{at}.content"), "a user message needs `content`")
+                    MessageError::new(format!("{at}.content"), "a user message needs `content`")
                 })?;
                 out.push(json!({"role": "user", "content": content}));
             }
@@ -111,7 +135,10 @@ pub(crate) fn normalize(messages: &[Value], family: Family) -> Result<Vec<Value>
                     json!({"role": "assistant", "content": content.clone().unwrap_or_default()});
                 if let Some(calls) = m.get("tool_calls").filter(|v| !v.is_null()) {
                     let calls = calls.as_array().ok_or_else(|| {
-                        ApiError::param(format!("{at}.tool_calls"), "`tool_calls` must be an array")
+                        MessageError::new(
+                            format!("{at}.tool_calls"),
+                            "`tool_calls` must be an array",
+                        )
                     })?;
                     let mut rendered = Vec::with_capacity(calls.len());
                     for (j, c) in calls.iter().enumerate() {
@@ -122,7 +149,7 @@ pub(crate) fn normalize(messages: &[Value], family: Family) -> Result<Vec<Value>
                         msg["tool_calls"] = Value::Array(rendered);
                     }
                 } else if content.is_none() {
-                    return Err(ApiError::param(
+                    return Err(MessageError::new(
                         format!("{at}.content"),
                         "an assistant message needs `content` or `tool_calls`",
                     ));
@@ -135,13 +162,13 @@ pub(crate) fn normalize(messages: &[Value], family: Family) -> Result<Vec<Value>
                     .get("tool_call_id")
                     .and_then(Value::as_str)
                     .ok_or_else(|| {
-                        ApiError::param(
+                        MessageError::new(
                             format!("{at}.tool_call_id"),
                             "a tool message needs a string `tool_call_id`",
                         )
                     })?;
                 let name = unresolved.remove(id).ok_or_else(|| {
-                    ApiError::param(
+                    MessageError::new(
                         format!("{at}.tool_call_id"),
                         format!("tool_call_id `{id}` does not match an unanswered tool call of an earlier assistant message"),
                     )
@@ -152,7 +179,7 @@ pub(crate) fn normalize(messages: &[Value], family: Family) -> Result<Vec<Value>
                 );
             }
             other => {
-                return Err(ApiError::param(
+                return Err(MessageError::new(
                     format!("{at}.role"),
                     format!(
                     "unknown role `{other}` (allowed: system, developer, user, assistant, tool)"
@@ -169,25 +196,25 @@ fn tool_call(
     c: &Value,
     at: &str,
     unresolved: &mut HashMap<String, String>,
-) -> Result<Value, ApiError> {
+) -> Result<Value, MessageError> {
     let id = c
         .get("id")
         .and_then(Value::as_str)
         .filter(|s| !s.is_empty())
-        .ok_or_else(|| ApiError::param(format!("{at}.id"), "a tool call needs a string `id`"))?;
+        .ok_or_else(|| MessageError::new(format!("{at}.id"), "a tool call needs a string `id`"))?;
     if let Some(t) = c.get("type").and_then(Value::as_str) {
         if t != "function" {
-            return Err(ApiError::param(
+            return Err(MessageError::new(
                 format!("{at}.type"),
                 "only function tool calls are supported",
             ));
         }
     }
-    let f = c
-        .get("function")
-        .ok_or_else(|| ApiError::param(format!("{at}.function"), "a tool call needs `function`"))?;
+    let f = c.get("function").ok_or_else(|| {
+        MessageError::new(format!("{at}.function"), "a tool call needs `function`")
+    })?;
     let name = f.get("name").and_then(Value::as_str).ok_or_else(|| {
-        ApiError::param(format!("{at}.function.name"), "a tool call needs a `name`")
+        MessageError::new(format!("{at}.function.name"), "a tool call needs a `name`")
     })?;
     let arguments = match f.get("arguments") {
         None | Some(Value::Null) => json!({}),
@@ -196,14 +223,14 @@ fn tool_call(
             .ok()
             .filter(Value::is_object)
             .ok_or_else(|| {
-                ApiError::param(
+                MessageError::new(
                     format!("{at}.function.arguments"),
                     "`arguments` must be a JSON object encoded as a string",
                 )
             })?,
         Some(v @ Value::Object(_)) => v.clone(),
         Some(_) => {
-            return Err(ApiError::param(
+            return Err(MessageError::new(
                 format!("{at}.function.arguments"),
                 "`arguments` must be a JSON object encoded as a string",
             ))
@@ -213,7 +240,7 @@ fn tool_call(
         .insert(id.to_string(), name.to_string())
         .is_some()
     {
-        return Err(ApiError::param(
+        return Err(MessageError::new(
             format!("{at}.id"),
             format!("tool call id `{id}` is used twice"),
         ));
@@ -237,10 +264,10 @@ mod tests {
             json!({"role": "developer", "content": "c"}),
             json!({"role": "user", "content": "hi"}),
         ];
-        let g = normalize(&msgs, Family::Gemma4).unwrap();
+        let g = normalize_messages(&msgs, Family::Gemma4).unwrap();
         assert_eq!(roles(&g), ["system", "developer", "user"]);
         assert_eq!(g[0]["content"], "a\n\nb");
-        let q = normalize(&msgs, Family::Qwen3_5Moe).unwrap();
+        let q = normalize_messages(&msgs, Family::Qwen3_5Moe).unwrap();
         assert_eq!(roles(&q), ["system", "user"]);
         assert_eq!(q[0]["content"], "a\n\nb\n\nc");
     }
@@ -251,16 +278,15 @@ mod tests {
             json!({"role": "user", "content": "hi"}),
             json!({"role": "system", "content": "late"}),
         ];
-        let e = normalize(&msgs, Family::Gemma4).unwrap_err();
-        assert_eq!(e.status, 400);
-        assert_eq!(e.param.as_deref(), Some("messages[1].role"));
+        let e = normalize_messages(&msgs, Family::Gemma4).unwrap_err();
+        assert_eq!(e.param, "messages[1].role");
     }
 
     #[test]
     fn tool_messages_must_answer_an_open_call() {
         let call = json!({"role": "assistant", "content": null, "tool_calls": [
             {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{\"x\": 1}"}}]});
-        let ok = normalize(
+        let ok = normalize_messages(
             &[
                 json!({"role": "user", "content": "q"}),
                 call.clone(),
@@ -288,8 +314,8 @@ mod tests {
                 json!({"role": "tool", "tool_call_id": "call_1", "content": "43"}),
             ],
         ] {
-            let e = normalize(&bad, Family::Gemma4).unwrap_err();
-            assert!(e.param.unwrap().ends_with("tool_call_id"));
+            let e = normalize_messages(&bad, Family::Gemma4).unwrap_err();
+            assert!(e.param.ends_with("tool_call_id"));
         }
     }
 
@@ -297,11 +323,11 @@ mod tests {
     fn bad_arguments_and_multimodal_parts_are_refused() {
         let call = json!({"role": "assistant", "tool_calls": [
             {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[1]"}}]});
-        assert!(normalize(&[call], Family::Gemma4).is_err());
+        assert!(normalize_messages(&[call], Family::Gemma4).is_err());
         let img =
             json!({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]});
-        assert!(normalize(&[img], Family::Gemma4).is_err());
-        assert!(normalize(
+        assert!(normalize_messages(&[img], Family::Gemma4).is_err());
+        assert!(normalize_messages(
             &[json!({"role": "function", "content": "x"})],
             Family::Gemma4
         )
