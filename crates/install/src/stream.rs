@@ -95,6 +95,13 @@ pub fn copy_shards(
         let mut hasher = FileHasher::new(file, job.shard_sizes[s], job.expected[s].clone());
         for &i in &ranges {
             let r = &plan.ranges[i];
+            if r.start < hasher.position() {
+                // Coalescing never makes ranges of one shard overlap; hashing them twice would
+                // make the digest wrong.
+                return Err(InstallError::PlanInvalid {
+                    detail: format!("{} overlaps the range before it in {file}", r.id),
+                });
+            }
             out.hashed_only_bytes +=
                 hash_span(job, file, r.start, &mut hasher, &mut tile, progress)?;
             let mut reader = job.source.open_range(file, r.start, r.end)?;
