@@ -209,12 +209,15 @@ fn parse_json(path: &Path, bytes: &[u8]) -> Result<tokenizers::Tokenizer, TextEr
 }
 
 /// Writes `bytes` to `path` through a temporary file in the same folder (created if missing)
-/// and a rename.
+/// and a rename. The temporary name is this process's and this call's own, so that processes and
+/// threads (a test binary's) writing the same cache at once never write one file together.
 fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let dir = path.parent().unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir)?;
     let name = path.file_name().unwrap_or_default().to_string_lossy();
-    let tmp = dir.join(format!(".{name}.{}.tmp", std::process::id()));
+    let tmp = dir.join(format!(".{name}.{}.{call}.tmp", std::process::id()));
     let written = std::fs::write(&tmp, bytes).and_then(|()| std::fs::rename(&tmp, path));
     if written.is_err() {
         let _ = std::fs::remove_file(&tmp);

@@ -128,7 +128,7 @@ pub(crate) enum Stale {
 impl std::fmt::Display for Stale {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Stale::Format => write!(f, "not a tokenizer cache of this format"),
+            Stale::Format => write!(f, "of another format or version"),
             Stale::OtherSource => write!(f, "made from another tokenizer.json"),
             Stale::Damaged => write!(f, "damaged (its payload does not match its SHA-256)"),
             Stale::Invalid(why) => write!(f, "unreadable ({why})"),
