@@ -63,3 +63,42 @@ fn default_kwargs_give_the_original_generation_suffixes() {
         assert!(out.ends_with(suffix), "{name}: {out:?}");
     }
 }
+
+/// The thinking variables each bundled template reads (what `chat_template_kwargs` and
+/// `reasoning_effort` can change; anything else is refused), and what they change.
+#[test]
+fn each_template_reads_its_own_thinking_variables() {
+    let reads = |name: &str, var: &str| {
+        let t = ChatTemplate::from_dir(&tokenizer_dir(name)).unwrap();
+        let kw = json!({ var: "max" });
+        t.check_extra(kw.as_object().unwrap()).is_ok()
+    };
+    for (name, enable_thinking, reasoning_effort) in [
+        ("gemma4", true, false),
+        ("qwen3_6", true, false),
+        ("deepseek_v4", true, true),
+        ("inkling", false, true),
+        ("maple", false, false),
+    ] {
+        assert_eq!(reads(name, "enable_thinking"), enable_thinking, "{name}");
+        assert_eq!(reads(name, "reasoning_effort"), reasoning_effort, "{name}");
+        assert!(!reads(name, "enable_thinkin"), "{name}");
+    }
+    // DeepSeek-V4 with thinking on and the top effort: the template's preamble, then `<think>`.
+    let max = render(
+        "deepseek_v4",
+        json!({"enable_thinking": true, "reasoning_effort": "max"}),
+    );
+    assert!(
+        max.contains("Reasoning Effort: Absolute maximum")
+            && max.ends_with("<｜Assistant｜><think>"),
+        "{max}"
+    );
+    assert!(!render("deepseek_v4", json!({"enable_thinking": true})).contains("Reasoning Effort"));
+    // Gemma 4 with thinking on: `<|think|>` in the system turn, no empty thought channel.
+    let on = render("gemma4", json!({"enable_thinking": true}));
+    assert!(
+        on.contains("<|think|>") && on.ends_with("<|turn>model\n"),
+        "{on}"
+    );
+}
