@@ -3,10 +3,10 @@
 # of every CPU kernel table against the f64 reference) and the model parity tests (the five
 # families against their references: the trained tiny Gemma 4 / Qwen 3.6 against mlx-lm, the
 # golden fixtures of DeepSeek-V4 / Inkling / Maple against transformers' float32 logits). About
-# 3 minutes on 2 cores once built: 4m10s were measured with the full-width Qwen 3.6 35B layer
-# check included, the slowest single test (278 of the parity tests' 497 test-seconds in one
-# nextest run on a loaded machine), which now runs in the full suite only. The full suite, which
-# CI runs, stays `tools/test.sh`.
+# 4m20s of CPU time (user + sys) once built, so a few minutes of wall time on 2 cores: 4m10s wall
+# were measured with the full-width Qwen 3.6 35B layer check included, the slowest single test
+# (278 of the parity tests' 497 test-seconds in one nextest run on a loaded machine), which now
+# runs in the full suite only. The full suite, which CI runs, stays `tools/test.sh`.
 #
 #   tools/test-fast.sh [extra cargo test args, e.g. -p mference-models]
 set -euo pipefail
