@@ -142,10 +142,11 @@ where
         .filter(|(_, &h)| h)
         .map(|(&e, _)| e)
         .collect();
-    let xs = in_place
+    let lists: Vec<Vec<usize>> = in_place
         .iter()
-        .map(|&e| rows_of(e))
-        .collect::<Result<Vec<_>, _>>()?;
+        .map(|e| routes.experts[e].iter().map(|&(r, _)| r).collect())
+        .collect();
+    let xs = be.gather_rows_many(x, &lists.iter().map(Vec::as_slice).collect::<Vec<_>>())?;
     let srcs: Vec<Weights> = in_place
         .iter()
         .map(|&expert| Weights::Held { layer, expert })
@@ -179,10 +180,13 @@ where
         be.expert_copies_done()?;
         streamer.release(tl);
     }
-    for (e, rows) in &routes.experts {
-        let ye = out[*e].as_ref().expect("every routed expert ran");
-        be.scatter_add(&mut acc, ye, rows)?;
+    let mut ys = Vec::with_capacity(routes.experts.len());
+    let mut rows = Vec::with_capacity(routes.experts.len());
+    for (e, r) in &routes.experts {
+        ys.push(out[*e].as_ref().expect("every routed expert ran"));
+        rows.push(r.as_slice());
     }
+    be.scatter_add_many(&mut acc, &ys, &rows)?;
     Ok((carry, acc))
 }
 

@@ -47,9 +47,14 @@ pub struct InstallArgs {
     /// Largest coalesced range in bytes (≤ 64 MiB).
     #[arg(long, hide = true, default_value_t = mference_install::plan::MAX_RANGE_BYTES)]
     pub range_bytes: u64,
-    /// Free-disk reserve on top of the remaining output, bytes.
-    #[arg(long, hide = true, default_value_t = 1 << 30)]
-    pub disk_reserve_bytes: u64,
+    /// Free-disk reserve on top of the remaining output, bytes (default: 1/16 of the output, at
+    /// least 16 MiB, at most 1 GiB).
+    #[arg(long, hide = true)]
+    pub disk_reserve_bytes: Option<u64>,
+    /// Install from an HTTP source even where it publishes no digest (X-Linked-Etag / ETag) for a
+    /// file; the receipt lists such files as not verified.
+    #[arg(long)]
+    pub allow_unverified: bool,
     /// Base delay of the HTTP retry backoff, milliseconds.
     #[arg(long, hide = true, default_value_t = 1000)]
     pub retry_delay_ms: u64,
@@ -83,6 +88,7 @@ pub fn install(a: InstallArgs) -> anyhow::Result<()> {
         dry_run: a.dry_run,
         max_range_bytes: a.range_bytes,
         disk_reserve_bytes: a.disk_reserve_bytes,
+        allow_unverified: a.allow_unverified,
         progress: if a.quiet {
             ProgressMode::Quiet
         } else {
@@ -176,6 +182,17 @@ fn print_report(r: &InstallReport) {
             r.ranges_fetched,
             r.fetched_bytes,
             r.ranges_reused
+        );
+        println!(
+            "source files: {} verified against published digests ({} bytes read only to be \
+             hashed){}",
+            r.verified_files.len(),
+            r.hashed_only_bytes,
+            if r.unverified_files.is_empty() {
+                String::new()
+            } else {
+                format!("; not verified: {}", r.unverified_files.join(", "))
+            }
         );
     }
 }

@@ -5,8 +5,10 @@
 use clap::{Parser, Subcommand};
 
 mod bench_cmd;
+mod chat;
 mod flags;
 mod install_cmd;
+mod line_input;
 mod load_options;
 mod logits_cmd;
 mod perplexity_cmd;

@@ -1,7 +1,7 @@
 //! `run` (raw prompt, messages file, interactive chat), and the install helpers the other
 //! commands share.
 
-use std::io::{BufRead, Write};
+use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -13,7 +13,8 @@ use clap::Args;
 use mference_models::Model;
 use mference_runtime::SamplerConfig;
 use mference_session::{
-    Finish, GenStats, Request, Session, SessionError, Sink, TextSide, TokenLogprob,
+    ChatPrompt, Finish, GenStats, Reasoning, Request, Session, SessionError, Sink, TextSide,
+    TokenLogprob,
 };
 
 use crate::flags::{threads_flag, ModelArgs};
@@ -31,9 +32,14 @@ pub struct RunArgs {
     /// A JSON array of {role, content} rendered through the model's chat template.
     #[arg(long, group = "mode")]
     pub messages_file: Option<PathBuf>,
-    /// Interactive chat (/clear, /history, /quit).
+    /// Interactive chat (/clear, /history, /think on|off, /quit). At a terminal: Alt-Enter or a
+    /// """ block for several lines, pastes arrive whole, Up/Down recall earlier messages.
     #[arg(long, group = "mode")]
     pub chat: bool,
+    /// Thinking for --chat and --messages-file: renders the chat template with
+    /// `enable_thinking`; the reasoning is printed to stderr, the answer to stdout.
+    #[arg(long, value_enum)]
+    pub think: Option<Think>,
     /// System message for --chat (repeatable; joined with newlines).
     #[arg(long)]
     pub system: Vec<String>,
@@ -66,6 +72,22 @@ pub struct RunArgs {
     /// Also print the prompt and generated token ids to stderr as one JSON line.
     #[arg(long)]
     pub show_ids: bool,
+}
+
+/// `--think`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Think {
+    On,
+    Off,
+}
+
+impl Think {
+    /// The template variables of this setting (`enable_thinking`).
+    pub(crate) fn kwargs(self) -> serde_json::Map<String, serde_json::Value> {
+        let mut m = serde_json::Map::new();
+        m.insert("enable_thinking".into(), (self == Think::On).into());
+        m
+    }
 }
 
 const CHUNKS: [usize; 8] = [32, 64, 128, 256, 512, 1024, 2048, 4096];
@@ -115,6 +137,9 @@ fn validate_sampling(a: &RunArgs) -> Result<()> {
     }
     if !a.system.is_empty() && !a.chat {
         bail!("--system requires --chat (put a system message in --messages-file instead)");
+    }
+    if a.think.is_some() && a.prompt.is_some() {
+        bail!("--think needs a chat template: use it with --chat or --messages-file, not --prompt");
     }
     if a.max_new == 0 || a.max_context == 0 {
         bail!("--max-new and --max-context must be positive");
@@ -185,22 +210,59 @@ fn read_messages(path: &Path) -> Result<Vec<serde_json::Value>> {
     Ok(arr)
 }
 
-fn render(text: &TextSide, messages: &[serde_json::Value]) -> Result<Vec<u32>> {
-    match text.render_chat(messages, None) {
+/// The chat prompt of `messages`, thinking as `think` says (the family's default when `None`).
+pub(crate) fn render(
+    text: &TextSide,
+    messages: &[serde_json::Value],
+    think: Option<Think>,
+) -> Result<ChatPrompt> {
+    let kwargs = think.map(Think::kwargs).unwrap_or_default();
+    match text.render_chat(messages, None, &kwargs) {
         Err(SessionError::NoTemplate) => bail!("this install has no chat template; use --prompt"),
+        Err(SessionError::Text(e @ mference_text::TextError::TemplateVariable { .. })) => {
+            bail!("--think: {e}")
+        }
         r => Ok(r?),
     }
 }
 
-/// Writes the reply to stdout as it is generated; stops on Ctrl-C or a failed write.
+/// Writes the reply to stdout as it is generated, and its reasoning to stderr (dimmed at a
+/// terminal); stops on Ctrl-C or a failed write.
 struct Terminal<'a, W: Write> {
     out: &'a mut W,
     cancel: &'a AtomicBool,
     io_err: Option<std::io::Error>,
+    /// Reasoning was printed and the line it is on not ended yet.
+    in_reasoning: bool,
+}
+
+impl<W: Write> Terminal<'_, W> {
+    fn end_reasoning(&mut self) {
+        if std::mem::take(&mut self.in_reasoning) {
+            let reset = if std::io::stderr().is_terminal() {
+                "\x1b[0m"
+            } else {
+                ""
+            };
+            eprintln!("{reset}");
+        }
+    }
 }
 
 impl<W: Write> Sink for Terminal<'_, W> {
+    fn reasoning(&mut self, text: String) -> bool {
+        let mut err = std::io::stderr().lock();
+        let dim = if !self.in_reasoning && err.is_terminal() {
+            "\x1b[2m"
+        } else {
+            ""
+        };
+        self.in_reasoning = true;
+        let _ = write!(err, "{dim}{text}").and_then(|_| err.flush());
+        true
+    }
     fn delta(&mut self, text: String, _: Vec<TokenLogprob>) -> bool {
+        self.end_reasoning();
         if self.io_err.is_none() {
             if let Err(e) = self
                 .out
@@ -217,10 +279,11 @@ impl<W: Write> Sink for Terminal<'_, W> {
     }
 }
 
-/// Generates and streams one reply; returns the reply text.
-fn reply(
+/// Generates and streams one reply; returns the reply text (without its reasoning).
+pub(crate) fn reply(
     session: &mut Session,
     prompt: &[u32],
+    reasoning: Reasoning,
     a: &RunArgs,
     out: &mut impl Write,
     cancel: &AtomicBool,
@@ -237,13 +300,17 @@ fn reply(
         a.max_new,
     );
     req.stop = a.stop.clone();
+    req.reasoning = reasoning;
     let mut sink = Terminal {
         out,
         cancel,
         io_err: None,
+        in_reasoning: false,
     };
     let mut stats = GenStats::default();
-    let outcome = session.generate(req, &mut sink, &mut stats)?;
+    let outcome = session.generate(req, &mut sink, &mut stats);
+    sink.end_reasoning();
+    let outcome = outcome?;
     if let Some(e) = sink.io_err {
         return Err(e.into());
     }
@@ -335,16 +402,21 @@ pub fn run(a: RunArgs) -> Result<()> {
     let t0 = Instant::now();
     validate_sampling(&a)?;
     let text = load_text(&a.model.model)?;
-    let prompt: Option<Vec<u32>> = if let Some(p) = &a.prompt {
-        Some(text.tokenizer.encode(p, true)?)
+    let prompt: Option<(Vec<u32>, Reasoning)> = if let Some(p) = &a.prompt {
+        Some((text.tokenizer.encode(p, true)?, Reasoning::Raw))
     } else if let Some(f) = &a.messages_file {
-        Some(render(&text, &read_messages(f)?)?)
+        let p = render(&text, &read_messages(f)?, a.think)?;
+        let open = p.reasoning_open;
+        Some((p.ids, Reasoning::Split { open }))
     } else if a.chat {
+        if let Some(think) = a.think {
+            crate::chat::check_think(&text, think)?;
+        }
         None
     } else {
         bail!("give exactly one of --prompt, --messages-file or --chat");
     };
-    if let Some(p) = &prompt {
+    if let Some((p, _)) = &prompt {
         if p.len() >= a.max_context {
             bail!(
                 "the prompt is {} tokens, which does not fit --max-context {}",
@@ -366,7 +438,7 @@ pub fn run(a: RunArgs) -> Result<()> {
         if a.chat {
             None
         } else {
-            prompt.as_ref().map(Vec::len)
+            prompt.as_ref().map(|(p, _)| p.len())
         },
     )?;
     let model = mference_models::load(
@@ -386,139 +458,12 @@ pub fn run(a: RunArgs) -> Result<()> {
     let mut session = Session::new(model, Arc::new(text));
     let stdout = std::io::stdout();
     match prompt {
-        Some(p) => {
+        Some((p, reasoning)) => {
             let never = AtomicBool::new(false);
-            reply(&mut session, &p, &a, &mut stdout.lock(), &never)?;
+            reply(&mut session, &p, reasoning, &a, &mut stdout.lock(), &never)?;
             println!();
         }
-        None => chat(&mut session, &a)?,
+        None => crate::chat::chat(&mut session, &a)?,
     }
     Ok(())
-}
-
-/// Interactive chat: the whole conversation is re-rendered each turn, and only what the model
-/// does not hold yet (the new messages) is prefilled, as `serve` does.
-fn chat(session: &mut Session, a: &RunArgs) -> Result<()> {
-    let text = Arc::clone(session.text());
-    let interrupt = Interrupt::install()?;
-    let system = (!a.system.is_empty())
-        .then(|| serde_json::json!({"role": "system", "content": a.system.join("\n")}));
-    let mut turns: Vec<serde_json::Value> = Vec::new();
-    let stdin = std::io::stdin();
-    let mut bytes = Vec::new();
-    loop {
-        eprint!("> ");
-        bytes.clear();
-        if stdin.lock().read_until(b'\n', &mut bytes)? == 0 {
-            eprintln!(); // end of input: leave the terminal on a fresh line
-            return Ok(());
-        }
-        let Ok(line) = std::str::from_utf8(&bytes) else {
-            eprintln!("[that line is not valid UTF-8 text; nothing was sent, type it again]");
-            continue;
-        };
-        let input = line.trim_end_matches(['\n', '\r']);
-        match input.trim() {
-            "" => continue,
-            "/quit" | "/exit" => return Ok(()),
-            "/clear" => {
-                turns.clear();
-                session.clear();
-                eprintln!("[conversation cleared]");
-                continue;
-            }
-            cmd if cmd.starts_with('/') && !cmd.contains(' ') && !matches!(cmd, "/history") => {
-                eprintln!("[unknown command {cmd}: use /clear, /history or /quit]");
-                continue;
-            }
-            "/history" => {
-                for m in system.iter().chain(&turns) {
-                    eprintln!(
-                        "{}: {}",
-                        m["role"].as_str().unwrap_or(""),
-                        m["content"].as_str().unwrap_or("")
-                    );
-                }
-                continue;
-            }
-            _ => {}
-        }
-        turns.push(serde_json::json!({"role": "user", "content": input}));
-        // Drop the oldest turns until the prompt fits, never the system message or the newest user turn.
-        let prompt = loop {
-            let msgs: Vec<_> = system
-                .iter()
-                .cloned()
-                .chain(turns.iter().cloned())
-                .collect();
-            let p = render(&text, &msgs)?;
-            if p.len() + 1 < a.max_context || turns.len() <= 1 {
-                break p;
-            }
-            turns.remove(0);
-            eprintln!(
-                "[dropped the oldest message to fit --max-context {}]",
-                a.max_context
-            );
-        };
-        if prompt.len() + 1 >= a.max_context {
-            eprintln!(
-                "[the message does not fit --max-context {} even alone; try a shorter one]",
-                a.max_context
-            );
-            turns.pop();
-            continue;
-        }
-        // The conversation so far is still in the model: only the new part is prefilled.
-        interrupt.hit.store(false, Ordering::Relaxed);
-        interrupt.generating.store(true, Ordering::Relaxed);
-        let out = reply(
-            session,
-            &prompt,
-            a,
-            &mut std::io::stdout().lock(),
-            &interrupt.hit,
-        );
-        interrupt.generating.store(false, Ordering::Relaxed);
-        let out = out?;
-        println!();
-        turns.push(serde_json::json!({"role": "assistant", "content": out}));
-    }
-}
-
-/// Ctrl-C in `run --chat`: during a reply it stops the reply (the text so far stays in the
-/// conversation) and the session goes on; at the prompt it ends the session (exit 130).
-struct Interrupt {
-    generating: Arc<AtomicBool>,
-    hit: Arc<AtomicBool>,
-}
-
-impl Interrupt {
-    fn install() -> Result<Interrupt> {
-        let generating = Arc::new(AtomicBool::new(false));
-        let hit = Arc::new(AtomicBool::new(false));
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()?;
-        let mut sigint = {
-            let _guard = rt.enter();
-            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())?
-        };
-        let (g, h) = (Arc::clone(&generating), Arc::clone(&hit));
-        std::thread::Builder::new()
-            .name("mference-sigint".into())
-            .spawn(move || {
-                rt.block_on(async move {
-                    while sigint.recv().await.is_some() {
-                        if g.load(Ordering::Relaxed) {
-                            h.store(true, Ordering::Relaxed);
-                        } else {
-                            eprintln!();
-                            std::process::exit(130);
-                        }
-                    }
-                })
-            })?;
-        Ok(Interrupt { generating, hit })
-    }
 }

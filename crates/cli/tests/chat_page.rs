@@ -13,164 +13,25 @@
 //! Without `/usr/bin/chromium` and `/usr/bin/chromedriver` the test is skipped with a message,
 //! unless `MFERENCE_REQUIRE_BROWSER=1` (set by `.ci/run`, which installs both) makes that a failure.
 
+mod browser;
+
 use std::net::SocketAddr;
-use std::path::Path;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use fantoccini::{Client, ClientBuilder, Locator};
+use browser::{
+    browser_present, click, input_value, js, open_page, reload, reply_done, screenshot, send,
+    send_greedy, stored, type_into, until, PATIENCE,
+};
+use fantoccini::{Client, Locator};
+use mference_testkit::demo_install;
 use mference_testkit::http::{get, post};
-use mference_testkit::{demo_install, repo, ServeProcess};
+use mference_testkit::ServeProcess;
 use serde_json::{json, Value};
 
 const BIN: &str = env!("CARGO_BIN_EXE_mference");
-const CHROMIUM: &str = "/usr/bin/chromium";
-const CHROMEDRIVER: &str = "/usr/bin/chromedriver";
 const MODEL: &str = "gemma-4-26b-a4b-it";
 const PROMPT: &str = "Tell me about the king.";
 const SYSTEM: &str = "You are a herald of the court.";
-/// How long any one thing the page does may take before the test fails.
-const PATIENCE: Duration = Duration::from_secs(60);
-
-/// Whether the browser is here; `false` (test skipped) only when it is absent and not required.
-fn browser_present() -> bool {
-    let missing: Vec<&str> = [CHROMIUM, CHROMEDRIVER]
-        .into_iter()
-        .filter(|p| !Path::new(p).exists())
-        .collect();
-    if missing.is_empty() {
-        return true;
-    }
-    let msg = format!(
-        "{} missing: install Debian's chromium and chromium-driver (`apt-get install -y chromium chromium-driver`)",
-        missing.join(" and ")
-    );
-    assert!(
-        std::env::var_os("MFERENCE_REQUIRE_BROWSER").is_none_or(|v| v != "1"),
-        "MFERENCE_REQUIRE_BROWSER=1 but {msg}"
-    );
-    eprintln!("SKIPPED chat_page: {msg}");
-    false
-}
-
-/// A `chromedriver` child on a free loopback port, killed on drop.
-struct Driver {
-    child: Child,
-    url: String,
-}
-
-impl Driver {
-    fn start() -> Driver {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("a free port")
-            .port();
-        let child = Command::new(CHROMEDRIVER)
-            .arg(format!("--port={port}"))
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("starting chromedriver");
-        let d = Driver {
-            child,
-            url: format!("http://127.0.0.1:{port}"),
-        };
-        let t0 = Instant::now();
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(t0.elapsed() < PATIENCE, "chromedriver did not listen");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        d
-    }
-}
-
-impl Drop for Driver {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// A headless Chromium session with a fresh profile in `profile`.
-async fn browser(driver: &Driver, profile: &Path) -> Client {
-    let mut caps = serde_json::Map::new();
-    caps.insert("browserName".into(), json!("chrome"));
-    caps.insert(
-        "goog:chromeOptions".into(),
-        json!({
-            "binary": CHROMIUM,
-            "args": [
-                "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                "--window-size=1400,1000",
-                format!("--user-data-dir={}", profile.display()),
-            ],
-        }),
-    );
-    ClientBuilder::new(hyper_util::client::legacy::connect::HttpConnector::new())
-        .capabilities(caps)
-        .connect(&driver.url)
-        .await
-        .expect("a WebDriver session")
-}
-
-/// Runs `script` (a function body that returns a value) in the page.
-async fn js(c: &Client, script: &str) -> Value {
-    c.execute(script, vec![])
-        .await
-        .unwrap_or_else(|e| panic!("{script}: {e}"))
-}
-
-/// Waits until `script` returns `true`; fails with `what` after [`PATIENCE`].
-async fn until(c: &Client, what: &str, script: &str) {
-    let t0 = Instant::now();
-    while js(c, script).await != Value::Bool(true) {
-        assert!(t0.elapsed() < PATIENCE, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-/// Waits until the page has set itself up (`body[data-ready]`, after `/v1/models` answered).
-async fn loaded(c: &Client) {
-    until(
-        c,
-        "the page to load",
-        "return document.body.dataset.ready === '1';",
-    )
-    .await;
-}
-
-async fn reload(c: &Client) {
-    c.refresh().await.unwrap();
-    loaded(c).await;
-}
-
-/// The conversation the page keeps in localStorage.
-async fn stored(c: &Client) -> Vec<Value> {
-    let v = js(
-        c,
-        "return JSON.parse(localStorage.getItem('mference.chat.v1') || '{\"messages\": []}').messages;",
-    )
-    .await;
-    v.as_array().cloned().unwrap_or_default()
-}
-
-/// Replaces the value of the input `id` as a user would.
-async fn type_into(c: &Client, id: &str, text: &str) {
-    let e = c.find(Locator::Id(id)).await.unwrap();
-    e.clear().await.unwrap();
-    e.send_keys(text).await.unwrap();
-}
-
-async fn click(c: &Client, id: &str) {
-    c.find(Locator::Id(id))
-        .await
-        .unwrap()
-        .click()
-        .await
-        .unwrap();
-}
-
 /// The HUD's numbers (`data-value` of every cell with an id), read at one instant: the page
 /// redraws the HUD on every poll.
 struct Hud(serde_json::Map<String, Value>);
@@ -193,20 +54,6 @@ impl Hud {
             .filter(|v| !v.is_empty())
             .map(|v| v.parse().unwrap_or_else(|_| panic!("{id}: {v:?}")))
     }
-}
-
-/// Waits for the page to finish a reply: the Stop button hidden and the footer filled in.
-async fn reply_done(c: &Client, n: usize) {
-    until(
-        c,
-        "the reply to finish",
-        &format!(
-            "return document.getElementById('stop').hidden && \
-             document.querySelectorAll('.msg').length === {n} && \
-             !!document.querySelector('.msg:last-child .foot');"
-        ),
-    )
-    .await;
 }
 
 /// Whitespace-insensitive text (rendered paragraphs vs the raw reply).
@@ -250,11 +97,7 @@ async fn chat_page_streams_the_greedy_reply_shows_the_hud_stops_and_survives_a_r
         .to_string();
     assert!(!want_text.trim().is_empty(), "the greedy reply is empty");
 
-    let driver = Driver::start();
-    let profile = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let c = browser(&driver, profile.path()).await;
-    c.goto(&format!("http://{addr}/")).await.unwrap();
-    loaded(&c).await;
+    let (c, _driver, _profile) = open_page(addr).await;
 
     // The Markdown renderer escapes HTML and keeps only the markup it makes.
     let html = js(
@@ -291,12 +134,7 @@ async fn chat_page_streams_the_greedy_reply_shows_the_hud_stops_and_survives_a_r
     );
 
     // Greedy from the page: the same request as the API's.
-    type_into(&c, "temperature", "0").await;
-    type_into(&c, "seed", "7").await;
-    type_into(&c, "max_tokens", "40").await;
-    type_into(&c, "input", PROMPT).await;
-    click(&c, "send").await;
-    reply_done(&c, 2).await;
+    send_greedy(&c, PROMPT, 40, 2).await;
     let conv = stored(&c).await;
     assert_eq!(conv.len(), 2);
     assert_eq!(conv[0]["content"], PROMPT);
@@ -366,9 +204,7 @@ async fn chat_page_streams_the_greedy_reply_shows_the_hud_stops_and_survives_a_r
 
     // Stop a long reply once some of it has arrived (with a system prompt from now on).
     type_into(&c, "system", SYSTEM).await;
-    type_into(&c, "max_tokens", "3000").await;
-    type_into(&c, "input", "And the queen?").await;
-    click(&c, "send").await;
+    send(&c, "And the queen?", 3000).await;
     until(
         &c,
         "part of the long reply",
@@ -469,24 +305,4 @@ async fn chat_page_streams_the_greedy_reply_shows_the_hud_stops_and_survives_a_r
     assert!(stored(&c).await.is_empty());
     assert!(c.find_all(Locator::Css(".msg")).await.unwrap().is_empty());
     c.close().await.unwrap();
-}
-
-/// Saves the page as `target/chat-page/NAME` (a test artifact) and prints where.
-async fn screenshot(c: &Client, name: &str) {
-    let png = c.screenshot().await.unwrap();
-    let path = repo().join("target/chat-page").join(name);
-    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
-    std::fs::write(&path, &png).unwrap();
-    println!("screenshot: {}", path.display());
-}
-
-/// The current value of the input `id`.
-async fn input_value(c: &Client, id: &str) -> String {
-    c.find(Locator::Id(id))
-        .await
-        .unwrap()
-        .prop("value")
-        .await
-        .unwrap()
-        .unwrap_or_default()
 }

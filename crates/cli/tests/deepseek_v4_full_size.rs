@@ -43,6 +43,8 @@ fn full_size_plan_matches_the_measured_install() {
         .collect();
     let ck = Checkpoint {
         config: config(&d),
+        config_bytes: Vec::new(),
+        index_bytes: None,
         index_sha256: "0".repeat(64),
         shards: vec![Shard {
             file: "model.safetensors".into(),
@@ -52,6 +54,7 @@ fn full_size_plan_matches_the_measured_install() {
                 tensors: list,
                 metadata: None,
             },
+            size: start,
         }],
         sidecars: vec![("config.json".into(), 10_000)],
     };

@@ -59,6 +59,10 @@ impl CoreOps for CudaBackend {
         self.gather_rows(x, rows)
     }
 
+    fn gather_rows_many(&self, x: &CudaTensor, rows: &[&[usize]]) -> OpResult<Vec<CudaTensor>> {
+        self.gather_rows_many(x, rows)
+    }
+
     fn split(&self, x: &CudaTensor, group: usize, parts: &[usize]) -> OpResult<Vec<CudaTensor>> {
         self.split(x, group, parts)
     }
@@ -230,6 +234,15 @@ impl CoreOps for CudaBackend {
         rows: &[(usize, f32)],
     ) -> OpResult<()> {
         self.scatter_add(acc, y, rows)
+    }
+
+    fn scatter_add_many(
+        &self,
+        acc: &mut CudaTensor,
+        ys: &[&CudaTensor],
+        rows: &[&[(usize, f32)]],
+    ) -> OpResult<()> {
+        self.scatter_add_many(acc, ys, rows)
     }
 
     fn new_kv(

@@ -4,10 +4,11 @@
 use crate::*;
 
 /// Every kernel of `ops/`, loaded at startup (a missing one fails [`CudaBackend::new`]).
-pub(crate) const KERNELS: [&str; 54] = [
+pub(crate) const KERNELS: [&str; 63] = [
     "all_finite",
     "matmul_bf16",
     "gather_rows",
+    "gather_rows_many",
     "split_part",
     "unary",
     "mul_cols",
@@ -16,6 +17,7 @@ pub(crate) const KERNELS: [&str; 54] = [
     "mul_rows_sigmoid",
     "add_scaled",
     "scatter_add",
+    "scatter_add_many",
     "glu_act",
     "rms_norm",
     "rms_norm_add",
@@ -38,6 +40,7 @@ pub(crate) const KERNELS: [&str; 54] = [
     "qmv_glu_ids4",
     "qmv_glu_ids8",
     "qgemm",
+    "qgemm_tc",
     "qgemm_sum",
     "qembed",
     "argmax",
@@ -48,6 +51,12 @@ pub(crate) const KERNELS: [&str; 54] = [
     "attention_f16",
     "attention_f32",
     "attention_merge",
+    "attention_tiled4_f16",
+    "attention_tiled8_f16",
+    "attention_tiled16_f16",
+    "attention_tiled4_f32",
+    "attention_tiled8_f32",
+    "attention_tiled16_f32",
     "conv1d_silu",
     "delta_gates",
     "gated_delta_rule",

@@ -48,6 +48,10 @@ pub(crate) const ATTN_WARPS: u32 = 16;
 pub(crate) const ATTN_SPLIT_BELOW_ITEMS: usize = 132;
 pub(crate) const ATTN_SPLIT_POSITIONS: usize = 64;
 pub(crate) const ATTN_MAX_SPLITS: usize = 16;
+/// `attention_tiled` (ops/attention.cu `AT_WARPS`, `AT_ITEMS`): warps per block, (row, head)
+/// items per block.
+pub(crate) const AT_WARPS: u32 = 4;
+pub(crate) const AT_ITEMS: usize = 16;
 /// Most experts per token the router kernel keeps per row.
 pub(crate) const ROUTE_MAX_K: usize = 64;
 /// Small constant vectors kept on the device (RoPE frequencies, attention sinks).

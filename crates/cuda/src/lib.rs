@@ -20,9 +20,11 @@
 //!   `--gpu-expert-budget`, LFU as on the CPU, misses copied in from the page-locked host slots
 //!   on a copy stream ordered by events); without it, a [`Weights::Blob`] is copied to a device
 //!   staging buffer on every call.
-//! - Quantized products: `qmatmul` (ops/quant.cu, a warp per output row) for decode and
-//!   short products, `qgemm` (ops/gemm.cu, `ops/gemm.rs`: a tiled GEMM) from 16 rows of x on;
-//!   the prefill experts a layer's GPU slots hold run together ([`CoreOps::glu_mlp_experts`]).
+//! - Quantized products: `qmv` / `qmatmul` (ops/quant.cu) for decode's one row, `qgemm_tc`
+//!   (ops/gemm.cu, `ops/gemm.rs`: a tensor-core GEMM, `mma.sync` on BF16 codes and a three-term
+//!   BF16 x, f32 accumulation) from 8 rows of x on; the prefill experts a layer's GPU slots hold
+//!   run together ([`CoreOps::glu_mlp_experts`]). Prefill attention is `attention_tiled`
+//!   (ops/attention.cu: KV rows shared by the query rows and heads of a KV head's group).
 //! - Activations are [`CudaTensor`]s (`CudaSlice<f32>` + shape), the KV cache a [`CudaKv`]
 //!   (device K and V, FP16 or FP32, ring or linear, indexed as `mference_runtime::KvLayer`),
 //!   recurrent state a [`CudaState`].

@@ -70,9 +70,9 @@ pub struct FamilySpec {
     pub tool_call_syntax: ToolCallSyntax,
     /// The special token that opens the assistant's turn in a rendered chat prompt.
     pub turn_open_token: &'static str,
-    /// The marker closing a reasoning block the generation prompt leaves open, if the template
-    /// leaves one open.
-    pub open_reasoning_close: Option<&'static str>,
+    /// The markers that open and close a reasoning block in the model's output, if the family
+    /// writes one.
+    pub reasoning_markers: Option<(&'static str, &'static str)>,
     /// The tokens that end generation, by name (a tokenizer may lack some).
     pub stop_tokens: &'static [&'static str],
 }
@@ -89,7 +89,8 @@ pub const REGISTRY: [FamilySpec; 5] = [
         flash_head: false,
         tool_call_syntax: ToolCallSyntax::Gemma4,
         turn_open_token: "<|turn>",
-        open_reasoning_close: None,
+        // The thought channel: `<|channel>thought\n…<channel|>` (the template's `strip_thinking`).
+        reasoning_markers: Some(("<|channel>thought", "<channel|>")),
         stop_tokens: &["<eos>", "<turn|>", "<|tool_response>"],
     },
     FamilySpec {
@@ -102,7 +103,7 @@ pub const REGISTRY: [FamilySpec; 5] = [
         flash_head: false,
         tool_call_syntax: ToolCallSyntax::Qwen3_5Moe,
         turn_open_token: "<|im_start|>",
-        open_reasoning_close: None,
+        reasoning_markers: Some(("<think>", "</think>")),
         stop_tokens: &["<|im_end|>", "<|endoftext|>"],
     },
     FamilySpec {
@@ -115,7 +116,7 @@ pub const REGISTRY: [FamilySpec; 5] = [
         flash_head: false,
         tool_call_syntax: ToolCallSyntax::Dsml,
         turn_open_token: "<｜Assistant｜>",
-        open_reasoning_close: None,
+        reasoning_markers: Some(("<think>", "</think>")),
         stop_tokens: &["<｜end▁of▁sentence｜>"],
     },
     FamilySpec {
@@ -130,7 +131,7 @@ pub const REGISTRY: [FamilySpec; 5] = [
         flash_head: false,
         tool_call_syntax: ToolCallSyntax::None,
         turn_open_token: "<|message_model|>",
-        open_reasoning_close: None,
+        reasoning_markers: None,
         // tml-renderers v0 `Renderer.stop()`.
         stop_tokens: &["<|content_model_end_sampling|>"],
     },
@@ -145,8 +146,8 @@ pub const REGISTRY: [FamilySpec; 5] = [
         // Maple writes the Qwen 2.5/3 JSON form, which the Qwen parser reads.
         tool_call_syntax: ToolCallSyntax::Qwen3_5Moe,
         turn_open_token: "<|im_start|>",
-        // The template ends with `<|im_start|>assistant\n<think>\n`.
-        open_reasoning_close: Some("</think>"),
+        // The template always ends with `<|im_start|>assistant\n<think>\n`.
+        reasoning_markers: Some(("<think>", "</think>")),
         stop_tokens: &["<|im_end|>", "<|endoftext|>"],
     },
 ];
@@ -236,11 +237,13 @@ impl Family {
         self.spec().turn_open_token
     }
 
-    /// The marker that closes a reasoning block the generation prompt leaves open, if this family's
-    /// template does that: Maple's ends with `<|im_start|>assistant\n<think>\n`, so everything the
-    /// model writes before `</think>` is reasoning.
-    pub fn open_reasoning_close(self) -> Option<&'static str> {
-        self.spec().open_reasoning_close
+    /// The markers (open, close) of a reasoning block in this family's output: `<think>` and
+    /// `</think>` (Qwen 3.6, DeepSeek-V4, Maple), Gemma 4's thought channel `<|channel>thought`
+    /// and `<channel|>`; `None` for Inkling, whose template renders no thinking. A generation
+    /// prompt may leave the block open (Qwen 3.6 and DeepSeek-V4 with thinking on, Maple always):
+    /// then the output starts inside it.
+    pub fn reasoning_markers(self) -> Option<(&'static str, &'static str)> {
+        self.spec().reasoning_markers
     }
 
     /// The names of the tokens that end generation (Gemma `<eos>`, `<turn|>`,

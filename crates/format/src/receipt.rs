@@ -30,11 +30,30 @@ pub struct Receipt {
     pub verification_timestamp: String,
     pub tool_version: String,
     pub files: BTreeMap<String, FileEntry>,
-    /// How far the source's bytes were checked at install: an HTTP source's ranges are trusted
-    /// as served beyond the safetensors headers, the sizes and the pinned index hash (it offers
-    /// no whole-file hash the installer checks). Absent in older receipts.
+    /// How far the source's bytes were checked at install, in one sentence (see `source_files`).
+    /// Absent in older receipts.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub source_bytes: Option<String>,
+    /// Every source file the install read, by its name in the checkpoint: its size, the SHA-256
+    /// of all its bytes as read, and the digest the source published that they matched. Absent
+    /// in older receipts.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty", default)]
+    pub source_files: BTreeMap<String, SourceFile>,
+}
+
+/// One source file of an install, as read and checked at install time.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SourceFile {
+    /// Bytes read (the whole file).
+    pub size: u64,
+    /// Lower-case hex SHA-256 of the bytes read.
+    pub sha256: String,
+    /// The published digest the bytes matched, e.g. `sha256:<hex> from X-Linked-Etag` or
+    /// `git-blob-sha1:<hex> from ETag`; absent when the source published none (a plain local
+    /// directory).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub verified_against: Option<String>,
 }
 
 fn rerr(detail: impl Into<String>) -> FormatError {

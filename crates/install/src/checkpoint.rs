@@ -1,7 +1,7 @@
 //! Reading a source checkpoint's metadata: `config.json`, `model.safetensors.index.json`
 //! (checked against a pin), each shard's safetensors header, and the tokenizer sidecars.
 
-use crate::source::Source;
+use crate::source::{read_error, Source};
 use crate::InstallError;
 use mference_format::hash::sha256_hex;
 use mference_format::safetensors::{header_len, SafetensorsHeader};
@@ -36,12 +36,18 @@ pub struct Shard {
     /// File name inside the checkpoint, e.g. `model-00001-of-00004.safetensors`.
     pub file: String,
     pub header: SafetensorsHeader,
+    /// File size, bytes.
+    pub size: u64,
 }
 
 /// Everything the planner needs from the source, read before any byte is written.
 #[derive(Clone, Debug)]
 pub struct Checkpoint {
     pub config: serde_json::Value,
+    /// `config.json` as read.
+    pub config_bytes: Vec<u8>,
+    /// `model.safetensors.index.json` as read, if the checkpoint has one.
+    pub index_bytes: Option<Vec<u8>>,
     /// SHA-256 of `model.safetensors.index.json` (or, for a single-file checkpoint with no
     /// index, of `model.safetensors`'s 8-byte length + JSON header).
     pub index_sha256: String,
@@ -78,26 +84,29 @@ fn invalid(detail: impl Into<String>) -> InstallError {
     }
 }
 
+/// The 8-byte length and JSON header of shard `file`, the parsed header and the file size.
 fn read_header(
     source: &dyn Source,
     file: &str,
-) -> Result<(Vec<u8>, SafetensorsHeader), InstallError> {
+) -> Result<(Vec<u8>, SafetensorsHeader, u64), InstallError> {
     let mut first = [0u8; 8];
     source
         .open_range(file, 0, 8)?
         .read_exact(&mut first)
-        .map_err(|e| invalid(format!("{file}: cannot read the header length: {e}")))?;
+        .map_err(|e| read_error(file, "cannot read the header length", e))?;
     let n = header_len(&first, file)?;
     let mut json = vec![0u8; n as usize];
     source
         .open_range(file, 8, 8 + n)?
         .read_exact(&mut json)
-        .map_err(|e| invalid(format!("{file}: cannot read the header: {e}")))?;
-    let size = source.size_of(file)?;
-    let header = SafetensorsHeader::parse(&json, file, size)?;
+        .map_err(|e| read_error(file, "cannot read the header", e))?;
+    let size = source
+        .size_of(file)?
+        .ok_or_else(|| invalid(format!("{file} is missing")))?;
+    let header = SafetensorsHeader::parse(&json, file, Some(size))?;
     let mut raw = first.to_vec();
     raw.extend_from_slice(&json);
-    Ok((raw, header))
+    Ok((raw, header, size))
 }
 
 /// Read the checkpoint metadata. Errors: missing `config.json` or shards, index/header
@@ -155,13 +164,14 @@ pub fn load(source: &dyn Source, pin: Option<&Pin>) -> Result<Checkpoint, Instal
     let mut shards = Vec::with_capacity(shard_files.len());
     let mut single_header_sha = None;
     for file in &shard_files {
-        let (raw, header) = read_header(source, file)?;
+        let (raw, header, size) = read_header(source, file)?;
         if index.is_none() {
             single_header_sha = Some(sha256_hex(&raw));
         }
         shards.push(Shard {
             file: file.clone(),
             header,
+            size,
         });
     }
     if let Some(wm) = &weight_map {
@@ -199,6 +209,8 @@ pub fn load(source: &dyn Source, pin: Option<&Pin>) -> Result<Checkpoint, Instal
     }
     Ok(Checkpoint {
         config,
+        config_bytes,
+        index_bytes: index,
         index_sha256: single_header_sha.unwrap_or(index_sha256),
         shards,
         sidecars,

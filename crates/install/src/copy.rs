@@ -20,8 +20,9 @@ pub struct Dests {
 }
 
 /// Stream `range` from `reader` (which yields exactly `range.end - range.start` bytes) in
-/// tiles of at most [`TILE_BYTES`], writing each copy's bytes to its destination, then
-/// `fdatasync` the touched files. `tile` is the caller's reusable buffer. A copy with an
+/// tiles of at most [`TILE_BYTES`], writing each copy's bytes to its destination (only when
+/// `write`; otherwise the digest alone is computed), then `fdatasync` the touched files. `tile`
+/// is the caller's reusable buffer. A copy with an
 /// [`Expand`](crate::plan::Expand) collects its source bytes (at most one tile) and writes their
 /// expansion once complete. Returns the destination digest: SHA-256 of the copies' destination
 /// bytes in copy order. `on_bytes` is told how many source bytes were consumed after each tile.
@@ -30,6 +31,7 @@ pub fn run_range(
     copies: &[RangeCopy],
     reader: &mut dyn Read,
     dests: &Dests,
+    write: bool,
     tile: &mut [u8],
     on_bytes: &mut dyn FnMut(u64),
 ) -> Result<String, InstallError> {
@@ -43,12 +45,13 @@ pub fn run_range(
     let mut out = Vec::new();
     while pos < range.end {
         let n = ((range.end - pos) as usize).min(tile.len()).min(TILE_BYTES);
-        reader
-            .read_exact(&mut tile[..n])
-            .map_err(|e| InstallError::Http {
-                url: format!("source range {} ({}..{})", range.id, range.start, range.end),
-                detail: format!("read failed at byte {pos}: {e}"),
-            })?;
+        reader.read_exact(&mut tile[..n]).map_err(|e| {
+            crate::source::read_error(
+                &format!("source range {} ({}..{})", range.id, range.start, range.end),
+                &format!("read failed at byte {pos}"),
+                e,
+            )
+        })?;
         let tile_end = pos + n as u64;
         while first < copies.len() && copies[first].src + copies[first].len <= pos {
             first += 1;
@@ -71,6 +74,10 @@ pub fn run_range(
                 crate::maple::expand_into(e, &pending.remove(&i).unwrap_or_default(), &mut out);
                 (bytes, dst) = (&out, c.dst);
             }
+            h.update(bytes);
+            if !write {
+                continue;
+            }
             if let Some(left) = &dests.enospc_after {
                 let n = bytes.len() as u64;
                 if left
@@ -85,7 +92,6 @@ pub fn run_range(
                 .write_all_at(bytes, dst)
                 .map_err(|e| InstallError::io("cannot write", &dests.paths[c.dest], e))?;
             touched[c.dest] = true;
-            h.update(bytes);
         }
         pos = tile_end;
         on_bytes(n as u64);

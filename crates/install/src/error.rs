@@ -37,8 +37,16 @@ pub enum InstallError {
     OverwriteRefused { out: PathBuf },
     #[error("the saved partial install does not match this source or plan ({detail}); run `mference discard {out}` to start over")]
     ResumeMismatch { out: PathBuf, detail: String },
-    #[error("not enough free disk at {dir}: need {need} bytes (remaining output + one range + reserve), {free} free; free some space or choose another --output")]
-    DiskFull { dir: PathBuf, need: u64, free: u64 },
+    #[error("not enough free disk at {dir}: need {need} bytes ({remaining} bytes of output still to write + a reserve of {reserve} bytes, {reserve_rule}), {free} free; free some space or choose another --output")]
+    DiskFull {
+        dir: PathBuf,
+        need: u64,
+        remaining: u64,
+        reserve: u64,
+        /// How the reserve was chosen, e.g. "1/16 of the output, at least 16 MiB".
+        reserve_rule: String,
+        free: u64,
+    },
     #[error("the disk filled up writing {path}: free some space, then run the same `mference install` with --resume (the ranges written so far are kept)")]
     DiskFilled { path: PathBuf },
     #[error("the copy plan is invalid: {detail}")]
@@ -51,6 +59,22 @@ pub enum InstallError {
     PinMismatch { detail: String },
     #[error("HTTP error for {url}: {detail}")]
     Http { url: String, detail: String },
+    #[error("cannot reach the source at {url}: {detail}; check the network and the address (--base-url, $HF_ENDPOINT), then run the same command again (with --resume if a partial install was saved)")]
+    SourceUnreachable { url: String, detail: String },
+    #[error("{file} does not match the digest the source publishes for it: expected {expected}, the bytes served hash to {actual}; the mirror or the connection changed them. Nothing from {file} is kept as verified; run the same command with --resume to fetch it again, or `mference discard` the output")]
+    SourceDigestMismatch {
+        file: String,
+        /// The published digest, as [`crate::verify::Published::describe`] writes it.
+        expected: String,
+        /// The digest of the bytes served, same kind, hex.
+        actual: String,
+    },
+    #[error("the source published no digest for {file} (no SHA-256 in X-Linked-Etag, no git blob id in ETag), so its bytes cannot be checked; use a server that passes Hugging Face's headers through, or pass --allow-unverified to install it unchecked (the receipt will say so)")]
+    SourceDigestMissing { file: String },
+    #[error("{file} in the checkpoint does not parse: {detail}; `run`, `serve` and `perplexity` would fail on it. Fix or replace the file in the checkpoint and install again")]
+    SidecarInvalid { file: String, detail: String },
+    #[error("tokenizer.json has {tokenizer} token ids but the model's vocabulary (config.json vocab_size, the embedding rows) is {model}: ids from {model} up would index past the embedding. Use the tokenizer that belongs to this checkpoint")]
+    VocabMismatch { tokenizer: u64, model: u64 },
     #[error("{path} is not an install or partial install: {detail}")]
     NotAnInstall { path: PathBuf, detail: String },
     #[error("invalid option: {detail}")]

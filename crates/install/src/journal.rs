@@ -2,6 +2,8 @@
 //! (write temp, fsync, rename, fsync the directory).
 
 use crate::InstallError;
+use mference_format::receipt::SourceFile;
+use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::Path;
 
@@ -37,6 +39,10 @@ pub struct Journal {
     /// in journals that predate it and for the hub.
     #[serde(rename = "baseURL", default, skip_serializing_if = "Option::is_none")]
     pub base_url: Option<String>,
+    /// Source shards read whole and matched against their published digest, by file name; a
+    /// resume reads again every shard not listed here (absent in older journals: none).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub verified_source_files: BTreeMap<String, SourceFile>,
 }
 
 impl Journal {

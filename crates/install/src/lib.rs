@@ -3,13 +3,17 @@
 //! Sequence: take `<out>.install.lock`; read `config.json`, the index (checked against a
 //! pin) and each shard's safetensors header with byte ranges; plan every tensor piece as a
 //! range copy (destinations never overlap; ranges coalesced to ≤ 64 MiB); check free disk;
-//! journal `<out>.resume.json` then stage `<out>.partial/`; copy each range through
-//! ≤ 512 KiB tiles, fsync, then journal it with its destination digest; hash every file,
-//! write the manifest and receipt, verify them, rename into place and fsync the parent.
+//! read the small files (tokenizer, template) and check them against the digests the source
+//! publishes and parse them; journal `<out>.resume.json` then stage `<out>.partial/`; read each
+//! shard front to back through a hasher, copying each range through ≤ 512 KiB tiles (fsync,
+//! then journal it with its destination digest) and checking the shard's published digest;
+//! hash every output file, write the manifest and receipt (which says what each source file was
+//! checked against), verify them, rename into place and fsync the parent.
 //! Quantized bytes are copied unchanged.
 
 pub mod checkpoint;
 pub mod copy;
+pub mod disk;
 mod error;
 pub mod journal;
 pub mod lock;
@@ -17,9 +21,13 @@ pub mod maple;
 pub mod plan;
 pub mod presets;
 pub mod progress;
+pub mod receipt;
 pub mod run;
+pub mod sidecars;
 pub mod source;
 pub mod state;
+pub mod stream;
+pub mod verify;
 
 pub use error::InstallError;
 pub use progress::ProgressMode;

@@ -2,26 +2,25 @@
 //! (`docs/FORMAT.md`, "Installer").
 
 use crate::checkpoint::{self, Checkpoint, Pin};
-use crate::copy::{digest_destinations, run_range, Dests};
-use crate::journal::{fsync_dir, fsync_parent, write_atomic, CompletedRange, Journal};
+use crate::copy::{digest_destinations, Dests};
+use crate::journal::{fsync_dir, fsync_parent, write_atomic, Journal};
 use crate::lock::InstallLock;
 use crate::plan::{self, Plan, MAX_RANGE_BYTES, TILE_BYTES};
 use crate::progress::{Progress, ProgressMode};
+pub use crate::receipt::{source_trust, write_receipt, SourceRecord};
+use crate::sidecars::{self, Sidecars};
 use crate::source::Source;
+use crate::verify::{self, SourceCheck};
 use crate::InstallError;
 use mference_format::hash::sha256_file;
 use mference_format::manifest::{FileEntry, Flags, Manifest, MAGIC, VERSION_MAJOR, VERSION_MINOR};
-use mference_format::receipt::utc_timestamp_now;
 use mference_format::{
-    Install, OpenOptions, Receipt, VerifyPolicy, LAYOUT_FILE, MANIFEST_FILE, RECEIPT_FILE,
-    TOKENIZER_DIR,
+    Install, OpenOptions, VerifyPolicy, LAYOUT_FILE, MANIFEST_FILE, TOKENIZER_DIR,
 };
 use std::collections::{BTreeMap, HashMap};
-use std::io::Read;
 use std::path::{Path, PathBuf};
 
-/// Tool version written into receipts.
-pub const TOOL_VERSION: &str = concat!("mference-install ", env!("CARGO_PKG_VERSION"));
+pub use crate::receipt::TOOL_VERSION;
 
 /// Options of one install.
 #[derive(Clone, Debug)]
@@ -34,8 +33,12 @@ pub struct InstallOptions {
     pub dry_run: bool,
     /// Largest coalesced range in bytes (1..=64 MiB; default 64 MiB).
     pub max_range_bytes: u64,
-    /// Free-disk reserve kept on top of the remaining output, bytes (default 1 GiB).
-    pub disk_reserve_bytes: u64,
+    /// Free-disk reserve kept on top of the remaining output, bytes; `None` (the default): 1/16
+    /// of the output, at least 16 MiB and at most 1 GiB ([`disk_reserve`]).
+    pub disk_reserve_bytes: Option<u64>,
+    /// Accept source files for which an HTTP source publishes no digest (`--allow-unverified`);
+    /// the receipt then lists them without `verifiedAgainst`.
+    pub allow_unverified: bool,
     pub progress: ProgressMode,
     /// `modelID` for the manifest; default: the repo id, or the directory name.
     pub model_id: Option<String>,
@@ -50,7 +53,8 @@ impl Default for InstallOptions {
             overwrite: false,
             dry_run: false,
             max_range_bytes: MAX_RANGE_BYTES,
-            disk_reserve_bytes: 1 << 30,
+            disk_reserve_bytes: None,
+            allow_unverified: false,
             progress: ProgressMode::Auto,
             model_id: None,
             pin: None,
@@ -73,8 +77,15 @@ pub struct InstallReport {
     pub ranges_reused: usize,
     /// Source bytes of all ranges (gaps included).
     pub source_bytes: u64,
-    /// Source bytes fetched by this run.
+    /// Source bytes of the ranges written by this run.
     pub fetched_bytes: u64,
+    /// Source bytes read by this run only to be hashed against the published digests: safetensors
+    /// headers, tensors left out, gaps between ranges, ranges written by an earlier run.
+    pub hashed_only_bytes: u64,
+    /// Source files whose bytes matched a digest the source published, and those it published
+    /// none for (a plain local directory, or `allow_unverified`).
+    pub verified_files: Vec<String>,
+    pub unverified_files: Vec<String>,
     /// The install's size: the bytes of the files its manifest lists (what `inspect` and
     /// `verify` report); for a dry run the planned weights, expert and tokenizer files
     /// (`layout.json` not counted).
@@ -227,6 +238,9 @@ fn install_locked(
         ranges_reused: 0,
         source_bytes: plan.source_bytes(),
         fetched_bytes: 0,
+        hashed_only_bytes: 0,
+        verified_files: Vec::new(),
+        unverified_files: Vec::new(),
         output_bytes: plan.output_bytes() + ck.sidecars.iter().map(|(_, s)| s).sum::<u64>(),
         resident_entries: plan.resident.entries.len(),
         expert_layers: plan.expert_layers(),
@@ -249,6 +263,7 @@ fn install_locked(
         total_source_bytes: plan.source_bytes(),
         completed_ranges: Vec::new(),
         base_url: sid.base_url.clone(),
+        verified_source_files: BTreeMap::new(),
     };
     let (has_partial, has_journal) = (paths.partial.exists(), paths.journal.exists());
     if opts.resume && promoted_with_journal(paths) {
@@ -258,6 +273,21 @@ fn install_locked(
         report.ranges_reused = plan.ranges.len();
         return Ok(report);
     }
+    // Every small file is read, checked and parsed before anything is written.
+    let side = sidecars::fetch(source, &ck, opts.allow_unverified, &mut progress)?;
+    sidecars::check_text(&side.files, plan.arch.vocab_size)?;
+    let expected = ck
+        .shards
+        .iter()
+        .map(|s| {
+            verify::require(
+                &s.file,
+                source.published_digest(&s.file)?,
+                source.publishes_digests(),
+                opts.allow_unverified,
+            )
+        })
+        .collect::<Result<Vec<_>, _>>()?;
     let mut journal = if opts.resume && has_journal {
         let j = Journal::load(&paths.journal)?;
         check_resume_identity(&j, &fresh_journal, &paths.out)?;
@@ -268,8 +298,19 @@ fn install_locked(
     if !has_partial {
         // A partial directory without journaled ranges is rebuilt from nothing.
         journal.completed_ranges.clear();
+        journal.verified_source_files.clear();
     }
-    check_disk(paths, &plan, &journal, opts.disk_reserve_bytes)?;
+    let written: u64 = journal
+        .completed_ranges
+        .iter()
+        .map(|c| c.destination_bytes)
+        .sum();
+    crate::disk::check(
+        &paths.out,
+        plan.output_bytes().saturating_sub(written),
+        plan.output_bytes(),
+        opts.disk_reserve_bytes,
+    )?;
 
     // Journal before directory: a crash in between leaves a journal with no ranges, which
     // --resume accepts.
@@ -281,10 +322,11 @@ fn install_locked(
     let (dests, resized) = open_dests(&paths.partial, &plan)?;
     if resized {
         journal.completed_ranges.clear();
+        journal.verified_source_files.clear();
     }
     let mut tile = vec![0u8; TILE_BYTES];
     progress.stage("writing index, layout and tokenizer files");
-    write_generated(source, &ck, &plan, &paths.partial, &dests, &mut tile)?;
+    write_generated(&side, &plan, &paths.partial, &dests)?;
 
     // Keep only journaled ranges whose destinations still hash to the recorded digest.
     let by_id: HashMap<&str, usize> = plan
@@ -321,47 +363,33 @@ fn install_locked(
     }
     report.ranges_reused = journal.completed_ranges.len();
 
-    let done_bytes: u64 = plan
-        .ranges
-        .iter()
-        .zip(&done)
-        .filter(|(_, d)| **d)
-        .map(|(r, _)| r.end - r.start)
-        .sum();
-    progress.stage(&format!(
-        "copying {} ranges ({} bytes) from {}",
-        plan.ranges.len() - report.ranges_reused,
-        plan.source_bytes() - done_bytes,
-        sid.repo_id
-    ));
-    progress.start_bytes(plan.source_bytes(), done_bytes);
-    for (i, r) in plan.ranges.iter().enumerate() {
-        if done[i] {
-            continue;
-        }
-        let mut reader = source.open_range(&plan.shard_files[r.shard], r.start, r.end)?;
-        let digest = run_range(r, &plan.copies, &mut *reader, &dests, &mut tile, &mut |n| {
-            progress.inc(n)
-        })?;
-        let dest_bytes = plan.copies[r.copies.clone()]
-            .iter()
-            .map(|c| c.dst_len())
-            .sum();
-        journal.completed_ranges.push(CompletedRange {
-            id: r.id.clone(),
-            destination_digest: digest,
-            source_bytes: r.end - r.start,
-            destination_bytes: dest_bytes,
-        });
-        journal.store(&paths.journal)?;
-        report.ranges_fetched += 1;
-        report.fetched_bytes += r.end - r.start;
-    }
-    progress.finish();
+    let shard_sizes: Vec<u64> = ck.shards.iter().map(|s| s.size).collect();
+    let job = crate::stream::Job {
+        source,
+        plan: &plan,
+        shard_sizes: &shard_sizes,
+        expected: &expected,
+        dests: &dests,
+        done: &done,
+        journal_path: &paths.journal,
+    };
+    let streamed = crate::stream::copy_shards(&job, &mut journal, &mut progress)?;
+    report.ranges_fetched = streamed.ranges_fetched;
+    report.ranges_reused -= streamed.ranges_rewritten;
+    report.fetched_bytes = streamed.fetched_bytes;
+    report.hashed_only_bytes = streamed.hashed_only_bytes;
     drop(dests);
+    let mut checks = side.checks;
+    checks.extend(streamed.checks);
+    for c in &checks {
+        match c.against {
+            Some(_) => report.verified_files.push(c.file.clone()),
+            None => report.unverified_files.push(c.file.clone()),
+        }
+    }
 
     progress.stage("hashing output files and writing manifest and receipt");
-    report.output_bytes = finalize(&ck, &plan, &sid, opts, paths)?;
+    report.output_bytes = finalize(&ck, &plan, &sid, &checks, opts, paths)?;
     progress.stage(&format!("promoting {}", paths.out.display()));
     promote(paths, opts.overwrite)?;
     std::fs::remove_file(&paths.journal)
@@ -469,32 +497,6 @@ fn check_resume_identity(saved: &Journal, now: &Journal, out: &Path) -> Result<(
     Ok(())
 }
 
-fn check_disk(
-    paths: &OutPaths,
-    plan: &Plan,
-    j: &Journal,
-    reserve: u64,
-) -> Result<(), InstallError> {
-    let dir = paths.out.parent().unwrap_or(Path::new("/"));
-    let st =
-        rustix::fs::statvfs(dir).map_err(|e| InstallError::io("cannot statvfs", dir, e.into()))?;
-    let free = st.f_bavail.saturating_mul(st.f_frsize);
-    let written: u64 = j.completed_ranges.iter().map(|c| c.destination_bytes).sum();
-    let need = plan
-        .output_bytes()
-        .saturating_sub(written)
-        .saturating_add(plan.max_range_bytes)
-        .saturating_add(reserve);
-    if free < need {
-        return Err(InstallError::DiskFull {
-            dir: dir.to_path_buf(),
-            need,
-            free,
-        });
-    }
-    Ok(())
-}
-
 /// Open (creating or resizing) every destination file; `true` if any existing file had a
 /// different size (then every journaled range is void).
 fn open_dests(partial: &Path, plan: &Plan) -> Result<(Dests, bool), InstallError> {
@@ -538,14 +540,12 @@ fn open_dests(partial: &Path, plan: &Plan) -> Result<(Dests, bool), InstallError
     ))
 }
 
-/// Write what the plan generates (resident index, layout.json) and copy the sidecars.
+/// Write what the plan generates (resident index, layout.json) and the sidecars.
 fn write_generated(
-    source: &dyn Source,
-    ck: &Checkpoint,
+    side: &Sidecars,
     plan: &Plan,
     partial: &Path,
     dests: &Dests,
-    tile: &mut [u8],
 ) -> Result<(), InstallError> {
     use std::os::unix::fs::FileExt;
     let index = plan.resident.encode()?;
@@ -554,26 +554,8 @@ fn write_generated(
         .and_then(|_| dests.files[0].sync_data())
         .map_err(|e| InstallError::io("cannot write", &dests.paths[0], e))?;
     write_atomic(&partial.join(LAYOUT_FILE), &plan.layout.to_bytes())?;
-    for (name, size) in &ck.sidecars {
-        let dst = partial.join(TOKENIZER_DIR).join(name);
-        let tmp = dst.with_extension("part");
-        let mut out =
-            std::fs::File::create(&tmp).map_err(|e| InstallError::io("cannot create", &tmp, e))?;
-        let mut r = source.open_range(name, 0, *size)?;
-        let mut left = *size;
-        while left > 0 {
-            let n = (left as usize).min(tile.len());
-            r.read_exact(&mut tile[..n])
-                .map_err(|e| InstallError::SourceInvalid {
-                    detail: format!("{name}: {e}"),
-                })?;
-            std::io::Write::write_all(&mut out, &tile[..n])
-                .map_err(|e| InstallError::io("cannot write", &tmp, e))?;
-            left -= n as u64;
-        }
-        out.sync_all()
-            .map_err(|e| InstallError::io("cannot fsync", &tmp, e))?;
-        std::fs::rename(&tmp, &dst).map_err(|e| InstallError::io("cannot rename", &tmp, e))?;
+    for (name, bytes) in &side.files {
+        write_atomic(&partial.join(TOKENIZER_DIR).join(name), bytes)?;
     }
     fsync_dir(&partial.join(TOKENIZER_DIR))
 }
@@ -582,6 +564,7 @@ fn finalize(
     ck: &Checkpoint,
     plan: &Plan,
     sid: &crate::source::SourceId,
+    checks: &[SourceCheck],
     opts: &InstallOptions,
     paths: &OutPaths,
 ) -> Result<u64, InstallError> {
@@ -629,7 +612,14 @@ fn finalize(
     };
     let mbytes = manifest.to_bytes();
     write_atomic(&paths.partial.join(MANIFEST_FILE), &mbytes)?;
-    write_receipt(&paths.partial, &paths.out, &manifest, &mbytes, Some(sid))?;
+    let record = SourceRecord::new(sid, checks);
+    write_receipt(
+        &paths.partial,
+        &paths.out,
+        &manifest,
+        &mbytes,
+        Some(&record),
+    )?;
     // Verify the staged install against the final path before promoting it.
     let opened = Install::open_with(
         &paths.partial,
@@ -641,48 +631,6 @@ fn finalize(
     )?;
     opened.check_layer_files()?;
     Ok(manifest.files.values().map(|f| f.size).sum())
-}
-
-/// Write `verified-install.json` into `dir`, bound to `bound` (the final install path).
-pub fn write_receipt(
-    dir: &Path,
-    bound: &Path,
-    manifest: &Manifest,
-    manifest_bytes: &[u8],
-    sid: Option<&crate::source::SourceId>,
-) -> Result<Receipt, InstallError> {
-    let manifest_sha256 = mference_format::hash::sha256_hex(manifest_bytes);
-    let mut files = manifest.files.clone();
-    files.insert(
-        MANIFEST_FILE.into(),
-        FileEntry {
-            size: manifest_bytes.len() as u64,
-            sha256: manifest_sha256.clone(),
-        },
-    );
-    let receipt = Receipt {
-        schema_version: 1,
-        manifest_sha256,
-        model_directory_path: bound.to_string_lossy().into_owned(),
-        source_repo_id: sid.map(|s| s.repo_id.clone()),
-        source_revision: sid.map(|s| s.revision.clone()),
-        verification_timestamp: utc_timestamp_now(),
-        tool_version: TOOL_VERSION.into(),
-        files,
-        source_bytes: sid.map(|s| source_trust(&s.repo_id).to_string()),
-    };
-    write_atomic(&dir.join(RECEIPT_FILE), &receipt.to_bytes())?;
-    Ok(receipt)
-}
-
-/// The receipt's `sourceBytes` statement for a source.
-pub fn source_trust(repo_id: &str) -> &'static str {
-    if repo_id.starts_with("local:") {
-        "read from a local directory as they are on disk"
-    } else {
-        "trusted as served: HTTP(S) ranges checked against the safetensors headers, the sizes and \
-         the index SHA-256 only (the source offers no whole-file SHA-256 that was checked)"
-    }
 }
 
 fn promote(paths: &OutPaths, overwrite: bool) -> Result<(), InstallError> {

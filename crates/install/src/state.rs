@@ -83,15 +83,10 @@ pub fn verify(dir: &Path) -> Result<VerifySummary, InstallError> {
     let old = read_capped(&dir.join(RECEIPT_FILE), RECEIPT_FILE, 4 << 20)
         .ok()
         .and_then(|b| Receipt::parse(&b).ok());
-    let sid = old.as_ref().and_then(|r| {
-        Some(crate::SourceId {
-            repo_id: r.source_repo_id.clone()?,
-            revision: r.source_revision.clone().unwrap_or_default(),
-            resolved_commit: String::new(),
-            base_url: None,
-        })
-    });
-    write_receipt(&dir, &dir, &manifest, &mbytes, sid.as_ref())?;
+    let source = old
+        .as_ref()
+        .and_then(crate::receipt::SourceRecord::from_receipt);
+    write_receipt(&dir, &dir, &manifest, &mbytes, source.as_ref())?;
     debug_assert_eq!(sha256_hex(&mbytes).len(), 64);
     Ok(VerifySummary {
         files: manifest.files.len(),

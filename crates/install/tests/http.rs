@@ -24,8 +24,7 @@ fn remote_install_equals_local_install_and_uses_only_ranges() {
     let data = srv.data_ranges();
     assert_eq!(data.len(), r.ranges_total);
     assert!(data.iter().all(|(a, b)| b - a < 4 << 20));
-    // The receipt says plainly how far the served bytes were checked (a server that lies with a
-    // correct Content-Range is not caught: there is no whole-file hash to check against).
+    // The receipt says that every source file was checked against its published digest.
     let receipt =
         mference_format::Receipt::parse(&std::fs::read(out.join("verified-install.json")).unwrap())
             .unwrap();
@@ -33,7 +32,7 @@ fn remote_install_equals_local_install_and_uses_only_ranges() {
         receipt
             .source_bytes
             .as_deref()
-            .is_some_and(|s| s.starts_with("trusted as served")),
+            .is_some_and(|s| s.starts_with("verified")),
         "{receipt:?}"
     );
 }
@@ -81,11 +80,12 @@ fn redirects_keep_the_range_and_the_token_never_leaves_the_base_host() {
         None,
         None,
     );
+    // Like the Hub, the front answers with a redirect that carries each file's SHA-256.
     let front = Server::start(
         "127.0.0.1:0",
         common::REPO,
         common::REV,
-        Default::default(),
+        checkpoint_files(&common::asset("qwen3_6-tiny")),
         None,
         Some(files.base.clone()),
     );
@@ -143,4 +143,45 @@ fn a_wrong_index_pin_is_refused_before_writing() {
     );
     assert!(!out.exists() && !tmp.path().join("g.gturbo.partial").exists());
     assert!(srv.data_ranges().is_empty());
+}
+
+/// `err` reports an unreachable source (not an invalid checkpoint) and names the URL once.
+fn assert_unreachable(err: mference_install::InstallError) {
+    let msg = err.to_string();
+    assert!(
+        matches!(
+            err,
+            mference_install::InstallError::SourceUnreachable { .. }
+        ),
+        "{msg}"
+    );
+    assert_eq!(msg.matches("http://").count(), 1, "{msg}");
+}
+
+#[test]
+fn a_server_that_goes_away_is_unreachable_and_its_url_is_named_once() {
+    let tmp = tempfile::tempdir().unwrap();
+    let srv = common::serve("gemma4-tiny");
+    // Every attempt at the first data range finds the connection closed without an answer.
+    for _ in 0..4 {
+        srv.push_fault(Fault::Close);
+    }
+    assert_unreachable(
+        common::install_from(&srv, &tmp.path().join("g.gturbo"), &opts()).unwrap_err(),
+    );
+}
+
+#[test]
+fn a_refused_connection_is_unreachable_and_its_url_is_named_once() {
+    // A port nothing listens on: bind one, then close it.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let tmp = tempfile::tempdir().unwrap();
+    let src = common::http_source(&format!("http://127.0.0.1:{port}"), None);
+    assert_unreachable(
+        mference_install::install(&src, &tmp.path().join("g.gturbo"), &opts()).unwrap_err(),
+    );
 }

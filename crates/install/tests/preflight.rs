@@ -70,10 +70,22 @@ fn unknown_architecture_is_refused() {
         c["model_type"] = "llama".into();
         c["text_config"]["model_type"] = "llama".into();
     });
-    assert!(matches!(
-        refused(&d, tmp.path()),
-        InstallError::Format(FormatError::UnknownArchitecture { .. })
-    ));
+    let err = refused(&d, tmp.path());
+    assert!(
+        matches!(
+            err,
+            InstallError::Format(FormatError::UnknownArchitecture { .. })
+        ),
+        "{err}"
+    );
+    // The message lists every model_type of every family in the registry (it listed Gemma's and
+    // Qwen's only).
+    let msg = err.to_string();
+    for spec in mference_format::REGISTRY {
+        for mt in spec.model_types {
+            assert!(msg.contains(mt), "{mt} missing from: {msg}");
+        }
+    }
 }
 
 #[test]
@@ -93,7 +105,7 @@ fn a_shape_contradicting_config_is_refused() {
 fn not_enough_free_disk_is_refused() {
     let tmp = tempfile::tempdir().unwrap();
     let o = mference_install::InstallOptions {
-        disk_reserve_bytes: u64::MAX / 4,
+        disk_reserve_bytes: Some(u64::MAX / 4),
         ..common::quiet()
     };
     let err = refused_with(&common::asset("gemma4-tiny"), tmp.path(), &o);

@@ -2,23 +2,21 @@
 //! forward over one chunk, where its shared parts live, its per-sequence state) and the blanket
 //! impl gives it [`Model`] (chunking, position, vocabulary, stats, the device expert hooks).
 
-use mference_backend::{Backend, DeviceExpertOps, DeviceExpertStats, KvCache};
+use mference_backend::{Backend, DeviceExpertOps, DeviceExpertStats};
 use mference_runtime::StreamerStats;
 
 use crate::{
-    run_chunked, ChunkWant, Engine, Logits, Model, ModelError, RingSnapshot, StepTimes, Streamers,
+    run_chunked, ChunkWant, Engine, Logits, Model, ModelError, SequenceState, StepTimes, Streamers,
     Want,
 };
 
-/// The parts every family holds: the engine, the backend, the expert streamers and the KV cache
-/// (whose `len` is the sequence's position), and for a family whose whole state is its KV cache
-/// the checkpoint of its rings.
+/// The parts every family holds: the engine, the backend, the expert streamers and the
+/// sequence's state (whose `kv.len` is the sequence's position).
 pub struct Parts<'a, B: Backend> {
     pub engine: &'a Engine,
     pub be: &'a B,
     pub streamers: &'a Streamers,
-    pub kv: &'a KvCache<B::Kv>,
-    pub rings: Option<&'a RingSnapshot<B>>,
+    pub state: &'a SequenceState<B>,
 }
 
 /// [`Parts`] with the streamers and the state mutable.
@@ -26,24 +24,21 @@ pub struct PartsMut<'a, B: Backend> {
     pub engine: &'a Engine,
     pub be: &'a B,
     pub streamers: &'a mut Streamers,
-    pub kv: &'a mut KvCache<B::Kv>,
-    pub rings: Option<&'a mut RingSnapshot<B>>,
+    pub state: &'a mut SequenceState<B>,
 }
 
 /// The [`FamilyModel::parts`] and [`FamilyModel::parts_mut`] of a family struct whose fields are
-/// named `engine`, `be`, `streamers` and `kv`, as every family's are; `family_parts!(rings)` for
-/// one whose field `rings` ([`RingSnapshot`]) keeps its checkpoint.
+/// named `engine`, `be`, `streamers` and `state`, as every family's are.
 #[macro_export]
 #[doc(hidden)]
 macro_rules! family_parts {
-    ($($rings:ident)?) => {
+    () => {
         fn parts(&self) -> $crate::Parts<'_, Self::Backend> {
             $crate::Parts {
                 engine: &self.engine,
                 be: &self.be,
                 streamers: &self.streamers,
-                kv: &self.kv,
-                rings: None $(.or(Some(&self.$rings)))?,
+                state: &self.state,
             }
         }
 
@@ -52,8 +47,7 @@ macro_rules! family_parts {
                 engine: &self.engine,
                 be: &self.be,
                 streamers: &mut self.streamers,
-                kv: &mut self.kv,
-                rings: None $(.or(Some(&mut self.$rings)))?,
+                state: &mut self.state,
             }
         }
     };
@@ -80,46 +74,12 @@ pub trait FamilyModel: Send + 'static {
     fn times(&self) -> Option<&StepTimes> {
         None
     }
-    /// [`Model::truncate`]; by default the KV cache's rule, with the rings' checkpoint if the
-    /// family keeps one ([`RingSnapshot::truncate`]).
-    fn truncate_state(&mut self, n: usize) -> bool {
-        let p = self.parts_mut();
-        match p.rings {
-            Some(rings) => rings.truncate(p.be, p.kv, n),
-            None => p.kv.truncate(n),
-        }
-    }
-    /// [`Model::checkpoint`]; by default a copy of the rings if the family keeps one.
-    fn checkpoint_state(&mut self) {
-        let p = self.parts_mut();
-        if let Some(rings) = p.rings {
-            rings.checkpoint(p.be, p.kv);
-        }
-    }
-    /// [`Model::is_recurrent`]; by default whether the family keeps a rings' checkpoint and has a
-    /// ring.
-    fn state_is_recurrent(&self) -> bool {
-        let p = self.parts();
-        p.rings.is_some() && RingSnapshot::<Self::Backend>::is_recurrent(p.kv)
-    }
-    /// [`Model::rewind_point`].
-    fn state_rewind_point(&self, n: usize) -> usize {
-        let p = self.parts();
-        match p.rings {
-            Some(rings) => rings.rewind_point(p.kv, n),
-            None => n.min(p.kv.len),
-        }
-    }
-    /// [`Model::kv_bytes`].
-    fn state_bytes(&self) -> usize {
-        self.parts().kv.bytes()
-    }
 }
 
 impl<F: FamilyModel> Model for F {
     fn forward(&mut self, tokens: &[u32], want: Want) -> Result<Logits, ModelError> {
         let p = self.parts();
-        let (chunk, max, pos) = (p.engine.prefill_chunk, p.engine.max_context, p.kv.len);
+        let (chunk, max, pos) = (p.engine.prefill_chunk, p.engine.max_context, p.state.kv.len);
         self.begin_forward(tokens);
         run_chunked(tokens, pos, chunk, max, want, |c, w| {
             self.forward_chunk(c, w)
@@ -127,23 +87,25 @@ impl<F: FamilyModel> Model for F {
     }
 
     fn position(&self) -> usize {
-        self.parts().kv.len
+        self.parts().state.kv.len
     }
 
     fn truncate(&mut self, n: usize) -> bool {
-        self.truncate_state(n)
+        let p = self.parts_mut();
+        p.state.truncate(p.be, n)
     }
 
     fn checkpoint(&mut self) {
-        self.checkpoint_state()
+        let p = self.parts_mut();
+        p.state.checkpoint(p.be)
     }
 
     fn is_recurrent(&self) -> bool {
-        self.state_is_recurrent()
+        self.parts().state.is_recurrent()
     }
 
     fn rewind_point(&self, n: usize) -> usize {
-        self.state_rewind_point(n)
+        self.parts().state.rewind_point(n)
     }
 
     fn vocab_size(&self) -> usize {
@@ -175,7 +137,8 @@ impl<F: FamilyModel> Model for F {
     }
 
     fn kv_bytes(&self) -> usize {
-        self.state_bytes()
+        let p = self.parts();
+        p.state.bytes(p.be)
     }
 
     fn step_times(&self) -> StepTimes {

@@ -18,7 +18,7 @@ use std::time::Instant;
 
 use crate::{
     check_ids, next_pre, one, parse_config, text_config, unsupported, ChunkWant, Engine,
-    FamilyModel, LoadOptions, Logits, ModelError, RingSnapshot, StepTimes, Streamers,
+    FamilyModel, LoadOptions, Logits, ModelError, SequenceState, StepTimes, Streamers,
 };
 
 /// `text_config` of a Gemma 4 `config.json` (HF keys; defaults as mlx-lm's `ModelArgs`).
@@ -159,9 +159,8 @@ pub struct Gemma4<B: Backend> {
     layers: Vec<Layer>,
     /// sqrt(hidden_size) rounded to bf16, the weight dtype (HF `Gemma4TextScaledWordEmbedding`).
     embed_scale: f32,
-    kv: KvCache<B::Kv>,
-    /// The sliding-window rings at the last [`crate::Model::checkpoint`].
-    rings: RingSnapshot<B>,
+    /// The KV cache (full layers and sliding rings; the rings copied at a checkpoint).
+    state: SequenceState<B>,
     streamers: Streamers,
     /// [`crate::Model::step_times`].
     times: StepTimes,
@@ -286,8 +285,7 @@ impl<B: Backend> Gemma4<B> {
             norm,
             layers,
             embed_scale,
-            kv: KvCache::new(kv),
-            rings: RingSnapshot::default(),
+            state: SequenceState::new(KvCache::new(kv)),
             streamers,
             times: StepTimes {
                 layers: vec![Default::default(); n_layers],
@@ -312,7 +310,7 @@ impl<B: Backend + 'static> FamilyModel for Gemma4<B> {
         let t = tokens.len();
         let h = cfg.hidden_size;
         let nh = cfg.num_attention_heads;
-        let pos0 = self.kv.len;
+        let pos0 = self.state.kv.len;
         let eps = cfg.rms_norm_eps;
         check_ids(tokens, cfg.vocab_size)?;
         // The same norm into a new tensor (a block's input from the residual).
@@ -342,8 +340,9 @@ impl<B: Backend + 'static> FamilyModel for Gemma4<B> {
             }; // [T, n_kv_heads · head_dim]
             let mut k = projs.pop().expect("k_proj");
             let mut q = projs.pop().expect("q_proj"); // [T, n_heads · head_dim]
-                                                      // q and k per-head norms and RoPE, the V norm, K and V into the cache: one op.
-            let kv = &mut self.kv.layers[li];
+
+            // q and k per-head norms and RoPE, the V norm, K and V into the cache: one op.
+            let kv = &mut self.state.kv.layers[li];
             be.rms_norm_rope_kv(
                 &mut q,
                 Norm::Weight(&layer.q_norm),
@@ -453,7 +452,7 @@ impl<B: Backend + 'static> FamilyModel for Gemma4<B> {
             }
             self.times.layers[li][1] += attended.elapsed();
         }
-        self.kv.len = pos0 + t;
+        self.state.kv.len = pos0 + t;
         let started = Instant::now();
 
         // Final norm and the tied head, only for the rows asked for.
@@ -468,7 +467,7 @@ impl<B: Backend + 'static> FamilyModel for Gemma4<B> {
         logits
     }
 
-    crate::family_parts!(rings);
+    crate::family_parts!();
 
     fn vocab(&self) -> usize {
         self.cfg.vocab_size

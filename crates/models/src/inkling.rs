@@ -11,7 +11,9 @@
 //! and conv state, FP32 shared-expert outputs, dense `global_scale` BF16 and the router's
 //! `global_scale`/`bias` FP32. Every norm is the plain `rms(x)·w` (`InklingRMSNorm`).
 
-use serde::Deserialize;
+mod config;
+
+pub use config::Config;
 
 use mference_backend::Weights::Resident;
 use mference_backend::{
@@ -20,132 +22,9 @@ use mference_backend::{
 };
 
 use crate::{
-    check_ids, expert_linear, linear, one, parse_config, text_config, unsupported, ChunkWant,
-    Engine, FamilyModel, LoadOptions, Logits, ModelError, Snapshot, Streamers,
+    check_ids, expert_linear, linear, one, ChunkWant, Engine, FamilyModel, LayerState, LoadOptions,
+    Logits, ModelError, Rings, SequenceState, Streamers,
 };
-
-/// `text_config` of an Inkling `config.json` as the checkpoint stores it (transformers
-/// `InklingTextConfig` keys before its `__post_init__`): `intermediate_size` is the expert width,
-/// `dense_intermediate_size` the dense layers'.
-#[derive(Clone, Debug, Deserialize)]
-pub struct Config {
-    pub hidden_size: usize,
-    pub num_hidden_layers: usize,
-    /// Rows of `embed` / `unembed` (padded).
-    pub vocab_size: usize,
-    /// Logits beyond this id are padding and dropped.
-    pub unpadded_vocab_size: Option<usize>,
-    pub num_attention_heads: usize,
-    pub num_key_value_heads: usize,
-    pub head_dim: usize,
-    /// Sliding layers' head counts and size; the global ones when absent.
-    pub swa_num_attention_heads: Option<usize>,
-    pub swa_num_key_value_heads: Option<usize>,
-    pub swa_head_dim: Option<usize>,
-    pub sliding_window_size: usize,
-    /// Layers with sliding-window attention (relative-position extent = the window); the rest are
-    /// global (extent `rel_extent`, log position scale).
-    pub local_layer_ids: Vec<usize>,
-    pub d_rel: usize,
-    pub rel_extent: usize,
-    /// `None` (JSON null) turns the log position scale off.
-    pub log_scaling_n_floor: Option<f64>,
-    #[serde(default = "default_alpha")]
-    pub log_scaling_alpha: f64,
-    #[serde(default = "default_eps")]
-    pub rms_norm_eps: f32,
-    #[serde(default = "yes")]
-    pub use_embed_norm: bool,
-    #[serde(default = "yes")]
-    pub use_sconv: bool,
-    #[serde(default = "default_kernel")]
-    pub sconv_kernel_size: usize,
-    /// Layers `0..dense_mlp_idx` have a dense SwiGLU MLP.
-    pub dense_mlp_idx: usize,
-    pub dense_intermediate_size: usize,
-    pub intermediate_size: usize,
-    pub n_routed_experts: usize,
-    pub num_experts_per_tok: usize,
-    pub n_shared_experts: usize,
-    #[serde(default = "yes")]
-    pub shared_expert_sink: bool,
-    pub route_scale: f32,
-    pub logits_mup_width_multiplier: f32,
-    #[serde(default = "silu")]
-    pub hidden_act: String,
-}
-
-fn default_alpha() -> f64 {
-    0.1
-}
-fn default_eps() -> f32 {
-    1e-6
-}
-fn default_kernel() -> usize {
-    4
-}
-fn yes() -> bool {
-    true
-}
-fn silu() -> String {
-    "silu".into()
-}
-
-impl Config {
-    /// Reads `text_config` of `config.json` and rejects what this runtime does not implement.
-    pub fn from_config_json(v: &serde_json::Value) -> Result<Self, ModelError> {
-        let c: Config = parse_config(text_config(v), "inkling text_config")?;
-        let unsupported = |what: &str| unsupported("inkling", what);
-        if !c.use_sconv || !c.shared_expert_sink || c.hidden_act != "silu" {
-            return unsupported("a model without short convolutions, sink shared experts or SiLU");
-        }
-        let top_k = c.num_experts_per_tok;
-        if c.dense_mlp_idx > c.num_hidden_layers
-            || c.n_shared_experts == 0
-            || top_k == 0
-            || top_k > c.n_routed_experts
-            || c.sconv_kernel_size < 2
-            || c.local_layer_ids.iter().any(|&l| l >= c.num_hidden_layers)
-            || c.vocab_size() > c.vocab_size
-        {
-            return Err(ModelError::Config(
-                "inkling: dense_mlp_idx, experts, top-k, sconv kernel, local_layer_ids or \
-                 unpadded_vocab_size out of range"
-                    .into(),
-            ));
-        }
-        Ok(c)
-    }
-
-    /// Whether layer `i` attends within the sliding window.
-    pub fn is_sliding(&self, i: usize) -> bool {
-        self.local_layer_ids.contains(&i)
-    }
-
-    /// `(n_heads, n_kv_heads, head_dim)` of layer `i`.
-    fn heads(&self, i: usize) -> (usize, usize, usize) {
-        if self.is_sliding(i) {
-            (
-                self.swa_num_attention_heads
-                    .unwrap_or(self.num_attention_heads),
-                self.swa_num_key_value_heads
-                    .unwrap_or(self.num_key_value_heads),
-                self.swa_head_dim.unwrap_or(self.head_dim),
-            )
-        } else {
-            (
-                self.num_attention_heads,
-                self.num_key_value_heads,
-                self.head_dim,
-            )
-        }
-    }
-
-    /// The vocabulary the logits cover (`unpadded_vocab_size`).
-    pub fn vocab_size(&self) -> usize {
-        self.unpadded_vocab_size.unwrap_or(self.vocab_size)
-    }
-}
 
 /// A short convolution `y + conv(y)` (`InklingShortConvolution`): weight `[C, kernel]` in f32.
 struct ShortConv<B: Backend> {
@@ -197,42 +76,6 @@ struct Layer<B: Backend> {
     mlp_sconv: ShortConv<B>,
 }
 
-/// The four short-convolution states of one layer (`[kernel − 1, C]` FP32 each).
-struct ConvStates<B: Backend> {
-    k: B::State,
-    v: B::State,
-    attn: B::State,
-    mlp: B::State,
-}
-
-impl<B: Backend> Clone for ConvStates<B> {
-    fn clone(&self) -> Self {
-        Self {
-            k: self.k.clone(),
-            v: self.v.clone(),
-            attn: self.attn.clone(),
-            mlp: self.mlp.clone(),
-        }
-    }
-
-    fn clone_from(&mut self, o: &Self) {
-        self.k.clone_from(&o.k);
-        self.v.clone_from(&o.v);
-        self.attn.clone_from(&o.attn);
-        self.mlp.clone_from(&o.mlp);
-    }
-}
-
-impl<B: Backend> ConvStates<B> {
-    fn all_mut(&mut self) -> [&mut B::State; 4] {
-        [&mut self.k, &mut self.v, &mut self.attn, &mut self.mlp]
-    }
-
-    fn all(&self) -> [&B::State; 4] {
-        [&self.k, &self.v, &self.attn, &self.mlp]
-    }
-}
-
 /// A loaded Inkling model with its KV cache, short-conv states and expert streamers (one
 /// sequence) on backend `B`.
 pub struct Inkling<B: Backend> {
@@ -245,14 +88,11 @@ pub struct Inkling<B: Backend> {
     /// `unembed` cut to the unpadded vocabulary's rows.
     unembed: QRef,
     layers: Vec<Layer<B>>,
-    /// One layer per attention layer; sliding layers are rings of [`Inkling::ring_rows`] rows.
-    kv: KvCache<B::Kv>,
-    /// How many positions past the checkpoint a rewind may cut off: the sliding rings still hold
-    /// the window before it (`usize::MAX` when no layer is a ring).
-    rewind_reach: usize,
-    states: Vec<ConvStates<B>>,
-    /// The conv states as they were at one earlier position ([`crate::Model::checkpoint`]).
-    snapshot: Snapshot<Vec<ConvStates<B>>>,
+    /// One KV layer per attention layer (sliding layers are rings of [`Inkling::ring_rows`]
+    /// rows, which reach a checkpoint up to a chunk plus [`REWIND_REACH`] positions back without
+    /// a copy) and per layer its four FP32 short-convolution states `[kernel − 1, C]`: k, v, the
+    /// attention output's and the MLP output's.
+    state: SequenceState<B>,
     streamers: Streamers,
 }
 
@@ -397,7 +237,7 @@ impl<B: Backend> Inkling<B> {
                 }
             })
             .collect::<Result<_, _>>()?;
-        let rewind_reach = match ring < opts.max_context {
+        let reach = match ring < opts.max_context {
             true => ring - cfg.sliding_window_size,
             false => usize::MAX,
         };
@@ -405,12 +245,12 @@ impl<B: Backend> Inkling<B> {
         for l in 0..cfg.num_hidden_layers {
             let (_, nkv, d) = cfg.heads(l);
             let st = |c: usize| be.new_state((kern - 1) * c);
-            states.push(ConvStates {
-                k: st(nkv * d)?,
-                v: st(nkv * d)?,
-                attn: st(h)?,
-                mlp: st(h)?,
-            });
+            states.push(LayerState::arrays(vec![
+                st(nkv * d)?,
+                st(nkv * d)?,
+                st(h)?,
+                st(h)?,
+            ]));
         }
         let norm = v(format!("{P}.norm.weight"), h)?;
         Ok(Self {
@@ -423,10 +263,9 @@ impl<B: Backend> Inkling<B> {
             norm,
             unembed,
             layers,
-            kv: KvCache::new(kv),
-            rewind_reach,
-            states,
-            snapshot: Snapshot::new(),
+            state: SequenceState::new(KvCache::new(kv))
+                .with_layers(states)
+                .with_rings(Rings::Reach(reach)),
         })
     }
 
@@ -451,7 +290,7 @@ impl<B: Backend + 'static> FamilyModel for Inkling<B> {
         let (cfg, be) = (&self.cfg, &self.be);
         let t = tokens.len();
         let h = cfg.hidden_size;
-        let pos0 = self.kv.len;
+        let pos0 = self.state.kv.len;
         let eps = cfg.rms_norm_eps;
         check_ids(tokens, cfg.vocab_size)?;
 
@@ -460,12 +299,16 @@ impl<B: Backend + 'static> FamilyModel for Inkling<B> {
             be.rms_norm(&mut x, h, Norm::Weight(w), eps)?;
         }
         for (li, layer) in self.layers.iter().enumerate() {
-            let st = &mut self.states[li];
+            let [k_conv, v_conv, attn_conv, mlp_conv] = &mut self.state.layers[li].arrays[..]
+            else {
+                unreachable!("an Inkling layer has four short-conv states")
+            };
             let mut attn_norm = be.copy(&x)?;
             be.rms_norm(&mut attn_norm, h, Norm::Weight(&layer.attn_norm), eps)?;
-            let kv = &mut self.kv.layers[li];
-            let attn_out = attention(cfg, be, li, &layer.attn, kv, st, &attn_norm, pos0)?;
-            let attn_out = short_conv(be, &layer.attn_sconv, &mut st.attn, attn_out, cfg)?;
+            let kv = &mut self.state.kv.layers[li];
+            let convs = (k_conv, v_conv);
+            let attn_out = attention(cfg, be, li, &layer.attn, kv, convs, &attn_norm, pos0)?;
+            let attn_out = short_conv(be, &layer.attn_sconv, attn_conv, attn_out, cfg)?;
             be.add(&mut x, &attn_out, 1.0)?;
 
             let mut mlp_norm = be.copy(&x)?;
@@ -481,10 +324,10 @@ impl<B: Backend + 'static> FamilyModel for Inkling<B> {
                     sparse_moe(cfg, be, m, streamer, &mlp_norm, &self.engine, pos0)?
                 }
             };
-            let mlp_out = short_conv(be, &layer.mlp_sconv, &mut st.mlp, mlp_out, cfg)?;
+            let mlp_out = short_conv(be, &layer.mlp_sconv, mlp_conv, mlp_out, cfg)?;
             be.add(&mut x, &mlp_out, 1.0)?;
         }
-        self.kv.len = pos0 + t;
+        self.state.kv.len = pos0 + t;
 
         let head = crate::Head {
             norm: &self.norm,
@@ -507,61 +350,6 @@ impl<B: Backend + 'static> FamilyModel for Inkling<B> {
 
     fn vocab(&self) -> usize {
         self.cfg.vocab_size()
-    }
-
-    /// The short-conv states summarise the prefix: `n == 0`, `n == position()` and `n` at the
-    /// checkpoint (its states restored, the KV cut there) succeed, the last only while the sliding
-    /// rings still hold the checkpoint's window (no more positions follow it than a prefill chunk
-    /// plus [`REWIND_REACH`]); anything else is refused and changes nothing.
-    fn truncate_state(&mut self, n: usize) -> bool {
-        if n == self.kv.len {
-            return true;
-        }
-        if n == 0 {
-            self.snapshot.forget();
-            self.kv.clear();
-            let be = &self.be;
-            return self
-                .states
-                .iter_mut()
-                .flat_map(|s| s.all_mut())
-                .all(|s| be.zero_state(s).is_ok());
-        }
-        // The rings still hold the window before `n` when at most `rewind_reach` positions follow it.
-        let reachable = n <= self.kv.len && self.kv.len - n <= self.rewind_reach;
-        if !(self.snapshot.is_at(n) && reachable) {
-            return false;
-        }
-        self.kv.len = n;
-        self.snapshot.restore(n, &mut self.states)
-    }
-
-    /// Copies the FP32 short-conv states (4 per layer, `kernel − 1` rows each).
-    fn checkpoint_state(&mut self) {
-        self.snapshot.save(self.kv.len, &self.states);
-    }
-
-    fn state_is_recurrent(&self) -> bool {
-        true
-    }
-
-    fn state_rewind_point(&self, n: usize) -> usize {
-        let len = self.kv.len;
-        match self.snapshot.rewind_point(n, len) {
-            p if p < len && len - p > self.rewind_reach => 0,
-            p => p,
-        }
-    }
-
-    /// KV cache plus the FP32 short-conv states.
-    fn state_bytes(&self) -> usize {
-        let states: usize = self
-            .states
-            .iter()
-            .flat_map(|s| s.all())
-            .map(|s| self.be.state_bytes(s))
-            .sum();
-        self.kv.bytes() + states
     }
 }
 
@@ -589,7 +377,7 @@ fn attention<B: Backend>(
     li: usize,
     at: &Attention<B>,
     kv: &mut B::Kv,
-    st: &mut ConvStates<B>,
+    (k_conv, v_conv): (&mut B::State, &mut B::State),
     a: &B::Tensor,
     pos0: usize,
 ) -> Result<B::Tensor, ModelError> {
@@ -601,8 +389,8 @@ fn attention<B: Backend>(
     let v = p.pop().expect("wv_dv"); // [T, n_kv_heads · head_dim]
     let k = p.pop().expect("wk_dv");
     let mut q = p.pop().expect("wq_du"); // [T, n_heads · head_dim]
-    let mut k = short_conv(be, &at.k_sconv, &mut st.k, k, cfg)?;
-    let v = short_conv(be, &at.v_sconv, &mut st.v, v, cfg)?;
+    let mut k = short_conv(be, &at.k_sconv, k_conv, k, cfg)?;
+    let v = short_conv(be, &at.v_sconv, v_conv, v, cfg)?;
     be.rms_norm(&mut q, d, Norm::Weight(&at.q_norm), eps)?;
     be.rms_norm(&mut k, d, Norm::Weight(&at.k_norm), eps)?;
     be.kv_write(kv, pos0, &k, &v)?;

@@ -34,5 +34,5 @@ pub use model::{Model, StepTimes};
 pub use options::{Device, LoadOptions};
 pub use prefix::PrefixCache;
 pub use registry::{check_device, load, probe_device, required_ops};
-pub use state::{RingSnapshot, Snapshot};
+pub use state::{CompressedKv, LayerState, Rings, SequenceState};
 pub use streamers::Streamers;

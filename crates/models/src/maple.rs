@@ -20,7 +20,7 @@ use mference_backend::{
 
 use crate::{
     check_dims, check_ids, expert_linear, linear, one, parse_config, unsupported, ChunkWant,
-    Engine, FamilyModel, LoadOptions, Logits, ModelError, RingSnapshot, Streamers,
+    Engine, FamilyModel, LoadOptions, Logits, ModelError, SequenceState, Streamers,
 };
 
 /// `maple.py`'s `MLP_CLAMP`: the experts' SwiGLU clamps the gate to `≤ 7` and up to `[-7, 7]`.
@@ -186,10 +186,9 @@ pub struct Maple<B: Backend> {
     lm_head: QRef,
     layers: Vec<Layer>,
     rope: Rope,
-    kv: KvCache<B::Kv>,
-    /// The sliding-window rings at the last [`crate::Model::checkpoint`], so a follow-up turn can
-    /// rewind after they have wrapped (prefix reuse in `serve` and `run --chat`).
-    rings: RingSnapshot<B>,
+    /// The KV cache (full layers and sliding rings; the rings copied at a checkpoint, so a
+    /// follow-up turn can rewind after they have wrapped: prefix reuse in `serve` and `run --chat`).
+    state: SequenceState<B>,
     streamers: Streamers,
     /// The approximate head for single-token decode (`--flash-head`).
     flash: Option<FlashHead>,
@@ -429,8 +428,7 @@ impl<B: Backend> Maple<B> {
             norm,
             lm_head,
             layers,
-            kv: KvCache::new(kv),
-            rings: RingSnapshot::default(),
+            state: SequenceState::new(KvCache::new(kv)),
         })
     }
 
@@ -453,7 +451,7 @@ impl<B: Backend + 'static> FamilyModel for Maple<B> {
         let t = tokens.len();
         let h = cfg.hidden_size;
         let d = cfg.head_dim;
-        let pos0 = self.kv.len;
+        let pos0 = self.state.kv.len;
         let eps = cfg.rms_norm_eps;
         check_ids(tokens, cfg.vocab_size)?;
 
@@ -476,7 +474,7 @@ impl<B: Backend + 'static> FamilyModel for Maple<B> {
                 be.rope(&mut q, &self.rope, d, pos0)?;
                 be.rope(&mut k, &self.rope, d, pos0)?;
             }
-            let kv = &mut self.kv.layers[li];
+            let kv = &mut self.state.kv.layers[li];
             be.kv_write(kv, pos0, &k, &v)?;
             let shape = AttnShape {
                 n_heads: cfg.num_attention_heads,
@@ -524,7 +522,7 @@ impl<B: Backend + 'static> FamilyModel for Maple<B> {
             )?;
             be.add(&mut x, &moe_out, 1.0)?;
         }
-        self.kv.len = pos0 + t;
+        self.state.kv.len = pos0 + t;
 
         let head = crate::Head {
             norm: &self.norm,
@@ -540,7 +538,7 @@ impl<B: Backend + 'static> FamilyModel for Maple<B> {
         }
     }
 
-    crate::family_parts!(rings);
+    crate::family_parts!();
 
     fn vocab(&self) -> usize {
         self.cfg.vocab_size

@@ -9,7 +9,9 @@
 //! the plain `rms(x)·w`; the DeltaNet gated norm is plain in both formats. Intermediates are named
 //! after the reference (`attn_norm`, `router_logits`, `moe_out`) for layer-by-layer diffs.
 
-use serde::Deserialize;
+mod config;
+
+pub use config::Config;
 
 use mference_backend::Weights::Resident;
 use mference_backend::{
@@ -19,155 +21,9 @@ use mference_backend::{
 use mference_runtime::ExpertStreamer;
 
 use crate::{
-    check_ids, expert_linear, into_residual, linear, one, parse_config, text_config, unsupported,
-    ChunkWant, Engine, FamilyModel, LoadOptions, Logits, ModelError, Streamers,
+    check_ids, expert_linear, into_residual, linear, one, ChunkWant, Engine, FamilyModel,
+    LayerState, LoadOptions, Logits, ModelError, SequenceState, Streamers,
 };
-
-/// `text_config` of a Qwen 3.5/3.6 MoE `config.json` (HF keys; defaults as mlx-lm's
-/// `qwen3_5.TextModelArgs`).
-#[derive(Clone, Debug, Deserialize)]
-pub struct Config {
-    pub hidden_size: usize,
-    pub num_hidden_layers: usize,
-    pub num_attention_heads: usize,
-    pub num_key_value_heads: usize,
-    /// Full-attention head size; `hidden_size / num_attention_heads` when absent.
-    #[serde(default)]
-    pub head_dim: Option<usize>,
-    #[serde(default = "default_eps")]
-    pub rms_norm_eps: f32,
-    pub vocab_size: usize,
-    pub linear_num_value_heads: usize,
-    pub linear_num_key_heads: usize,
-    pub linear_key_head_dim: usize,
-    pub linear_value_head_dim: usize,
-    #[serde(default = "default_conv")]
-    pub linear_conv_kernel_dim: usize,
-    #[serde(default)]
-    pub tie_word_embeddings: bool,
-    #[serde(default)]
-    pub attention_bias: bool,
-    /// Layer `i` is full attention iff `(i + 1) % full_attention_interval == 0` (mlx-lm's rule).
-    #[serde(default = "default_interval")]
-    pub full_attention_interval: usize,
-    /// HF's explicit per-layer list; must agree with `full_attention_interval` when present.
-    #[serde(default)]
-    pub layer_types: Option<Vec<String>>,
-    #[serde(default)]
-    pub num_experts: usize,
-    #[serde(default)]
-    pub num_experts_per_tok: usize,
-    #[serde(default)]
-    pub shared_expert_intermediate_size: usize,
-    #[serde(default)]
-    pub moe_intermediate_size: usize,
-    #[serde(default = "yes")]
-    pub norm_topk_prob: bool,
-    #[serde(default)]
-    pub rope_parameters: Option<RopeParameters>,
-}
-
-/// `rope_parameters`: only the plain (`default`) RoPE is implemented; for text-only input the
-/// interleaved MRoPE sections reduce to it (all three position streams are equal), and mlx-lm
-/// ignores `mrope_section` too.
-#[derive(Clone, Debug, Deserialize)]
-pub struct RopeParameters {
-    #[serde(default)]
-    pub rope_theta: Option<f64>,
-    #[serde(default)]
-    pub partial_rotary_factor: Option<f64>,
-    #[serde(default, rename = "type")]
-    pub kind: Option<String>,
-    #[serde(default)]
-    pub rope_type: Option<String>,
-}
-
-fn default_eps() -> f32 {
-    1e-6
-}
-fn default_conv() -> usize {
-    4
-}
-fn default_interval() -> usize {
-    4
-}
-fn yes() -> bool {
-    true
-}
-
-impl Config {
-    /// Reads `text_config` (or the top level) of `config.json` and rejects what this runtime does not
-    /// implement (dense MLP layers, attention biases, RoPE scaling).
-    pub fn from_config_json(v: &serde_json::Value) -> Result<Self, ModelError> {
-        let c: Config = parse_config(text_config(v), "qwen3_5_moe text_config")?;
-        let unsupported = |what: &str| unsupported("qwen3_5_moe", what);
-        if c.num_experts == 0 || c.num_experts_per_tok == 0 || c.moe_intermediate_size == 0 {
-            return unsupported("a model without the MoE block");
-        }
-        if c.attention_bias {
-            return unsupported("attention biases");
-        }
-        if c.full_attention_interval == 0
-            || c.linear_num_key_heads == 0
-            || !c
-                .linear_num_value_heads
-                .is_multiple_of(c.linear_num_key_heads)
-            || c.linear_conv_kernel_dim < 2
-        {
-            return Err(ModelError::Config(
-                "qwen3_5_moe: full_attention_interval, linear heads or conv kernel out of range"
-                    .into(),
-            ));
-        }
-        if let Some(kind) = c.rope_kind() {
-            if kind != "default" {
-                return unsupported(&format!("RoPE type '{kind}'"));
-            }
-        }
-        if let Some(lt) = &c.layer_types {
-            let ok = lt.len() == c.num_hidden_layers
-                && lt.iter().enumerate().all(|(i, t)| {
-                    let full = !c.is_linear(i);
-                    t == if full {
-                        "full_attention"
-                    } else {
-                        "linear_attention"
-                    }
-                });
-            if !ok {
-                return Err(ModelError::Config(format!(
-                    "layer_types {lt:?} disagrees with full_attention_interval {}",
-                    c.full_attention_interval
-                )));
-            }
-        }
-        Ok(c)
-    }
-
-    /// Whether layer `i` is a Gated DeltaNet layer.
-    pub fn is_linear(&self, i: usize) -> bool {
-        !(i + 1).is_multiple_of(self.full_attention_interval)
-    }
-
-    fn head_dim(&self) -> usize {
-        self.head_dim
-            .unwrap_or(self.hidden_size / self.num_attention_heads)
-    }
-
-    fn rope_kind(&self) -> Option<&str> {
-        let p = self.rope_parameters.as_ref()?;
-        p.kind.as_deref().or(p.rope_type.as_deref())
-    }
-
-    /// `(theta, partial_rotary_factor)` with mlx-lm's defaults (100000, 0.25).
-    fn rope(&self) -> (f64, f64) {
-        let p = self.rope_parameters.as_ref();
-        (
-            p.and_then(|p| p.rope_theta).unwrap_or(100000.0),
-            p.and_then(|p| p.partial_rotary_factor).unwrap_or(0.25),
-        )
-    }
-}
 
 /// Gated DeltaNet weights (`linear_attn.*`).
 struct DeltaNet<B: Backend> {
@@ -213,28 +69,6 @@ struct Layer<B: Backend> {
     switch_mlp: Mlp,
 }
 
-/// The recurrent state of one DeltaNet layer (FP32).
-struct DeltaState<B: Backend> {
-    /// `[kernel - 1, conv_dim]` last pre-conv rows.
-    conv: B::State,
-    /// `[n_v_heads, head_v_dim, head_k_dim]`.
-    ssm: B::State,
-}
-
-impl<B: Backend> Clone for DeltaState<B> {
-    fn clone(&self) -> Self {
-        Self {
-            conv: self.conv.clone(),
-            ssm: self.ssm.clone(),
-        }
-    }
-
-    fn clone_from(&mut self, o: &Self) {
-        self.conv.clone_from(&o.conv);
-        self.ssm.clone_from(&o.ssm);
-    }
-}
-
 /// A loaded Qwen 3.6 MoE model with its KV cache, DeltaNet states and expert streamers (one
 /// sequence) on backend `B`.
 pub struct Qwen35Moe<B: Backend> {
@@ -246,11 +80,10 @@ pub struct Qwen35Moe<B: Backend> {
     lm_head: QRef,
     layers: Vec<Layer<B>>,
     rope: Rope,
-    kv: KvCache<B::Kv>,
-    /// One per layer; `None` for full-attention layers.
-    states: Vec<Option<DeltaState<B>>>,
-    /// The DeltaNet states as they were at one earlier position ([`crate::Model::checkpoint`]).
-    snapshot: crate::Snapshot<Vec<Option<DeltaState<B>>>>,
+    /// The full-attention layers' KV and, per DeltaNet layer, its FP32 conv and recurrent
+    /// states (`[kernel − 1, conv_dim]` and `[n_v_heads, head_v_dim, head_k_dim]`: mlx-lm's
+    /// `ArraysCache(size=2)`).
+    state: SequenceState<B>,
     streamers: Streamers,
 }
 
@@ -376,13 +209,13 @@ impl<B: Backend> Qwen35Moe<B> {
             .collect::<Result<_, _>>()?;
         let mut states = Vec::with_capacity(cfg.num_hidden_layers);
         for l in 0..cfg.num_hidden_layers {
-            states.push(match cfg.is_linear(l) {
-                true => Some(DeltaState {
-                    conv: be.new_state((kern - 1) * conv_dim)?,
-                    ssm: be.new_state(nv * dv * dk)?,
-                }),
-                false => None,
-            });
+            states.push(LayerState::arrays(match cfg.is_linear(l) {
+                true => vec![
+                    be.new_state((kern - 1) * conv_dim)?,
+                    be.new_state(nv * dv * dk)?,
+                ],
+                false => Vec::new(),
+            }));
         }
         let streamers = Streamers::new(cfg.num_hidden_layers);
         Ok(Self {
@@ -394,9 +227,7 @@ impl<B: Backend> Qwen35Moe<B> {
             norm,
             lm_head,
             layers,
-            kv: KvCache::new(kv),
-            states,
-            snapshot: crate::Snapshot::new(),
+            state: SequenceState::new(KvCache::new(kv)).with_layers(states),
             streamers,
         })
     }
@@ -416,7 +247,7 @@ impl<B: Backend + 'static> FamilyModel for Qwen35Moe<B> {
         let (cfg, be) = (&self.cfg, &self.be);
         let t = tokens.len();
         let h = cfg.hidden_size;
-        let pos0 = self.kv.len;
+        let pos0 = self.state.kv.len;
         let eps = cfg.rms_norm_eps;
         check_ids(tokens, cfg.vocab_size)?;
 
@@ -428,11 +259,13 @@ impl<B: Backend + 'static> FamilyModel for Qwen35Moe<B> {
         for (li, layer) in self.layers.iter().enumerate() {
             let mixer_out = match &layer.mixer {
                 Mixer::Linear(d) => {
-                    let st = self.states[li].as_mut().expect("state of a DeltaNet layer");
-                    delta_net(cfg, be, d, st, &attn_norm)?
+                    let [conv, ssm] = &mut self.state.layers[li].arrays[..] else {
+                        unreachable!("a DeltaNet layer has its conv and recurrent states")
+                    };
+                    delta_net(cfg, be, d, conv, ssm, &attn_norm)?
                 }
                 Mixer::Full(a, kvi) => {
-                    let kv = &mut self.kv.layers[*kvi];
+                    let kv = &mut self.state.kv.layers[*kvi];
                     full_attention(cfg, be, a, kv, &self.rope, &attn_norm, pos0)?
                 }
             };
@@ -468,7 +301,7 @@ impl<B: Backend + 'static> FamilyModel for Qwen35Moe<B> {
                 attn_norm = n;
             }
         }
-        self.kv.len = pos0 + t;
+        self.state.kv.len = pos0 + t;
 
         let head = crate::Head {
             norm: &self.norm,
@@ -484,63 +317,17 @@ impl<B: Backend + 'static> FamilyModel for Qwen35Moe<B> {
     fn vocab(&self) -> usize {
         self.cfg.vocab_size
     }
-
-    /// The DeltaNet state summarises the whole prefix and cannot be cut open: `n == 0` (start
-    /// over), `n == position()` (keep everything) and `n` at the checkpoint (restore its states and
-    /// cut the attention KV there) succeed; anything else is refused and changes nothing.
-    fn truncate_state(&mut self, n: usize) -> bool {
-        if n == self.kv.len {
-            return true;
-        }
-        if n == 0 {
-            // The snapshot described a prefix that is now gone.
-            self.snapshot.forget();
-            self.kv.clear();
-            for s in self.states.iter_mut().flatten() {
-                // A backend that cannot zero its state leaves the sequence unusable: refuse the cut.
-                if self.be.zero_state(&mut s.conv).is_err()
-                    || self.be.zero_state(&mut s.ssm).is_err()
-                {
-                    return false;
-                }
-            }
-            return true;
-        }
-        self.snapshot.is_at(n) && self.kv.truncate(n) && self.snapshot.restore(n, &mut self.states)
-    }
-
-    /// Copies the FP32 DeltaNet states (conv and recurrent; ~60 MiB on the 35B-A3B).
-    fn checkpoint_state(&mut self) {
-        self.snapshot.save(self.kv.len, &self.states);
-    }
-
-    fn state_is_recurrent(&self) -> bool {
-        true
-    }
-
-    fn state_rewind_point(&self, n: usize) -> usize {
-        self.snapshot.rewind_point(n, self.kv.len)
-    }
-
-    /// KV cache of the full-attention layers plus the FP32 DeltaNet states (conv and recurrent).
-    fn state_bytes(&self) -> usize {
-        let states: usize = self
-            .states
-            .iter()
-            .flatten()
-            .map(|s| self.be.state_bytes(&s.conv) + self.be.state_bytes(&s.ssm))
-            .sum();
-        self.kv.bytes() + states
-    }
 }
 
-/// Gated DeltaNet over the rows of `a` (`[T, hidden]`), continuing `st`; returns `[T, hidden]`
+/// Gated DeltaNet over the rows of `a` (`[T, hidden]`), continuing the `conv` and recurrent
+/// `ssm` states; returns `[T, hidden]`
 /// (mlx-lm `qwen3_5.GatedDeltaNet.__call__`).
 fn delta_net<B: Backend>(
     cfg: &Config,
     be: &B,
     d: &DeltaNet<B>,
-    st: &mut DeltaState<B>,
+    conv: &mut B::State,
+    ssm: &mut B::State,
     a: &B::Tensor,
 ) -> Result<B::Tensor, ModelError> {
     let (nk, nv) = (cfg.linear_num_key_heads, cfg.linear_num_value_heads);
@@ -551,12 +338,7 @@ fn delta_net<B: Backend>(
     let b = one(be.matmul(&[&d.in_proj_b], Resident, a)?); // [T, n_v_heads]
     let alpha = one(be.matmul(&[&d.in_proj_a], Resident, a)?); // [T, n_v_heads]
 
-    let conv_out = be.conv1d_silu(
-        &mixed_qkv,
-        &mut st.conv,
-        &d.conv1d,
-        cfg.linear_conv_kernel_dim,
-    )?;
+    let conv_out = be.conv1d_silu(&mixed_qkv, conv, &d.conv1d, cfg.linear_conv_kernel_dim)?;
     let conv_dim = 2 * key_dim + nv * dv;
     let mut qkv = be.split(&conv_out, conv_dim, &[key_dim, key_dim, nv * dv])?;
     let v = qkv.pop().expect("v"); // [T, n_v_heads · head_v_dim]
@@ -575,7 +357,7 @@ fn delta_net<B: Backend>(
         head_k_dim: dk,
         head_v_dim: dv,
     };
-    let mut core = be.gated_delta_rule(&q, &k, &v, &decay, &beta, &mut st.ssm, &shape)?;
+    let mut core = be.gated_delta_rule(&q, &k, &v, &decay, &beta, ssm, &shape)?;
     // Gated RMSNorm per value head: rms_norm(o)·w ⊙ silu(z) (`Qwen3NextRMSNormGated`).
     be.rms_norm_gated(&mut core, dv, &d.norm, &z, cfg.rms_norm_eps)?;
     Ok(one(be.matmul(&[&d.out_proj], Resident, &core)?))

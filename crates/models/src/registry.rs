@@ -204,7 +204,8 @@ pub fn required_ops(family: Family) -> &'static [Op] {
         ],
         Family::Maple => &[
             Zeros, Copy, Read, AllFinite, GatherRows, Embed, Matmul, MatmulBf16, GluMlp,
-            HeadArgmax, RmsNorm, Unary, Add, ScatterAdd, NewKv, Rope, KvWrite, Attention, Route,
+            HeadArgmax, RmsNorm, Unary, Add, ScatterAdd, NewKv, Rope, KvWrite, KvClone, Attention,
+            Route,
         ],
     }
 }

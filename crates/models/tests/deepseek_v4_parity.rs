@@ -30,7 +30,7 @@ fn install(case: &str) -> PathBuf {
     if !out.exists() {
         let opts = mference_install::InstallOptions {
             progress: mference_install::ProgressMode::Quiet,
-            disk_reserve_bytes: 0,
+            disk_reserve_bytes: Some(0),
             ..Default::default()
         };
         mference_install::install_local(&case_dir(case).join("checkpoint"), &out, &opts)

@@ -40,6 +40,8 @@ pub(crate) struct ChatRequest {
     pub messages: Vec<Value>,
     /// Tools to render, `None` when there are none or `tool_choice` is `none`.
     pub tools: Option<Vec<Value>>,
+    /// Extra chat-template variables: `chat_template_kwargs` and `reasoning_effort`.
+    pub template_kwargs: Map<String, Value>,
 }
 
 /// The prompt of a `/v1/completions` body.
@@ -382,7 +384,39 @@ pub(crate) fn parse_chat(
         common,
         messages,
         tools: if choice_none { None } else { tools },
+        template_kwargs: template_kwargs(o)?,
     })
+}
+
+/// `chat_template_kwargs` (an object: any keys, passed to the chat template as vLLM and
+/// llama-server pass them, e.g. `enable_thinking`) and `reasoning_effort` (a string, passed as
+/// the template variable of that name). Whether the template reads them is checked when it is
+/// rendered.
+fn template_kwargs(o: &Map<String, Value>) -> Result<Map<String, Value>, ApiError> {
+    const KW: &str = "chat_template_kwargs";
+    let mut kwargs = match field(o, KW) {
+        None => Map::new(),
+        Some(Value::Object(m)) => m.clone(),
+        Some(_) => {
+            return Err(ApiError::param(
+                KW,
+                "`chat_template_kwargs` must be an object of template variables, e.g. {\"enable_thinking\": true}",
+            ))
+        }
+    };
+    if let Some(effort) = field(o, "reasoning_effort") {
+        let effort = effort.as_str().ok_or_else(|| {
+            ApiError::param("reasoning_effort", "`reasoning_effort` must be a string")
+        })?;
+        if kwargs.contains_key("reasoning_effort") {
+            return Err(ApiError::param(
+                "reasoning_effort",
+                "`reasoning_effort` is given both at the top level and in `chat_template_kwargs`; give it once",
+            ));
+        }
+        kwargs.insert("reasoning_effort".into(), effort.into());
+    }
+    Ok(kwargs)
 }
 
 /// `tools`: function tools only, each with a name.
@@ -505,6 +539,28 @@ mod tests {
             body[k] = v.clone();
         }
         parse_chat(&body, "m", Family::Gemma4)
+    }
+
+    #[test]
+    fn template_kwargs_take_any_keys_and_reasoning_effort() {
+        let kw = |extra: Value| chat(extra).map(|r| Value::Object(r.template_kwargs));
+        assert_eq!(kw(json!({})).unwrap(), json!({}));
+        assert_eq!(
+            kw(json!({"chat_template_kwargs": {"enable_thinking": true, "x": [1]}, "reasoning_effort": "high"}))
+                .unwrap(),
+            json!({"enable_thinking": true, "x": [1], "reasoning_effort": "high"})
+        );
+        for (bad, param) in [
+            (json!({"chat_template_kwargs": [1]}), "chat_template_kwargs"),
+            (json!({"reasoning_effort": 1}), "reasoning_effort"),
+            (
+                json!({"reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "high"}}),
+                "reasoning_effort",
+            ),
+        ] {
+            let e = chat(bad.clone()).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some(param), "{bad}");
+        }
     }
 
     #[test]

@@ -20,7 +20,7 @@ use crate::error::ApiError;
 use crate::worker::{timestamp, Done, Event, Job, TokenLogprob, Usage};
 use crate::TextSide;
 use mference_runtime::SamplerConfig;
-use mference_session::{Request as GenRequest, SessionError};
+use mference_session::{Reasoning, Request as GenRequest, SessionError};
 use mference_text::TextError;
 
 /// Largest accepted request body, bytes (413 above).
@@ -246,7 +246,7 @@ async fn chat_inner(
     let r = api::parse_chat(&body, &st.model_id, st.text.family)?;
     let prompt = st
         .text
-        .render_chat(&r.messages, r.tools.as_deref())
+        .render_chat(&r.messages, r.tools.as_deref(), &r.template_kwargs)
         .map_err(|e| match e {
             SessionError::NoTemplate => {
                 ApiError::invalid("this install has no chat template; use POST /v1/completions")
@@ -254,8 +254,22 @@ async fn chat_inner(
             SessionError::Text(TextError::Tokenize(_)) => {
                 ApiError::invalid(format!("cannot tokenize the prompt: {e}"))
             }
+            SessionError::Text(TextError::TemplateVariable { ref name, .. }) => ApiError::param(
+                if name == "reasoning_effort" {
+                    "reasoning_effort"
+                } else {
+                    "chat_template_kwargs"
+                },
+                e.to_string(),
+            ),
             e => ApiError::param("messages", e.to_string()),
         })?;
+    if prompt.reasoning_open && r.common.response_format.is_some() {
+        return Err(ApiError::param(
+            "response_format",
+            "this prompt leaves the model's reasoning block open (thinking on), and `response_format` would constrain the reasoning too; turn thinking off (`chat_template_kwargs: {\"enable_thinking\": false}`) to use it",
+        ));
+    }
     let reply = Reply {
         kind: Kind::Chat,
         id: id.to_string(),
@@ -263,7 +277,10 @@ async fn chat_inner(
         model: st.model_id.clone(),
         common: r.common,
     };
-    submit(st, reply, prompt, r.tools, received).await
+    let reasoning = Reasoning::Split {
+        open: prompt.reasoning_open,
+    };
+    submit(st, reply, prompt.ids, r.tools, reasoning, received).await
 }
 
 async fn completions(State(st): State<Shared>, req: Request) -> Response {
@@ -296,7 +313,7 @@ async fn completions(State(st): State<Shared>, req: Request) -> Response {
             model: st.model_id.clone(),
             common: r.common,
         };
-        submit(&st, reply, prompt, None, received).await
+        submit(&st, reply, prompt, None, Reasoning::Raw, received).await
     }
     .await;
     match res {
@@ -314,6 +331,7 @@ async fn submit(
     reply: Reply,
     prompt: Vec<u32>,
     tools: Option<Vec<Value>>,
+    reasoning: Reasoning,
     received: Instant,
 ) -> Result<Response, ApiError> {
     if prompt.len() >= st.max_context {
@@ -346,6 +364,7 @@ async fn submit(
     request.stop = s.stop.clone();
     request.logprobs = reply.common.logprobs;
     request.tools = tools;
+    request.reasoning = reasoning;
     if let Some(format) = reply.common.response_format.clone() {
         // Compiling indexes the vocabulary on first use and can take a while on a large schema:
         // off the HTTP threads.
@@ -466,6 +485,7 @@ async fn collect_response(
                 text.push_str(&t);
                 lps.extend(logprobs);
             }
+            Event::Reasoning(_) => {} // the whole of it comes with `Done`
             Event::Error(e) => return Err(e),
             Event::Done(d) => {
                 let want_lp = reply.common.logprobs.is_some();
@@ -473,6 +493,9 @@ async fn collect_response(
                     Kind::Chat => {
                         let mut message =
                             json!({"role": "assistant", "content": d.content, "refusal": null});
+                        if !d.reasoning.is_empty() {
+                            message["reasoning_content"] = Value::String(d.reasoning.clone());
+                        }
                         if !d.tool_calls.is_empty() {
                             let calls: Vec<Value> = tool_calls_json(&d)
                                 .into_iter()
@@ -621,6 +644,15 @@ fn stream_response(
                 Some(Event::Delta { text, logprobs }) => {
                     if !send(reply.delta_chunk(&text, &logprobs, &mut offset)).await {
                         return; // the client went away; dropping `rx` stops the worker
+                    }
+                }
+                Some(Event::Reasoning(text)) => {
+                    let chunk = reply.chunk(json!({
+                        "index": 0, "delta": {"reasoning_content": text},
+                        "logprobs": null, "finish_reason": null,
+                    }));
+                    if !send(chunk).await {
+                        return;
                     }
                 }
                 Some(Event::Done(d)) => {

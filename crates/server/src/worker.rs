@@ -24,8 +24,8 @@ pub(crate) struct Job {
     pub id: String,
     /// When the request arrived (the log line's duration starts here).
     pub received: Instant,
-    /// The prompt, sampling, stops, logprobs, tools and response format. Prefix reuse follows
-    /// the server's `--prompt-cache-mode`; a reasoning block the prompt leaves open is hidden.
+    /// The prompt, sampling, stops, logprobs, tools, response format and reasoning split.
+    /// Prefix reuse follows the server's `--prompt-cache-mode`.
     pub request: Request,
     pub events: mpsc::UnboundedSender<Event>,
 }
@@ -38,6 +38,8 @@ pub(crate) enum Event {
         text: String,
         logprobs: Vec<TokenLogprob>,
     },
+    /// Reasoning text that can be shown now (`reasoning_content`).
+    Reasoning(String),
     /// Generation ended normally.
     Done(Done),
     /// Generation failed; nothing more follows.
@@ -99,6 +101,8 @@ pub(crate) struct Done {
     pub usage: Usage,
     /// The visible content (for tool calls: the text outside the call blocks).
     pub content: String,
+    /// The reasoning block's text (`reasoning_content`), empty when there was none.
+    pub reasoning: String,
     pub tool_calls: Vec<ToolCall>,
 }
 
@@ -188,6 +192,9 @@ impl Sink for Events<'_> {
     fn delta(&mut self, text: String, logprobs: Vec<TokenLogprob>) -> bool {
         self.0.send(Event::Delta { text, logprobs }).is_ok()
     }
+    fn reasoning(&mut self, text: String) -> bool {
+        self.0.send(Event::Reasoning(text)).is_ok()
+    }
     fn cancelled(&self) -> bool {
         self.0.is_closed()
     }
@@ -213,7 +220,6 @@ impl Worker {
         let mut stats = GenStats::default();
         let mut request = job.request;
         request.reuse_prefix = self.cache_mode == PromptCacheMode::SinglePrefix;
-        request.hide_reasoning = true;
         let prompt_len = request.prompt.len();
         self.live
             .begin(&job.id, job.received, prompt_len, self.session.model());
@@ -225,6 +231,7 @@ impl Worker {
                 finish: Finish::of(o.finish),
                 usage: Usage::of(&stats),
                 content: o.content,
+                reasoning: o.reasoning,
                 tool_calls: o.tool_calls,
             })
             .map_err(|e| self.api_error(e));

@@ -6,10 +6,10 @@
   const md = window.mferenceMarkdown;
   const $ = (id) => document.getElementById(id);
   const STORE = "mference.chat.v1";
-  const DEFAULTS = { system: "", temperature: 0.2, top_p: 0.95, top_k: 64, max_tokens: 1024, seed: "" };
+  const DEFAULTS = { system: "", temperature: 0.2, top_p: 0.95, top_k: 64, max_tokens: 1024, seed: "", thinking: false };
   const SETTINGS = ["temperature", "top_p", "top_k", "max_tokens", "seed"];
 
-  // { messages: [{ role, content, stopped?, error?, summary? }], settings: {...} }
+  // { messages: [{ role, content, reasoning?, stopped?, error?, summary? }], settings: {...} }
   let state = load();
   let modelId = null;
   let streaming = null; // { controller, id, message }
@@ -70,8 +70,9 @@
   });
 
   // ---- reasoning ---------------------------------------------------------------------------
-  // Gemma 4 writes its thoughts in a `<|channel>thought … <channel|>` block, Qwen 3.6 in
-  // `<think> … </think>`; the server passes them through as content (Maple's are hidden there).
+  // The server sends a reply's reasoning apart (`reasoning_content`). Replies stored before it
+  // did carry it in their content: Gemma 4's `<|channel>thought … <channel|>` block, Qwen 3.6's
+  // `<think> … </think>`; those are split here.
   const REASONING = [["<|channel>thought", "<channel|>"], ["<think>", "</think>"]];
 
   function splitReasoning(text) {
@@ -125,8 +126,10 @@
       body.innerHTML = md.render(m.content);
       return;
     }
-    const r = splitReasoning(m.content);
-    if (r.reasoning !== null) {
+    const r = typeof m.reasoning === "string"
+      ? { reasoning: m.reasoning, open: m.pending && !m.content, answer: m.content }
+      : splitReasoning(m.content);
+    if (r.reasoning !== null && r.reasoning !== "") {
       const d = el("details", "reasoning");
       d.appendChild(el("summary", null, r.open ? "Reasoning…" : "Reasoning"));
       d.appendChild(el("div", "thought", r.reasoning));
@@ -213,12 +216,14 @@
   function readSettings() {
     const s = state.settings;
     s.system = $("system").value;
+    s.thinking = $("thinking").checked;
     for (const k of SETTINGS) s[k] = $(k).value;
     save();
   }
 
   function showSettings() {
     $("system").value = state.settings.system;
+    $("thinking").checked = !!state.settings.thinking;
     for (const k of SETTINGS) $(k).value = state.settings[k];
   }
 
@@ -231,6 +236,8 @@
       messages.push({ role: m.role, content: m.content });
     }
     const body = { model: modelId, messages, stream: true, stream_options: { include_usage: true } };
+    // Thinking off is the server's default; the template variable is sent only to turn it on.
+    if (s.thinking) body.chat_template_kwargs = { enable_thinking: true };
     // The value as typed, or a refusal that names the field: never a silently different number.
     const num = (k, whole) => {
       if ($(k).validity && $(k).validity.badInput) throw new Error(k + ": not a number");
@@ -252,6 +259,20 @@
   }
 
   // ---- streaming ---------------------------------------------------------------------------
+  // A request that cannot reach the server fails with the browser's bare "Failed to fetch" or
+  // "network error"; say what it means instead.
+  const UNREACHABLE = "The server is unreachable (it may have stopped or restarted). " +
+    "The conversation is kept: send again when it is back.";
+
+  async function reach(promise) {
+    try {
+      return await promise;
+    } catch (e) {
+      if (e.name === "AbortError") throw e;
+      throw new Error(UNREACHABLE);
+    }
+  }
+
   async function generate() {
     readSettings();
     const message = { role: "assistant", content: "", pending: true };
@@ -263,12 +284,13 @@
     setBusy(true);
     poll();
     try {
-      const resp = await fetch("/v1/chat/completions", {
+      const body = JSON.stringify(requestBody());
+      const resp = await reach(fetch("/v1/chat/completions", {
         method: "POST",
         headers: { "Content-Type": "application/json" },
-        body: JSON.stringify(requestBody()),
+        body,
         signal: controller.signal,
-      });
+      }));
       if (!resp.ok) {
         const e = await resp.json().catch(() => null);
         throw new Error((e && e.error && e.error.message) || ("HTTP " + resp.status));
@@ -292,7 +314,7 @@
     const dec = new TextDecoder();
     let buf = "";
     for (;;) {
-      const { value, done } = await reader.read();
+      const { value, done } = await reach(reader.read());
       if (done) return;
       buf += dec.decode(value, { stream: true });
       let at;
@@ -310,6 +332,11 @@
             poll(); // the HUD switches to this reply now rather than at the next tick
           }
           const delta = chunk.choices && chunk.choices[0] && chunk.choices[0].delta;
+          if (delta && delta.reasoning_content) {
+            message.reasoning = (message.reasoning || "") + delta.reasoning_content;
+            save();
+            renderStreaming();
+          }
           if (delta && delta.content) {
             message.content += delta.content;
             save();
@@ -460,12 +487,27 @@
   async function fetchStats() {
     try {
       const resp = await fetch("/v1/stats", { cache: "no-store" });
-      if (!resp.ok) return null;
+      if (!resp.ok) throw new Error("HTTP " + resp.status);
       stats = await resp.json();
+      $("hud").classList.remove("stale");
       renderHud(stats);
       return stats;
     } catch (_) {
+      staleHud();
       return null;
+    }
+  }
+
+  // The server did not answer: its last figures stay for reference, dimmed, and the queue no
+  // longer claims a request is running.
+  function staleHud() {
+    $("hud").classList.add("stale");
+    $("health").className = "dot bad";
+    $("health").title = "server unreachable";
+    const q = document.getElementById("hud-queue");
+    if (q) {
+      q.textContent = "– (server unreachable)";
+      q.dataset.value = "";
     }
   }
 
@@ -494,7 +536,7 @@
     $("stop").addEventListener("click", () => streaming && streaming.controller.abort());
     $("regenerate").addEventListener("click", regenerate);
     $("clear").addEventListener("click", clear);
-    for (const k of ["system"].concat(SETTINGS)) $(k).addEventListener("change", readSettings);
+    for (const k of ["system", "thinking"].concat(SETTINGS)) $(k).addEventListener("change", readSettings);
     try {
       const models = await (await fetch("/v1/models")).json();
       modelId = models.data[0].id;

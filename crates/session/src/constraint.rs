@@ -150,16 +150,10 @@ impl TextSide {
     ///
     /// Errors: [`SessionError::Schema`] with llguidance's reason when the schema does not
     /// compile (unsupported or unsatisfiable keywords, a bad `$ref`, not an object);
-    /// [`SessionError::Constraint`] when the vocabulary cannot be indexed or the family's prompt
-    /// leaves a reasoning block open (Maple).
+    /// [`SessionError::Constraint`] when the vocabulary cannot be indexed. A prompt that leaves a
+    /// reasoning block open cannot take a constraint ([`Session::generate`](crate::Session::generate)
+    /// refuses it).
     pub fn compile(&self, format: &ResponseFormat) -> Result<Constraint, SessionError> {
-        if let Some(close) = self.family.open_reasoning_close() {
-            // The grammar would bind from the first generated token, inside the reasoning block.
-            return Err(SessionError::Constraint(format!(
-                "{:?}'s prompt leaves a reasoning block open (closed by {close}), which a response format cannot constrain yet",
-                self.family
-            )));
-        }
         self.prepare_constraints()?;
         let Some(Ok(g)) = self.grammars.get() else {
             unreachable!("prepare_constraints built the grammars")

@@ -1,6 +1,6 @@
 //! The generation loop of `run` and `serve`: prefill the part of the prompt the model does not
 //! hold yet, then decode one token at a time through the constraint mask, the sampler, the stop
-//! tokens, the detokenizer, the stop strings, the reasoning gate and the tool-call gate, until
+//! tokens, the detokenizer, the stop strings, the reasoning split and the tool-call gate, until
 //! something ends it; then parse tool calls.
 
 use std::sync::Arc;
@@ -9,13 +9,18 @@ use std::time::{Duration, Instant};
 use mference_models::{Logits, Model, PrefixCache, Want};
 use mference_runtime::{Sampler, SamplerConfig};
 use mference_text::{
-    parse_tool_calls_with_tools, ReasoningGate, StopStrings, StreamingDetokenizer, ToolCall,
+    parse_tool_calls_with_tools, ReasoningParser, ReasoningSplit, StopStrings,
+    StreamingDetokenizer, ToolCall,
 };
 use serde_json::Value;
 
 use crate::logprobs::{logprob, TokenLogprob};
 use crate::tool_gate::ToolGate;
 use crate::{tool_marker, Constraint, SessionError, TextSide};
+
+/// Why a constraint and a prompt that leaves a reasoning block open do not go together.
+const REASONING_OPEN: &str = "the prompt leaves a reasoning block open (thinking on), and a \
+    response format would constrain the reasoning too; turn thinking off to use one";
 
 /// One generation.
 #[derive(Debug)]
@@ -36,15 +41,15 @@ pub struct Request {
     /// Keep the longest prefix the model already holds (and, for a recurrent model, a checkpoint
     /// before the prompt's last assistant-turn opener); `false` prefills from position 0.
     pub reuse_prefix: bool,
-    /// Hide a reasoning block the prompt left open ([`ReasoningGate`]: Maple); `false` shows it.
-    pub hide_reasoning: bool,
+    /// Whether the reply's reasoning block is split from its content.
+    pub reasoning: Reasoning,
     /// The response format to enforce ([`TextSide::compile`]).
     pub constraint: Option<Constraint>,
 }
 
 impl Request {
     /// A request for `prompt` with `sampling` and a budget of `max_tokens` new tokens; no stop
-    /// strings, logprobs, tools or constraint, prefix reuse on, reasoning shown.
+    /// strings, logprobs, tools or constraint, prefix reuse on, no reasoning split.
     pub fn new(prompt: Vec<u32>, sampling: SamplerConfig, max_tokens: usize) -> Self {
         Request {
             prompt,
@@ -54,18 +59,40 @@ impl Request {
             logprobs: None,
             tools: None,
             reuse_prefix: true,
-            hide_reasoning: false,
+            reasoning: Reasoning::Raw,
             constraint: None,
         }
     }
 }
 
+/// How a generation treats the reasoning block of its reply.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Reasoning {
+    /// All text is content (raw completions).
+    #[default]
+    Raw,
+    /// The family's reasoning block ([`ReasoningParser`]) goes to [`Sink::reasoning`] and
+    /// [`Outcome::reasoning`], the rest is content. `open`: the prompt ends inside the block
+    /// ([`ChatPrompt::reasoning_open`](crate::ChatPrompt::reasoning_open)).
+    Split {
+        /// The reply starts inside the block.
+        open: bool,
+    },
+}
+
 /// Where the generated text goes while it is generated.
 pub trait Sink {
-    /// Text that can be shown now (after stop strings, the reasoning gate and the tool-call
+    /// Text that can be shown now (after stop strings, the reasoning split and the tool-call
     /// hold-back), with the log-probabilities of the tokens generated since the previous delta.
     /// Returns `false` to stop generation ([`Finish::Cancelled`]).
     fn delta(&mut self, text: String, logprobs: Vec<TokenLogprob>) -> bool;
+    /// Reasoning text that can be shown now ([`Reasoning::Split`]); the log-probabilities of its
+    /// tokens go with the next [`delta`](Self::delta). Returns `false` to stop generation.
+    /// Default: dropped.
+    fn reasoning(&mut self, text: String) -> bool {
+        let _ = text;
+        true
+    }
     /// Checked after every token: `true` stops generation ([`Finish::Cancelled`]).
     fn cancelled(&self) -> bool;
     /// After the prompt's forward pass, `cached` of its tokens reused (live statistics).
@@ -124,6 +151,8 @@ pub struct Outcome {
     pub finish: Finish,
     /// The visible content (for tool calls: the text outside the call blocks).
     pub content: String,
+    /// The reasoning block's text ([`Reasoning::Split`]; empty otherwise).
+    pub reasoning: String,
     /// Parsed tool calls (only with `Request::tools`).
     pub tool_calls: Vec<ToolCall>,
     /// The generated token ids (stop tokens excluded).
@@ -169,7 +198,8 @@ impl Session {
     /// Errors: [`SessionError::PromptLength`] for an empty prompt or one that leaves no room in
     /// the context (checked before anything runs); [`SessionError::Model`] from a forward pass
     /// (the held prefix is then cleared); [`SessionError::NoLogits`];
-    /// [`SessionError::Constraint`]; [`SessionError::MalformedToolCall`] when `tools` were given
+    /// [`SessionError::Constraint`] (also for a constraint on a prompt that leaves a reasoning
+    /// block open: the grammar would bind inside it); [`SessionError::MalformedToolCall`] when `tools` were given
     /// and the model wrote a call block, opened by the marker token, that does not parse.
     pub fn generate(
         &mut self,
@@ -188,6 +218,9 @@ impl Session {
             });
         }
         let mut constraint = req.constraint.take();
+        if constraint.is_some() && req.reasoning == (Reasoning::Split { open: true }) {
+            return Err(SessionError::Constraint(REASONING_OPEN.into()));
+        }
         if let Some(c) = &constraint {
             stats.constraint_compile = c.compile;
         }
@@ -221,7 +254,11 @@ impl Session {
         let mut detok = StreamingDetokenizer::new(tok);
         let mut stops = StopStrings::new(std::mem::take(&mut req.stop));
         let mut gate = ToolGate::new(req.tools.as_ref().map(|_| tool_marker(text.family)));
-        let mut think = req.hide_reasoning.then(|| ReasoningGate::new(text.family));
+        let mut think = match req.reasoning {
+            Reasoning::Split { open } => Some(ReasoningParser::new(text.family, open)),
+            Reasoning::Raw => None,
+        };
+        let mut reasoning = String::new();
         let mut raw = String::new();
         let mut pending: Vec<TokenLogprob> = Vec::new();
         let finish;
@@ -254,7 +291,18 @@ impl Session {
             history.push(next);
             let (emit, stopped) = stops.push(&detok.push(next));
             let emit = match &mut think {
-                Some(t) => t.push(&emit),
+                Some(t) => {
+                    let ReasoningSplit {
+                        reasoning: r,
+                        content,
+                    } = t.push(&emit);
+                    reasoning.push_str(&r);
+                    if !r.is_empty() && !sink.reasoning(r) {
+                        finish = Finish::Cancelled;
+                        break;
+                    }
+                    content
+                }
                 None => emit,
             };
             raw.push_str(&emit);
@@ -297,17 +345,28 @@ impl Session {
         if let Some(c) = &constraint {
             stats.constraint_masks = c.mask_time;
         }
-        let mut visible = String::new();
-        if !stops.stopped() {
+        let tail = if stops.stopped() {
+            String::new()
+        } else {
             let (tail, _) = stops.push(&detok.finish());
-            let tail = tail + &stops.finish();
-            let tail = match &mut think {
-                Some(t) => t.push(&tail),
-                None => tail,
-            };
-            raw.push_str(&tail);
-            visible = gate.push(&tail);
-        }
+            tail + &stops.finish()
+        };
+        let tail = match &mut think {
+            Some(t) => {
+                let mut s = t.push(&tail);
+                let end = t.finish();
+                s.reasoning += &end.reasoning;
+                s.content += &end.content;
+                reasoning.push_str(&s.reasoning);
+                if !s.reasoning.is_empty() {
+                    sink.reasoning(s.reasoning);
+                }
+                s.content
+            }
+            None => tail,
+        };
+        raw.push_str(&tail);
+        let mut visible = gate.push(&tail);
         stats.decode = t1.elapsed();
         if finish == Finish::Cancelled {
             // Whatever was generated stays (a Ctrl-C'd reply is part of the conversation).
@@ -316,6 +375,7 @@ impl Session {
             return Ok(Outcome {
                 finish,
                 content: raw,
+                reasoning,
                 tool_calls: Vec::new(),
                 tokens: history.split_off(req.prompt.len()),
             });
@@ -335,6 +395,7 @@ impl Session {
                 Outcome {
                     finish,
                     content: raw,
+                    reasoning: std::mem::take(&mut reasoning),
                     tool_calls: Vec::new(),
                     tokens: generated,
                 }
@@ -348,6 +409,7 @@ impl Session {
                         Finish::ToolCalls
                     },
                     content: parsed.content,
+                    reasoning: std::mem::take(&mut reasoning),
                     tool_calls: parsed.tool_calls,
                     tokens: generated,
                 }
@@ -359,6 +421,7 @@ impl Session {
                 Outcome {
                     finish,
                     content: raw,
+                    reasoning: std::mem::take(&mut reasoning),
                     tool_calls: Vec::new(),
                     tokens: generated,
                 }

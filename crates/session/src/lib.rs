@@ -6,7 +6,7 @@
 //!   install ([`TextSide::load`]); [`TextSide::render_chat`] turns messages into prompt ids.
 //! - [`Session`]: a model plus the token ids its state holds (one retained conversation prefix);
 //!   [`Session::generate`] runs a [`Request`] — prefix reuse, prefill, sampling, stop tokens,
-//!   stop strings, reasoning and tool-call hold-back, tool-call parsing, logprobs and a
+//!   stop strings, the reasoning split, tool-call hold-back, tool-call parsing, logprobs and a
 //!   response-format [`Constraint`] — streaming text into a [`Sink`] and counting [`GenStats`].
 //! - [`ResponseFormat`] → [`TextSide::compile`] → [`Constraint`]: JSON mode and JSON Schema by
 //!   llguidance; the mask is applied before sampling, so a constrained greedy request reads the
@@ -23,9 +23,9 @@ mod text;
 mod tool_gate;
 
 pub use constraint::{Constraint, ResponseFormat};
-pub use generate::{Finish, GenStats, Outcome, Request, Session, Sink};
+pub use generate::{Finish, GenStats, Outcome, Reasoning, Request, Session, Sink};
 pub use logprobs::TokenLogprob;
-pub use text::{check_install_dir, max_positions, tool_marker, TextSide};
+pub use text::{check_install_dir, max_positions, tool_marker, ChatPrompt, TextSide};
 
 use mference_models::ModelError;
 use mference_text::TextError;

@@ -4,8 +4,8 @@
 use std::path::Path;
 use std::sync::OnceLock;
 
-use mference_text::{stop_token_ids, ChatTemplate, Family, TextError, Tokenizer};
-use serde_json::Value;
+use mference_text::{stop_token_ids, ChatTemplate, Family, ReasoningParser, TextError, Tokenizer};
+use serde_json::{Map, Value};
 
 use crate::constraint::Grammars;
 use crate::SessionError;
@@ -33,6 +33,17 @@ pub struct TextSide {
     pub(crate) grammars: OnceLock<Result<Grammars, String>>,
 }
 
+/// A chat rendered for generation ([`TextSide::render_chat`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChatPrompt {
+    /// The prompt's token ids.
+    pub ids: Vec<u32>,
+    /// The generation prompt ends inside the family's reasoning block (Qwen 3.6 with thinking
+    /// on, Maple always): the reply starts with reasoning
+    /// ([`Reasoning::Split`](crate::Reasoning::Split)).
+    pub reasoning_open: bool,
+}
+
 /// `max_position_embeddings` of a config.json (its `text_config` for multimodal configs).
 fn max_positions_of(config: &Value) -> Option<usize> {
     let text_cfg = config.get("text_config").unwrap_or(config);
@@ -41,6 +52,28 @@ fn max_positions_of(config: &Value) -> Option<usize> {
         .iter()
         .find_map(|k| text_cfg.get(*k).and_then(|v| v.as_u64()))
         .map(|v| v as usize)
+}
+
+/// Every id the tokenizer can produce must have an embedding row: an install made from a
+/// checkpoint with a foreign tokenizer (a 1,024-id fixture with a full tokenizer) would otherwise
+/// load and then fail every request. The installer refuses such a checkpoint; this catches
+/// installs made before it did. Nothing to check when `config.json` states no vocabulary.
+///
+/// Errors: [`SessionError::Install`] naming both sizes.
+fn check_vocab(tokenizer: &Tokenizer, config: &Value) -> Result<(), SessionError> {
+    let Ok(arch) = mference_format::ArchInfo::from_config(config) else {
+        return Ok(());
+    };
+    let ids = tokenizer.vocab_size() as u64;
+    if ids > arch.vocab_size {
+        return Err(SessionError::Install(format!(
+            "tokenizer/tokenizer.json has {ids} token ids but the model's vocabulary \
+             (config.json vocab_size, the embedding rows) is {}: ids from {} up would index past \
+             the embedding. Reinstall from a checkpoint whose tokenizer belongs to it",
+            arch.vocab_size, arch.vocab_size
+        )));
+    }
+    Ok(())
 }
 
 /// The install's `max_position_embeddings`, when its `tokenizer/config.json` states one.
@@ -120,12 +153,9 @@ impl TextSide {
         let config: Value = serde_json::from_slice(&config).map_err(|e| {
             SessionError::Install(format!("tokenizer/config.json is not valid JSON: {e}"))
         })?;
-        let mt = config
-            .get("model_type")
-            .and_then(|v| v.as_str())
-            .unwrap_or("");
-        let family = Family::from_model_type(mt)
-            .ok_or_else(|| SessionError::Install(format!("unknown model_type '{mt}'")))?;
+        let family =
+            Family::from_config(&config).map_err(|e| SessionError::Install(e.to_string()))?;
+        check_vocab(&tokenizer, &config)?;
         Ok(Self::new(
             tokenizer,
             template,
@@ -160,24 +190,30 @@ impl TextSide {
     }
 
     /// Renders `messages` (`{role, content, …}` objects ready for the template) with `tools`
-    /// through the chat template with the generation prompt and the family's template variables
-    /// (thinking off), and tokenizes the result (the template writes BOS itself).
+    /// through the chat template with the generation prompt, and tokenizes the result (the
+    /// template writes BOS itself). The template variables are the family's defaults (thinking
+    /// off: [`Family::default_template_kwargs`]) overridden by `kwargs` (`chat_template_kwargs`
+    /// such as `enable_thinking`, `reasoning_effort`), as vLLM and llama-server pass them.
     ///
-    /// Errors: [`SessionError::NoTemplate`]; [`SessionError::Text`] when the template rejects
-    /// the conversation or the text does not tokenize.
+    /// Errors: [`SessionError::NoTemplate`]; [`SessionError::Text`] when a key of `kwargs` is
+    /// one the template never reads ([`TextError::TemplateVariable`]: it would change nothing)
+    /// or a render argument, when the template rejects the conversation, or when the text does
+    /// not tokenize.
     pub fn render_chat(
         &self,
         messages: &[Value],
         tools: Option<&[Value]>,
-    ) -> Result<Vec<u32>, SessionError> {
+        kwargs: &Map<String, Value>,
+    ) -> Result<ChatPrompt, SessionError> {
         let t = self.template.as_ref().ok_or(SessionError::NoTemplate)?;
-        let s = t.render(
-            messages,
-            tools,
-            true,
-            &self.family.default_template_kwargs(),
-        )?;
-        Ok(self.tokenizer.encode(&s, false)?)
+        t.check_extra(kwargs)?;
+        let mut vars = self.family.default_template_kwargs();
+        vars.extend(kwargs.iter().map(|(k, v)| (k.clone(), v.clone())));
+        let s = t.render(messages, tools, true, &vars)?;
+        Ok(ChatPrompt {
+            ids: self.tokenizer.encode(&s, false)?,
+            reasoning_open: ReasoningParser::prompt_leaves_open(self.family, &s),
+        })
     }
 
     /// The text and bytes of one token for logprobs: its decoded text, except that a
@@ -193,5 +229,33 @@ impl TextSide {
         }
         let bytes = s.as_bytes().to_vec();
         (s, bytes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An install's `tokenizer/` holding a fixture's config (1,024 ids) and a full tokenizer.
+    #[test]
+    fn a_tokenizer_larger_than_the_vocabulary_is_refused_at_load_naming_both_sizes() {
+        let assets = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets");
+        let install = std::env::temp_dir().join(format!("session-vocab-{}", std::process::id()));
+        let dir = install.join("tokenizer");
+        std::fs::create_dir_all(&dir).unwrap();
+        let tok = assets.join("tokenizers/deepseek_v4");
+        for f in ["tokenizer.json", "tokenizer_config.json"] {
+            std::fs::copy(tok.join(f), dir.join(f)).unwrap();
+        }
+        let cfg = assets.join("fixtures/deepseek_v4/A/checkpoint/config.json");
+        std::fs::copy(cfg, dir.join("config.json")).unwrap();
+        let err = TextSide::load(&install).err().map(|e| e.to_string());
+        let ids = Tokenizer::from_dir(&dir).unwrap().vocab_size();
+        std::fs::remove_dir_all(&install).unwrap();
+        let msg = err.expect("the install loaded");
+        assert!(
+            msg.contains(&format!("has {ids} token ids")) && msg.contains("is 1024"),
+            "{msg}"
+        );
     }
 }

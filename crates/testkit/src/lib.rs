@@ -244,7 +244,7 @@ fn installed_once(name: &str, source: &dyn Fn(&Path) -> PathBuf) -> &'static Pat
         &out,
         &mference_install::InstallOptions {
             progress: mference_install::ProgressMode::Quiet,
-            disk_reserve_bytes: 0,
+            disk_reserve_bytes: Some(0),
             ..Default::default()
         },
     )

@@ -10,6 +10,7 @@
 //!   (the original system's, github.com/NeelM0906/Mference).
 //! - [`parse_tool_calls`]: per-family tool-call parsers that fail closed on malformed output
 //!   (as in the original system, github.com/NeelM0906/Mference).
+//! - [`ReasoningParser`]: a reply split into its reasoning block and its content.
 //! - [`Tokenizer::token_bytes`]: the bytes each id writes, for constrained decoding.
 
 mod detokenizer;
@@ -25,7 +26,7 @@ mod vocab;
 
 pub use detokenizer::StreamingDetokenizer;
 pub use mference_format::{Family, ToolCallSyntax};
-pub use reasoning::ReasoningGate;
+pub use reasoning::{ReasoningParser, Split as ReasoningSplit};
 pub use stops::{stop_token_ids, StopStrings};
 pub use template::ChatTemplate;
 pub use tokenizer::Tokenizer;
@@ -76,6 +77,15 @@ pub enum TextError {
     /// Neither `chat_template.jinja` nor a `chat_template` string in `tokenizer_config.json` was found.
     #[error("no chat template in {0}: expected chat_template.jinja or tokenizer_config.json's chat_template")]
     NoChatTemplate(PathBuf),
+    /// A template variable was given (`chat_template_kwargs`, `reasoning_effort`, `--think`)
+    /// that the install's chat template never reads: it would change nothing.
+    #[error("the chat template does not read `{name}`, so it would change nothing (the template reads: {known})")]
+    TemplateVariable {
+        /// The variable given.
+        name: String,
+        /// The variables the template reads, comma-separated.
+        known: String,
+    },
     /// The chat template does not compile.
     #[error("chat template does not compile: {0}")]
     TemplateSyntax(String),

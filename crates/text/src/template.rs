@@ -1,3 +1,4 @@
+use std::collections::BTreeSet;
 use std::path::Path;
 
 use minijinja::syntax::SyntaxConfig;
@@ -26,6 +27,7 @@ pub struct ChatTemplate {
     env: Environment<'static>,
     source: String,
     special_tokens: Vec<(String, Value)>,
+    variables: BTreeSet<String>,
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -117,11 +119,52 @@ impl ChatTemplate {
             .iter()
             .map(|(k, v)| (k.clone(), json_to_value(v)))
             .collect();
+        let globals: BTreeSet<&str> = env.globals().map(|(k, _)| k).collect();
+        let variables = env
+            .get_template(TEMPLATE_NAME)
+            .map_err(|e| TextError::TemplateSyntax(describe(&e)))?
+            .undeclared_variables(false)
+            .into_iter()
+            .filter(|v| !globals.contains(v.as_str()) && !RESERVED.contains(&v.as_str()))
+            .collect();
         Ok(ChatTemplate {
             env,
             source,
             special_tokens,
+            variables,
         })
+    }
+
+    /// The variables the template reads besides the render arguments (`messages`, `tools`, ...):
+    /// the keys that [`render`](Self::render)'s `extra` can change (Qwen 3.6: `enable_thinking`,
+    /// `add_vision_id`; DeepSeek-V4 also `thinking`, `drop_thinking`, `reasoning_effort`), found
+    /// by minijinja's `undeclared_variables`.
+    pub fn variables(&self) -> &BTreeSet<String> {
+        &self.variables
+    }
+
+    /// Refuses an `extra` key the template never reads, which would change nothing
+    /// ([`TextError::TemplateVariable`]), and the render arguments.
+    pub fn check_extra(
+        &self,
+        extra: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<(), TextError> {
+        reserved_key(extra)?;
+        match extra.keys().find(|k| !self.variables.contains(*k)) {
+            None => Ok(()),
+            Some(key) => Err(TextError::TemplateVariable {
+                name: key.clone(),
+                known: if self.variables.is_empty() {
+                    "none".into()
+                } else {
+                    self.variables
+                        .iter()
+                        .map(String::as_str)
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                },
+            }),
+        }
     }
 
     /// The template source, e.g. to hash it into a prompt-cache key.
@@ -150,12 +193,7 @@ impl ChatTemplate {
         add_generation_prompt: bool,
         extra: &serde_json::Map<String, serde_json::Value>,
     ) -> Result<String, TextError> {
-        const RESERVED: [&str; 4] = ["messages", "tools", "documents", "add_generation_prompt"];
-        if let Some(key) = RESERVED.iter().find(|k| extra.contains_key(**k)) {
-            return Err(TextError::TemplateRender(format!(
-                "`{key}` is a render argument, not an extra template variable"
-            )));
-        }
+        reserved_key(extra)?;
         let mut ctx: Vec<(String, Value)> = self.special_tokens.clone();
         ctx.extend(extra.iter().map(|(k, v)| (k.clone(), json_to_value(v))));
         ctx.push((
@@ -182,6 +220,18 @@ impl ChatTemplate {
         template
             .render(ctx)
             .map_err(|e| TextError::TemplateRender(describe(&e)))
+    }
+}
+
+/// The variables every render sets itself.
+const RESERVED: [&str; 4] = ["messages", "tools", "documents", "add_generation_prompt"];
+
+fn reserved_key(extra: &serde_json::Map<String, serde_json::Value>) -> Result<(), TextError> {
+    match RESERVED.iter().find(|k| extra.contains_key(**k)) {
+        Some(key) => Err(TextError::TemplateRender(format!(
+            "`{key}` is a render argument, not an extra template variable"
+        ))),
+        None => Ok(()),
     }
 }
 
@@ -454,6 +504,24 @@ mod tests {
         assert_eq!(
             out,
             "None|3|True|1e+20|{\"a<b\": \"é&\"}|{\n \"a<b\": \"é&\"\n}|True"
+        );
+    }
+
+    #[test]
+    fn variables_are_what_the_template_reads() {
+        let src = "{% set ns = namespace(x=1) %}{% if enable_thinking is defined %}{{ raise_exception(a) }}\
+                   {% endif %}{% for m in messages %}{{ m.content }}{{ bos_token }}{% endfor %}";
+        let t = ChatTemplate::from_source(src.into(), &serde_json::Map::new()).unwrap();
+        let got: Vec<&str> = t.variables().iter().map(String::as_str).collect();
+        assert_eq!(got, ["a", "bos_token", "enable_thinking"]);
+        let ok = serde_json::json!({"enable_thinking": true});
+        assert!(t.check_extra(ok.as_object().unwrap()).is_ok());
+        let bad = serde_json::json!({"enable_thinkin": true});
+        let e = t.check_extra(bad.as_object().unwrap()).unwrap_err();
+        assert!(
+            e.to_string().contains("`enable_thinkin`")
+                && e.to_string().contains("a, bos_token, enable_thinking"),
+            "{e}"
         );
     }
 

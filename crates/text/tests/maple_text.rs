@@ -54,7 +54,10 @@ fn maple_chats_render_and_encode_like_the_vectors_with_think_left_open() {
         );
     }
     assert_eq!(Family::from_model_type("maple"), Some(Family::Maple));
-    assert_eq!(Family::Maple.open_reasoning_close(), Some("</think>"));
+    assert_eq!(
+        Family::Maple.reasoning_markers(),
+        Some(("<think>", "</think>"))
+    );
     let ids = t.encode(Family::Maple.turn_open_token(), false).unwrap();
     assert_eq!(ids, [151644]);
 }

@@ -67,6 +67,12 @@ pub trait CoreOps: Send + Sync + Sized {
     fn gather_rows(&self, x: &Self::Tensor, rows: &[usize]) -> OpResult<Self::Tensor> {
         Err(self.missing("gather_rows"))
     }
+    /// [`CoreOps::gather_rows`] for each list of `rows` (the rows routed to each expert of a
+    /// prefill chunk), in one call so a backend can gather them in one launch. The default
+    /// gathers list by list.
+    fn gather_rows_many(&self, x: &Self::Tensor, rows: &[&[usize]]) -> OpResult<Vec<Self::Tensor>> {
+        rows.iter().map(|r| self.gather_rows(x, r)).collect()
+    }
     /// Splits every row's groups of `group` columns into `parts` (which sum to `group`): part `j`
     /// of the result holds part `j` of every group, so `[T, n·group]` gives `[T, n·parts[j]]`.
     fn split(
@@ -355,6 +361,28 @@ pub trait CoreOps: Send + Sync + Sized {
         rows: &[(usize, f32)],
     ) -> OpResult<()> {
         Err(self.missing("scatter_add"))
+    }
+
+    /// [`CoreOps::scatter_add`] of `ys[j]` by `rows[j]` for each `j` in order (the routed
+    /// experts' combine, in expert order), in one call so a backend can add every expert's rows in
+    /// one launch. A backend's result is bit for bit its `scatter_add`s in that order: each
+    /// element of `acc` gets its terms added one by one in the order of `j`. The default calls
+    /// `scatter_add` per `j`.
+    ///
+    /// Errors: as [`CoreOps::scatter_add`]; `ys` and `rows` of different lengths.
+    fn scatter_add_many(
+        &self,
+        acc: &mut Self::Tensor,
+        ys: &[&Self::Tensor],
+        rows: &[&[(usize, f32)]],
+    ) -> OpResult<()> {
+        check("scatter_add_many", ys.len() == rows.len(), || {
+            format!("{} outputs for {} row lists", ys.len(), rows.len())
+        })?;
+        for (y, r) in ys.iter().zip(rows) {
+            self.scatter_add(acc, y, r)?;
+        }
+        Ok(())
     }
 
     // ---- attention ----------------------------------------------------------------------

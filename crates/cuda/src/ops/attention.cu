@@ -206,3 +206,176 @@ extern "C" __global__ void attention_f32(const float* q, const float* ks, const 
     attention_impl(q, ks, vs, t_rows, nh, nkv, d, rows, ring, pos0, window, scale, splits,
                    part_m, part_l, part_o);
 }
+
+// Prefill attention, tiled: a block of AT_WARPS warps takes AT_ITEMS consecutive (row, head)
+// items of one KV head's group (item i of the group: row i / G, head kvh * G + i % G, with G =
+// nh / nkv query heads per KV head), so rows of one chunk and the heads that share a KV head read
+// each K and V row from shared memory instead of each reading it from L2. Positions go in tiles
+// of AT_POS (8): the block copies the tile's K and V rows (f32) into shared memory, then each
+// warp, for its AT_ROWS (4) items:
+// - q . k for its 4 items x 8 positions: each lane sums its dims (lane, lane + 32, ...), then a
+//   reduce-scatter over the warp (16 + 8 + 4 + 2 + 1 shuffles for the 32 sums) leaves in lane L
+//   the logit of item L / 8 and position L % 8;
+// - an online softmax per item over its 8 lanes (running maximum m, sum l), positions outside
+//   the item's causal / sliding window masked;
+// - o[item] = o * correction + sum_pos p v[pos] over the lane's dims (p from its lane by shfl).
+// At the end, a sink logit adds e^(sink - m) to l once; out = o / l. f32 throughout (K and V
+// converted from the store); results agree with attention_impl's to f32 rounding, not bit for bit.
+#define AT_WARPS 4
+#define AT_ROWS 4
+#define AT_ITEMS (AT_WARPS * AT_ROWS)
+#define AT_POS 8
+
+// kt, vt: shared [AT_POS][32 * DK] each.
+template <typename S, int DK>
+__device__ void attention_tiled_impl(float (*kt)[32 * DK], float (*vt)[32 * DK], const float* q,
+                                     const S* ks, const S* vs, int t_rows, int nh, int nkv, int d,
+                                     int rows, int ring, int pos0, int window, float scale,
+                                     const float* sinks, float* out) {
+    const int G = nh / nkv;
+    const int kvh = blockIdx.y;
+    const int n_items = t_rows * G;
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    const int i0 = blockIdx.x * AT_ITEMS;
+    // The block's positions: from the first item's window start to the last item's position.
+    int last_item = min(i0 + AT_ITEMS, n_items) - 1;
+    int p_first = pos0 + i0 / G, p_last = pos0 + last_item / G;
+    int j_lo = window > 0 ? max(0, p_first + 1 - window) : 0;
+
+    // This warp's items: position p, head h, q in registers (lane's dims), masked when absent.
+    float qv[AT_ROWS][DK], o[AT_ROWS][DK], m[AT_ROWS], l[AT_ROWS];
+    int ip[AT_ROWS];
+#pragma unroll
+    for (int r = 0; r < AT_ROWS; ++r) {
+        int it = i0 + w * AT_ROWS + r;
+        bool in = it < n_items;
+        int row = in ? it / G : 0, h = kvh * G + (in ? it % G : 0);
+        ip[r] = in ? pos0 + row : -1;
+        const float* qh = q + ((u64)row * nh + h) * d;
+#pragma unroll
+        for (int k = 0; k < DK; ++k) {
+            int c = lane + 32 * k;
+            qv[r][k] = in && c < d ? qh[c] * scale : 0.0f;
+            o[r][k] = 0.0f;
+        }
+        m[r] = -F32_INF;
+        l[r] = 0.0f;
+    }
+    for (int j0 = j_lo; j0 <= p_last; j0 += AT_POS) {
+        __syncthreads();  // the previous tile's reads are done
+        for (int e = threadIdx.x; e < AT_POS * 32 * DK; e += blockDim.x) {
+            int pj = e / (32 * DK), c = e % (32 * DK);
+            int j = j0 + pj;
+            float kvk = 0.0f, kvv = 0.0f;
+            if (j <= p_last && c < d) {
+                u64 b = ((ring ? (u64)(j % rows) : (u64)j) * nkv + kvh) * d + c;
+                kvk = load_kv(ks, b);
+                kvv = load_kv(vs, b);
+            }
+            kt[pj][c] = kvk;
+            vt[pj][c] = kvv;
+        }
+        __syncthreads();
+        // Partial dots, index r * 8 + pj.
+        float s[32];
+#pragma unroll
+        for (int r = 0; r < AT_ROWS; ++r)
+#pragma unroll
+            for (int pj = 0; pj < AT_POS; ++pj) {
+                float a = 0.0f;
+#pragma unroll
+                for (int k = 0; k < DK; ++k) a = fmaf(qv[r][k], kt[pj][lane + 32 * k], a);
+                s[r * AT_POS + pj] = a;
+            }
+        // Reduce-scatter: after the step of offset b, lane L holds sums of the indices whose bit
+        // b equals L's; at the end lane L holds index L.
+#pragma unroll
+        for (int b = 16; b >= 1; b >>= 1) {
+            bool upper = (lane & b) != 0;
+#pragma unroll
+            for (int i = 0; i < b; ++i) {
+                float send = upper ? s[i] : s[i + b];
+                float keep = upper ? s[i + b] : s[i];
+                s[i] = keep + __shfl_xor_sync(0xffffffffu, send, b);
+            }
+        }
+        int r_me = lane >> 3, j_me = j0 + (lane & 7);
+        // This lane's item and position: visible?
+        int p_me = 0;
+#pragma unroll
+        for (int r = 0; r < AT_ROWS; ++r)
+            if (r == r_me) p_me = ip[r];
+        bool vis = p_me >= 0 && j_me <= p_me && (window <= 0 || j_me > p_me - window);
+        float logit = vis ? s[0] : -F32_INF;
+        // The lane's item: its new maximum over the tile's 8 lanes, and this position's weight.
+        float mn_me = logit, m_me = -F32_INF;
+#pragma unroll
+        for (int b = 1; b < 8; b <<= 1) mn_me = fmaxf(mn_me, __shfl_xor_sync(0xffffffffu, mn_me, b));
+#pragma unroll
+        for (int r = 0; r < AT_ROWS; ++r)
+            if (r == r_me) m_me = m[r];
+        mn_me = fmaxf(mn_me, m_me);
+        float pr = vis ? expf(logit - mn_me) : 0.0f;
+        float ps = pr;
+#pragma unroll
+        for (int b = 1; b < 8; b <<= 1) ps += __shfl_xor_sync(0xffffffffu, ps, b);
+        // Per item (every lane keeps all four: maxima and sums broadcast from lane 8r).
+#pragma unroll
+        for (int r = 0; r < AT_ROWS; ++r) {
+            float mn = __shfl_sync(0xffffffffu, mn_me, r * 8);
+            float corr = m[r] == -F32_INF ? (mn == -F32_INF ? 1.0f : 0.0f) : expf(m[r] - mn);
+            float psum = __shfl_sync(0xffffffffu, ps, r * 8);
+            l[r] = l[r] * corr + psum;
+            m[r] = mn;
+#pragma unroll
+            for (int k = 0; k < DK; ++k) o[r][k] *= corr;
+#pragma unroll
+            for (int pj = 0; pj < AT_POS; ++pj) {
+                float p = __shfl_sync(0xffffffffu, pr, r * 8 + pj);
+#pragma unroll
+                for (int k = 0; k < DK; ++k) o[r][k] = fmaf(p, vt[pj][lane + 32 * k], o[r][k]);
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < AT_ROWS; ++r) {
+        int it = i0 + w * AT_ROWS + r;
+        if (it >= n_items) continue;
+        int row = it / G, h = kvh * G + it % G;
+        float lt = l[r], mt = m[r];
+        if (sinks) {
+            float sk = sinks[h];
+            float mn = fmaxf(mt, sk);
+            float corr = mt == -F32_INF ? 0.0f : expf(mt - mn);
+            lt = lt * corr + expf(sk - mn);
+#pragma unroll
+            for (int k = 0; k < DK; ++k) o[r][k] *= corr;
+        }
+        float* oh = out + ((u64)row * nh + h) * d;
+#pragma unroll
+        for (int k = 0; k < DK; ++k) {
+            int c = lane + 32 * k;
+            if (c < d) oh[c] = o[r][k] / lt;
+        }
+    }
+}
+
+// One kernel per store type and lane width (DK dims per lane: d <= 32 * DK), each with its own
+// register allocation. grid (item tiles of AT_ITEMS, nkv), AT_WARPS * 32 threads.
+#define ATTN_TILED(NAME, S, DK)                                                                 \
+    extern "C" __global__ void __launch_bounds__(AT_WARPS * 32)                                 \
+        NAME(const float* q, const S* ks, const S* vs, int t_rows, int nh, int nkv, int d,      \
+             int rows, int ring, int pos0, int window, float scale, const float* sinks,        \
+             float* out) {                                                                      \
+        __shared__ __align__(16) float kt[AT_POS][32 * DK];                                     \
+        __shared__ __align__(16) float vt[AT_POS][32 * DK];                                     \
+        attention_tiled_impl<S, DK>(kt, vt, q, ks, vs, t_rows, nh, nkv, d, rows, ring, pos0,    \
+                                    window, scale, sinks, out);                                 \
+    }
+
+ATTN_TILED(attention_tiled4_f16, u16, 4)
+ATTN_TILED(attention_tiled8_f16, u16, 8)
+ATTN_TILED(attention_tiled16_f16, u16, 16)
+ATTN_TILED(attention_tiled4_f32, float, 4)
+ATTN_TILED(attention_tiled8_f32, float, 8)
+ATTN_TILED(attention_tiled16_f32, float, 16)

@@ -185,6 +185,9 @@ impl CudaBackend {
             Some(w) => (last + 1).min(w),
             None => last + 1,
         };
+        if q.rows > 1 && items >= ATTN_SPLIT_BELOW_ITEMS && tiled() {
+            return self.attention_tiled(q, kv, pos0, s, sp, out);
+        }
         let splits = if items >= ATTN_SPLIT_BELOW_ITEMS {
             1
         } else {
@@ -200,16 +203,7 @@ impl CudaBackend {
             pa + (4 * items * splits) as u64,
             pa + (8 * items * splits) as u64,
         );
-        let (t, nh, nkv, d, rows, ring, p0, win) = (
-            q.rows as i32,
-            s.n_heads as i32,
-            s.n_kv_heads as i32,
-            s.head_dim as i32,
-            kv.rows as i32,
-            kv.ring as i32,
-            pos0 as i32,
-            s.window.unwrap_or(0) as i32,
-        );
+        let [t, nh, nkv, d, rows, ring, p0, win] = attn_ints(q, kv, pos0, s);
         let (ni, si) = (items as i32, splits as i32);
         let (kernel, ks, vs) = self.kv_ptrs(kv, "attention_f16", "attention_f32");
         launch!(
@@ -256,6 +250,59 @@ impl CudaBackend {
         Ok(out)
     }
 
+    /// [`attention`](Self::attention) over many (row, head) items (prefill): one
+    /// `attention_tiled` launch (ops/attention.cu), blocks of `AT_ITEMS` items of one KV head's
+    /// group sharing each K and V row through shared memory. `sp`: the sinks' device address or 0.
+    fn attention_tiled(
+        &self,
+        q: &CudaTensor,
+        kv: &CudaKv,
+        pos0: usize,
+        s: &AttnShape,
+        sp: u64,
+        mut out: CudaTensor,
+    ) -> OpResult<CudaTensor> {
+        let op = "attention";
+        let group_items = q.rows * (s.n_heads / s.n_kv_heads);
+        let [t, nh, nkv, d, rows, ring, p0, win] = attn_ints(q, kv, pos0, s);
+        // Dims of a head per lane: 4, 8 or 16 (a kernel each).
+        let names = match s.head_dim {
+            0..=128 => ("attention_tiled4_f16", "attention_tiled4_f32"),
+            129..=256 => ("attention_tiled8_f16", "attention_tiled8_f32"),
+            _ => ("attention_tiled16_f16", "attention_tiled16_f32"),
+        };
+        let (kernel, ks, vs) = self.kv_ptrs(kv, names.0, names.1);
+        launch!(
+            self,
+            op,
+            kernel,
+            LaunchConfig {
+                grid_dim: (
+                    group_items.div_ceil(AT_ITEMS) as u32,
+                    s.n_kv_heads as u32,
+                    1
+                ),
+                block_dim: (32 * AT_WARPS, 1, 1),
+                shared_mem_bytes: 0,
+            },
+            &*q.buf,
+            &ks,
+            &vs,
+            &t,
+            &nh,
+            &nkv,
+            &d,
+            &rows,
+            &ring,
+            &p0,
+            &win,
+            &s.scale,
+            &sp,
+            &mut *out.buf
+        )?;
+        Ok(out)
+    }
+
     /// RoPE's checks, and its kernel arguments (frequencies on the device, style code); `None`
     /// when nothing rotates.
     pub(crate) fn rope_args(
@@ -289,6 +336,29 @@ impl CudaBackend {
         };
         Ok(Some((self.constant(op, &rope.inv_freq)?, style)))
     }
+}
+
+/// Whether prefill attention runs on `attention_tiled` (the default) or, with
+/// `MFERENCE_CUDA_ATTN=rows`, on the block-per-(row, head) kernel decode uses (for
+/// measurements). Read once per process.
+fn tiled() -> bool {
+    static T: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *T.get_or_init(|| std::env::var("MFERENCE_CUDA_ATTN").as_deref() != Ok("rows"))
+}
+
+/// The attention kernels' int arguments: rows of q, heads, KV heads, head size, KV rows, ring,
+/// first position, window (0: none).
+fn attn_ints(q: &CudaTensor, kv: &CudaKv, pos0: usize, s: &AttnShape) -> [i32; 8] {
+    [
+        q.rows as i32,
+        s.n_heads as i32,
+        s.n_kv_heads as i32,
+        s.head_dim as i32,
+        kv.rows as i32,
+        kv.ring as i32,
+        pos0 as i32,
+        s.window.unwrap_or(0) as i32,
+    ]
 }
 
 /// A linear KV cache has room for `t` rows from `pos0` (a ring always has).

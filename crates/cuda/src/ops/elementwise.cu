@@ -17,6 +17,15 @@ extern "C" __global__ void gather_rows(const float* x, u64 cols, const u32* rows
     }
 }
 
+// gather_rows for many outputs in one launch: row j of the stacked rows (n_rows of them) is x's
+// row tab[n_rows + j], written to the row at device address tab[j].
+extern "C" __global__ void gather_rows_many(const float* x, u64 cols, const u64* tab, u64 n_rows) {
+    FOR_EACH(i, n_rows * cols) {
+        u64 j = i / cols, c = i % cols;
+        ((float*)tab[j])[c] = x[tab[n_rows + j] * cols + c];
+    }
+}
+
 // Part `part` (at offset `off` inside each group of `group` columns) of every group of x:
 // out[g, 0..part) = x[g, off..off+part) over the n_groups groups of all rows.
 extern "C" __global__ void split_part(const float* x, u64 n_groups, int group, int off, int part,
@@ -101,6 +110,22 @@ extern "C" __global__ void scatter_add(float* acc, const float* y, Pairs p, int 
             u64 o = (u64)p.rows[j] * cols + c;
             acc[o] = __fmaf_rn(p.w[j], y[(u64)j * cols + c], acc[o]);
         }
+    }
+}
+
+// scatter_add of many outputs in one launch, each row of acc by one thread per column: row t of
+// acc ([n, cols]) gets w * y for its terms e = tab[t] .. tab[t + 1] in order (the row at device
+// address tab[n + 1 + e], the weight's bits in tab[n + 1 + n_terms + e]), one fma each as
+// scatter_add's, so the result is the scatter_adds' in the terms' order.
+extern "C" __global__ void scatter_add_many(float* acc, u64 n, u64 cols, const u64* tab,
+                                            u64 n_terms) {
+    const u64* at = tab + n + 1;
+    const u64* wb = at + n_terms;
+    FOR_EACH(i, n * cols) {
+        u64 t = i / cols, c = i % cols;
+        float a = acc[i];
+        for (u64 e = tab[t]; e < tab[t + 1]; ++e) a += __uint_as_float((u32)wb[e]) * ((const float*)at[e])[c];
+        acc[i] = a;
     }
 }
 

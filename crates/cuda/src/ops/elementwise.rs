@@ -72,6 +72,48 @@ impl CudaBackend {
         Ok(out)
     }
 
+    /// [`CoreOps::gather_rows_many`]: every list's rows in one `gather_rows_many` launch.
+    pub(crate) fn gather_rows_many(
+        &self,
+        x: &CudaTensor,
+        rows: &[&[usize]],
+    ) -> OpResult<Vec<CudaTensor>> {
+        let op = "gather_rows_many";
+        check(
+            op,
+            rows.iter().flat_map(|r| r.iter()).all(|&r| r < x.rows),
+            || format!("a row index is outside {} rows", x.rows),
+        )?;
+        let outs = rows
+            .iter()
+            .map(|r| self.uninit_tensor(op, r.len(), x.cols))
+            .collect::<OpResult<Vec<_>>>()?;
+        let n: usize = rows.iter().map(|r| r.len()).sum();
+        if n == 0 {
+            return Ok(outs);
+        }
+        // Destination row addresses, then source rows.
+        let mut tab = Vec::with_capacity(2 * n);
+        for (r, o) in rows.iter().zip(&outs) {
+            let base = self.addr(&*o.buf);
+            tab.extend((0..r.len()).map(|j| base + (4 * j * x.cols) as u64));
+        }
+        tab.extend(rows.iter().flat_map(|r| r.iter()).map(|&r| r as u64));
+        let tab = self.to_device(op, &tab)?;
+        let (cols, nr) = (x.cols as u64, n as u64);
+        launch!(
+            self,
+            op,
+            "gather_rows_many",
+            elems(n * x.cols),
+            &*x.buf,
+            &cols,
+            &tab,
+            &nr
+        )?;
+        Ok(outs)
+    }
+
     pub(crate) fn split(
         &self,
         x: &CudaTensor,
@@ -266,5 +308,59 @@ impl CudaBackend {
             )?;
         }
         Ok(())
+    }
+
+    /// [`CoreOps::scatter_add_many`]: every output's rows in one `scatter_add_many` launch, each
+    /// row of `acc` taking its terms in the order of `ys` (a row appears at most once per list).
+    pub(crate) fn scatter_add_many(
+        &self,
+        acc: &mut CudaTensor,
+        ys: &[&CudaTensor],
+        rows: &[&[(usize, f32)]],
+    ) -> OpResult<()> {
+        let op = "scatter_add_many";
+        let (h, n) = (acc.cols, acc.rows);
+        check(op, ys.len() == rows.len(), || {
+            format!("{} outputs for {} row lists", ys.len(), rows.len())
+        })?;
+        let mut per_row: Vec<Vec<(u64, f32)>> = vec![Vec::new(); n];
+        for (y, r) in ys.iter().zip(rows) {
+            check(
+                op,
+                y.cols == h && y.rows == r.len() && r.iter().all(|&(t, _)| t < n),
+                || format!("[{}, {}] rows into [{n}, {h}]", y.rows, y.cols),
+            )?;
+            let base = self.addr(&*y.buf);
+            for (j, &(t, w)) in r.iter().enumerate() {
+                per_row[t].push((base + (4 * j * h) as u64, w));
+            }
+        }
+        let terms: usize = per_row.iter().map(Vec::len).sum();
+        if terms == 0 {
+            return Ok(());
+        }
+        // Row offsets (n + 1), then each term's row address, then its weight's bits.
+        let mut tab = Vec::with_capacity(n + 1 + 2 * terms);
+        let mut at = 0u64;
+        tab.push(0);
+        for r in &per_row {
+            at += r.len() as u64;
+            tab.push(at);
+        }
+        tab.extend(per_row.iter().flatten().map(|&(a, _)| a));
+        tab.extend(per_row.iter().flatten().map(|&(_, w)| w.to_bits() as u64));
+        let tab = self.to_device(op, &tab)?;
+        let (nn, cols, nt) = (n as u64, h as u64, terms as u64);
+        launch!(
+            self,
+            op,
+            "scatter_add_many",
+            elems(n * h),
+            &mut *acc.buf,
+            &nn,
+            &cols,
+            &tab,
+            &nt
+        )
     }
 }

@@ -226,3 +226,282 @@ extern "C" __global__ void qgemm_sum(QGSums sums, int splits) {
         y[i] = v;
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// qgemm_tc: the same products on the tensor cores (mma.sync m16n8k16, BF16 in, f32 accumulate).
+//
+// A product is split by the affine form of the weights: over the columns of one scale group,
+// sum_c (s q_c + b) x_c = s (q' . x) + b' sum(x) with the codes centred, q' = q - m (m =
+// 2^(BITS-1)) and b' = b + s m (in f32), so that s (q' . x) and b' sum(x) do not cancel. The
+// centred codes (integers in [-128, 128)) are exact in BF16, so the tensor cores compute q' . x
+// with x as three BF16 terms, x = hi + mid + lo (each the rounding of what the previous terms
+// leave: x to about 24 significant bits), and f32 accumulation. Per group (or the part of a
+// group in a column split) the partial sum P = q' . x is folded into the output by one fma
+// each: acc += s P + b' X, with X the f32 sum of the group's x in a fixed order. So the result
+// keeps f32-like accuracy (the tensor cores' f32 accumulation truncates; measured within the
+// op harness's f32 budget) where one BF16 rounding of x or of the dequantized weight would give
+// ~4e-3.
+//
+// A block of 4 warps computes QT_BM rows of w by QT_BT rows of x (a warp: 32 w rows = 2 m16
+// tiles, by all 32 x rows = 4 n8 tiles), stepping QT_BK columns at a time: per step the threads
+// load the next step's codes and x into registers, then run this step's mma on shared memory,
+// then store the registers (codes as BF16, x as hi / lo BF16 and per-row sums) into the other
+// buffer; one barrier per step. Shared rows are QT_LD BF16 (80 bytes) apart, so the 8 rows of an
+// ldmatrix fall in distinct banks.
+//
+// Numerics: an output depends on the codes, scales, biases, x, the split count and the group
+// size only: the tiling is fixed (no variant changes where a row of x or of w sits in a tile),
+// and the order of the k steps and of the folds is the columns' order. Where the matrix lies
+// (slot, staging buffer, resident copy) and what else the launch holds change nothing.
+
+#define QT_BM 128
+#define QT_BT 32
+#define QT_BK 32
+#define QT_LD 40
+#define QT_THREADS 128
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+__device__ __forceinline__ void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
+
+__device__ __forceinline__ void mma_bf16(float* d, const u32* a, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// f32 -> BF16, round to nearest even (finite inputs; an infinity stays one).
+__device__ __forceinline__ u32 f32_to_bf16_rn(float f) {
+    u32 u = __float_as_uint(f);
+    return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+
+// The shared buffers of one step.
+struct QtStage {
+    u16 a[QT_BM * QT_LD];   // codes of the block's w rows, BF16, k contiguous
+    u16 x3[3][QT_BT * QT_LD];  // x rows as three BF16 terms (hi, mid, lo)
+    float xs[QT_BT];        // sum of each x row over the step's columns
+};
+
+// One output tile (w rows r0 .. r0 + QT_BM, x rows t0 .. t0 + QT_BT) of job `job` over column
+// steps kb .. ke into plane `split`. WB: bytes per code load (2, or 4 when the job's codes are
+// 4-byte aligned: rows of a matrix are a multiple of 8 bytes apart, so every row is).
+template <int BITS, int WB>
+__device__ __forceinline__ void qgemm_tc_tile(QtStage* st, const QJobs& q, int job, int rows,
+                                              int cols, int group, int t_rows, int t0, int r0,
+                                              int kb, int ke, int split) {
+    const int CPU = WB * 8 / BITS;          // codes per load unit
+    const int UPR = QT_BK / CPU;            // units per tile row per step
+    const int NU = QT_BM * UPR / QT_THREADS;  // units each thread loads per step
+    const int RSTEP = QT_THREADS / UPR;     // tile rows between a thread's units
+    const u32 mask = (1u << BITS) - 1u;
+    const int mid = 1 << (BITS - 1);
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, tig = lane & 3;
+    const int up = tid % UPR, um = tid / UPR;   // this thread's unit column and first row
+    const int xq = tid & 7, xn = tid >> 3;      // float4 xq of x rows xn, xn + 16
+    const u64 row_bytes = (u64)cols * BITS / 8, groups = (u64)(cols / group);
+    const unsigned char* wq = (const unsigned char*)q.w[job];
+    const u16* sc = (const u16*)q.s[job];
+    const u16* bi = (const u16*)q.b[job];
+    const float* x = (const float*)q.x[job];
+
+    u32 wu[NU];
+    float4 xv[2];
+    auto load = [&](int kt) {
+        u64 off = (u64)kt * (QT_BK * BITS / 8) + (u64)up * WB;
+#pragma unroll
+        for (int h = 0; h < NU; ++h) {
+            int r = r0 + um + RSTEP * h;
+            const unsigned char* p = wq + (u64)r * row_bytes + off;
+            wu[h] = r < rows ? (WB == 4 ? *(const u32*)p : (u32)*(const u16*)p) : 0u;
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            int t = t0 + xn + 16 * h;
+            xv[h] = t < t_rows ? *(const float4*)(x + (u64)t * cols + kt * QT_BK + 4 * xq)
+                               : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+    };
+    auto store = [&](QtStage* s) {
+#pragma unroll
+        for (int h = 0; h < NU; ++h) {
+            u32* dst = (u32*)(s->a + (um + RSTEP * h) * QT_LD + up * CPU);
+#pragma unroll
+            for (int e = 0; e < CPU; e += 2) {
+                u32 lo = __float_as_uint((float)((int)((wu[h] >> (BITS * e)) & mask) - mid)) >> 16;
+                u32 hi =
+                    __float_as_uint((float)((int)((wu[h] >> (BITS * (e + 1))) & mask) - mid)) >> 16;
+                dst[e / 2] = lo | (hi << 16);
+            }
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float v[4] = {xv[h].x, xv[h].y, xv[h].z, xv[h].w};
+            u32 tb[3][4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float rest = v[e];
+#pragma unroll
+                for (int k = 0; k < 3; ++k) {
+                    tb[k][e] = f32_to_bf16_rn(rest);
+                    rest -= __uint_as_float(tb[k][e] << 16);
+                }
+            }
+            int t = xn + 16 * h;
+#pragma unroll
+            for (int k = 0; k < 3; ++k)
+                *(uint2*)(s->x3[k] + t * QT_LD + 4 * xq) =
+                    make_uint2(tb[k][0] | (tb[k][1] << 16), tb[k][2] | (tb[k][3] << 16));
+            float sum = ((v[0] + v[1]) + v[2]) + v[3];
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 4);
+            if (xq == 0) s->xs[t] = sum;
+        }
+    };
+
+    float acc[2][4][4], part[2][4][4], xsum[4][2];
+    float sv[2][2], bv[2][2];  // scale and bias of rows (m tile, g / g + 8) in the current group
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][j][e] = part[i][j][e] = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) xsum[j][0] = xsum[j][1] = 0.0f;
+
+    if (kb < ke) {
+        load(kb);
+        store(st);
+        __syncthreads();
+        int cur = 0;
+        for (int kt = kb; kt < ke; ++kt) {
+            bool more = kt + 1 < ke;
+            // The group's scales and biases, at its first step (or the split's first).
+            if (kt == kb || ((kt * QT_BK) & (group - 1)) == 0) {
+                u64 gi = (u64)(kt * QT_BK / group);
+#pragma unroll
+                for (int i = 0; i < 2; ++i)
+#pragma unroll
+                    for (int hh = 0; hh < 2; ++hh) {
+                        int r = r0 + warp * 32 + i * 16 + g + 8 * hh;
+                        float sg = r < rows ? bf16_to_f32(sc[(u64)r * groups + gi]) : 0.0f;
+                        float bg = r < rows ? bf16_to_f32(bi[(u64)r * groups + gi]) : 0.0f;
+                        sv[i][hh] = sg;
+                        bv[i][hh] = fmaf(sg, (float)mid, bg);
+                    }
+            }
+            if (more) load(kt + 1);
+            const QtStage* s = st + cur;
+#pragma unroll
+            for (int kk = 0; kk < QT_BK; kk += 16) {
+                u32 af[2][4];
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    const u16* p = s->a + (warp * 32 + i * 16 + (lane & 15)) * QT_LD + kk +
+                                   (lane >> 4) * 8;
+                    ldsm_x4(smem_addr(p), af[i][0], af[i][1], af[i][2], af[i][3]);
+                }
+#pragma unroll
+                for (int term = 0; term < 3; ++term) {
+                    const u16* xb = s->x3[term];
+                    u32 bf[4][2];
+#pragma unroll
+                    for (int np = 0; np < 2; ++np) {
+                        int mi = lane >> 3;
+                        const u16* p = xb + (np * 16 + (mi >> 1) * 8 + (lane & 7)) * QT_LD + kk +
+                                       (mi & 1) * 8;
+                        ldsm_x4(smem_addr(p), bf[2 * np][0], bf[2 * np][1], bf[2 * np + 1][0],
+                                bf[2 * np + 1][1]);
+                    }
+#pragma unroll
+                    for (int i = 0; i < 2; ++i)
+#pragma unroll
+                        for (int j = 0; j < 4; ++j) mma_bf16(part[i][j], af[i], bf[j][0], bf[j][1]);
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                xsum[j][0] += s->xs[j * 8 + 2 * tig];
+                xsum[j][1] += s->xs[j * 8 + 2 * tig + 1];
+            }
+            // Fold at the group's last step (or the split's last).
+            if (!more || (((kt + 1) * QT_BK) & (group - 1)) == 0) {
+#pragma unroll
+                for (int i = 0; i < 2; ++i)
+#pragma unroll
+                    for (int j = 0; j < 4; ++j)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            float sc_ = sv[i][e >> 1], b_ = bv[i][e >> 1];
+                            acc[i][j][e] =
+                                fmaf(b_, xsum[j][e & 1], fmaf(sc_, part[i][j][e], acc[i][j][e]));
+                            part[i][j][e] = 0.0f;
+                        }
+#pragma unroll
+                for (int j = 0; j < 4; ++j) xsum[j][0] = xsum[j][1] = 0.0f;
+            }
+            if (more) store(st + (cur ^ 1));
+            __syncthreads();
+            cur ^= 1;
+        }
+    }
+
+    float* y = (float*)q.y[job] + (u64)split * t_rows * rows;
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                int r = r0 + warp * 32 + i * 16 + g + 8 * (e >> 1);
+                int t = t0 + j * 8 + 2 * tig + (e & 1);
+                if (r < rows && t < t_rows) y[(u64)t * rows + r] = acc[i][j][e];
+            }
+}
+
+template <int WB>
+__device__ __forceinline__ void qgemm_tc_bits(QtStage* st, const QJobs& q, int job, int bits,
+                                              int rows, int cols, int group, int t_rows, int t0,
+                                              int r0, int kb, int ke, int split) {
+    switch (bits) {
+        case 2: qgemm_tc_tile<2, WB>(st, q, job, rows, cols, group, t_rows, t0, r0, kb, ke, split); break;
+        case 4: qgemm_tc_tile<4, WB>(st, q, job, rows, cols, group, t_rows, t0, r0, kb, ke, split); break;
+        default: qgemm_tc_tile<8, WB>(st, q, job, rows, cols, group, t_rows, t0, r0, kb, ke, split); break;
+    }
+}
+
+// The jobs of one launch, as qgemm's: blockIdx.x = tile of QT_BM w rows, blockIdx.y = job,
+// blockIdx.z = (tile of QT_BT x rows) * splits + split. 128 threads; bits 2, 4 or 8; cols a
+// multiple of QT_BK; group a power of two, at least QT_BK.
+extern "C" __global__ void __launch_bounds__(QT_THREADS)
+    qgemm_tc(QGJobs jobs, int rows, int cols, int bits, int group, int splits, int per) {
+    __shared__ __align__(16) QtStage st[2];
+    int j = blockIdx.y;
+    int t_rows = jobs.t_rows[j];
+    int r0 = blockIdx.x * QT_BM;
+    int split = blockIdx.z % splits;
+    int kb = split * per, ke = min(cols / QT_BK, kb + per);
+    int tiles = (t_rows + QT_BT - 1) / QT_BT;
+    bool w4 = (jobs.q.w[j] & 3) == 0;
+    for (int tile = blockIdx.z / splits; tile < tiles; tile += gridDim.z / splits) {
+        if (w4)
+            qgemm_tc_bits<4>(st, jobs.q, j, bits, rows, cols, group, t_rows, tile * QT_BT, r0, kb,
+                             ke, split);
+        else
+            qgemm_tc_bits<2>(st, jobs.q, j, bits, rows, cols, group, t_rows, tile * QT_BT, r0, kb,
+                             ke, split);
+    }
+}

@@ -1,8 +1,10 @@
-//! Prefill products: the `qgemm` kernel (ops/gemm.cu) for quantized products of
-//! [`min_rows`] (16) or more rows of x, a tiled f32 GEMM that dequantizes each tile of an MLX
-//! affine quantized matrix once for up to 64 rows of x, where `qmatmul` reads the codes again for
-//! every 4 rows. Decode (one row) and short products stay on `qmatmul`. Also the routed experts
-//! of a prefill chunk that the GPU slots hold, batched into a few launches.
+//! Prefill products: quantized products of [`min_rows`] or more rows of x on `qgemm_tc`
+//! (ops/gemm.cu: the tensor cores, `mma.sync` m16n8k16 over BF16 codes and a two-term BF16 x,
+//! f32 accumulation, the affine scale and bias folded per group), or on `qgemm` (a tiled f32
+//! GEMM on the CUDA cores, `MFERENCE_CUDA_QG=f32`, kept for measurements). Both dequantize each
+//! tile of an MLX affine quantized matrix once for many rows of x, where `qmatmul` reads the
+//! codes again for every 4 rows. Decode (one row) and short products stay on `qmatmul`. Also the
+//! routed experts of a prefill chunk that the GPU slots hold, batched into a few launches.
 
 use std::sync::OnceLock;
 
@@ -11,18 +13,51 @@ use mference_backend::{check, check_mlp, Act, Mlp, OpResult, QRef, Weights};
 
 use crate::{qref_offsets, CudaBackend, CudaTensor, QJob, QJobs, QM_BLOCKS, QM_JOBS};
 
-/// Rows of x from which a product runs on `qgemm` (unless `MFERENCE_CUDA_QG_MIN_ROWS` says
-/// otherwise: [`min_rows`]).
+/// Rows of x from which a product runs on a GEMM kernel (unless `MFERENCE_CUDA_QG_MIN_ROWS`
+/// says otherwise: [`min_rows`]): 8 for `qgemm_tc` (a tile of 32 rows of x costs little more on
+/// the tensor cores than `qmatmul`'s two passes over the codes), 16 for `qgemm`.
+const QT_MIN_ROWS: usize = 8;
 const QG_MIN_ROWS: usize = 16;
-/// `QG_BM` and `QG_BK` of ops/gemm.cu: output rows per block, columns per step.
+/// `QG_BM` and `QG_BK` of ops/gemm.cu: output rows per block, columns per step (`QT_BK` is the
+/// same 32).
 const QG_BM: usize = 64;
 const QG_BK: usize = 32;
-/// Blocks a product's column splits aim for per tile of x rows (a third of an H200's SMs: the
-/// gate and up products of an expert, split, about fill the device).
+/// `QT_BM`, `QT_BT` and `QT_THREADS` of ops/gemm.cu: `qgemm_tc`'s w rows and x rows per block,
+/// and threads per block.
+const QT_BM: usize = 128;
+const QT_BT: usize = 32;
+const QT_THREADS: u32 = 128;
+/// Blocks a product's column splits aim for per tile of x rows, `qgemm` (a third of an H200's
+/// SMs: the gate and up products of an expert, split, about fill the device) and `qgemm_tc` (16:
+/// its blocks are twice as tall and each does 4x the work per step; a model-wide projection is
+/// not split).
 const QG_SPLIT_BLOCKS: usize = 48;
+const QT_SPLIT_BLOCKS: usize = 16;
 /// At most this many column splits, each of at least `QG_SPLIT_MIN_STEPS` steps of `QG_BK`.
 const QG_MAX_SPLITS: usize = 8;
 const QG_SPLIT_MIN_STEPS: usize = 8;
+
+/// Which kernel runs the prefill products.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kernel {
+    /// `qgemm_tc`, the tensor cores (the default).
+    Tc,
+    /// `qgemm`, f32 on the CUDA cores (`MFERENCE_CUDA_QG=f32`).
+    F32,
+}
+
+/// The prefill product kernel: `qgemm_tc`, or `qgemm` with `MFERENCE_CUDA_QG=f32` (for
+/// measurements; any other value is refused at the first product rather than ignored). Read once
+/// per process, so every product of a run takes the same path.
+fn kernel() -> Result<Kernel, String> {
+    static K: OnceLock<Result<Kernel, String>> = OnceLock::new();
+    K.get_or_init(|| match std::env::var("MFERENCE_CUDA_QG").as_deref() {
+        Err(_) | Ok("tc") => Ok(Kernel::Tc),
+        Ok("f32") => Ok(Kernel::F32),
+        Ok(v) => Err(format!("MFERENCE_CUDA_QG={v}: expected tc or f32")),
+    })
+    .clone()
+}
 
 /// The `QGJobs` argument of `qgemm`: `qmatmul`'s jobs and each one's rows of x.
 #[repr(C)]
@@ -49,9 +84,10 @@ struct QGSums {
 // SAFETY: plain `repr(C)` u64 arrays, laid out as `struct QGSums` in ops/gemm.cu.
 unsafe impl cudarc::driver::DeviceRepr for QGSums {}
 
-/// Rows of x from which a product runs on `qgemm`: [`QG_MIN_ROWS`], or
-/// `MFERENCE_CUDA_QG_MIN_ROWS` (2 to 4096; decode's one row always stays on `qmatmul`), read
-/// once per process so every product of a run takes the same path (for measurements).
+/// Rows of x from which a product runs on a GEMM kernel: [`QT_MIN_ROWS`] (`qgemm_tc`) or
+/// [`QG_MIN_ROWS`] (`qgemm`), or `MFERENCE_CUDA_QG_MIN_ROWS` (2 to 4096; decode's one row
+/// always stays on `qmatmul`), read once per process so every product of a run takes the same
+/// path (for measurements).
 pub(crate) fn min_rows() -> usize {
     static MIN: OnceLock<usize> = OnceLock::new();
     *MIN.get_or_init(|| {
@@ -59,7 +95,10 @@ pub(crate) fn min_rows() -> usize {
             .ok()
             .and_then(|v| v.parse().ok())
             .filter(|n| (2..=4096).contains(n))
-            .unwrap_or(QG_MIN_ROWS)
+            .unwrap_or(match kernel() {
+                Ok(Kernel::F32) => QG_MIN_ROWS,
+                _ => QT_MIN_ROWS,
+            })
     })
 }
 
@@ -72,13 +111,14 @@ fn fits(w: &QRef) -> bool {
         && w.group_size >= QG_BK
 }
 
-/// Column splits and steps per split for a `[rows, cols]` matrix: enough that a tile of x rows
-/// spreads over about `QG_SPLIT_BLOCKS` blocks. A function of the shape alone, so a product gives
-/// the same bits whatever else its launch holds and wherever its matrix lies.
-fn splits(rows: usize, cols: usize) -> (usize, usize) {
+/// Column splits and steps per split for a `[rows, cols]` matrix on a kernel of `bm` output rows
+/// per block aiming at `blocks` blocks per tile of x rows. A function of the shape (and the
+/// kernel) alone, so a product gives the same bits whatever else its launch holds and wherever
+/// its matrix lies.
+fn splits(rows: usize, cols: usize, (bm, blocks): (usize, usize)) -> (usize, usize) {
     let steps = cols / QG_BK;
-    let want = QG_SPLIT_BLOCKS
-        .div_ceil(rows.div_ceil(QG_BM))
+    let want = blocks
+        .div_ceil(rows.div_ceil(bm))
         .min(steps / QG_SPLIT_MIN_STEPS)
         .clamp(1, QG_MAX_SPLITS);
     let per = steps.div_ceil(want);
@@ -188,12 +228,21 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// One `qgemm` launch (and its `qgemm_sum` where the columns are split): at most `QM_JOBS`
-    /// products of one shape that [`fits`], each with its rows of x.
+    /// One `qgemm_tc` or `qgemm` launch ([`kernel`]; and its `qgemm_sum` where the columns are
+    /// split): at most `QM_JOBS` products of one shape that [`fits`], each with its rows of x.
     fn qgemm(&self, op: &'static str, jobs: &[(QJob, usize)]) -> OpResult<()> {
+        let kernel = kernel().map_err(|why| mference_backend::OpError::Device {
+            backend: self.name.clone(),
+            op,
+            why,
+        })?;
         let w = jobs[0].0.w;
         let (rows, cols) = (w.rows, w.cols);
-        let (n_split, per) = splits(rows, cols);
+        let (bm, blocks) = match kernel {
+            Kernel::Tc => (QT_BM, QT_SPLIT_BLOCKS),
+            Kernel::F32 => (QG_BM, QG_SPLIT_BLOCKS),
+        };
+        let (n_split, per) = splits(rows, cols, (bm, blocks));
         let mut a = QGJobs {
             q: QJobs::default(),
             t_rows: [0; QM_JOBS],
@@ -220,7 +269,7 @@ impl CudaBackend {
         } else {
             None
         };
-        let row_tiles = rows.div_ceil(QG_BM);
+        let row_tiles = rows.div_ceil(bm);
         let t_max = jobs.iter().map(|&(_, t)| t).max().unwrap_or(0);
         // 64 rows of x per block once the launch has blocks enough, else 32 (twice the blocks,
         // each half the work); the choice never changes a result.
@@ -229,7 +278,6 @@ impl CudaBackend {
         } else {
             32
         };
-        let x_tiles = t_max.div_ceil(bn).min(65535 / n_split);
         let (ri, ci, bi, gi, bni, si, pi) = (
             rows as i32,
             cols as i32,
@@ -239,28 +287,25 @@ impl CudaBackend {
             n_split as i32,
             per as i32,
         );
-        launch!(
-            self,
-            op,
-            "qgemm",
-            LaunchConfig {
-                grid_dim: (
-                    row_tiles as u32,
-                    jobs.len() as u32,
-                    (x_tiles * n_split) as u32
-                ),
-                block_dim: (4 * bn as u32, 1, 1),
-                shared_mem_bytes: 0,
-            },
-            &a,
-            &ri,
-            &ci,
-            &bi,
-            &gi,
-            &bni,
-            &si,
-            &pi
-        )?;
+        // `qgemm_tc`'s tile of x rows is fixed; `qgemm` takes `bn` as an argument.
+        let (x_tile, threads) = match kernel {
+            Kernel::Tc => (QT_BT, QT_THREADS),
+            Kernel::F32 => (bn, 4 * bn as u32),
+        };
+        let x_tiles = t_max.div_ceil(x_tile).min(65535 / n_split);
+        let cfg = LaunchConfig {
+            grid_dim: (
+                row_tiles as u32,
+                jobs.len() as u32,
+                (x_tiles * n_split) as u32,
+            ),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        match kernel {
+            Kernel::Tc => launch!(self, op, "qgemm_tc", cfg, &a, &ri, &ci, &bi, &gi, &si, &pi)?,
+            Kernel::F32 => launch!(self, op, "qgemm", cfg, &a, &ri, &ci, &bi, &gi, &bni, &si, &pi)?,
+        }
         if let Some((_p, starts)) = part {
             let mut s = QGSums {
                 part: [0; QM_JOBS],
@@ -304,26 +349,30 @@ mod tests {
             (262_144, 2816),
             (512, 2048),
         ] {
-            let (n, per) = splits(rows, cols);
-            let steps = cols / QG_BK;
-            assert!(
-                (1..=QG_MAX_SPLITS).contains(&n),
-                "{rows}x{cols}: {n} splits"
-            );
-            // Every split has at least one step and together they cover every step once.
-            assert!(
-                (n - 1) * per < steps && n * per >= steps,
-                "{rows}x{cols}: {n} x {per}"
-            );
-            if n > 1 {
+            for k in [(QG_BM, QG_SPLIT_BLOCKS), (QT_BM, QT_SPLIT_BLOCKS)] {
+                let (n, per) = splits(rows, cols, k);
+                let steps = cols / QG_BK;
                 assert!(
-                    per >= QG_SPLIT_MIN_STEPS,
-                    "{rows}x{cols}: {per} steps a split"
+                    (1..=QG_MAX_SPLITS).contains(&n),
+                    "{rows}x{cols}: {n} splits"
                 );
+                // Every split has at least one step and together they cover every step once.
+                assert!(
+                    (n - 1) * per < steps && n * per >= steps,
+                    "{rows}x{cols}: {n} x {per}"
+                );
+                if n > 1 {
+                    assert!(
+                        per >= QG_SPLIT_MIN_STEPS,
+                        "{rows}x{cols}: {per} steps a split"
+                    );
+                }
             }
         }
         // A Gemma expert's gate/up is split, a model-wide projection is not.
-        assert!(splits(704, 2816).0 > 1);
-        assert_eq!(splits(4096, 2816).0, 1);
+        for k in [(QG_BM, QG_SPLIT_BLOCKS), (QT_BM, QT_SPLIT_BLOCKS)] {
+            assert!(splits(704, 2816, k).0 > 1);
+            assert_eq!(splits(4096, 2816, k).0, 1);
+        }
     }
 }

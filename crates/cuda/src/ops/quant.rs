@@ -1,4 +1,4 @@
-//! Quantized products: embedding rows, decode mat-vec and short products, the GLU MLP over experts, the head's argmax (kernels: quant.cu, qmv.cu; prefill GEMM in gemm.rs).
+//! Quantized products: embedding rows, decode mat-vec and short products, the GLU MLP over experts, the head's argmax (kernels: quant.cu, qmv.cu; prefill GEMMs in gemm.rs).
 
 use crate::*;
 
@@ -225,7 +225,8 @@ impl CudaBackend {
 
     /// Runs `jobs` (each `[t_rows, cols]` rows of x into `[t_rows, rows]` outputs; the caller
     /// gives every job an input and an output of that size), one `qmatmul` launch per shape and
-    /// at most `QM_JOBS` jobs (one row of x: one `qmv` launch per columns, bits and group); products of `gemm::min_rows()` or more rows run on `qgemm`
+    /// at most `QM_JOBS` jobs (one row of x: one `qmv` launch per columns, bits and group);
+    /// products of `gemm::min_rows()` or more rows run on `qgemm_tc`
     /// instead where it takes the shape (`gemm.rs`).
     pub(crate) fn products(&self, op: &'static str, jobs: &[QJob], t_rows: usize) -> OpResult<()> {
         let rest;

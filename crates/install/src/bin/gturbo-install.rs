@@ -1,7 +1,7 @@
 //! A minimal installer front end used by the crash tests and the RSS benchmark (the user
 //! CLI is `mference install`). Usage:
 //! `gturbo-install (--dir D | --url BASE --repo R --revision V) --out O [--resume]
-//!  [--overwrite] [--range-bytes N] [--retry-ms N] [--model-id ID]`
+//!  [--overwrite] [--range-bytes N] [--retry-ms N] [--model-id ID] [--allow-unverified]`
 
 use mference_install::source::http::{HttpConfig, HttpSource};
 use mference_install::{InstallOptions, LocalSource, ProgressMode, Source};
@@ -22,7 +22,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let (mut dir, mut url, mut repo, mut rev, mut out) = (None, None, None, None, None);
     let mut opts = InstallOptions {
         progress: ProgressMode::Plain,
-        disk_reserve_bytes: 0,
+        disk_reserve_bytes: Some(0),
         ..InstallOptions::default()
     };
     let mut retry_ms = 1000;
@@ -40,6 +40,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             "--resume" => opts.resume = true,
             "--overwrite" => opts.overwrite = true,
             "--quiet" => opts.progress = ProgressMode::Quiet,
+            "--allow-unverified" => opts.allow_unverified = true,
             other => return Err(format!("unknown argument {other}").into()),
         }
     }
@@ -57,8 +58,14 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     };
     let r = mference_install::install(source.as_ref(), &out, &opts)?;
     eprintln!(
-        "fetched {} ranges, reused {}",
-        r.ranges_fetched, r.ranges_reused
+        "fetched {} ranges ({} bytes), reused {}; {} source bytes read only to be hashed; {} files \
+         verified, {} not",
+        r.ranges_fetched,
+        r.fetched_bytes,
+        r.ranges_reused,
+        r.hashed_only_bytes,
+        r.verified_files.len(),
+        r.unverified_files.len()
     );
     Ok(())
 }

@@ -4,10 +4,13 @@
 //! so `Range` is kept; `HF_TOKEN` is sent only after the base host answered `401`, and
 //! never to another host. Transient failures (connection errors, short or mismatched
 //! bodies, 5xx, 429) are retried with exponential backoff, resuming at the first missing
-//! byte.
+//! byte. Each file's published digest (`X-Linked-Etag`, else the base host's `ETag`,
+//! [`crate::verify`]) is remembered and must not change during the install.
 
 use super::{Source, SourceId};
+use crate::verify::Published;
 use crate::InstallError;
+use std::collections::HashMap;
 use std::io::Read;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -57,11 +60,55 @@ pub struct HttpSource {
     auth_requested: AtomicBool,
     requests: AtomicU64,
     commit: Mutex<Option<String>>,
+    /// Published digest by resolve URL, from the first response that carried one.
+    digests: Mutex<HashMap<String, Published>>,
 }
 
 enum Failure {
+    /// No HTTP answer at all (refused, reset, DNS, TLS, timeout): retried, then
+    /// [`InstallError::SourceUnreachable`].
+    Connect(String),
     Transient(String),
     Fatal(String),
+}
+
+/// The error inside the `std::io::Error` a range reader returns, so that callers can report an
+/// unreachable server as such ([`super::read_error`]).
+#[derive(Debug)]
+pub struct HttpReadError {
+    pub url: String,
+    pub detail: String,
+    pub unreachable: bool,
+}
+
+impl std::fmt::Display for HttpReadError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.url, self.detail)
+    }
+}
+
+impl std::error::Error for HttpReadError {}
+
+impl HttpReadError {
+    /// The install error this read failure means.
+    pub fn to_install_error(&self) -> InstallError {
+        let (url, detail) = (self.url.clone(), self.detail.clone());
+        if self.unreachable {
+            InstallError::SourceUnreachable { url, detail }
+        } else {
+            InstallError::Http { url, detail }
+        }
+    }
+}
+
+/// `"" ` when `cur` is the URL asked for, else `"redirected to {cur}: "`: messages name the
+/// requested URL once (in [`InstallError::Http`]) and a redirect target only when there was one.
+fn at(cur: &str, url: &str) -> String {
+    if cur == url {
+        String::new()
+    } else {
+        format!("redirected to {cur}: ")
+    }
 }
 
 fn host_of(url: &str) -> &str {
@@ -117,7 +164,42 @@ impl HttpSource {
             auth_requested: AtomicBool::new(false),
             requests: AtomicU64::new(0),
             commit: Mutex::new(None),
+            digests: Mutex::new(HashMap::new()),
         })
+    }
+
+    /// Remember the digest a response to `url` published (`X-Linked-Etag` on any hop, else
+    /// `ETag` from the base host: another host's tag is a CDN's own); a different digest for the
+    /// same URL later in the install is an error.
+    fn note_digest(
+        &self,
+        url: &str,
+        cur: &str,
+        headers: &ureq::http::HeaderMap,
+    ) -> Result<(), Failure> {
+        let get = |k: &str| headers.get(k).and_then(|v| v.to_str().ok());
+        let p = get("x-linked-etag")
+            .and_then(|v| Published::parse(v, "X-Linked-Etag"))
+            .or_else(|| {
+                (host_of(cur) == self.base_host)
+                    .then(|| get("etag").and_then(|v| Published::parse(v, "ETag")))
+                    .flatten()
+            });
+        let Some(p) = p else { return Ok(()) };
+        let mut map = self.digests.lock().expect("lock");
+        match map.get(url) {
+            Some(old) if old.hex != p.hex => Err(Failure::Fatal(format!(
+                "the published digest changed during the install: {} before, {} now (the revision \
+                 moved, or the mirror serves mixed versions); install a pinned commit",
+                old.describe(),
+                p.describe()
+            ))),
+            Some(_) => Ok(()),
+            None => {
+                map.insert(url.to_string(), p);
+                Ok(())
+            }
+        }
     }
 
     fn url(&self, rel: &str) -> String {
@@ -155,8 +237,9 @@ impl HttpSource {
             }
             let resp = req
                 .call()
-                .map_err(|e| Failure::Transient(format!("{cur}: {e}")))?;
+                .map_err(|e| Failure::Connect(format!("{}{e}", at(&cur, url))))?;
             let status = resp.status().as_u16();
+            let here = at(&cur, url);
             if let Some(c) = resp
                 .headers()
                 .get("x-repo-commit")
@@ -173,38 +256,39 @@ impl HttpSource {
                 }
                 401 | 403 => {
                     return Err(Failure::Fatal(format!(
-                        "{cur}: {status}: authentication required; set HF_TOKEN"
+                        "{here}{status}: authentication required; set HF_TOKEN"
                     )))
                 }
                 404 => return Ok(None),
                 301 | 302 | 303 | 307 | 308 => {
+                    self.note_digest(url, &cur, resp.headers())?;
                     redirects += 1;
                     if redirects > self.cfg.max_redirects {
-                        return Err(Failure::Fatal(format!("{url}: too many redirects")));
+                        return Err(Failure::Fatal("too many redirects".into()));
                     }
                     let loc = resp
                         .headers()
                         .get("location")
                         .and_then(|v| v.to_str().ok())
                         .ok_or_else(|| {
-                            Failure::Fatal(format!("{cur}: redirect without Location"))
+                            Failure::Fatal(format!("{here}redirect without Location"))
                         })?;
                     cur = resolve_location(&cur, loc);
                     continue;
                 }
-                206 => {}
+                206 => self.note_digest(url, &cur, resp.headers())?,
                 200 => {
                     return Err(Failure::Fatal(format!(
-                        "{cur}: server answered 200 to a ranged request (Range ignored)"
+                        "{here}server answered 200 to a ranged request (Range ignored)"
                     )))
                 }
                 416 => {
                     return Err(Failure::Fatal(format!(
-                        "{cur}: range {range} not satisfiable"
+                        "{here}range {range} not satisfiable"
                     )))
                 }
-                429 | 500..=599 => return Err(Failure::Transient(format!("{cur}: HTTP {status}"))),
-                s => return Err(Failure::Fatal(format!("{cur}: HTTP {s}"))),
+                429 | 500..=599 => return Err(Failure::Transient(format!("{here}HTTP {status}"))),
+                s => return Err(Failure::Fatal(format!("{here}HTTP {s}"))),
             }
             let cr = resp
                 .headers()
@@ -212,13 +296,13 @@ impl HttpSource {
                 .and_then(|v| v.to_str().ok())
                 .and_then(parse_content_range);
             let (a, b, total) = cr.ok_or_else(|| {
-                Failure::Transient(format!("{cur}: 206 without a valid Content-Range"))
+                Failure::Transient(format!("{here}206 without a valid Content-Range"))
             })?;
             // A server may clamp the end of the range to the end of the file.
             let clamped = |l: u64| b < l && total == Some(b + 1);
             if a != first || last.is_some_and(|l| b != l && !clamped(l)) || b < a {
                 return Err(Failure::Transient(format!(
-                    "{cur}: asked for {range}, got bytes {a}-{b}"
+                    "{here}asked for {range}, got bytes {a}-{b}"
                 )));
             }
             if let Some(len) = resp
@@ -229,7 +313,7 @@ impl HttpSource {
             {
                 if len != b - a + 1 {
                     return Err(Failure::Transient(format!(
-                        "{cur}: Content-Length {len} does not match Content-Range {a}-{b}"
+                        "{here}Content-Length {len} does not match Content-Range {a}-{b}"
                     )));
                 }
             }
@@ -244,7 +328,7 @@ impl HttpSource {
     ) -> Result<T, InstallError> {
         let mut attempt = 0;
         loop {
-            match f() {
+            let (d, unreachable) = match f() {
                 Ok(v) => return Ok(v),
                 Err(Failure::Fatal(d)) => {
                     return Err(InstallError::Http {
@@ -252,17 +336,19 @@ impl HttpSource {
                         detail: d,
                     })
                 }
-                Err(Failure::Transient(d)) => {
-                    attempt += 1;
-                    if attempt >= self.cfg.attempts {
-                        return Err(InstallError::Http {
-                            url: url.into(),
-                            detail: format!("{d} (gave up after {attempt} attempts)"),
-                        });
-                    }
-                    std::thread::sleep(self.cfg.retry_base_delay * (1 << (attempt - 1)));
+                Err(Failure::Transient(d)) => (d, false),
+                Err(Failure::Connect(d)) => (d, true),
+            };
+            attempt += 1;
+            if attempt >= self.cfg.attempts {
+                return Err(HttpReadError {
+                    url: url.into(),
+                    detail: format!("{d} (gave up after {attempt} attempts)"),
+                    unreachable,
                 }
+                .to_install_error());
             }
+            std::thread::sleep(self.cfg.retry_base_delay * (1 << (attempt - 1)));
         }
     }
 }
@@ -300,9 +386,9 @@ impl Source for HttpSource {
                 .into_reader()
                 .take(cap)
                 .read_to_end(&mut out)
-                .map_err(|e| Failure::Transient(format!("{url}: {e}")))?;
+                .map_err(|e| Failure::Transient(e.to_string()))?;
             if out.len() as u64 != b - a + 1 {
-                return Err(Failure::Transient(format!("{url}: short body")));
+                return Err(Failure::Transient("short body".into()));
             }
             Ok(Some(out))
         })
@@ -313,9 +399,7 @@ impl Source for HttpSource {
         self.with_retries(&url, || match self.get_once(&url, 0, Some(0))? {
             None => Ok(None),
             Some((_, _, _, Some(total))) => Ok(Some(total)),
-            Some(_) => Err(Failure::Fatal(format!(
-                "{url}: Content-Range without a total size"
-            ))),
+            Some(_) => Err(Failure::Fatal("Content-Range without a total size".into())),
         })
     }
 
@@ -337,6 +421,21 @@ impl Source for HttpSource {
     fn range_requests(&self) -> u64 {
         self.requests.load(Ordering::Relaxed)
     }
+
+    fn published_digest(&self, rel: &str) -> Result<Option<Published>, InstallError> {
+        let url = self.url(rel);
+        let known = |s: &Self| s.digests.lock().expect("lock").get(&url).cloned();
+        if let Some(p) = known(self) {
+            return Ok(Some(p));
+        }
+        // Not requested yet (or answered without one): ask once for its first byte.
+        self.size_of(rel)?;
+        Ok(known(self))
+    }
+
+    fn publishes_digests(&self) -> bool {
+        true
+    }
 }
 
 /// Streams `pos..end`, reconnecting at `pos` after a transient failure.
@@ -352,7 +451,7 @@ impl RangeReader<'_> {
     fn connect(&mut self) -> Result<(), Failure> {
         self.src.requests.fetch_add(1, Ordering::Relaxed);
         match self.src.get_once(&self.url, self.pos, Some(self.end - 1))? {
-            None => Err(Failure::Fatal(format!("{}: 404", self.url))),
+            None => Err(Failure::Fatal("404 Not Found".into())),
             Some((resp, _, _, _)) => {
                 self.body = Some(Box::new(resp.into_body().into_reader()));
                 Ok(())
@@ -372,32 +471,40 @@ impl Read for RangeReader<'_> {
             let r = match self.body.as_mut() {
                 Some(b) => match b.read(&mut buf[..want]) {
                     Ok(0) => Err(Failure::Transient(format!(
-                        "{}: body ended at byte {} of ..{}",
-                        self.url, self.pos, self.end
+                        "body ended at byte {} of ..{}",
+                        self.pos, self.end
                     ))),
                     Ok(n) => Ok(n),
-                    Err(e) => Err(Failure::Transient(format!("{}: {e}", self.url))),
+                    Err(e) => Err(Failure::Transient(e.to_string())),
                 },
                 None => self.connect().map(|_| 0),
             };
-            match r {
+            let err = |detail: String, unreachable: bool| {
+                std::io::Error::other(HttpReadError {
+                    url: self.url.clone(),
+                    detail,
+                    unreachable,
+                })
+            };
+            let (d, unreachable) = match r {
                 Ok(0) => continue,
                 Ok(n) => {
                     self.pos += n as u64;
                     return Ok(n);
                 }
-                Err(Failure::Fatal(d)) => return Err(std::io::Error::other(d)),
-                Err(Failure::Transient(d)) => {
-                    self.body = None;
-                    attempt += 1;
-                    if attempt >= self.src.cfg.attempts {
-                        return Err(std::io::Error::other(format!(
-                            "{d} (gave up after {attempt} attempts)"
-                        )));
-                    }
-                    std::thread::sleep(self.src.cfg.retry_base_delay * (1 << (attempt - 1)));
-                }
+                Err(Failure::Fatal(d)) => return Err(err(d, false)),
+                Err(Failure::Transient(d)) => (d, false),
+                Err(Failure::Connect(d)) => (d, true),
+            };
+            self.body = None;
+            attempt += 1;
+            if attempt >= self.src.cfg.attempts {
+                return Err(err(
+                    format!("{d} (gave up after {attempt} attempts)"),
+                    unreachable,
+                ));
             }
+            std::thread::sleep(self.src.cfg.retry_base_delay * (1 << (attempt - 1)));
         }
     }
 }

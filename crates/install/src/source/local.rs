@@ -1,6 +1,7 @@
 //! A local mlx-community-style checkpoint directory.
 
 use super::{Source, SourceId};
+use crate::verify::Published;
 use crate::InstallError;
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
@@ -136,5 +137,25 @@ impl Source for LocalSource {
 
     fn range_requests(&self) -> u64 {
         self.requests.load(Ordering::Relaxed)
+    }
+
+    /// A Hugging Face cache snapshot (`snapshots/<commit>/<file>` → `../../blobs/<digest>`)
+    /// names each blob by the digest the Hub published for it: the SHA-256 of an LFS file, the
+    /// git blob id of another. A plain directory publishes nothing.
+    fn published_digest(&self, rel: &str) -> Result<Option<Published>, InstallError> {
+        // The snapshot's own link names the blob; what the blob may link to further is not
+        // the cache's business.
+        let Ok(target) = std::fs::read_link(self.dir.join(rel)) else {
+            return Ok(None);
+        };
+        let in_blobs = target
+            .parent()
+            .and_then(|p| p.file_name())
+            .is_some_and(|n| n == "blobs");
+        Ok(target
+            .file_name()
+            .and_then(|n| n.to_str())
+            .filter(|_| in_blobs)
+            .and_then(|n| Published::parse(n, "the HF cache blob name")))
     }
 }

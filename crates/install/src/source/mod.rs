@@ -4,6 +4,7 @@
 pub mod http;
 pub mod local;
 
+use crate::verify::Published;
 use crate::InstallError;
 use std::io::Read;
 
@@ -45,5 +46,32 @@ pub trait Source: Send + Sync {
     /// Requests made so far for data ranges (for reports and tests).
     fn range_requests(&self) -> u64 {
         0
+    }
+
+    /// The digest the source publishes for `rel` ([`crate::verify`]), `Ok(None)` if none.
+    fn published_digest(&self, _rel: &str) -> Result<Option<Published>, InstallError> {
+        Ok(None)
+    }
+
+    /// Whether every file of this source should have a published digest (an HTTP source in
+    /// Hugging Face's layout); a file without one is then refused unless unverified installs are
+    /// allowed.
+    fn publishes_digests(&self) -> bool {
+        false
+    }
+}
+
+/// The install error for a failed read of `rel` (`what`: what was being read): an HTTP failure
+/// as [`InstallError::SourceUnreachable`] or [`InstallError::Http`], a short local file or other
+/// read failure as [`InstallError::SourceInvalid`].
+pub fn read_error(rel: &str, what: &str, e: std::io::Error) -> InstallError {
+    if let Some(h) = e
+        .get_ref()
+        .and_then(|r| r.downcast_ref::<http::HttpReadError>())
+    {
+        return h.to_install_error();
+    }
+    InstallError::SourceInvalid {
+        detail: format!("{rel}: {what}: {e}"),
     }
 }

@@ -28,7 +28,7 @@ pub fn asset(name: &str) -> PathBuf {
 pub fn quiet() -> InstallOptions {
     InstallOptions {
         progress: ProgressMode::Quiet,
-        disk_reserve_bytes: 0,
+        disk_reserve_bytes: Some(0),
         ..InstallOptions::default()
     }
 }
@@ -52,14 +52,12 @@ pub fn plan_of(model: &str, range_bytes: u64) -> plan::Plan {
 /// A loopback server (127.0.0.1) serving the bundled checkpoint `model` as [`REPO`]@[`REV`],
 /// without authentication or redirects.
 pub fn serve(model: &str) -> Server {
-    Server::start(
-        "127.0.0.1:0",
-        REPO,
-        REV,
-        checkpoint_files(&asset(model)),
-        None,
-        None,
-    )
+    serve_dir(&asset(model))
+}
+
+/// [`serve`] for the checkpoint directory `dir`.
+pub fn serve_dir(dir: &Path) -> Server {
+    Server::start("127.0.0.1:0", REPO, REV, checkpoint_files(dir), None, None)
 }
 
 /// A source for [`REPO`]@[`REV`] at `base`, retrying after 5 ms.
@@ -101,20 +99,46 @@ pub fn interrupted_install(
 
 /// [`tree_digest`] of a local install of the bundled checkpoint `model` made in `dir`.
 pub fn local_digest(model: &str, dir: &Path, opts: &InstallOptions) -> BTreeMap<String, String> {
-    let out = dir.join(format!("{model}-reference.gturbo"));
-    mference_install::install_local(&asset(model), &out, opts).unwrap();
+    local_digest_of(&asset(model), dir, opts)
+}
+
+/// [`tree_digest`] of a local install of the checkpoint directory `src` made in `dir`.
+pub fn local_digest_of(src: &Path, dir: &Path, opts: &InstallOptions) -> BTreeMap<String, String> {
+    let name = src.file_name().unwrap().to_string_lossy();
+    let out = dir.join(format!("{name}-reference.gturbo"));
+    mference_install::install_local(src, &out, opts).unwrap();
     tree_digest(&out)
+}
+
+/// The weights of the bundled checkpoint `model` without its tokenizer files (config, index and
+/// shards linked into `dir/<model>-weights`): for tests of the copy itself, which then skip the
+/// tokenizer's read and parse.
+pub fn weights_only(model: &str, dir: &Path) -> PathBuf {
+    let out = dir.join(format!("{model}-weights"));
+    std::fs::create_dir_all(&out).unwrap();
+    for (name, path) in checkpoint_files(&asset(model)) {
+        if name == "config.json" || name.contains("safetensors") {
+            std::os::unix::fs::symlink(path, out.join(name)).unwrap();
+        }
+    }
+    out
 }
 
 /// Assert that the install at `out` holds exactly the bytes of a local install of the bundled
 /// checkpoint `model` with `opts` (made next to `out`).
 pub fn assert_same_as_local(out: &Path, model: &str, opts: &InstallOptions) {
-    let reference = local_digest(model, out.parent().unwrap(), opts);
+    assert_same_as_local_dir(out, &asset(model), opts)
+}
+
+/// [`assert_same_as_local`] for the checkpoint directory `src`.
+pub fn assert_same_as_local_dir(out: &Path, src: &Path, opts: &InstallOptions) {
+    let reference = local_digest_of(src, out.parent().unwrap(), opts);
     assert_eq!(
         tree_digest(out),
         reference,
-        "{} differs from a local install of {model}",
-        out.display()
+        "{} differs from a local install of {}",
+        out.display(),
+        src.display()
     );
 }
 

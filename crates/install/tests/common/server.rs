@@ -1,5 +1,7 @@
 //! A loopback HTTP/1.1 server in Hugging Face's `/{repo}/resolve/{revision}/{file}` layout,
-//! with `Range` support, request logging and fault injection.
+//! with `Range` support, request logging and fault injection. Like the Hub it publishes each
+//! file's digest: `.safetensors` files and files of 10 MiB or more are "LFS files" with their
+//! SHA-256 in `X-Linked-Etag` (and `ETag`), the others have their git blob id as `ETag`.
 #![allow(dead_code)]
 
 use std::collections::{HashMap, VecDeque};
@@ -25,6 +27,8 @@ pub enum Fault {
     Status5xx,
     /// Send the body in small pieces with pauses.
     SlowBody,
+    /// Close the connection without an answer (as a server that went away).
+    Close,
 }
 
 /// One logged request.
@@ -39,7 +43,11 @@ pub struct Logged {
 
 pub struct Server {
     pub base: String,
-    /// Pause after every 64 KiB of body, milliseconds (0 = none).
+    /// Serve this byte of this file flipped (`(file name, offset)`), headers unchanged.
+    pub corrupt: Arc<Mutex<Option<(String, u64)>>>,
+    /// Publish the digest headers (default true).
+    pub publish_digests: Arc<std::sync::atomic::AtomicBool>,
+    /// Pause after every 64 KiB of a `.safetensors` body, milliseconds (0 = none).
     pub throttle_ms: Arc<std::sync::atomic::AtomicU64>,
     pub log: Arc<Mutex<Vec<Logged>>>,
     pub faults: Arc<Mutex<VecDeque<Fault>>>,
@@ -48,6 +56,8 @@ pub struct Server {
 #[derive(Clone)]
 struct State {
     files: Arc<HashMap<String, PathBuf>>,
+    corrupt: Arc<Mutex<Option<(String, u64)>>>,
+    publish_digests: Arc<std::sync::atomic::AtomicBool>,
     prefix: String,
     log: Arc<Mutex<Vec<Logged>>>,
     faults: Arc<Mutex<VecDeque<Fault>>>,
@@ -72,6 +82,8 @@ impl Server {
         let base = format!("http://{}", listener.local_addr().unwrap());
         let st = State {
             files: Arc::new(files),
+            corrupt: Arc::new(Mutex::new(None)),
+            publish_digests: Arc::new(std::sync::atomic::AtomicBool::new(true)),
             prefix: format!("/{repo}/resolve/{revision}/"),
             log: Arc::new(Mutex::new(Vec::new())),
             faults: Arc::new(Mutex::new(VecDeque::new())),
@@ -81,6 +93,7 @@ impl Server {
         };
         let (log, faults, throttle_ms) =
             (st.log.clone(), st.faults.clone(), st.throttle_ms.clone());
+        let (corrupt, publish_digests) = (st.corrupt.clone(), st.publish_digests.clone());
         std::thread::spawn(move || {
             for conn in listener.incoming() {
                 let Ok(conn) = conn else { continue };
@@ -92,6 +105,8 @@ impl Server {
         });
         Server {
             base,
+            corrupt,
+            publish_digests,
             throttle_ms,
             log,
             faults,
@@ -168,14 +183,45 @@ fn handle(mut conn: TcpStream, st: &State) -> std::io::Result<()> {
             "WWW-Authenticate: Bearer\r\n",
         );
     }
+    let name = path.strip_prefix(&st.prefix).unwrap_or("").to_string();
+    let publish = st
+        .publish_digests
+        .load(std::sync::atomic::Ordering::Relaxed);
     if let Some(to) = &st.redirect_to {
         log(302, req_range);
-        return respond(&mut conn, "302 Found", &format!("Location: {to}{path}\r\n"));
+        // The Hub answers an LFS file's resolve URL with a redirect that carries its SHA-256.
+        let digest = match st.files.get(&name) {
+            Some(p) if publish => format!("X-Linked-Etag: \"{}\"\r\n", digests_of(p).0),
+            _ => String::new(),
+        };
+        return respond(
+            &mut conn,
+            "302 Found",
+            &format!("Location: {to}{path}\r\n{digest}"),
+        );
     }
-    let Some(file) = path.strip_prefix(&st.prefix).and_then(|f| st.files.get(f)) else {
+    let Some(file) = st.files.get(&name) else {
         log(404, req_range);
         return respond(&mut conn, "404 Not Found", "");
     };
+    let digest_headers = if !publish {
+        String::new()
+    } else {
+        let (sha256, git) = digests_of(file);
+        let lfs = name.ends_with(".safetensors") || file.metadata()?.len() >= 10 << 20;
+        if lfs {
+            format!("X-Linked-Etag: \"{sha256}\"\r\nETag: \"{sha256}\"\r\n")
+        } else {
+            format!("ETag: \"{git}\"\r\n")
+        }
+    };
+    let flip = st
+        .corrupt
+        .lock()
+        .unwrap()
+        .as_ref()
+        .filter(|(f, _)| *f == name)
+        .map(|(_, at)| *at);
     let mut f = std::fs::File::open(file)?;
     let len = f.metadata()?.len();
     let Some((a, b)) = range else {
@@ -201,6 +247,10 @@ fn handle(mut conn: TcpStream, st: &State) -> std::io::Result<()> {
     };
     let (mut a, mut b) = (a, b);
     match fault {
+        Some(Fault::Close) => {
+            log(0, Some((a, b)));
+            return Ok(());
+        }
         Some(Fault::Status5xx) => {
             log(503, Some((a, b)));
             return respond(&mut conn, "503 Service Unavailable", "");
@@ -211,7 +261,7 @@ fn handle(mut conn: TcpStream, st: &State) -> std::io::Result<()> {
                 conn,
                 "HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: {len}\r\n\r\n"
             )?;
-            return copy(&mut f, &mut conn, 0, len, 0);
+            return copy(&mut f, &mut conn, 0, len, 0, None);
         }
         Some(Fault::WrongRange) => {
             let shift = (b - a + 1).min(a);
@@ -222,36 +272,62 @@ fn handle(mut conn: TcpStream, st: &State) -> std::io::Result<()> {
     }
     log(206, Some((a, b)));
     let n = b - a + 1;
-    write!(conn, "HTTP/1.1 206 Partial Content\r\nConnection: close\r\nX-Repo-Commit: 0123456789abcdef0123456789abcdef01234567\r\nContent-Range: bytes {a}-{b}/{len}\r\nContent-Length: {n}\r\n\r\n")?;
+    write!(conn, "HTTP/1.1 206 Partial Content\r\nConnection: close\r\nX-Repo-Commit: 0123456789abcdef0123456789abcdef01234567\r\n{digest_headers}Content-Range: bytes {a}-{b}/{len}\r\nContent-Length: {n}\r\n\r\n")?;
     f.seek(SeekFrom::Start(a))?;
+    // The throttle stretches the copy of the weights, not the small files before it.
+    let pause = match name.ends_with(".safetensors") {
+        true => st.throttle_ms.load(std::sync::atomic::Ordering::Relaxed),
+        false => 0,
+    };
     match fault {
-        Some(Fault::DropMidBody) => copy(&mut f, &mut conn, a, n / 2, 0),
-        Some(Fault::SlowBody) => copy(&mut f, &mut conn, a, n, 5),
-        _ => copy(
-            &mut f,
-            &mut conn,
-            a,
-            n,
-            st.throttle_ms.load(std::sync::atomic::Ordering::Relaxed),
-        ),
+        Some(Fault::DropMidBody) => copy(&mut f, &mut conn, a, n / 2, 0, flip),
+        Some(Fault::SlowBody) => copy(&mut f, &mut conn, a, n, 5, flip),
+        _ => copy(&mut f, &mut conn, a, n, pause, flip),
     }
 }
 
+/// SHA-256 and git blob id (`sha1("blob <len>\0" + bytes)`) of a file, hex; computed once per path.
+pub fn digests_of(p: &std::path::Path) -> (String, String) {
+    use sha1::Digest as _;
+    static CACHE: std::sync::OnceLock<Mutex<HashMap<PathBuf, (String, String)>>> =
+        std::sync::OnceLock::new();
+    let cache = CACHE.get_or_init(Default::default);
+    if let Some(d) = cache.lock().unwrap().get(p) {
+        return d.clone();
+    }
+    let bytes = std::fs::read(p).unwrap();
+    let hex = |d: &[u8]| d.iter().map(|b| format!("{b:02x}")).collect::<String>();
+    let sha256 = hex(&sha2::Sha256::digest(&bytes));
+    let mut g = sha1::Sha1::new();
+    g.update(format!("blob {}\0", bytes.len()).as_bytes());
+    g.update(&bytes);
+    let d = (sha256, hex(&g.finalize()));
+    cache.lock().unwrap().insert(p.to_path_buf(), d.clone());
+    d
+}
+
+/// Send `n` bytes of `f` from `at`, the byte at file offset `flip` (if in the span) inverted.
 fn copy(
     f: &mut std::fs::File,
     conn: &mut TcpStream,
     at: u64,
     n: u64,
     pause_ms: u64,
+    flip: Option<u64>,
 ) -> std::io::Result<()> {
     f.seek(SeekFrom::Start(at))?;
     let mut left = n;
+    let mut pos = at;
     let mut buf = vec![0u8; 64 << 10];
     while left > 0 {
         let k = (left as usize).min(buf.len());
         f.read_exact(&mut buf[..k])?;
+        if let Some(x) = flip.filter(|x| (pos..pos + k as u64).contains(x)) {
+            buf[(x - pos) as usize] ^= 0xff;
+        }
         conn.write_all(&buf[..k])?;
         left -= k as u64;
+        pos += k as u64;
         if pause_ms > 0 {
             std::thread::sleep(Duration::from_millis(pause_ms));
         }

@@ -6,7 +6,7 @@ use mference_backend::Weights::Resident;
 use mference_backend::{AttnShape, Backend, Norm, QRef, Rope, Tensor, Unary, VRef};
 
 use super::{Config, Kind, Layer};
-use crate::{one, ModelError};
+use crate::{one, CompressedKv, ModelError};
 
 /// A KV compressor (`attn.compressor.*`, or the indexer's `attn.indexer.compressor.*`).
 pub(super) struct Compressor<B: Backend> {
@@ -42,19 +42,6 @@ pub(super) struct Attention<B: Backend> {
     pub(super) indexer: Option<Indexer<B>>,
 }
 
-/// A compressor's per-sequence state.
-pub(super) struct CompressorState<B: Backend> {
-    /// `[max_context / rate, dim]`; the first `count` rows are valid.
-    pub(super) entries: B::Tensor,
-    pub(super) count: usize,
-    /// Projected kv and gate rows of the unfinished window, `[rate, c·dim]`; `pending` are valid.
-    pub(super) pending_kv: B::Tensor,
-    pub(super) pending_gate: B::Tensor,
-    pub(super) pending: usize,
-    /// The previous window's Ca slice: kv and gate + ape, `[rate, dim]` (CSA).
-    pub(super) prior: Option<(B::Tensor, B::Tensor)>,
-}
-
 /// The RoPE tables: main (sliding layers) and compress (CSA/HCA layers and the indexer), each as
 /// a forward and an inverse rotation of the trailing `qk_rope_head_dim` dims of a head.
 pub(super) struct Ropes {
@@ -87,8 +74,8 @@ pub(super) fn attention<B: Backend>(
     layer: &Layer<B>,
     ropes: &Ropes,
     kv: &mut B::Kv,
-    cs: &mut Option<CompressorState<B>>,
-    is: &mut Option<CompressorState<B>>,
+    cs: Option<&mut CompressedKv<B>>,
+    is: Option<&mut CompressedKv<B>>,
     a: &B::Tensor,
     pos0: usize,
 ) -> Result<B::Tensor, ModelError> {
@@ -124,13 +111,13 @@ pub(super) fn attention<B: Backend>(
         scale: (hd as f32).powf(-0.5),
         sinks: Some(at.attn_sink.clone()),
     };
-    let mut o = match (&at.compressor, cs.as_mut()) {
+    let mut o = match (&at.compressor, cs) {
         (Some(c), Some(st)) => {
             compress(cfg, be, c, st, &ropes.compress.0, hd, a)?;
             // Entry w covers positions rate·w .. rate·w + rate − 1: visible from position p iff
             // w < (p + 1) / rate.
             let n_vis: Vec<usize> = (0..t).map(|r| (pos0 + r + 1) / c.rate).collect();
-            let visible: Vec<Vec<usize>> = match (&at.indexer, is.as_mut()) {
+            let visible: Vec<Vec<usize>> = match (&at.indexer, is) {
                 (Some(ix), Some(ist)) => {
                     compress(
                         cfg,
@@ -169,7 +156,7 @@ pub(super) fn compress<B: Backend>(
     cfg: &Config,
     be: &B,
     c: &Compressor<B>,
-    st: &mut CompressorState<B>,
+    st: &mut CompressedKv<B>,
     rope: &Rope,
     head_dim: usize,
     a: &B::Tensor,

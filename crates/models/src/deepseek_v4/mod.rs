@@ -22,17 +22,15 @@ mod attention;
 mod config;
 mod moe;
 
-use mference_backend::{
-    f32_vector, Backend, CoreOps, FRef, KvCache, Mlp, Norm, OpError, QRef, Rope, Tensor, VRef, Yarn,
-};
+use mference_backend::{f32_vector, Backend, FRef, KvCache, Mlp, Norm, QRef, Rope, VRef, Yarn};
 
 use std::time::Instant;
 
 use crate::{
-    check_ids, expert_linear, linear, ChunkWant, Engine, FamilyModel, LoadOptions, Logits,
-    ModelError, StepTimes, Streamers,
+    check_ids, expert_linear, linear, ChunkWant, CompressedKv, Engine, FamilyModel, LayerState,
+    LoadOptions, Logits, ModelError, SequenceState, StepTimes, Streamers,
 };
-use attention::{attention, tail, Attention, Compressor, CompressorState, Indexer, Ropes};
+use attention::{attention, tail, Attention, Compressor, Indexer, Ropes};
 pub use config::{Config, Kind, RopeScaling};
 use moe::{route, sparse_moe, tid2eid, Gate};
 
@@ -58,34 +56,6 @@ struct Layer<B: Backend> {
     switch_mlp: Mlp,
 }
 
-/// One layer's compressed-KV state: its compressor's and (CSA) its indexer's.
-struct LayerState<B: Backend> {
-    compressor: Option<CompressorState<B>>,
-    indexer: Option<CompressorState<B>>,
-}
-
-/// [`crate::Model::checkpoint`]'s copy of the state at position `pos`: every sliding ring, and of
-/// each compressor everything but its entries, which are append-only (rows below `count` are
-/// never written again, so the count restores them).
-struct Checkpoint<B: Backend> {
-    pos: usize,
-    rings: Vec<B::Kv>,
-    /// Per layer, the compressor's and the indexer's mark.
-    marks: Vec<[Option<Mark<B>>; 2]>,
-}
-
-/// A compressor's state less its entries.
-struct Mark<B: Backend> {
-    count: usize,
-    pending: usize,
-    pending_kv: B::Tensor,
-    pending_gate: B::Tensor,
-    prior: Prior<B>,
-}
-
-/// A compressor's prior Ca slice (kv, and gate + ape), once a window has closed.
-type Prior<B> = Option<(<B as CoreOps>::Tensor, <B as CoreOps>::Tensor)>;
-
 /// A loaded DeepSeek-V4 model with its sliding rings, compressed caches and expert streamers (one
 /// sequence) on backend `B`.
 pub struct DeepseekV4<B: Backend> {
@@ -98,15 +68,12 @@ pub struct DeepseekV4<B: Backend> {
     hc_head: HyperConnection<B>,
     layers: Vec<Layer<B>>,
     ropes: Ropes,
-    /// The sliding K = V ring of every layer.
-    kv: KvCache<B::Kv>,
-    /// Per layer: the compressor's and the indexer's state.
-    states: Vec<LayerState<B>>,
+    /// The sliding K = V ring of every layer and, per layer, its compressed caches: none
+    /// (sliding), the compressor's (HCA), or the compressor's and the indexer's (CSA).
+    state: SequenceState<B>,
     streamers: Streamers,
     /// [`LoadOptions::shadow_prefetch`].
     shadow_prefetch: bool,
-    /// [`crate::Model::checkpoint`]'s copy, if one was taken (and not cut away since).
-    checkpoint: Option<Checkpoint<B>>,
     /// [`crate::Model::step_times`].
     times: StepTimes,
 }
@@ -257,9 +224,9 @@ impl<B: Backend> DeepseekV4<B> {
         let kv = (0..cfg.num_hidden_layers)
             .map(|_| be.new_kv(ring, true, 1, hd, opts.kv_dtype))
             .collect::<Result<_, _>>()?;
-        let state = |c: &Compressor<B>| -> Result<CompressorState<B>, ModelError> {
+        let state = |c: &Compressor<B>| -> Result<CompressedKv<B>, ModelError> {
             let width = if c.overlap { 2 * c.dim } else { c.dim };
-            Ok(CompressorState {
+            Ok(CompressedKv {
                 entries: be.zeros(opts.max_context / c.rate + 1, c.dim)?,
                 count: 0,
                 pending_kv: be.zeros(c.rate, width)?,
@@ -268,18 +235,16 @@ impl<B: Backend> DeepseekV4<B> {
                 prior: None,
             })
         };
+        // Per layer `[compressor, indexer]` as far as the layer has them (an indexer only
+        // beside a compressor).
         let states = layers
             .iter()
             .map(|l| {
-                Ok(LayerState {
-                    compressor: l.attn.compressor.as_ref().map(state).transpose()?,
-                    indexer: l
-                        .attn
-                        .indexer
-                        .as_ref()
-                        .map(|i| state(&i.compressor))
-                        .transpose()?,
-                })
+                let indexer = l.attn.indexer.as_ref().map(|i| &i.compressor);
+                let compressed = l.attn.compressor.iter().chain(indexer).map(state);
+                Ok(LayerState::compressed(
+                    compressed.collect::<Result<_, _>>()?,
+                ))
             })
             .collect::<Result<_, ModelError>>()?;
         Ok(Self {
@@ -289,7 +254,6 @@ impl<B: Backend> DeepseekV4<B> {
             hc_head: hyper("model.hc_head".into(), hc)?,
             streamers: Streamers::new(cfg.num_hidden_layers),
             shadow_prefetch: opts.shadow_prefetch,
-            checkpoint: None,
             times: StepTimes {
                 layers: vec![Default::default(); cfg.num_hidden_layers],
                 head: Default::default(),
@@ -299,8 +263,7 @@ impl<B: Backend> DeepseekV4<B> {
             be,
             layers,
             ropes,
-            kv: KvCache::new(kv),
-            states,
+            state: SequenceState::new(KvCache::new(kv)).with_layers(states),
         })
     }
 
@@ -318,7 +281,7 @@ impl<B: Backend + 'static> FamilyModel for DeepseekV4<B> {
         let (cfg, be) = (&self.cfg, &self.be);
         let t = tokens.len();
         let (h, n) = (cfg.hidden_size, cfg.hc_mult);
-        let pos0 = self.kv.len;
+        let pos0 = self.state.kv.len;
         let eps = cfg.rms_norm_eps;
         let spec = cfg.hc();
         check_ids(tokens, cfg.vocab_size)?;
@@ -338,9 +301,9 @@ impl<B: Backend + 'static> FamilyModel for DeepseekV4<B> {
             let (post, comb) = pc.expect("an mHC site with post and comb");
             let mut a = collapsed;
             be.rms_norm(&mut a, h, Norm::Weight(&layer.attn_norm), eps)?;
-            let st = &mut self.states[li];
-            let kv = &mut self.kv.layers[li];
-            let (cs, is) = (&mut st.compressor, &mut st.indexer);
+            let mut compressed = self.state.layers[li].compressed.iter_mut();
+            let (cs, is) = (compressed.next(), compressed.next());
+            let kv = &mut self.state.kv.layers[li];
             let attn_out = attention(cfg, be, layer, &self.ropes, kv, cs, is, &a, pos0)?;
             x = be.hc_post(&x, &attn_out, &post, &comb)?;
             let attended = Instant::now();
@@ -378,7 +341,7 @@ impl<B: Backend + 'static> FamilyModel for DeepseekV4<B> {
             }
             self.times.layers[li][1] += attended.elapsed();
         }
-        self.kv.len = pos0 + t;
+        self.state.kv.len = pos0 + t;
         let started = Instant::now();
 
         let hc = &self.hc_head;
@@ -403,154 +366,4 @@ impl<B: Backend + 'static> FamilyModel for DeepseekV4<B> {
     fn times(&self) -> Option<&StepTimes> {
         Some(&self.times)
     }
-
-    /// The compressed caches summarise whole windows and the sliding ring keeps only the last
-    /// positions: `n == 0` (start over), `n == position()` (keep everything) and `n` at the
-    /// checkpoint (its rings and compressor states put back; the entries below its count are
-    /// still the ones it saw) succeed; anything else is refused and changes nothing.
-    fn truncate_state(&mut self, n: usize) -> bool {
-        if n == self.kv.len {
-            return true;
-        }
-        if n == 0 {
-            // The checkpoint described a prefix that is now gone.
-            self.checkpoint = None;
-            self.clear();
-            return true;
-        }
-        if self.checkpoint.as_ref().is_none_or(|c| c.pos != n) || n > self.kv.len {
-            return false;
-        }
-        if self.restore().is_err() {
-            // Part restored, part not: nothing but a cleared state is sound.
-            self.checkpoint = None;
-            self.clear();
-            return false;
-        }
-        true
-    }
-
-    /// Copies every sliding ring (window + prefill chunk rows per layer) and the compressors'
-    /// pending and prior rows; the compressed entries are not copied (append-only).
-    fn checkpoint_state(&mut self) {
-        self.checkpoint = self.save().ok();
-    }
-
-    fn state_is_recurrent(&self) -> bool {
-        true
-    }
-
-    fn state_rewind_point(&self, n: usize) -> usize {
-        match &self.checkpoint {
-            _ if n >= self.kv.len => self.kv.len,
-            Some(c) if c.pos <= n => c.pos,
-            _ => 0,
-        }
-    }
-
-    /// The sliding rings plus the compressed caches and their pending and prior rows (f32).
-    fn state_bytes(&self) -> usize {
-        let floats: usize = self
-            .states
-            .iter()
-            .flat_map(|s| [&s.compressor, &s.indexer])
-            .flatten()
-            .map(|s| {
-                let t = |x: &B::Tensor| x.rows() * x.cols();
-                t(&s.entries)
-                    + t(&s.pending_kv)
-                    + t(&s.pending_gate)
-                    + s.prior.as_ref().map_or(0, |(k, g)| t(k) + t(g))
-            })
-            .sum();
-        self.kv.bytes() + 4 * floats
-    }
-}
-
-impl<B: Backend> DeepseekV4<B> {
-    /// A copy of the state at the current position (backend copies: a backend without
-    /// `kv_clone` or `gather_rows` keeps no checkpoint).
-    fn save(&self) -> Result<Checkpoint<B>, OpError> {
-        let be = &self.be;
-        let mark = |st: &CompressorState<B>| -> Result<Mark<B>, OpError> {
-            Ok(Mark {
-                count: st.count,
-                pending: st.pending,
-                pending_kv: copy(be, &st.pending_kv)?,
-                pending_gate: copy(be, &st.pending_gate)?,
-                prior: copy_prior(be, &st.prior)?,
-            })
-        };
-        let marks = self
-            .states
-            .iter()
-            .map(|s| {
-                Ok([
-                    s.compressor.as_ref().map(mark).transpose()?,
-                    s.indexer.as_ref().map(mark).transpose()?,
-                ])
-            })
-            .collect::<Result<_, OpError>>()?;
-        let rings = self
-            .kv
-            .layers
-            .iter()
-            .map(|l| be.kv_clone(l))
-            .collect::<Result<_, _>>()?;
-        Ok(Checkpoint {
-            pos: self.kv.len,
-            rings,
-            marks,
-        })
-    }
-
-    /// Puts the checkpoint's copy back (it stays, for a later rewind to the same position).
-    fn restore(&mut self) -> Result<(), OpError> {
-        let be = &self.be;
-        let ck = self.checkpoint.as_ref().expect("a checkpoint to restore");
-        for (layer, ring) in self.kv.layers.iter_mut().zip(&ck.rings) {
-            *layer = be.kv_clone(ring)?;
-        }
-        for (st, marks) in self.states.iter_mut().zip(&ck.marks) {
-            for (st, m) in [&mut st.compressor, &mut st.indexer].into_iter().zip(marks) {
-                if let (Some(st), Some(m)) = (st.as_mut(), m) {
-                    st.count = m.count;
-                    st.pending = m.pending;
-                    be.set_rows(&mut st.pending_kv, 0, &m.pending_kv)?;
-                    be.set_rows(&mut st.pending_gate, 0, &m.pending_gate)?;
-                    st.prior = copy_prior(be, &m.prior)?;
-                }
-            }
-        }
-        self.kv.len = ck.pos;
-        Ok(())
-    }
-
-    /// Position 0: no ring rows, no compressed entries, nothing pending.
-    fn clear(&mut self) {
-        self.kv.clear();
-        for st in self
-            .states
-            .iter_mut()
-            .flat_map(|s| [&mut s.compressor, &mut s.indexer])
-            .flatten()
-        {
-            st.count = 0;
-            st.pending = 0;
-            st.prior = None;
-        }
-    }
-}
-
-/// An independent copy of `x`.
-fn copy<B: Backend>(be: &B, x: &B::Tensor) -> Result<B::Tensor, OpError> {
-    be.gather_rows(x, &(0..x.rows()).collect::<Vec<_>>())
-}
-
-/// An independent copy of a compressor's prior Ca slice.
-fn copy_prior<B: Backend>(be: &B, prior: &Prior<B>) -> Result<Prior<B>, OpError> {
-    prior
-        .as_ref()
-        .map(|(k, g)| Ok((copy(be, k)?, copy(be, g)?)))
-        .transpose()
 }

@@ -23,17 +23,18 @@ pub fn load_model(max_context: usize) -> Box<dyn Model> {
 
 /// [`load_model`] from another install directory.
 pub fn load_model_from(dir: &std::path::Path, max_context: usize) -> Box<dyn Model> {
-    mference_models::load(
-        dir,
-        &LoadOptions {
-            slots: CacheSlots::Resident,
-            threads: 1,
-            prefill_chunk: 128,
-            max_context,
-            ..Default::default()
-        },
-    )
-    .expect("loading the demo model")
+    mference_models::load(dir, &resident_opts(max_context)).expect("loading the demo model")
+}
+
+/// The test servers' load options: every expert resident, one thread, 128-row prefill chunks.
+pub fn resident_opts(max_context: usize) -> LoadOptions {
+    LoadOptions {
+        slots: CacheSlots::Resident,
+        threads: 1,
+        prefill_chunk: 128,
+        max_context,
+        ..Default::default()
+    }
 }
 
 /// Settings of a test server.

@@ -87,6 +87,8 @@ pub(crate) fn attention_ops<B: Backend>(h: &mut Harness<B>, rng: &mut Rng) {
     let ring_long: &[usize] = &[
         6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 1,
     ];
+    let ring_gqa: &[usize] = &[6, 6, 6, 6, 6, 1];
+    let linear_gqa: &[usize] = &[40, 1, 30];
     let cases = [
         (KvDtype::F32, None, (4, 2), false, short),
         (KvDtype::F16, None, (4, 1), false, short),
@@ -95,6 +97,10 @@ pub(crate) fn attention_ops<B: Backend>(h: &mut Harness<B>, rng: &mut Rng) {
         (KvDtype::F32, None, (3, 3), true, short),
         (KvDtype::F16, None, (4, 2), true, long),
         (KvDtype::F32, Some(100), (2, 1), false, ring_long),
+        // Prefill-sized (row, head) counts (a GPU backend's tiled kernel): a ring with 8 query
+        // heads per KV head, and a linear cache of 8 heads on one KV head.
+        (KvDtype::F32, Some(20), (24, 3), true, ring_gqa),
+        (KvDtype::F32, None, (8, 1), false, linear_gqa),
     ];
     for (dtype, window, (nh, nkv), sinks, chunks) in cases {
         let chunks = chunks.to_vec();

@@ -61,6 +61,20 @@ pub(crate) fn data_ops<B: Backend>(h: &mut Harness<B>, rng: &mut Rng) {
             h.fail("gather_rows", "rows differ".into());
         }
     }
+    // Several lists in one call (an empty one among them): each list's gather_rows.
+    let lists: [&[usize]; 3] = [&[4, 0], &[], &[2, 4, 1]];
+    let r = h.be.gather_rows_many(&x, &lists);
+    if let Some(gs) = h.ok("gather_rows_many", r) {
+        for (j, (g, rows)) in gs.iter().zip(lists).enumerate() {
+            let want: Vec<f32> = rows
+                .iter()
+                .flat_map(|&r| d[r * 12..(r + 1) * 12].to_vec())
+                .collect();
+            if g.rows() != rows.len() || h.read(g) != Some(want) {
+                h.fail("gather_rows_many", format!("list {j} differs"));
+            }
+        }
+    }
     // Rows of 12 = 2 groups of 6 = [2 | 1 | 3].
     let r = h.be.split(&x, 6, &[2, 1, 3]);
     if let Some(parts) = h.ok("split", r) {

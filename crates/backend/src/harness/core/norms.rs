@@ -247,6 +247,46 @@ pub(crate) fn norms_and_elementwise<B: Backend>(
             }
         }
     }
+    scatter_many(h, rng, &x);
+}
+
+/// `scatter_add_many` of three experts' outputs (rows of a 3-row accumulator, row 2 taking a
+/// term from each): bit for bit the three `scatter_add`s in order.
+fn scatter_many<B: Backend>(h: &mut Harness<B>, rng: &mut Rng, x: &[f32]) {
+    let rows: [&[(usize, f32)]; 3] = [
+        &[(0, 0.5), (2, -0.25)],
+        &[(2, 1.25)],
+        &[(1, 2.0), (2, 0.125)],
+    ];
+    let ys: Vec<Vec<f32>> = rows.iter().map(|r| rng.vec(r.len() * 256, 1.0)).collect();
+    let (Some(mut one), Some(mut many)) = (h.up(x, 256), h.up(x, 256)) else {
+        return;
+    };
+    let mut yts = Vec::new();
+    for (y, r) in ys.iter().zip(rows) {
+        let Some(yt) = h.up(y, 256) else { return };
+        let res = h.be.scatter_add(&mut one, &yt, r);
+        if h.ok("scatter_add", res).is_none() {
+            return;
+        }
+        yts.push(yt);
+    }
+    let res =
+        h.be.scatter_add_many(&mut many, &yts.iter().collect::<Vec<_>>(), &rows);
+    if h.ok("scatter_add_many", res).is_none() {
+        return;
+    }
+    if let (Some(a), Some(b)) = (h.read(&one), h.read(&many)) {
+        if a.iter()
+            .map(|v| v.to_bits())
+            .ne(b.iter().map(|v| v.to_bits()))
+        {
+            h.fail(
+                "scatter_add_many",
+                "not the bits of scatter_add in order".into(),
+            );
+        }
+    }
 }
 
 /// `add_rms_norm2_pre`: two block outputs normed (a weight, a 1 + w weight) and summed, into the
