@@ -305,10 +305,12 @@ fn install_locked(
         .iter()
         .map(|c| c.destination_bytes)
         .sum();
+    // The tokenizer files are written again on every run (a resume included): they count whole.
+    let sidecar_bytes: u64 = ck.sidecars.iter().map(|(_, s)| s).sum();
     crate::disk::check(
         &paths.out,
-        plan.output_bytes().saturating_sub(written),
-        plan.output_bytes(),
+        plan.output_bytes().saturating_sub(written) + sidecar_bytes,
+        plan.output_bytes() + sidecar_bytes,
         opts.disk_reserve_bytes,
     )?;
 

@@ -109,7 +109,18 @@ fn not_enough_free_disk_is_refused() {
         ..common::quiet()
     };
     let err = refused_with(&common::asset("gemma4-tiny"), tmp.path(), &o);
-    assert!(matches!(err, InstallError::DiskFull { .. }), "{err}");
+    let InstallError::DiskFull { remaining, .. } = err else {
+        panic!("expected DiskFull, got {err}");
+    };
+    // The output still to write counts the tokenizer files too (33 MB of the demo model's 80 MB:
+    // a check that left them out let an install fill the disk), not only weights and experts.
+    let size = |p: PathBuf| std::fs::metadata(p).unwrap().len();
+    let weights = size(common::asset("gemma4-tiny").join("model.safetensors"));
+    let tokenizer = size(common::asset("../tokenizers/gemma4/tokenizer.json"));
+    assert!(
+        remaining >= weights + tokenizer - (1 << 20),
+        "{remaining} bytes counted to write; the weights alone are {weights}, the tokenizer {tokenizer}"
+    );
 }
 
 #[test]
