@@ -61,7 +61,7 @@ pub enum InstallError {
     Http { url: String, detail: String },
     #[error("cannot reach the source at {url}: {detail}; check the network and the address (--base-url, $HF_ENDPOINT), then run the same command again (with --resume if a partial install was saved)")]
     SourceUnreachable { url: String, detail: String },
-    #[error("{file} does not match the digest the source publishes for it: expected {expected}, the bytes served hash to {actual}; the mirror or the connection changed them. Nothing from {file} is kept as verified; run the same command with --resume to fetch it again, or `mference discard` the output")]
+    #[error("{file} does not match the digest the source publishes for it: expected {expected}, the bytes read hash to {actual}; the file changed after it was published (a mirror, a damaged cache blob) or on the way. Nothing from {file} is kept as verified; once the source serves the published bytes, run the same command again (with --resume if a partial install was saved)")]
     SourceDigestMismatch {
         file: String,
         /// The published digest, as [`crate::verify::Published::describe`] writes it.
