@@ -106,8 +106,16 @@ pub(crate) fn chat(session: &mut Session, a: &RunArgs) -> Result<()> {
             );
         };
         if prompt.ids.len() + 1 >= a.max_context {
+            // Say whether a larger --max-context would help: not past the model's own limit.
+            let limit = match text.max_positions {
+                Some(m) if a.max_context >= m => {
+                    format!(" ({m} is the model's own limit, max_position_embeddings)")
+                }
+                Some(m) => format!(" (the model takes up to {m})"),
+                None => String::new(),
+            };
             eprintln!(
-                "[the message is {} tokens with the chat framing, which does not fit --max-context {} even alone; nothing was sent, try a shorter one]",
+                "[the message is {} tokens with the chat framing, which does not fit --max-context {} even alone{limit}; nothing was sent, try a shorter one]",
                 prompt.ids.len(),
                 a.max_context
             );

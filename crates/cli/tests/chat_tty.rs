@@ -157,9 +157,10 @@ fn reference_tokens(user: &str) -> usize {
     r["prompt"].as_array().unwrap().len()
 }
 
-/// The refusal of a message too long for the context, with its token count.
+/// The refusal of a message too long for the context, with its token count and, since 4096 is
+/// also the demo model's max_position_embeddings, that a larger --max-context would not help.
 fn refusal(tokens: usize) -> String {
-    format!("[the message is {tokens} tokens with the chat framing, which does not fit --max-context 4096")
+    format!("[the message is {tokens} tokens with the chat framing, which does not fit --max-context 4096 even alone (4096 is the model's own limit, max_position_embeddings)")
 }
 
 #[test]
