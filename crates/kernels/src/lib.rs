@@ -18,7 +18,9 @@
 //! Numerics. The exact tables (`scalar`, `avx2`, `avx512`) differ only in f32 summation order: measured against
 //! an f64 dequantize-then-matmul, errors stay below 4e-6 of `Σ (|scale|·q + |bias|)·|x|` (observed ≈ 2.5e-7).
 //! Within one table, a row's result does not depend on how rows are split (bit-identical across `gemv_rows`
-//! ranges and thread counts). `avx512vnni` rounds the prefill (GEMM) activations of 4-bit matrices to int8 per
+//! ranges and thread counts), and on the exact tables a token's result does not depend on how many tokens
+//! share the product: its GEMM row is bit-identical to its GEMV (batch invariance; each table's GEMV and
+//! GEMM share one per-(row, token) operation sequence, see `x86/avx512.rs` and `x86/avx2.rs`). `avx512vnni` rounds the prefill (GEMM) activations of 4-bit matrices to int8 per
 //! group (its 2- and 8-bit products are the exact AVX-512 ones); with outlier-heavy activations its error
 //! reaches ~1.5e-2 of the same magnitude, so [`Kernels::detect`] never picks it.
 //!

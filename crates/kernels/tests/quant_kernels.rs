@@ -1,7 +1,8 @@
 //! Quantized GEMV/GEMM: the scalar reference against an independent f64 dequantize-then-matmul, and every
 //! SIMD table (and the thread pool) against the scalar reference, on random shapes (rows not a multiple of
 //! anything, cols a multiple of the group size), bits 2, 4 and 8, groups 32/64/128, negative scales, and
-//! tensors that start at odd 2-byte-aligned (and unaligned) byte offsets. The budgets below hold for every bit
+//! tensors that start at odd 2-byte-aligned (and unaligned) byte offsets; and, on every exact table, batch
+//! invariance: a token's GEMM row is bit-identical to its GEMV and to the GEMM of any other batch. The budgets below hold for every bit
 //! width: the measure is relative to the sum of absolute terms, whatever the code range.
 
 mod common;
@@ -98,6 +99,23 @@ fn check(c: &Case, pools: &[ThreadPool]) {
             e <= budget(k),
             "{name} gemm vs scalar: rel err {e:e} > budget ({tag})"
         );
+
+        // Batch invariance: on an exact table a token's row of the GEMM is bit-identical to its
+        // GEMV (a decode step and any prefill chunk give the same bits), and so is the GEMM of any
+        // sub-batch of tokens.
+        if k.is_exact() {
+            assert!(
+                yg == yv,
+                "{name} gemm rows differ from token-by-token gemv ({tag})"
+            );
+            let (t0, t1) = (c.n / 3, c.n);
+            let mut ysub = vec![0.0f32; (t1 - t0) * c.rows];
+            k.gemm(&m, &x[t0 * c.cols..t1 * c.cols], t1 - t0, &mut ysub);
+            assert!(
+                ysub == yv[t0 * c.rows..t1 * c.rows],
+                "{name} gemm of tokens [{t0},{t1}) differs from the whole batch's ({tag})"
+            );
+        }
 
         // A row sub-range gives bit-identical rows (results do not depend on how rows are split).
         let r0 = rng.below(c.rows);

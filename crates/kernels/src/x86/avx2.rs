@@ -227,30 +227,23 @@ unsafe fn rows_dot<const R: usize, const BITS: u32>(
     }
 }
 
-define_gemv!("avx2,fma");
+define_gemv!("avx2,fma", 4);
 
-/// Dequantizes row `r` of a `BITS`-bit matrix into `out` (`cols` floats) in the prepared-activation column
-/// order.
+/// Row `r` of a `BITS`-bit matrix as unscaled codes in f32 (`cols` floats, prepared-activation column
+/// order) into `out`, and its group scales as f32 into `scales` (`groups_per_row` floats).
 #[target_feature(enable = "avx2,fma")]
 #[inline]
-unsafe fn dequant_row<const BITS: u32>(m: &QMatrix, r: usize, out: &mut [f32]) {
+unsafe fn codes_row<const BITS: u32>(m: &QMatrix, r: usize, out: &mut [f32], scales: &mut [f32]) {
     let gs = m.group_size;
     let gpr = m.groups_per_row();
     let rb = m.row_bytes();
-    debug_assert!(m.bits == BITS && out.len() >= m.cols && r < m.rows);
+    debug_assert!(m.bits == BITS && out.len() >= m.cols && scales.len() >= gpr && r < m.rows);
     // SAFETY (pointer arithmetic below): row r exists; columns stay below cols, groups below gpr.
     let w = unsafe { m.weight.as_ptr().add(r * rb) };
     let o = out.as_mut_ptr();
     for g in 0..gpr {
         // SAFETY: group g of row r.
-        let (s, b) = unsafe {
-            let i = (r * gpr + g) * 2;
-            (
-                read_bf16(m.scales.as_ptr().add(i)),
-                read_bf16(m.biases.as_ptr().add(i)),
-            )
-        };
-        let (s, b) = (_mm256_set1_ps(s), _mm256_set1_ps(b));
+        scales[g] = unsafe { read_bf16(m.scales.as_ptr().add((r * gpr + g) * 2)) };
         if BITS != 8 {
             for c in 0..gs / 32 {
                 let col = g * gs + c * 32;
@@ -258,8 +251,7 @@ unsafe fn dequant_row<const BITS: u32>(m: &QMatrix, r: usize, out: &mut [f32]) {
                 unsafe {
                     let q = codes32::<BITS>(w, col);
                     for k in 0..4 {
-                        let f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q[k]), s, b);
-                        _mm256_storeu_ps(o.add(col + 8 * k), f);
+                        _mm256_storeu_ps(o.add(col + 8 * k), _mm256_cvtepi32_ps(q[k]));
                     }
                 }
             }
@@ -267,10 +259,7 @@ unsafe fn dequant_row<const BITS: u32>(m: &QMatrix, r: usize, out: &mut [f32]) {
             for c in 0..gs / 8 {
                 let col = g * gs + c * 8;
                 // SAFETY: 8 bytes of the row at col; 8 floats of `out` at col.
-                unsafe {
-                    let v = load_u8x8(w.add(col));
-                    _mm256_storeu_ps(o.add(col), _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), s, b));
-                }
+                unsafe { _mm256_storeu_ps(o.add(col), _mm256_cvtepi32_ps(load_u8x8(w.add(col)))) };
             }
         }
     }
@@ -278,109 +267,124 @@ unsafe fn dequant_row<const BITS: u32>(m: &QMatrix, r: usize, out: &mut [f32]) {
 
 /// Rows per GEMM register tile.
 const GEMM_RB: usize = 4;
-/// Tokens per GEMM register tile (GEMM_RB · GEMM_TB = 8 accumulators + 4 weight vectors + 1 activation of
-/// the 16 ymm registers).
+/// Tokens per GEMM register tile (GEMM_RB · GEMM_TB = 8 group accumulators + 4 weight vectors + 1
+/// activation of the 16 ymm registers).
 const GEMM_TB: usize = 2;
 /// Tokens per GEMM L2 block (a multiple of GEMM_TB).
 const GEMM_NB: usize = 48;
 /// Columns per GEMM L1 block (a multiple of every group size).
 const GEMM_KC: usize = 256;
 
-/// Adds `Σ_{c < kc} w[i][c] · x[t][c]` to `part[t·GEMM_RB + i]` for R rows (stride `ldw`) and T tokens (stride
-/// `ldx`). The per-(row, token) operation sequence is the same for every R and T.
+/// For R rows (codes at `w`, stride `ldw`; scales `s[i · ld_s + g]`) and T tokens (`x`, stride `ldx`),
+/// the groups `g0 .. g0 + ng` (group size `gs`, `w` and `x` pointing at group `g0`'s first column):
+/// per group one accumulator of `code · x` over its 8-column chunks in order, then
+/// `acc[t·GEMM_RB + i] = fma(group sum, scale, acc)`: the GEMV's sequence (`rows_dot`), the same for
+/// every R and T.
 #[target_feature(enable = "avx2,fma")]
 #[inline]
-unsafe fn tile_dots<const R: usize, const T: usize>(
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile_groups<const R: usize, const T: usize>(
     w: *const f32,
     ldw: usize,
     x: *const f32,
     ldx: usize,
-    kc: usize,
-    part: &mut [f32],
+    (s, ld_s): (&[f32], usize),
+    (g0, ng, gs): (usize, usize, usize),
+    acc: &mut [__m256],
 ) {
-    debug_assert!(kc.is_multiple_of(8) && part.len() >= (T - 1) * GEMM_RB + R);
-    let mut acc = [[_mm256_setzero_ps(); R]; T];
-    let mut c = 0;
-    while c < kc {
-        // SAFETY: c + 8 <= kc for every row of `w` and every token row of `x` (the caller's contract).
-        unsafe {
-            let wv: [__m256; R] = std::array::from_fn(|i| _mm256_loadu_ps(w.add(i * ldw + c)));
-            for t in 0..T {
-                let xv = _mm256_loadu_ps(x.add(t * ldx + c));
-                for i in 0..R {
-                    acc[t][i] = _mm256_fmadd_ps(wv[i], xv, acc[t][i]);
+    debug_assert!(gs.is_multiple_of(8) && acc.len() >= (T - 1) * GEMM_RB + R);
+    for gi in 0..ng {
+        let mut accg = [[_mm256_setzero_ps(); R]; T];
+        let mut c = gi * gs;
+        while c < (gi + 1) * gs {
+            // SAFETY: column c + 8 <= the block's end for every row of `w` and token of `x` (the
+            // caller's contract).
+            unsafe {
+                let wv: [__m256; R] = std::array::from_fn(|i| _mm256_loadu_ps(w.add(i * ldw + c)));
+                for t in 0..T {
+                    let xv = _mm256_loadu_ps(x.add(t * ldx + c));
+                    for i in 0..R {
+                        accg[t][i] = _mm256_fmadd_ps(wv[i], xv, accg[t][i]);
+                    }
                 }
             }
+            c += 8;
         }
-        c += 8;
-    }
-    for t in 0..T {
         for i in 0..R {
-            part[t * GEMM_RB + i] += hsum(acc[t][i]);
+            let sv = _mm256_set1_ps(s[i * ld_s + g0 + gi]);
+            for t in 0..T {
+                let a = &mut acc[t * GEMM_RB + i];
+                *a = _mm256_fmadd_ps(accg[t][i], sv, *a);
+            }
         }
     }
 }
 
+/// `Y = X · Wᵀ` with, per (row, token), exactly the GEMV's operations (`rows_dot`: unscaled codes
+/// times x per group, scaled per group, plus `bias · Σx` at the end), so a token's result does not
+/// depend on how many tokens share the product. Each weight row's codes are converted once per call.
 #[target_feature(enable = "avx2,fma")]
 unsafe fn gemm_impl(m: &QMatrix, p: &PreparedX, y: &mut [f32], r0: usize, r1: usize) {
     let (cols, n, ldy) = (m.cols, p.n, r1 - r0);
-    with_wtile(GEMM_RB * cols + GEMM_NB * GEMM_RB, |buf| {
-        let (wt, part) = buf.split_at_mut(GEMM_RB * cols);
+    let (gs, gpr) = (m.group_size, m.groups_per_row());
+    let mut acc = vec![_mm256_setzero_ps(); GEMM_NB * GEMM_RB];
+    with_wtile(GEMM_RB * (cols + gpr), |buf| {
+        let (wt, st) = buf.split_at_mut(GEMM_RB * cols);
         let mut r = r0;
         while r < r1 {
             let rb = (r1 - r).min(GEMM_RB);
             for i in 0..rb {
-                let out = &mut wt[i * cols..(i + 1) * cols];
+                let (out, sc) = (
+                    &mut wt[i * cols..(i + 1) * cols],
+                    &mut st[i * gpr..(i + 1) * gpr],
+                );
                 // SAFETY: row r+i < r1 <= rows; `out` is that row's cols floats of the tile.
                 unsafe {
                     match m.bits {
-                        4 => dequant_row::<4>(m, r + i, out),
-                        2 => dequant_row::<2>(m, r + i, out),
-                        _ => dequant_row::<8>(m, r + i, out),
+                        4 => codes_row::<4>(m, r + i, out, sc),
+                        2 => codes_row::<2>(m, r + i, out, sc),
+                        _ => codes_row::<8>(m, r + i, out, sc),
                     }
                 }
             }
             let mut n0 = 0;
             while n0 < n {
                 let nb = (n - n0).min(GEMM_NB);
-                part.fill(0.0);
+                acc.fill(_mm256_setzero_ps());
                 let mut c0 = 0;
                 while c0 < cols {
                     let kc = (cols - c0).min(GEMM_KC);
+                    let groups = (c0 / gs, kc / gs, gs);
                     let mut t = 0;
                     while t < nb {
                         let tb = (nb - t).min(GEMM_TB);
-                        let pt = &mut part[t * GEMM_RB..];
+                        let at = &mut acc[t * GEMM_RB..];
                         // SAFETY: tokens n0+t..n0+t+tb exist in p.x ([n, cols]); wt holds rb rows of cols
-                        // floats; [c0, c0+kc) is inside both and kc is a multiple of 8.
+                        // floats and st their gpr scales; [c0, c0+kc) is whole groups inside both.
                         unsafe {
                             let xt = p.x.as_ptr().add((n0 + t) * cols + c0);
                             let wc = wt.as_ptr().add(c0);
                             if rb == GEMM_RB && tb == GEMM_TB {
-                                tile_dots::<GEMM_RB, GEMM_TB>(wc, cols, xt, cols, kc, pt);
-                            } else if rb == GEMM_RB {
-                                for k in 0..tb {
-                                    let pk = &mut pt[k * GEMM_RB..];
-                                    tile_dots::<GEMM_RB, 1>(
-                                        wc,
-                                        cols,
-                                        xt.add(k * cols),
-                                        cols,
-                                        kc,
-                                        pk,
-                                    );
-                                }
+                                tile_groups::<GEMM_RB, GEMM_TB>(
+                                    wc,
+                                    cols,
+                                    xt,
+                                    cols,
+                                    (st, gpr),
+                                    groups,
+                                    at,
+                                );
                             } else {
                                 for i in 0..rb {
                                     for k in 0..tb {
-                                        let pk = &mut pt[k * GEMM_RB + i..];
-                                        tile_dots::<1, 1>(
+                                        tile_groups::<1, 1>(
                                             wc.add(i * cols),
                                             cols,
                                             xt.add(k * cols),
                                             cols,
-                                            kc,
-                                            pk,
+                                            (&st[i * gpr..], gpr),
+                                            groups,
+                                            &mut at[k * GEMM_RB + i..],
                                         );
                                     }
                                 }
@@ -391,8 +395,13 @@ unsafe fn gemm_impl(m: &QMatrix, p: &PreparedX, y: &mut [f32], r0: usize, r1: us
                     c0 += kc;
                 }
                 for t in 0..nb {
-                    let dst = (n0 + t) * ldy + (r - r0);
-                    y[dst..dst + rb].copy_from_slice(&part[t * GEMM_RB..t * GEMM_RB + rb]);
+                    let sums = p.sums_row(n0 + t);
+                    for i in 0..rb {
+                        // SAFETY: the bias row of r+i has gpr entries.
+                        let b = unsafe { m.biases.as_ptr().add((r + i) * gpr * 2) };
+                        y[(n0 + t) * ldy + (r - r0) + i] =
+                            hsum(acc[t * GEMM_RB + i]) + unsafe { bias_dot(b, sums, gpr) };
+                    }
                 }
                 n0 += nb;
             }

@@ -398,43 +398,16 @@ unsafe fn broadcast_bf16(p: *const u8) -> __m512 {
     ))
 }
 
-/// `Σ_g bias[g] · sums[g]` over `gpr` groups (`bias` is bf16 at `b`).
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
-#[inline]
-unsafe fn bias_dot(b: *const u8, sums: &[f32], gpr: usize) -> f32 {
-    let mut acc = _mm512_setzero_ps();
-    let mut g = 0;
-    while g < gpr {
-        let k = tail_mask((gpr - g).min(16));
-        // SAFETY: lanes g..min(g+16, gpr) are inside the row's bias slice and `sums` (len gpr).
-        let (bv, sv) = unsafe {
-            (
-                load_bf16x16(b.add(2 * g), k),
-                _mm512_maskz_loadu_ps(k, sums.as_ptr().add(g)),
-            )
-        };
-        acc = _mm512_fmadd_ps(bv, sv, acc);
-        g += 16;
-    }
-    _mm512_reduce_add_ps(acc)
-}
-
 /// How far ahead (in rows) the GEMV prefetches packed weights (software prefetch: the hardware prefetcher
 /// stops at 4 KiB pages, and a row block spans several of them; prefetch never faults, so running past the
 /// end of the matrix is harmless).
 const PF_ROWS: usize = 8;
 
-/// Rows `r..r+R` of `W x` for 8-bit codes (routers): widen, convert, FMA per group, then one FMA by the
-/// group's scale.
+/// Rows `r..r+R` of `W x` for 8-bit codes (routers), in the GEMM's per-row order (see [`rows_dot`]):
+/// each 16 codes widened, converted and dequantized by `fma(q, scale, bias)`, then one FMA with x.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
 #[inline]
-unsafe fn rows_dot_u8<const R: usize>(
-    m: &QMatrix,
-    x: &[f32],
-    sums: &[f32],
-    r: usize,
-    out: &mut [f32],
-) {
+unsafe fn rows_dot_u8<const R: usize>(m: &QMatrix, x: &[f32], r: usize, out: &mut [f32]) {
     let gs = m.group_size;
     let gpr = m.groups_per_row();
     let rb = m.row_bytes();
@@ -446,11 +419,19 @@ unsafe fn rows_dot_u8<const R: usize>(
     let bi = unsafe { m.biases.as_ptr().add(r * gpr * 2) };
     let xp = x.as_ptr();
     let mut acc = [_mm512_setzero_ps(); R];
+    let mut part = [0.0f32; R];
     let pf = PF_ROWS * rb;
     for g in 0..gpr {
-        let mut accg = [_mm512_setzero_ps(); R];
+        let mut sb = [(_mm512_setzero_ps(), _mm512_setzero_ps()); R];
         for i in 0..R {
             _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(pf + i * rb + g * gs) as *const i8);
+            // SAFETY: group g of row r+i.
+            sb[i] = unsafe {
+                (
+                    broadcast_bf16(sc.add((i * gpr + g) * 2)),
+                    broadcast_bf16(bi.add((i * gpr + g) * 2)),
+                )
+            };
         }
         for c in 0..gs / 16 {
             let col = g * gs + c * 16;
@@ -461,19 +442,20 @@ unsafe fn rows_dot_u8<const R: usize>(
                 let v = unsafe {
                     _mm512_cvtepu8_epi32(_mm_loadu_si128(w.add(i * rb + col) as *const __m128i))
                 };
-                accg[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), x0, accg[i]);
+                let wv = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), sb[i].0, sb[i].1);
+                acc[i] = _mm512_fmadd_ps(wv, x0, acc[i]);
             }
         }
-        for i in 0..R {
-            // SAFETY: group g of row r+i.
-            let s = unsafe { broadcast_bf16(sc.add((i * gpr + g) * 2)) };
-            acc[i] = _mm512_fmadd_ps(accg[i], s, acc[i]);
+        // At the end of a GEMM column block (every GEMM_KC columns, and the row's end): add each
+        // accumulator's sum to the row's total and clear it, as the GEMM's `tile_dots` does.
+        if ((g + 1) * gs).is_multiple_of(GEMM_KC) || g + 1 == gpr {
+            for i in 0..R {
+                part[i] += _mm512_reduce_add_ps(acc[i]);
+                acc[i] = _mm512_setzero_ps();
+            }
         }
     }
-    for i in 0..R {
-        // SAFETY: the bias row of r+i has gpr entries.
-        out[i] = _mm512_reduce_add_ps(acc[i]) + unsafe { bias_dot(bi.add(i * gpr * 2), sums, gpr) };
-    }
+    out[..R].copy_from_slice(&part);
 }
 
 /// The code values of a 16-entry `vpermps` table (which reads the low 4 bits of each index lane) for `BITS`
@@ -517,16 +499,14 @@ unsafe fn lut_indices<const BITS: u32>(w: *const u8, col: usize) -> (__m512i, __
     }
 }
 
-/// Rows `r..r+R` of `W x` for 4- or 2-bit codes, by table lookup: per (row, group) a 16-entry table `scale · q`
-/// (exact in f32: an 8-bit bf16 mantissa times a 4-bit integer) and `vpermps`, which reads only the low 4
-/// bits of each index lane, turns widened packed bytes into `scale · q` directly (no mask, no int→float
-/// conversion, no per-group rescale of a partial sum).
+/// Rows `r..r+R` of `W x` for 4- or 2-bit codes, by table lookup: per (row, group) a 16-entry table
+/// `fma(q, scale, bias)` (the GEMM's dequantized value) and `vpermps`, which reads only the low 4 bits of
+/// each index lane, turns widened packed bytes into weights directly (no mask, no int→float conversion).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
 #[inline]
 unsafe fn rows_dot_lut<const R: usize, const BITS: u32>(
     m: &QMatrix,
     x: &[f32],
-    sums: &[f32],
     r: usize,
     out: &mut [f32],
 ) {
@@ -541,17 +521,39 @@ unsafe fn rows_dot_lut<const R: usize, const BITS: u32>(
     let bi = unsafe { m.biases.as_ptr().add(r * gpr * 2) };
     let xp = x.as_ptr();
     let codes = lut_codes::<BITS>();
-    let mut acc_lo = [_mm512_setzero_ps(); R];
-    let mut acc_hi = [_mm512_setzero_ps(); R];
+    let mut acc = [_mm512_setzero_ps(); R];
+    let mut part = [0.0f32; R];
     let pf = PF_ROWS * rb;
+    // Scales and biases of 16 groups at a time, widened to f32 on the stack: each group's broadcast is
+    // then a plain load (a bf16 broadcast takes a port-5 uop, which the table lookups saturate).
+    let (mut sf, mut bf) = ([[0.0f32; 16]; R], [[0.0f32; 16]; R]);
     for g in 0..gpr {
+        if g % 16 == 0 {
+            let k = tail_mask((gpr - g).min(16));
+            for i in 0..R {
+                // SAFETY: groups g..min(g+16, gpr) of row r+i; masked-off lanes are not read.
+                unsafe {
+                    _mm512_storeu_ps(
+                        sf[i].as_mut_ptr(),
+                        load_bf16x16(sc.add((i * gpr + g) * 2), k),
+                    );
+                    _mm512_storeu_ps(
+                        bf[i].as_mut_ptr(),
+                        load_bf16x16(bi.add((i * gpr + g) * 2), k),
+                    );
+                }
+            }
+        }
         let mut tbl = [_mm512_setzero_ps(); R];
         for i in 0..R {
             _mm_prefetch::<_MM_HINT_T0>(
                 w.wrapping_add(pf + i * rb + g * gs * BITS as usize / 8) as *const i8
             );
-            // SAFETY: group g of row r+i.
-            tbl[i] = _mm512_mul_ps(codes, unsafe { broadcast_bf16(sc.add((i * gpr + g) * 2)) });
+            tbl[i] = _mm512_fmadd_ps(
+                codes,
+                _mm512_set1_ps(sf[i][g % 16]),
+                _mm512_set1_ps(bf[i][g % 16]),
+            );
         }
         for c in 0..gs / 32 {
             let col = g * gs + c * 32;
@@ -565,41 +567,47 @@ unsafe fn rows_dot_lut<const R: usize, const BITS: u32>(
             for i in 0..R {
                 // SAFETY: columns col..col+32 of row r+i are inside the row.
                 let (vl, vh) = unsafe { lut_indices::<BITS>(w.add(i * rb), col) };
-                let lo = _mm512_permutexvar_ps(vl, tbl[i]);
-                let hi = _mm512_permutexvar_ps(vh, tbl[i]);
-                acc_lo[i] = _mm512_fmadd_ps(lo, x0, acc_lo[i]);
-                acc_hi[i] = _mm512_fmadd_ps(hi, x1, acc_hi[i]);
+                acc[i] = _mm512_fmadd_ps(_mm512_permutexvar_ps(vl, tbl[i]), x0, acc[i]);
+                acc[i] = _mm512_fmadd_ps(_mm512_permutexvar_ps(vh, tbl[i]), x1, acc[i]);
+            }
+        }
+        // At the end of a GEMM column block (every GEMM_KC columns, and the row's end): add each
+        // accumulator's sum to the row's total and clear it, as the GEMM's `tile_dots` does.
+        if ((g + 1) * gs).is_multiple_of(GEMM_KC) || g + 1 == gpr {
+            for i in 0..R {
+                part[i] += _mm512_reduce_add_ps(acc[i]);
+                acc[i] = _mm512_setzero_ps();
             }
         }
     }
-    for i in 0..R {
-        let dot = _mm512_reduce_add_ps(_mm512_add_ps(acc_lo[i], acc_hi[i]));
-        // SAFETY: the bias row of r+i has gpr entries.
-        out[i] = dot + unsafe { bias_dot(bi.add(i * gpr * 2), sums, gpr) };
-    }
+    out[..R].copy_from_slice(&part);
 }
 
-/// Rows `r..r+R` of `W x` for `BITS`-bit codes.
+/// Rows `r..r+R` of `W x` for `BITS`-bit codes, each with the operation sequence the GEMM gives
+/// that (row, token): weights dequantized as `fma(q, scale, bias)`, one accumulator per row taking
+/// 16 columns per FMA in prepared order, reduced and added to the row's total every `GEMM_KC`
+/// columns. So a token's result does not depend on how many tokens share the product (a decode
+/// step gives the same bits as any prefill chunk).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
 #[inline]
 unsafe fn rows_dot<const R: usize, const BITS: u32>(
     m: &QMatrix,
     x: &[f32],
-    sums: &[f32],
+    _sums: &[f32], // the bias is folded into the dequantized weights
     r: usize,
     out: &mut [f32],
 ) {
     // SAFETY: the caller's contract, passed on.
     unsafe {
         if BITS == 8 {
-            rows_dot_u8::<R>(m, x, sums, r, out)
+            rows_dot_u8::<R>(m, x, r, out)
         } else {
-            rows_dot_lut::<R, BITS>(m, x, sums, r, out)
+            rows_dot_lut::<R, BITS>(m, x, r, out)
         }
     }
 }
 
-define_gemv!("avx512f,avx512bw,avx512vl,fma");
+define_gemv!("avx512f,avx512bw,avx512vl,fma", 4);
 
 /// Dequantizes columns `[c0, c1)` of row `r` of a `BITS`-bit matrix into `out[..c1 - c0]`, in the
 /// prepared-activation column order (`c0`, `c1` multiples of the group size).

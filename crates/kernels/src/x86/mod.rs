@@ -10,9 +10,9 @@ use std::cell::RefCell;
 use crate::dispatch::Kernels;
 
 /// Defines the including file's `gemv_impl` (dispatch on the matrix's bits) and `gemv_bits::<BITS>` (blocks
-/// of 4 rows, then single rows) over its `rows_dot::<R, BITS>`, compiled with that file's target features.
+/// of `$rows` rows, then single rows) over its `rows_dot::<R, BITS>`, compiled with that file's target features.
 macro_rules! define_gemv {
-    ($features:literal) => {
+    ($features:literal, $rows:literal) => {
         #[target_feature(enable = $features)]
         unsafe fn gemv_impl(m: &QMatrix, p: &PreparedX, y: &mut [f32], r0: usize, r1: usize) {
             // SAFETY: the caller's contract, passed on.
@@ -37,9 +37,9 @@ macro_rules! define_gemv {
             let (x, sums) = (p.row(0), p.sums_row(0));
             let mut r = r0;
             // SAFETY (calls below): r..r+R <= r1 <= rows; y has r1 - r0 entries.
-            while r + 4 <= r1 {
-                unsafe { rows_dot::<4, BITS>(m, x, sums, r, &mut y[r - r0..]) };
-                r += 4;
+            while r + $rows <= r1 {
+                unsafe { rows_dot::<$rows, BITS>(m, x, sums, r, &mut y[r - r0..]) };
+                r += $rows;
             }
             while r < r1 {
                 unsafe { rows_dot::<1, BITS>(m, x, sums, r, &mut y[r - r0..]) };
