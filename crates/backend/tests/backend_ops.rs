@@ -4,18 +4,18 @@
 use std::sync::Arc;
 
 use mference_backend::cpu::{CpuBackend, ResidentBytes};
-use mference_backend::harness::{run_all, test_weights, Rng};
+use mference_backend::harness::{run_all, test_weights, Numerics, Rng};
 use mference_backend::{
     CoreOps, DeepSeekV4Ops, DeviceExpertOps, InklingOps, Op, RecurrentOps, Tensor,
 };
 use mference_kernels::Kernels;
 
-fn cpu_backends(resident: &Arc<Vec<u8>>) -> Vec<(CpuBackend, bool)> {
+fn cpu_backends(resident: &Arc<Vec<u8>>) -> Vec<(CpuBackend, Numerics)> {
     Kernels::available()
         .into_iter()
         .map(|k| {
             let bytes: ResidentBytes = resident.clone();
-            (CpuBackend::new(k, 2, bytes), k.is_exact())
+            (CpuBackend::new(k, 2, bytes), Numerics::of(k))
         })
         .collect()
 }
@@ -31,8 +31,8 @@ fn every_op_of_every_backend_matches_the_reference() {
         let mut rng = Rng(seed * 7919);
         let (bytes, w) = test_weights(&mut rng, &BITS);
         let resident = Arc::new(bytes);
-        for (be, exact) in cpu_backends(&resident) {
-            fails.extend(run_all(&be, &resident, &w, exact, seed));
+        for (be, numerics) in cpu_backends(&resident) {
+            fails.extend(run_all(&be, &resident, &w, numerics, seed));
             ran += 1;
         }
     }
@@ -110,7 +110,7 @@ impl DeviceExpertOps for Claims {}
 fn a_backend_that_lacks_an_op_fails_with_the_ops_name() {
     let mut rng = Rng(5);
     let (bytes, w) = test_weights(&mut rng, &BITS);
-    let fails = run_all(&Empty, &bytes, &w, true, 5);
+    let fails = run_all(&Empty, &bytes, &w, Numerics::Exact, 5);
     for op in ["upload", "new_kv", "new_state"] {
         assert!(
             fails
@@ -125,12 +125,12 @@ fn a_backend_that_lacks_an_op_fails_with_the_ops_name() {
 fn a_backend_that_claims_an_op_it_lacks_fails_the_capability_check() {
     let mut rng = Rng(5);
     let (bytes, w) = test_weights(&mut rng, &BITS);
-    let empty = run_all(&Empty, &bytes, &w, true, 5);
+    let empty = run_all(&Empty, &bytes, &w, Numerics::Exact, 5);
     assert!(
         !empty.iter().any(|f| f.contains("supports()")),
         "an honest backend without ops: {empty:?}"
     );
-    let fails = run_all(&Claims, &bytes, &w, true, 5);
+    let fails = run_all(&Claims, &bytes, &w, Numerics::Exact, 5);
     assert!(
         fails
             .iter()

@@ -3,7 +3,9 @@
 //! text, 512-token chunks, so every scored logit comes out of a prefill) stays within a stated
 //! budget of the float32 reference. The exact kernels' budget is 0.3% (`e2e.rs`); int8 rounding of
 //! the activations costs more (measured +0.12% Gemma, +0.39% Qwen), so the budgets here are 0.5%
-//! and 0.75%. Skipped, with a message, on CPUs without AVX-512 VNNI.
+//! and 0.75%. `--kernels avx512i16` (int16 activations in every 4-bit product) must stay within the
+//! exact kernels' 0.3% of mlx-lm and within 0.15% of the exact table's own perplexity (measured
+//! -0.002% Gemma, -0.0007% Qwen). Skipped, with a message, on CPUs without AVX-512 VNNI.
 
 use std::path::Path;
 
@@ -24,18 +26,40 @@ fn vnni() -> bool {
     false
 }
 
-/// Perplexity with `--kernels avx512vnni`, checked to have run on that table.
-fn check(model: &str, install: &Path, budget: f64) {
-    let (got, err) = perplexity(BIN, install, &["--kernels", "avx512vnni"]);
+/// Perplexity with `--kernels table`, checked to have run on that table.
+fn perplexity_on(install: &Path, table: &str) -> f64 {
+    let (got, err) = perplexity(BIN, install, &["--kernels", table]);
     assert!(
-        err.contains("kernels avx512vnni]"),
-        "the run did not use the int8 kernels: {err}"
+        err.contains(&format!("kernels {table}]")),
+        "the run did not use the {table} kernels: {err}"
     );
-    assert_perplexity_near(model, got, budget);
+    got
+}
+
+/// Perplexity with `--kernels avx512vnni` within `budget` of mlx-lm's.
+fn check(model: &str, install: &Path, budget: f64) {
+    assert_perplexity_near(model, perplexity_on(install, "avx512vnni"), budget);
+}
+
+/// Perplexity with `--kernels avx512i16`: within the exact budget of mlx-lm's, and within 0.15%
+/// of the exact AVX-512 table's.
+fn check_int16(model: &str, install: &Path) {
+    let got = perplexity_on(install, "avx512i16");
+    assert_perplexity_near(model, got, 0.003);
+    let exact = perplexity_on(install, "avx512");
+    let rel = (got - exact).abs() / exact;
+    eprintln!(
+        "{model}: avx512i16 {got} vs avx512 {exact} ({:+.4}%)",
+        100.0 * (got - exact) / exact
+    );
+    assert!(
+        rel <= 0.0015,
+        "{model}: avx512i16 perplexity {got} is {rel:.2e} from the exact table's {exact}"
+    );
 }
 
 #[test]
-fn int8_prefill_perplexity_stays_near_mlx_lm() {
+fn int8_and_int16_perplexity_stay_near_mlx_lm() {
     if !vnni() {
         eprintln!("skipped: this CPU has no AVX-512 VNNI");
         return;
@@ -54,6 +78,8 @@ fn int8_prefill_perplexity_stays_near_mlx_lm() {
         ],
     );
     check("qwen3_6-tiny", &qwen, 0.0075);
+    check_int16("gemma4-tiny", demo_install());
+    check_int16("qwen3_6-tiny", &qwen);
 }
 
 #[test]

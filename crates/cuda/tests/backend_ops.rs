@@ -11,7 +11,7 @@ use std::sync::Arc;
 use common::*;
 
 use mference_backend::cpu::ResidentBytes;
-use mference_backend::harness::{run_all, test_weights, Rng, EXACT_REL, F16_KV_REL};
+use mference_backend::harness::{run_all, test_weights, Numerics, Rng, EXACT_REL, F16_KV_REL};
 use mference_backend::reference as refr;
 use mference_backend::{AttnShape, CoreOps, KvDtype, RouterSpec, Scoring, Tensor, VRef, Weights};
 use mference_cuda::{CudaBackend, CudaError, KernelOrigin};
@@ -25,7 +25,7 @@ fn every_op_of_the_cuda_backend_matches_the_reference() {
         let resident = Arc::new(bytes);
         let Some(be) = start(&resident) else { return };
         eprintln!("{}: kernels {:?}", be.name(), be.kernel_origin());
-        fails.extend(run_all(&be, &resident, &w, true, seed));
+        fails.extend(run_all(&be, &resident, &w, Numerics::Exact, seed));
     }
     let missing = |op: &str| format!("has no op '{op}'");
     let not_yet_ops = not_yet();

@@ -5,7 +5,7 @@ use std::sync::OnceLock;
 
 use half::f16;
 
-use crate::prepared::{PreparedX, XLayout, Q8_MIN_ROWS};
+use crate::prepared::{PreparedX, XLayout, Q16_MIN_ROWS, Q8_MIN_ROWS};
 use crate::{scalar, QMatrix};
 
 pub(crate) type GemvFn = fn(&QMatrix, &PreparedX, &mut [f32], usize, usize);
@@ -36,8 +36,13 @@ pub struct Kernels {
     /// 4-bit GEMM with group size 64/128 and at least `Q8_MIN_ROWS` rows uses int8-quantized
     /// activations (`XLayout::Q8Lanes16`).
     pub(crate) q8: bool,
+    /// 4-bit products with group size 64/128 take int16 activations (`XLayout::Q16EvenOdd64`, and
+    /// `XLayout::Q16Lanes16` from `Q16_MIN_ROWS` tokens), GEMV and GEMM alike.
+    pub(crate) q16: bool,
     /// Pure f32 arithmetic (errors are f32 rounding only). `detect()` only picks exact tables by default.
     pub(crate) exact: bool,
+    /// A token's GEMM row has the bits of its GEMV (see the crate docs, "batch invariance").
+    pub(crate) batch_invariant: bool,
     pub(crate) gemv: GemvFn,
     pub(crate) gemm: GemvFn,
     pub(crate) dot_f32: DotFn,
@@ -63,7 +68,9 @@ static SCALAR: Kernels = Kernels {
     layout4: XLayout::Natural,
     layout2: XLayout::Natural,
     q8: false,
+    q16: false,
     exact: true,
+    batch_invariant: true,
     gemv: scalar::gemv,
     gemm: scalar::gemm,
     dot_f32: scalar::dot_f32,
@@ -138,6 +145,10 @@ impl Kernels {
     pub(crate) fn layout_for(&self, bits: u32, group_size: usize, n: usize) -> XLayout {
         match bits {
             4 if self.q8 && group_size.is_multiple_of(64) && n >= Q8_MIN_ROWS => XLayout::Q8Lanes16,
+            4 if self.q16 && group_size.is_multiple_of(64) && n >= Q16_MIN_ROWS => {
+                XLayout::Q16Lanes16
+            }
+            4 if self.q16 && group_size.is_multiple_of(64) => XLayout::Q16EvenOdd64,
             4 => self.layout4,
             2 => self.layout2,
             _ => XLayout::Natural,
@@ -150,6 +161,13 @@ impl Kernels {
     /// name.
     pub fn is_exact(&self) -> bool {
         self.exact
+    }
+
+    /// Whether a token's row of a batched product has the bits of its one-token product, so a
+    /// prompt row's result does not depend on the chunk it was computed in: every table but
+    /// `avx512vnni` (whose int8 activations are only in the GEMM).
+    pub fn is_batch_invariant(&self) -> bool {
+        self.batch_invariant
     }
 
     /// Prepares activations `x[n, cols]` (row-major f32) for products with matrices of `m`'s

@@ -16,6 +16,18 @@ pub(crate) enum XLayout {
     /// 2-bit byte holds columns 4i..4i+3 at bits 0, 2, 4, 6, so SIMD kernels widen 8 packed bytes to lanes,
     /// shift by 2k and meet 8 contiguous x (`k`-th block) without shuffles. 32 divides every group size.
     Mod4x32,
+    /// int16 activations for `vpdpwssd`, one token after another (4-bit only, the GEMV's layout):
+    /// each token's weight group quantized on its own (`d = max|x| / 32767`, codes `round(x / d)`),
+    /// stored `[n, cols]` in `q16` with each run of 64 columns as its 32 even then its 32 odd columns
+    /// (a 4-bit byte holds columns 2i, 2i+1: 32 bytes widened to 16-bit lanes meet the even half
+    /// with their low nibbles and the odd half with their high nibbles); `qd` and the exact f32
+    /// group sums `sums` are `[n, groups]`.
+    Q16EvenOdd64,
+    /// int16 activations for `vpdpwssd`, 16 tokens per register (4-bit only, the GEMM's layout): per
+    /// block of 16 tokens and per 2 columns, 64 bytes `[token][2 columns]` of int16 codes (tokens
+    /// past `n` are zero), quantized as [`XLayout::Q16EvenOdd64`]; `qd` and `sums` are
+    /// `[block][group][16 tokens]`. Only for at least `Q16_MIN_ROWS` tokens.
+    Q16Lanes16,
     /// int8 activations for the VNNI GEMM, 16 tokens per 512-bit lane group: per block of 16 tokens
     /// and per 4 columns, 64 bytes `[token][4 columns]` (tokens past `n` are zero), so one
     /// `vpdpbusd` multiplies 4 columns of one weight row (broadcast) with 16 tokens at once. Each
@@ -24,6 +36,11 @@ pub(crate) enum XLayout {
     /// Only for 4-bit matrices with group size 64 or 128 and at least [`Q8_MIN_ROWS`] tokens.
     Q8Lanes16,
 }
+
+/// Fewest activation rows for which a table with an int16 GEMM puts 16 tokens in a register
+/// ([`XLayout::Q16Lanes16`]); fewer go one token at a time ([`XLayout::Q16EvenOdd64`]), with the
+/// same bits.
+pub(crate) const Q16_MIN_ROWS: usize = 8;
 
 /// Fewest activation rows for which a table with an int8 GEMM quantizes them ([`XLayout::Q8Lanes16`]);
 /// below this, mostly empty 16-token lanes cost as much as the f32 kernel (704x2816, one thread:
@@ -51,6 +68,8 @@ pub struct PreparedX {
     /// scales `[n.div_ceil(16), cols / group_size, 16]` (`sums` then has the same shape).
     pub(crate) q: Vec<i8>,
     pub(crate) qd: Vec<f32>,
+    /// `XLayout::Q16EvenOdd64` / `XLayout::Q16Lanes16` only: int16 codes (see there).
+    pub(crate) q16: Vec<i16>,
 }
 
 /// Sum of one group (a multiple of 8 elements) with 8 independent partial sums, so it vectorizes instead of
@@ -120,6 +139,7 @@ impl PreparedX {
             sums: Vec::new(),
             q: Vec::new(),
             qd: Vec::new(),
+            q16: Vec::new(),
         }
     }
 
@@ -155,6 +175,10 @@ impl PreparedX {
             self.fill_q8_lanes(x);
             return;
         }
+        if matches!(layout, XLayout::Q16EvenOdd64 | XLayout::Q16Lanes16) {
+            self.fill_q16(x, layout == XLayout::Q16Lanes16);
+            return;
+        }
         self.x.resize(n * cols, 0.0);
         self.sums.resize(n * gpr, 0.0);
         for t in 0..n {
@@ -162,7 +186,9 @@ impl PreparedX {
             let dst = &mut self.x[t * cols..(t + 1) * cols];
             match layout {
                 XLayout::Natural => dst.copy_from_slice(src),
-                XLayout::Q8Lanes16 => unreachable!("filled by fill_q8_lanes"),
+                XLayout::Q8Lanes16 | XLayout::Q16EvenOdd64 | XLayout::Q16Lanes16 => {
+                    unreachable!("filled above")
+                }
                 XLayout::Mod4x32 => {
                     for (d, s) in dst.chunks_exact_mut(32).zip(src.chunks_exact(32)) {
                         let d: &mut [f32; 32] = d.try_into().expect("chunk of 32");
@@ -187,6 +213,57 @@ impl PreparedX {
             }
             for (g, sum) in self.sums[t * gpr..(t + 1) * gpr].iter_mut().enumerate() {
                 *sum = group_sum(&src[g * gs..(g + 1) * gs]);
+            }
+        }
+    }
+
+    /// [`XLayout::Q16EvenOdd64`] or (`lanes`) [`XLayout::Q16Lanes16`]: quantizes every token's
+    /// weight groups to int16 and places the codes (see there).
+    fn fill_q16(&mut self, x: &[f32], lanes: bool) {
+        let (n, cols, gs) = (self.n, self.cols, self.group_size);
+        assert!(
+            gs.is_multiple_of(64),
+            "int16 activations need groups of 64 or 128, got {gs}"
+        );
+        let gpr = cols / gs;
+        let rows = if lanes { n.div_ceil(16) * 16 } else { n };
+        self.q16.clear();
+        self.q16.resize(rows * cols, 0);
+        self.qd.resize(rows * gpr, 0.0);
+        self.sums.resize(rows * gpr, 0.0);
+        let mut codes = vec![0i16; gs];
+        for t in 0..n {
+            for g in 0..gpr {
+                let src = &x[t * cols + g * gs..t * cols + (g + 1) * gs];
+                let d = abs_max(src) / 32767.0;
+                let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+                // The 1.5 · 2^23 trick rounds to the nearest integer, ties to even (|v · inv| <= 32767).
+                for (c, &v) in codes.iter_mut().zip(src) {
+                    *c = ((v * inv + ROUND_MAGIC) - ROUND_MAGIC) as i32 as i16;
+                }
+                let at = if lanes {
+                    ((t / 16) * gpr + g) * 16 + t % 16
+                } else {
+                    t * gpr + g
+                };
+                self.qd[at] = d;
+                self.sums[at] = group_sum(src);
+                if lanes {
+                    let block = &mut self.q16[(t / 16) * 16 * cols..(t / 16 + 1) * 16 * cols];
+                    for k in 0..gs / 2 {
+                        let at = (g * gs / 2 + k) * 32 + (t % 16) * 2;
+                        block[at] = codes[2 * k];
+                        block[at + 1] = codes[2 * k + 1];
+                    }
+                } else {
+                    let row = &mut self.q16[t * cols + g * gs..t * cols + (g + 1) * gs];
+                    for (d, s) in row.chunks_exact_mut(64).zip(codes.chunks_exact(64)) {
+                        for j in 0..32 {
+                            d[j] = s[2 * j];
+                            d[32 + j] = s[2 * j + 1];
+                        }
+                    }
+                }
             }
         }
     }

@@ -40,12 +40,12 @@ pub fn load_install(install: Install, opts: &LoadOptions) -> Result<Box<dyn Mode
         )));
     }
     let mut engine = Engine::new(install, opts)?;
-    // The int8 prefill (VNNI) rounds activations to int8 ([`mference_format::FamilySpec::int8_prefill`]): refuse
-    // it where it was found far off the reference rather than mislead.
+    // The int8 / int16 tables round activations ([`mference_format::FamilySpec::int8_prefill`]):
+    // refuse them where their error was not measured against the reference rather than mislead.
     if !engine.kernels.is_exact() && !family.int8_prefill() {
         return Err(ModelError::Config(format!(
-            "--kernels {} (int8 prefill) is checked only for {}; on {model_type} \
-             it is far from the reference: use --kernels avx512 (or auto)",
+            "--kernels {} (rounded activations) is checked only for {}; on {model_type} \
+             it is not checked against the reference: use --kernels avx512 (or auto)",
             engine.kernels.name(),
             Family::display_names_where(Family::int8_prefill, " and "),
         )));

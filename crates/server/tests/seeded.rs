@@ -34,12 +34,13 @@ fn cached(v: &Value) -> u64 {
         .unwrap()
 }
 
-fn same_seed_same_tokens(name: &str, model: &str) {
+fn same_seed_same_tokens(name: &str, model: &str, kernels: Option<&str>) {
     let dir = installed_asset(name);
     // Two threads and 16-row chunks: the cold prompt spans several chunks, split unlike the warm.
     let opts = LoadOptions {
         threads: 2,
         prefill_chunk: 16,
+        kernels: kernels.map(str::to_string),
         ..common::resident_opts(2048)
     };
     let cold = start_install(dir, &opts, PromptCacheMode::Off, model);
@@ -113,10 +114,27 @@ fn same_seed_same_tokens(name: &str, model: &str) {
 
 #[test]
 fn gemma_same_seed_same_tokens_cold_warm_and_streamed() {
-    same_seed_same_tokens("gemma4-tiny", "gemma-tiny");
+    same_seed_same_tokens("gemma4-tiny", "gemma-tiny", None);
 }
 
 #[test]
 fn qwen_same_seed_same_tokens_cold_warm_and_streamed() {
-    same_seed_same_tokens("qwen3_6-tiny", "qwen-tiny");
+    same_seed_same_tokens("qwen3_6-tiny", "qwen-tiny", None);
+}
+
+/// The int16-activation table (`--kernels avx512i16`) is batch-invariant too: its GEMV and its
+/// 16-tokens-per-register GEMM add the same exact integer sums in the same f32 order.
+#[test]
+fn int16_kernels_same_seed_same_tokens() {
+    #[cfg(target_arch = "x86_64")]
+    let vnni =
+        std::is_x86_feature_detected!("avx512vnni") && std::is_x86_feature_detected!("avx512bw");
+    #[cfg(not(target_arch = "x86_64"))]
+    let vnni = false;
+    if !vnni {
+        eprintln!("skipped: this CPU has no AVX-512 VNNI");
+        return;
+    }
+    same_seed_same_tokens("gemma4-tiny", "gemma-tiny", Some("avx512i16"));
+    same_seed_same_tokens("qwen3_6-tiny", "qwen-tiny", Some("avx512i16"));
 }

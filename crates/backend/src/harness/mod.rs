@@ -41,6 +41,33 @@ pub const Q8_REL: f64 = 3e-2;
 /// A GLU MLP on that table chains two rounded products (gate/up, then down on their product), and
 /// a clamped gate concentrates the output in a few large terms; observed up to 8.6e-2.
 pub const Q8_GLU_REL: f64 = 1.5e-1;
+/// The int16 table (`avx512i16`) rounds the activations of every 4-bit product to 32767 levels of
+/// the group's max|x|; observed ≤ 5e-5 for one product.
+pub const Q16_REL: f64 = 5e-4;
+/// A GLU MLP on that table (two rounded products, see [`Q8_GLU_REL`]); observed up to 1.7e-4.
+pub const Q16_GLU_REL: f64 = 2e-3;
+
+/// What a backend's quantized products round, which picks the budgets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Numerics {
+    /// f32 throughout (the exact CPU tables, CUDA).
+    Exact,
+    /// Prefill (4+ rows) activations of 4-bit products rounded to int8 (`avx512vnni`).
+    Int8Prefill,
+    /// Every 4-bit product's activations rounded to int16 (`avx512i16`).
+    Int16,
+}
+
+impl Numerics {
+    /// The class of a CPU kernel table.
+    pub fn of(k: &mference_kernels::Kernels) -> Self {
+        match k.name() {
+            _ if k.is_exact() => Self::Exact,
+            "avx512i16" => Self::Int16,
+            _ => Self::Int8Prefill,
+        }
+    }
+}
 
 /// splitmix64: a seeded stream, so a failure replays exactly.
 pub struct Rng(pub u64);
@@ -161,7 +188,7 @@ struct Harness<'a, B: Backend> {
     be: &'a B,
     buf: &'a [u8],
     fails: Vec<String>,
-    exact: bool,
+    numerics: Numerics,
     /// Ops that failed with [`OpError::Missing`], by the name they reported.
     missing: BTreeSet<&'static str>,
     /// Labels of the calls that returned anything else (a result or another error).
@@ -209,30 +236,40 @@ impl<B: Backend> Harness<'_, B> {
         }
     }
 
+    /// The budget of one quantized product of `rows` rows.
     fn budget_q(&self, rows: usize) -> f64 {
-        if self.exact || rows < 4 {
-            EXACT_REL
-        } else {
-            Q8_REL
+        match self.numerics {
+            Numerics::Int8Prefill if rows >= 4 => Q8_REL,
+            Numerics::Int16 => Q16_REL,
+            _ => EXACT_REL,
+        }
+    }
+
+    /// The budget of a GLU MLP (two chained products) of `rows` rows.
+    fn budget_glu(&self, rows: usize) -> f64 {
+        match self.numerics {
+            Numerics::Int8Prefill if rows >= 4 => Q8_GLU_REL,
+            Numerics::Int16 => Q16_GLU_REL,
+            _ => EXACT_REL,
         }
     }
 }
 
-/// Every op on `be` (its resident bytes are `buf`, laid out by `w`; `exact`: an f32-exact
-/// backend, else the int8-prefill budgets apply to products of 4+ rows), seed `seed`. Returns the
+/// Every op on `be` (its resident bytes are `buf`, laid out by `w`; `numerics`: what its products
+/// round, which picks their budgets), seed `seed`. Returns the
 /// failures, one line each: `backend: op: why`.
 pub fn run_all<B: Backend>(
     be: &B,
     buf: &[u8],
     w: &TestWeights,
-    exact: bool,
+    numerics: Numerics,
     seed: u64,
 ) -> Vec<String> {
     let mut h = Harness {
         be,
         buf,
         fails: Vec::new(),
-        exact,
+        numerics,
         missing: BTreeSet::new(),
         reached: BTreeSet::new(),
     };

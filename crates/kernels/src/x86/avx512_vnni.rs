@@ -31,7 +31,9 @@ pub(super) static TABLE: Kernels = Kernels {
     layout4: XLayout::EvenOdd32,
     layout2: XLayout::Mod4x32,
     q8: true,
+    q16: false,
     exact: false,
+    batch_invariant: false,
     gemv: avx512::gemv,
     gemm,
     dot_f32: avx512::dot_f32,
@@ -57,23 +59,51 @@ fn gemm(m: &QMatrix, p: &PreparedX, y: &mut [f32], r0: usize, r1: usize) {
 }
 
 /// Weight rows per register block (each broadcast feeds `TOKEN_BLOCKS` accumulators).
-const ROWS: usize = 4;
+pub(super) const ROWS: usize = 4;
 /// 16-token lane groups per register block: ROWS · TOKEN_BLOCKS integer sums plus as many f32
 /// accumulators stay in the 32 zmm registers.
-const TOKEN_BLOCKS: usize = 2;
+pub(super) const TOKEN_BLOCKS: usize = 2;
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
 unsafe fn gemm_q8(m: &QMatrix, p: &PreparedX, y: &mut [f32], r0: usize, r1: usize) {
+    let tiles: LaneTiles = [
+        tile::<ROWS, TOKEN_BLOCKS, 4>,
+        tile::<ROWS, 1, 4>,
+        tile::<1, TOKEN_BLOCKS, 4>,
+        tile::<1, 1, 4>,
+    ];
+    // SAFETY: the caller's contract; one byte per code.
+    unsafe { gemm_lanes(m, p, y, (r0, r1), 1, widen_row::<4>, tiles) }
+}
+
+/// A lane tile `(m, p, widened codes, row, first token block, y, r0, r1)`.
+pub(super) type LaneTile =
+    unsafe fn(&QMatrix, &PreparedX, *const u8, usize, usize, &mut [f32], usize, usize);
+/// The tiles of [`ROWS`] × [`TOKEN_BLOCKS`], [`ROWS`] × 1, 1 × [`TOKEN_BLOCKS`] and 1 × 1.
+pub(super) type LaneTiles = [LaneTile; 4];
+
+/// The GEMM over 16-token lanes shared by the int8 and int16 tables: per block of [`ROWS`] weight
+/// rows, their codes widened by `widen` (`code_bytes` bytes per column) into a tile buffer, then
+/// every token block through `tiles`.
+pub(super) unsafe fn gemm_lanes(
+    m: &QMatrix,
+    p: &PreparedX,
+    y: &mut [f32],
+    (r0, r1): (usize, usize),
+    code_bytes: usize,
+    widen: unsafe fn(&QMatrix, usize, *mut u8),
+    tiles: LaneTiles,
+) {
     let (cols, blocks) = (m.cols, p.n.div_ceil(16));
-    // Codes of ROWS rows widened to one byte each, natural column order.
-    with_wtile(ROWS * cols / 4, |buf| {
+    let stride = cols * code_bytes;
+    with_wtile(ROWS * stride / 4, |buf| {
         let codes = buf.as_mut_ptr() as *mut u8;
         let mut r = r0;
         while r < r1 {
             let rb = (r1 - r).min(ROWS);
             for i in 0..rb {
-                // SAFETY: row r + i < rows; the buffer holds ROWS · cols bytes.
-                unsafe { widen_row(m, r + i, codes.add(i * cols)) };
+                // SAFETY: row r + i < rows; the buffer holds ROWS · stride bytes.
+                unsafe { widen(m, r + i, codes.add(i * stride)) };
             }
             let mut b = 0;
             while b < blocks {
@@ -81,19 +111,17 @@ unsafe fn gemm_q8(m: &QMatrix, p: &PreparedX, y: &mut [f32], r0: usize, r1: usiz
                 // SAFETY: rows r..r+rb are widened; token blocks b..b+bb exist in `p`.
                 unsafe {
                     match (rb, bb) {
-                        (ROWS, TOKEN_BLOCKS) => {
-                            tile::<ROWS, TOKEN_BLOCKS>(m, p, codes, r, b, y, r0, r1)
-                        }
-                        (ROWS, _) => tile::<ROWS, 1>(m, p, codes, r, b, y, r0, r1),
+                        (ROWS, TOKEN_BLOCKS) => tiles[0](m, p, codes, r, b, y, r0, r1),
+                        (ROWS, _) => tiles[1](m, p, codes, r, b, y, r0, r1),
                         (_, TOKEN_BLOCKS) => {
                             for i in 0..rb {
-                                let c = codes.add(i * cols);
-                                tile::<1, TOKEN_BLOCKS>(m, p, c, r + i, b, y, r0, r1);
+                                let c = codes.add(i * stride);
+                                tiles[2](m, p, c, r + i, b, y, r0, r1);
                             }
                         }
                         _ => {
                             for i in 0..rb {
-                                tile::<1, 1>(m, p, codes.add(i * cols), r + i, b, y, r0, r1);
+                                tiles[3](m, p, codes.add(i * stride), r + i, b, y, r0, r1);
                             }
                         }
                     }
@@ -105,35 +133,48 @@ unsafe fn gemm_q8(m: &QMatrix, p: &PreparedX, y: &mut [f32], r0: usize, r1: usiz
     })
 }
 
-/// Row `r`'s 4-bit codes as `cols` bytes in column order (a packed byte holds columns 2j, 2j+1 in
-/// its low, high nibble). `cols` is a multiple of 64 (the group size).
+/// Row `r`'s 4-bit codes widened in column order (a packed byte holds columns 2j, 2j+1 in its
+/// low, high nibble) to one byte each (`K = 4`, the int8 tile's) or one int16 each (`K = 2`).
+/// `cols` is a multiple of 64 (the group size).
 #[target_feature(enable = "avx512f,avx512bw")]
 #[inline]
-unsafe fn widen_row(m: &QMatrix, r: usize, dst: *mut u8) {
+pub(super) unsafe fn widen_row<const K: usize>(m: &QMatrix, r: usize, dst: *mut u8) {
     let rb = m.row_bytes();
-    let lo = _mm512_set1_epi16(0x000f);
-    let hi = _mm512_set1_epi16(0x0f00);
-    for j in (0..rb).step_by(32) {
-        // SAFETY: 32 bytes of row r at j (rb is a multiple of 32); 64 bytes of `dst` at 2j.
+    for j in (0..rb).step_by(8 * K) {
+        // SAFETY: 8 · K bytes of row r at j (rb is a multiple of 32); 64 bytes of `dst` at
+        // 2j · (4 / K) (a packed byte's 2 codes, 8 / K bytes).
         unsafe {
-            let v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(
-                m.weight.as_ptr().add(r * rb + j) as *const __m256i
-            ));
-            let w = _mm512_or_si512(
-                _mm512_and_si512(v, lo),
-                _mm512_and_si512(_mm512_slli_epi16::<4>(v), hi),
-            );
-            _mm512_storeu_si512(dst.add(2 * j) as *mut __m512i, w);
+            let w = if K == 4 {
+                let v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(
+                    m.weight.as_ptr().add(r * rb + j) as *const __m256i
+                ));
+                _mm512_or_si512(
+                    _mm512_and_si512(v, _mm512_set1_epi16(0x000f)),
+                    _mm512_and_si512(_mm512_slli_epi16::<4>(v), _mm512_set1_epi16(0x0f00)),
+                )
+            } else {
+                let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(
+                    m.weight.as_ptr().add(r * rb + j) as *const __m128i
+                ));
+                _mm512_or_si512(
+                    _mm512_and_si512(v, _mm512_set1_epi32(0x0000_000f)),
+                    _mm512_and_si512(_mm512_slli_epi32::<12>(v), _mm512_set1_epi32(0x000f_0000)),
+                )
+            };
+            _mm512_storeu_si512(dst.add(j * 8 / K) as *mut __m512i, w);
         }
     }
 }
 
-/// Outputs of rows `r..r+R` (widened codes at `codes`, row stride `cols`) for the 16-token blocks
-/// `b..b+T`, written to `y[t, row - r0]` for tokens `t < n`.
+/// Outputs of rows `r..r+R` (widened codes at `codes`: 4 bytes per `K` columns, so `4 · cols / K`
+/// bytes per row) for the 16-token blocks `b..b+T`, written to `y[t, row - r0]` for tokens `t < n`.
+/// Per `K` columns, one 4-byte broadcast of a row's codes meets 64 bytes of activations per block
+/// (16 tokens × `K` codes): `K = 4` is int8 (`vpdpbusd`, `p.q`), `K = 2` int16 (`vpdpwssd`,
+/// `p.q16`), each into exact integer sums per (row, token, group).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
 #[inline]
 #[allow(clippy::too_many_arguments)]
-unsafe fn tile<const R: usize, const T: usize>(
+pub(super) unsafe fn tile<const R: usize, const T: usize, const K: usize>(
     m: &QMatrix,
     p: &PreparedX,
     codes: *const u8,
@@ -144,49 +185,92 @@ unsafe fn tile<const R: usize, const T: usize>(
     r1: usize,
 ) {
     let (cols, gs) = (m.cols, m.group_size);
-    let (gpr, quads) = (cols / gs, cols / 4);
-    let q = p.q.as_ptr();
+    let steps = cols / K;
+    let q = if K == 4 {
+        p.q.as_ptr() as *const u8
+    } else {
+        p.q16.as_ptr() as *const u8
+    };
     let mut acc = [[_mm512_setzero_ps(); T]; R];
-    for g in 0..gpr {
+    for g in 0..m.groups_per_row() {
         let mut isum = [[_mm512_setzero_si512(); T]; R];
-        for c4 in g * gs / 4..(g + 1) * gs / 4 {
-            // SAFETY: blocks b..b+T hold quads · 64 bytes each; columns 4·c4..4·c4+4 < cols.
+        for c in g * gs / K..(g + 1) * gs / K {
+            // SAFETY: blocks b..b+T hold steps · 64 bytes each; columns K·c..K·c+K < cols.
             let xv: [__m512i; T] = std::array::from_fn(|j| unsafe {
-                _mm512_loadu_si512(q.add(((b + j) * quads + c4) * 64) as *const __m512i)
+                _mm512_loadu_si512(q.add(((b + j) * steps + c) * 64) as *const __m512i)
             });
             for i in 0..R {
-                // SAFETY: row i of the widened codes has cols bytes.
-                let w = unsafe { (codes.add(i * cols + 4 * c4) as *const i32).read_unaligned() };
+                // SAFETY: row i of the widened codes has 4 · steps bytes.
+                let w = unsafe { (codes.add((i * steps + c) * 4) as *const i32).read_unaligned() };
                 let wb = _mm512_set1_epi32(w);
                 for j in 0..T {
-                    isum[i][j] = _mm512_dpbusd_epi32(isum[i][j], wb, xv[j]);
+                    isum[i][j] = if K == 4 {
+                        _mm512_dpbusd_epi32(isum[i][j], wb, xv[j])
+                    } else {
+                        _mm512_dpwssd_epi32(isum[i][j], wb, xv[j])
+                    };
                 }
             }
         }
-        for i in 0..R {
-            // SAFETY: group g of row r + i.
-            let (s, bias) = unsafe {
-                let at = ((r + i) * gpr + g) * 2;
+        // SAFETY: rows r..r+R and blocks b..b+T exist (the caller's contract).
+        unsafe { add_groups_lanes(m, p, r, b, g, &isum, &mut acc) };
+    }
+    store_lanes(p, &acc, r, b, y, r0, r1);
+}
+
+/// The f32 side of group `g` for rows `r..r+R` and the 16-token blocks `b..b+T` (lanes): per lane
+/// `acc = fma(isum, scale · d, acc)`, then `acc = fma(bias, Σ x, acc)`, with `d` and `Σ x` from
+/// `p.qd` / `p.sums` (`[block][group][16]`). Shared by the int8 and the int16 GEMM.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+#[inline]
+unsafe fn add_groups_lanes<const R: usize, const T: usize>(
+    m: &QMatrix,
+    p: &PreparedX,
+    r: usize,
+    b: usize,
+    g: usize,
+    isum: &[[__m512i; T]; R],
+    acc: &mut [[__m512; T]; R],
+) {
+    let gpr = m.groups_per_row();
+    for i in 0..R {
+        // SAFETY: group g of row r + i.
+        let (s, bias) = unsafe {
+            let at = ((r + i) * gpr + g) * 2;
+            (
+                read_bf16(m.scales.as_ptr().add(at)),
+                read_bf16(m.biases.as_ptr().add(at)),
+            )
+        };
+        for j in 0..T {
+            let at = ((b + j) * gpr + g) * 16;
+            // SAFETY: qd and sums hold [blocks, gpr, 16] floats.
+            let (d, sum) = unsafe {
                 (
-                    read_bf16(m.scales.as_ptr().add(at)),
-                    read_bf16(m.biases.as_ptr().add(at)),
+                    _mm512_loadu_ps(p.qd.as_ptr().add(at)),
+                    _mm512_loadu_ps(p.sums.as_ptr().add(at)),
                 )
             };
-            for j in 0..T {
-                let at = ((b + j) * gpr + g) * 16;
-                // SAFETY: qd and sums hold [blocks, gpr, 16] floats.
-                let (d, sum) = unsafe {
-                    (
-                        _mm512_loadu_ps(p.qd.as_ptr().add(at)),
-                        _mm512_loadu_ps(p.sums.as_ptr().add(at)),
-                    )
-                };
-                let sd = _mm512_mul_ps(_mm512_set1_ps(s), d);
-                acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i][j]), sd, acc[i][j]);
-                acc[i][j] = _mm512_fmadd_ps(_mm512_set1_ps(bias), sum, acc[i][j]);
-            }
+            let sd = _mm512_mul_ps(_mm512_set1_ps(s), d);
+            acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i][j]), sd, acc[i][j]);
+            acc[i][j] = _mm512_fmadd_ps(_mm512_set1_ps(bias), sum, acc[i][j]);
         }
     }
+}
+
+/// Writes the lanes `acc[i][j]` (row r + i, tokens of block b + j) to `y[t, row - r0]` for tokens
+/// `t < n`.
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn store_lanes<const R: usize, const T: usize>(
+    p: &PreparedX,
+    acc: &[[__m512; T]; R],
+    r: usize,
+    b: usize,
+    y: &mut [f32],
+    r0: usize,
+    r1: usize,
+) {
     let ldy = r1 - r0;
     for j in 0..T {
         let t0 = (b + j) * 16;

@@ -1,4 +1,4 @@
-//! x86-64 SIMD kernel tables: AVX2 (+FMA, F16C), AVX-512 (F/BW/VL) and AVX-512 with a VNNI int8 GEMM for prefill. Each table is reachable only through
+//! x86-64 SIMD kernel tables: AVX2 (+FMA, F16C), AVX-512 (F/BW/VL), and AVX-512 VNNI with int16 activations (`avx512_q16.rs`) or an int8 prefill GEMM (`avx512_vnni.rs`). Each table is reachable only through
 //! [`available`], which checks the CPU features first: that check is what makes the `unsafe` calls from the
 //! table's safe wrappers into `#[target_feature]` functions sound.
 
@@ -51,6 +51,7 @@ macro_rules! define_gemv {
 
 mod avx2;
 mod avx512;
+mod avx512_q16;
 mod avx512_vnni;
 
 /// SIMD tables this CPU supports, slowest first.
@@ -64,6 +65,9 @@ pub(crate) fn available() -> Vec<&'static Kernels> {
     }
     if avx512_vnni::supported() {
         v.push(&avx512_vnni::TABLE);
+    }
+    if avx512_q16::supported() {
+        v.push(&avx512_q16::TABLE);
     }
     v
 }

@@ -67,10 +67,7 @@ pub(crate) fn glu_rows<B: Backend>(
             continue;
         }
         let Some(got) = h.read(&out) else { continue };
-        let budget = match h.budget_q(1) {
-            EXACT_REL => EXACT_REL,
-            _ => Q8_GLU_REL,
-        };
+        let budget = h.budget_glu(1);
         for row in [2, 0, 3] {
             let op = format!("glu_mlp_rows {i} row {row}");
             h.expect_close(&op, &got[row * 256..(row + 1) * 256], &want, budget);
@@ -127,10 +124,7 @@ pub(crate) fn glu_combine<B: Backend>(
             continue;
         }
         let Some(got) = h.read(&acc) else { continue };
-        let budget = match h.budget_q(1) {
-            EXACT_REL => EXACT_REL,
-            _ => Q8_GLU_REL,
-        };
+        let budget = h.budget_glu(1);
         h.expect_close(&format!("glu_mlp_combine {i}"), &got, &want, budget);
         // The composition: a stack of the three, then the weighted adds in order.
         let (Some(mut stack), Some(mut acc2)) = (h.up(&[0.0; 3 * 256], 256), h.up(&acc0, 256))
@@ -233,10 +227,7 @@ pub(crate) fn products<B: Backend>(h: &mut Harness<B>, rng: &mut Rng, w: &TestWe
                 let want =
                     refr::glu_mlp(&mlp.gate_proj, &mlp.up_proj, &mlp.down_proj, act, buf, &x);
                 if let Some(got) = h.read(&y) {
-                    let budget = match h.budget_q(t) {
-                        EXACT_REL => EXACT_REL,
-                        _ => Q8_GLU_REL,
-                    };
+                    let budget = h.budget_glu(t);
                     h.expect_close(
                         &format!("glu_mlp {i} {act:?} x {t} rows"),
                         &got,

@@ -1,0 +1,177 @@
+//! AVX-512 VNNI with int16 activations, `--kernels avx512i16`: the 4-bit products (groups of 64 or
+//! 128) quantize each token's weight group of x to int16 (`d = max|x| / 32767`, so x moves by at
+//! most `max|x| / 65534`: 258x less than with int8) and multiply them with the 4-bit codes by
+//! `vpdpwssd`, 32 multiply-adds per instruction against 16 for an f32 FMA, into exact integer sums.
+//! Per (row, token) and group the f32 side is then `acc = fma(Σ q·x16, scale · d, acc)` and
+//! `acc = fma(bias, Σ x, acc)`, groups in order, with `Σ x` the exact f32 group sum. 2- and 8-bit
+//! matrices (routers) use the exact AVX-512 kernels.
+//!
+//! Batch invariance: the integer sums are exact whatever the order, and the f32 side is the same
+//! sequence in the GEMV (one token, [`XLayout::Q16EvenOdd64`]) and in the GEMM (16 tokens per
+//! register, [`XLayout::Q16Lanes16`]), so a token's result does not depend on how many tokens
+//! share the product, nor on how rows are split.
+
+use std::arch::x86_64::*;
+
+use super::avx512_vnni::{self, tile, widen_row, LaneTiles, ROWS, TOKEN_BLOCKS};
+use super::{avx512, read_bf16};
+use crate::dispatch::Kernels;
+use crate::prepared::{PreparedX, XLayout};
+use crate::QMatrix;
+
+pub(super) fn supported() -> bool {
+    avx512::supported() && is_x86_feature_detected!("avx512vnni")
+}
+
+/// Only reachable after [`supported`] returned true (see `super::available`).
+pub(super) static TABLE: Kernels = Kernels {
+    name: "avx512i16",
+    layout4: XLayout::EvenOdd32,
+    layout2: XLayout::Mod4x32,
+    q8: false,
+    q16: true,
+    exact: false,
+    batch_invariant: true,
+    gemv,
+    gemm,
+    dot_f32: avx512::dot_f32,
+    axpy: avx512::axpy,
+    f32_to_f16: avx512::f32_to_f16,
+    f16_to_f32: avx512::f16_to_f32,
+    dot_f16: avx512::dot_f16,
+    axpy_f16: avx512::axpy_f16,
+    wsum_f16: Some(avx512::wsum_f16),
+    dots_f16: Some(avx512::dots_f16),
+    dots_f16_group: Some(avx512::dots_f16_group),
+    wsum_f16_group: Some(avx512::wsum_f16_group),
+};
+
+fn gemv(m: &QMatrix, p: &PreparedX, y: &mut [f32], r0: usize, r1: usize) {
+    gemm(m, p, y, r0, r1)
+}
+
+fn gemm(m: &QMatrix, p: &PreparedX, y: &mut [f32], r0: usize, r1: usize) {
+    let layout = TABLE.layout_for(m.bits, m.group_size, p.n);
+    if !matches!(layout, XLayout::Q16EvenOdd64 | XLayout::Q16Lanes16) {
+        return if p.n == 1 {
+            avx512::gemv(m, p, y, r0, r1)
+        } else {
+            avx512::gemm(m, p, y, r0, r1)
+        };
+    }
+    p.check(m, layout);
+    // SAFETY: AVX-512F/BW/VL, VNNI and FMA are present (the table is handed out only after
+    // `supported()`); the caller checked r0 <= r1 <= rows and y.len() == n · (r1 - r0).
+    unsafe {
+        if layout == XLayout::Q16Lanes16 {
+            gemm_lanes(m, p, y, r0, r1)
+        } else {
+            for t in 0..p.n {
+                let ldy = r1 - r0;
+                gemv_token(m, p, t, &mut y[t * ldy..(t + 1) * ldy], r0, r1);
+            }
+        }
+    }
+}
+
+/// How far ahead (in rows) the GEMV prefetches packed weights.
+const PF_ROWS: usize = 8;
+
+/// The f32 side of one group for one (row, token): `acc = fma(isum, scale · d, acc)`, then
+/// `acc = fma(bias, sum, acc)` (the GEMM's lanes do the same, lane by lane).
+#[inline(always)]
+fn group_step(acc: f32, isum: i32, (scale, bias): (f32, f32), (d, sum): (f32, f32)) -> f32 {
+    let acc = (isum as f32).mul_add(scale * d, acc);
+    bias.mul_add(sum, acc)
+}
+
+/// Rows `r..r+R` for token `t` of a [`XLayout::Q16EvenOdd64`] activation: per 64 columns, 32
+/// packed bytes widened to 16-bit lanes, their low nibbles against the even half of x and their
+/// high nibbles against the odd half, two `vpdpwssd` into the (row, group) integer sum.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
+#[inline]
+unsafe fn rows_dot<const R: usize>(
+    m: &QMatrix,
+    p: &PreparedX,
+    t: usize,
+    r: usize,
+    out: &mut [f32],
+) {
+    let (cols, gs) = (m.cols, m.group_size);
+    let gpr = m.groups_per_row();
+    let rb = m.row_bytes();
+    debug_assert!((r + R) * rb <= m.weight.len() && out.len() >= R && t < p.n);
+    // SAFETY (pointer arithmetic below): rows r..r+R exist; columns stay below cols, groups below
+    // gpr; token t's codes are cols int16 at t · cols.
+    let w = unsafe { m.weight.as_ptr().add(r * rb) };
+    let x = unsafe { p.q16.as_ptr().add(t * cols) };
+    let (qd, sums) = (
+        &p.qd[t * gpr..(t + 1) * gpr],
+        &p.sums[t * gpr..(t + 1) * gpr],
+    );
+    let low = _mm512_set1_epi16(0x0f);
+    let mut acc = [0.0f32; R];
+    let pf = PF_ROWS * rb;
+    for g in 0..gpr {
+        let mut isum = [_mm512_setzero_si512(); R];
+        for c in 0..gs / 64 {
+            let col = g * gs + c * 64;
+            // SAFETY: col + 64 <= cols: 64 int16 of x at col; 32 bytes of each row at col / 2.
+            unsafe {
+                let xe = _mm512_loadu_si512(x.add(col) as *const __m512i);
+                let xo = _mm512_loadu_si512(x.add(col + 32) as *const __m512i);
+                for i in 0..R {
+                    _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(pf + i * rb + col / 2) as *const i8);
+                    let v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(
+                        w.add(i * rb + col / 2) as *const __m256i
+                    ));
+                    let e = _mm512_and_si512(v, low);
+                    let o = _mm512_srli_epi16::<4>(v);
+                    isum[i] = _mm512_dpwssd_epi32(isum[i], e, xe);
+                    isum[i] = _mm512_dpwssd_epi32(isum[i], o, xo);
+                }
+            }
+        }
+        for i in 0..R {
+            // SAFETY: group g of row r + i.
+            let sb = unsafe {
+                let at = ((r + i) * gpr + g) * 2;
+                (
+                    read_bf16(m.scales.as_ptr().add(at)),
+                    read_bf16(m.biases.as_ptr().add(at)),
+                )
+            };
+            let is = _mm512_reduce_add_epi32(isum[i]);
+            acc[i] = group_step(acc[i], is, sb, (qd[g], sums[g]));
+        }
+    }
+    out[..R].copy_from_slice(&acc);
+}
+
+/// Rows `[r0, r1)` of `W x` for token `t` into `y` (`r1 - r0` values).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
+unsafe fn gemv_token(m: &QMatrix, p: &PreparedX, t: usize, y: &mut [f32], r0: usize, r1: usize) {
+    let mut r = r0;
+    // SAFETY (calls below): r..r+R <= r1 <= rows; y has r1 - r0 entries.
+    while r + 4 <= r1 {
+        unsafe { rows_dot::<4>(m, p, t, r, &mut y[r - r0..]) };
+        r += 4;
+    }
+    while r < r1 {
+        unsafe { rows_dot::<1>(m, p, t, r, &mut y[r - r0..]) };
+        r += 1;
+    }
+}
+
+/// The GEMM over 16-token lanes (the int8 table's driver, with two bytes per code).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
+unsafe fn gemm_lanes(m: &QMatrix, p: &PreparedX, y: &mut [f32], r0: usize, r1: usize) {
+    let tiles: LaneTiles = [
+        tile::<ROWS, TOKEN_BLOCKS, 2>,
+        tile::<ROWS, 1, 2>,
+        tile::<1, TOKEN_BLOCKS, 2>,
+        tile::<1, 1, 2>,
+    ];
+    // SAFETY: the caller's contract; two bytes per code.
+    unsafe { avx512_vnni::gemm_lanes(m, p, y, (r0, r1), 2, widen_row::<2>, tiles) }
+}
