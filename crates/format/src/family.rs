@@ -57,7 +57,8 @@ pub struct FamilySpec {
     pub manifest_name: &'static str,
     /// The release name users know, as messages and docs write it ("Qwen 3.6").
     pub display_name: &'static str,
-    /// Whether `--kernels avx512vnni` (int8 prefill: activations rounded to int8) is allowed.
+    /// Whether the kernel tables that round activations are allowed (`--kernels avx512vnni`, int8
+    /// prefill; `avx512i16`, int16, which `auto` then takes where the CPU has it).
     /// Its error is measured only on these families (README); elsewhere it was found far off the
     /// reference, so the loader refuses it.
     pub int8_prefill: bool,
@@ -209,7 +210,7 @@ impl Family {
         self.spec().display_name
     }
 
-    /// Whether int8 prefill (`--kernels avx512vnni`) is allowed ([`FamilySpec::int8_prefill`]).
+    /// Whether the rounded-activation tables are allowed ([`FamilySpec::int8_prefill`]).
     pub fn int8_prefill(self) -> bool {
         self.spec().int8_prefill
     }

@@ -122,19 +122,11 @@ fn qwen_same_seed_same_tokens_cold_warm_and_streamed() {
     same_seed_same_tokens("qwen3_6-tiny", "qwen-tiny", None);
 }
 
-/// The int16-activation table (`--kernels avx512i16`) is batch-invariant too: its GEMV and its
-/// 16-tokens-per-register GEMM add the same exact integer sums in the same f32 order.
+/// The default (`auto`) is the int16-activation table on CPUs with AVX-512 VNNI; the best exact
+/// table is batch-invariant too.
 #[test]
-fn int16_kernels_same_seed_same_tokens() {
-    #[cfg(target_arch = "x86_64")]
-    let vnni =
-        std::is_x86_feature_detected!("avx512vnni") && std::is_x86_feature_detected!("avx512bw");
-    #[cfg(not(target_arch = "x86_64"))]
-    let vnni = false;
-    if !vnni {
-        eprintln!("skipped: this CPU has no AVX-512 VNNI");
-        return;
-    }
-    same_seed_same_tokens("gemma4-tiny", "gemma-tiny", Some("avx512i16"));
-    same_seed_same_tokens("qwen3_6-tiny", "qwen-tiny", Some("avx512i16"));
+fn exact_kernels_same_seed_same_tokens() {
+    let exact = mference_kernels::Kernels::detect().name();
+    same_seed_same_tokens("gemma4-tiny", "gemma-tiny", Some(exact));
+    same_seed_same_tokens("qwen3_6-tiny", "qwen-tiny", Some(exact));
 }

@@ -20,7 +20,9 @@ impl CoreOps for CpuBackend {
     type State = Vec<f32>;
 
     fn name(&self) -> String {
-        format!("cpu {} x{}", self.kernels.name(), self.pool.threads())
+        let rounding = self.kernels.rounding().map(|r| format!(" ({r})"));
+        let (name, threads) = (self.kernels.name(), self.pool.threads());
+        format!("cpu {name}{} x{threads}", rounding.unwrap_or_default())
     }
 
     fn supports(_op: Op) -> bool {

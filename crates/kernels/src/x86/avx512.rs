@@ -374,14 +374,14 @@ pub(super) fn axpy_f16(a: f32, v: &[f16], y: &mut [f32]) {
 
 /// Mask with the low `n` (<= 16) lanes set.
 #[inline(always)]
-fn tail_mask(n: usize) -> __mmask16 {
+pub(super) fn tail_mask(n: usize) -> __mmask16 {
     ((1u32 << n) - 1) as __mmask16
 }
 
 /// 16 bf16 at `p` widened to f32; lanes outside `mask` are zero and not read.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
 #[inline]
-unsafe fn load_bf16x16(p: *const u8, mask: __mmask16) -> __m512 {
+pub(super) unsafe fn load_bf16x16(p: *const u8, mask: __mmask16) -> __m512 {
     // SAFETY: the caller guarantees the masked-in lanes are readable; masked-off lanes are not accessed.
     let h = unsafe { _mm256_maskz_loadu_epi16(mask, p as *const i16) };
     _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))

@@ -111,6 +111,9 @@ unsafe fn rows_dot<const R: usize>(
     );
     let low = _mm512_set1_epi16(0x0f);
     let mut acc = [0.0f32; R];
+    // R == 4: the four rows' f32 totals, and 16 groups' scales and biases, [group][scale, bias][row].
+    let mut acc4 = _mm_setzero_ps();
+    let mut sb4 = [[[0.0f32; 4]; 2]; 16];
     let pf = PF_ROWS * rb;
     for g in 0..gpr {
         let mut isum = [_mm512_setzero_si512(); R];
@@ -132,6 +135,38 @@ unsafe fn rows_dot<const R: usize>(
                 }
             }
         }
+        if R == 4 {
+            // Four rows at once: their integer sums added across lanes together, then the f32
+            // side of the four as one 4-lane vector (lane by lane, `group_step`).
+            if g % 16 == 0 {
+                let k = avx512::tail_mask((gpr - g).min(16));
+                let mut rows = [[[0.0f32; 16]; 2]; 4];
+                for (i, row) in rows.iter_mut().enumerate() {
+                    let at = ((r + i) * gpr + g) * 2;
+                    // SAFETY: groups g..min(g+16, gpr) of row r + i; masked-off lanes unread.
+                    unsafe {
+                        let (s16, b16) = (
+                            avx512::load_bf16x16(m.scales.as_ptr().add(at), k),
+                            avx512::load_bf16x16(m.biases.as_ptr().add(at), k),
+                        );
+                        _mm512_storeu_ps(row[0].as_mut_ptr(), s16);
+                        _mm512_storeu_ps(row[1].as_mut_ptr(), b16);
+                    }
+                }
+                for j in 0..16 {
+                    for (i, row) in rows.iter().enumerate() {
+                        sb4[j][0][i] = row[0][j];
+                        sb4[j][1][i] = row[1][j];
+                    }
+                }
+            }
+            let is = sum4(&isum);
+            let [s4, b4] = sb4[g % 16].map(|v| _mm_loadu_ps(v.as_ptr()));
+            let sd = _mm_mul_ps(s4, _mm_set1_ps(qd[g]));
+            acc4 = _mm_fmadd_ps(_mm_cvtepi32_ps(is), sd, acc4);
+            acc4 = _mm_fmadd_ps(b4, _mm_set1_ps(sums[g]), acc4);
+            continue;
+        }
         for i in 0..R {
             // SAFETY: group g of row r + i.
             let sb = unsafe {
@@ -145,7 +180,32 @@ unsafe fn rows_dot<const R: usize>(
             acc[i] = group_step(acc[i], is, sb, (qd[g], sums[g]));
         }
     }
+    if R == 4 {
+        _mm_storeu_ps(acc.as_mut_ptr(), acc4);
+    }
     out[..R].copy_from_slice(&acc);
+}
+
+/// The sums of the 16 lanes of each of four vectors, as the four lanes of one (integer adds: exact
+/// in any order).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+#[inline]
+fn sum4(v: &[__m512i]) -> __m128i {
+    let ab = _mm512_add_epi32(
+        _mm512_unpacklo_epi32(v[0], v[1]),
+        _mm512_unpackhi_epi32(v[0], v[1]),
+    );
+    let cd = _mm512_add_epi32(
+        _mm512_unpacklo_epi32(v[2], v[3]),
+        _mm512_unpackhi_epi32(v[2], v[3]),
+    );
+    // Per 128-bit lane: [a, b, c, d] partial sums.
+    let abcd = _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd));
+    let h = _mm256_add_epi32(
+        _mm512_castsi512_si256(abcd),
+        _mm512_extracti64x4_epi64::<1>(abcd),
+    );
+    _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h))
 }
 
 /// Rows `[r0, r1)` of `W x` for token `t` into `y` (`r1 - r0` values).
