@@ -48,10 +48,11 @@ pub struct ModelArgs {
     /// KV cache element type: f16 (half the memory) or f32 (K and V kept exactly).
     #[arg(long, value_enum, default_value_t = KvCache::F16, hide_possible_values = true)]
     pub kv_cache: KvCache,
-    /// Kernel table: auto (for Gemma 4 and Qwen 3.6 avx512i16 where the CPU has AVX-512 VNNI, else
-    /// the fastest exact one), scalar, avx2, avx512 (the exact f32 tables), avx512i16 (int16
-    /// activations in every 4-bit product: ~2x the prompt products and faster decode than avx512,
-    /// perplexity within 0.002% of it on the bundled models), or avx512vnni (int8 activations in
+    /// Kernel table: auto (the fastest exact one this CPU has), scalar, avx2, avx512 (the exact f32
+    /// tables), avx512i16 (int16 activations in every 4-bit product: ~2x the prompt products and
+    /// ~13% faster decode products than avx512, perplexity within 0.002% of it on the bundled
+    /// models, but off mlx-lm by up to 0.8 of max|logit| on random-weight Gemma checkpoints), or
+    /// avx512vnni (int8 activations in
     /// prefill: 1.5-2.2x the prompt speed on Gemma 26B, perplexity +0.1-0.4% on the bundled models; a
     /// prompt row's logits then depend on the chunk, so a seeded reply can change with the prompt
     /// cache). The rounded ones only for Gemma 4 and Qwen 3.6.

@@ -118,18 +118,6 @@ impl Kernels {
         })
     }
 
-    /// The table `auto` takes for a model whose family was checked with rounded activations (Gemma 4
-    /// and Qwen 3.6): `avx512i16` where this CPU has AVX-512 VNNI (int16 activations in every 4-bit
-    /// product: within 0.002% of the exact perplexity on the bundled models, ~2x the prompt
-    /// products, faster decode, batch-invariant), else [`Kernels::detect`]'s exact table.
-    /// `MFERENCE_KERNELS` overrides it as it does `detect`.
-    pub fn detect_rounded() -> &'static Kernels {
-        if std::env::var_os("MFERENCE_KERNELS").is_some() {
-            return Self::detect();
-        }
-        Self::by_name("avx512i16").unwrap_or_else(Self::detect)
-    }
-
     /// What this table rounds beyond the f32 arithmetic of the exact tables, in words for the load
     /// line (`None` for an exact table).
     pub fn rounding(&self) -> Option<&'static str> {

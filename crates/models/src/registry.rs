@@ -39,21 +39,6 @@ pub fn load_install(install: Install, opts: &LoadOptions) -> Result<Box<dyn Mode
              --gpu-force-miss apply only on CUDA: drop them, or fix CUDA and use --device cuda"
         )));
     }
-    // `auto` kernels: the int16-activation table where the family was checked with it.
-    let rounded;
-    let opts = if opts.kernels.is_none() && family.int8_prefill() {
-        rounded = LoadOptions {
-            kernels: Some(
-                mference_kernels::Kernels::detect_rounded()
-                    .name()
-                    .to_string(),
-            ),
-            ..opts.clone()
-        };
-        &rounded
-    } else {
-        opts
-    };
     let mut engine = Engine::new(install, opts)?;
     // The int8 / int16 tables round activations ([`mference_format::FamilySpec::int8_prefill`]):
     // refuse them where their error was not measured against the reference rather than mislead.
