@@ -342,7 +342,7 @@ def main() -> None:
     ap.add_argument("--max-context", type=int, default=4096)
     ap.add_argument("--direct-io", action="store_true")
     ap.add_argument("--kernels", default="auto",
-                    help="mference kernel table: auto (exact), or avx512vnni (int8 prefill)")
+                    help="mference kernel table: auto (exact), avx512i16 (int16 activations) or avx512vnni (int8 prefill)")
     ap.add_argument("--modes", default="warm,capped")
     ap.add_argument("--engines", default="ours,llama",
                     help="of ours, ours-router (mference on its own routers), llama, llama-trace "
