@@ -257,6 +257,18 @@ fn budget_text<S: Serializer>(b: &GpuExpertBudget, s: S) -> Result<S::Ok, S::Err
     }
 }
 
+/// `--seed`: the sampler's seed, the whole u64 range (the server's `seed` takes the same).
+pub(crate) fn seed_flag() -> Typed<u64> {
+    typed(|s| {
+        s.trim().parse().map_err(|_| {
+            format!(
+                "invalid --seed '{s}': the seed must be an integer from 0 to {}",
+                u64::MAX
+            )
+        })
+    })
+}
+
 /// A value parser from `parse`, whose error clap prints as it is (`error: invalid --kernels
 /// 'x': ...`), not inside its own "invalid value for" sentence.
 fn typed<T: Clone + Send + Sync + 'static>(parse: fn(&str) -> Result<T, String>) -> Typed<T> {

@@ -18,7 +18,7 @@ use mference_session::{
 };
 use mference_text::TokenizerCache;
 
-use crate::flags::{threads_flag, ModelArgs};
+use crate::flags::{seed_flag, threads_flag, ModelArgs};
 use crate::load_options::{load_options_for, open_install};
 
 /// `mference run`.
@@ -60,7 +60,10 @@ pub struct RunArgs {
     pub top_p: f32,
     #[arg(long, default_value_t = 1.0)]
     pub repetition_penalty: f32,
-    #[arg(long)]
+    /// Sampler seed, 0 to 18446744073709551615 (with --temperature above 0): the same seed, prompt
+    /// and settings give the same reply, whether or not the prompt was cached (all kernel tables
+    /// but avx512vnni). Default: random.
+    #[arg(long, value_parser = seed_flag())]
     pub seed: Option<u64>,
     /// Stop string (repeatable); it is not printed.
     #[arg(long)]

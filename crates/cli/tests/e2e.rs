@@ -135,7 +135,7 @@ fn refused(args: &[&str], msg: &str) {
 
 #[test]
 fn bad_flags_are_rejected_with_the_allowed_values() {
-    let cases: [(&[&str], &str); 5] = [
+    let cases: [(&[&str], &str); 6] = [
         (
             &["--temperature", "0.5", "--top-k", "0", "--top-p", "0.9"],
             "requires --top-k between 1 and 256",
@@ -150,6 +150,10 @@ fn bad_flags_are_rejected_with_the_allowed_values() {
         ),
         (&["--top-p", "0"], "--top-p must be in (0, 1]"),
         (&["--chat"], "cannot be used with"),
+        (
+            &["--seed", "-1"],
+            "invalid --seed '-1': the seed must be an integer from 0 to 18446744073709551615",
+        ),
     ];
     for (flags, msg) in cases {
         let mut args = vec!["run", "--model", "/nonexistent.gturbo", "--prompt", "x"];
