@@ -39,10 +39,9 @@ pub struct Kernels {
     /// 4-bit products with group size 64/128 take int16 activations (`XLayout::Q16EvenOdd64`, and
     /// `XLayout::Q16Lanes16` from `Q16_MIN_ROWS` tokens), GEMV and GEMM alike.
     pub(crate) q16: bool,
-    /// Pure f32 arithmetic (errors are f32 rounding only). `detect()` only picks exact tables by default.
-    pub(crate) exact: bool,
-    /// A token's GEMM row has the bits of its GEMV (see the crate docs, "batch invariance").
-    pub(crate) batch_invariant: bool,
+    /// What the table rounds beyond f32 arithmetic, in words for the load line; `None` for the
+    /// exact tables (errors are f32 rounding only), the only ones `detect()` picks.
+    pub(crate) rounding: Option<&'static str>,
     pub(crate) gemv: GemvFn,
     pub(crate) gemm: GemvFn,
     pub(crate) dot_f32: DotFn,
@@ -69,8 +68,7 @@ static SCALAR: Kernels = Kernels {
     layout2: XLayout::Natural,
     q8: false,
     q16: false,
-    exact: true,
-    batch_invariant: true,
+    rounding: None,
     gemv: scalar::gemv,
     gemm: scalar::gemm,
     dot_f32: scalar::dot_f32,
@@ -113,7 +111,7 @@ impl Kernels {
             }
             Self::available()
                 .into_iter()
-                .rfind(|k| k.exact)
+                .rfind(|k| k.is_exact())
                 .unwrap_or(&SCALAR)
         })
     }
@@ -121,11 +119,7 @@ impl Kernels {
     /// What this table rounds beyond the f32 arithmetic of the exact tables, in words for the load
     /// line (`None` for an exact table).
     pub fn rounding(&self) -> Option<&'static str> {
-        match self.name {
-            _ if self.exact => None,
-            "avx512i16" => Some("int16 activations"),
-            _ => Some("int8 prefill activations"),
-        }
+        self.rounding
     }
 
     /// The scalar f32 reference table (always available; slow).
@@ -170,14 +164,14 @@ impl Kernels {
     /// and its GEMM of 2- and 8-bit matrices, are the exact AVX-512 ones) and is only used when asked for by
     /// name.
     pub fn is_exact(&self) -> bool {
-        self.exact
+        self.rounding.is_none()
     }
 
     /// Whether a token's row of a batched product has the bits of its one-token product, so a
     /// prompt row's result does not depend on the chunk it was computed in: every table but
     /// `avx512vnni` (whose int8 activations are only in the GEMM).
     pub fn is_batch_invariant(&self) -> bool {
-        self.batch_invariant
+        !self.q8
     }
 
     /// Prepares activations `x[n, cols]` (row-major f32) for products with matrices of `m`'s

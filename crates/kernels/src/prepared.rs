@@ -120,6 +120,13 @@ fn abs_max(v: &[f32]) -> f32 {
     m.iter().fold(0.0f32, |a, &b| if b > a { b } else { a })
 }
 
+/// The step `d = max|v| / levels` of a symmetric integer quantization of `v`, and `1 / d` (0 for
+/// an all-zero `v`).
+fn quant_step(v: &[f32], levels: f32) -> (f32, f32) {
+    let d = abs_max(v) / levels;
+    (d, if d > 0.0 { 1.0 / d } else { 0.0 })
+}
+
 impl Default for PreparedX {
     fn default() -> Self {
         Self::new()
@@ -235,8 +242,7 @@ impl PreparedX {
         for t in 0..n {
             for g in 0..gpr {
                 let src = &x[t * cols + g * gs..t * cols + (g + 1) * gs];
-                let d = abs_max(src) / 32767.0;
-                let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+                let (d, inv) = quant_step(src, 32767.0);
                 // The 1.5 · 2^23 trick rounds to the nearest integer, ties to even (|v · inv| <= 32767).
                 for (c, &v) in codes.iter_mut().zip(src) {
                     *c = ((v * inv + ROUND_MAGIC) - ROUND_MAGIC) as i32 as i16;
@@ -288,8 +294,7 @@ impl PreparedX {
                 let row = &mut codes[lane * quads..(lane + 1) * quads];
                 for g in 0..gpr {
                     let src = &x[t * cols + g * gs..t * cols + (g + 1) * gs];
-                    let d = abs_max(src) / 127.0;
-                    let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+                    let (d, inv) = quant_step(src, 127.0);
                     self.qd[(b * gpr + g) * 16 + lane] = d;
                     self.sums[(b * gpr + g) * 16 + lane] = group_sum(src);
                     quantize(src, inv, &mut row[g * gs / 4..(g + 1) * gs / 4]);

@@ -61,10 +61,11 @@ pub enum Numerics {
 impl Numerics {
     /// The class of a CPU kernel table.
     pub fn of(k: &mference_kernels::Kernels) -> Self {
-        match k.name() {
-            _ if k.is_exact() => Self::Exact,
-            "avx512i16" => Self::Int16,
-            _ => Self::Int8Prefill,
+        match (k.is_exact(), k.is_batch_invariant()) {
+            (true, _) => Self::Exact,
+            // Rounded in the GEMV as in the GEMM: the int16 table.
+            (false, true) => Self::Int16,
+            (false, false) => Self::Int8Prefill,
         }
     }
 }

@@ -26,24 +26,11 @@ pub(super) fn supported() -> bool {
 /// Only reachable after [`supported`] returned true (see `super::available`).
 pub(super) static TABLE: Kernels = Kernels {
     name: "avx512i16",
-    layout4: XLayout::EvenOdd32,
-    layout2: XLayout::Mod4x32,
-    q8: false,
     q16: true,
-    exact: false,
-    batch_invariant: true,
+    rounding: Some("int16 activations"),
     gemv,
     gemm,
-    dot_f32: avx512::dot_f32,
-    axpy: avx512::axpy,
-    f32_to_f16: avx512::f32_to_f16,
-    f16_to_f32: avx512::f16_to_f32,
-    dot_f16: avx512::dot_f16,
-    axpy_f16: avx512::axpy_f16,
-    wsum_f16: Some(avx512::wsum_f16),
-    dots_f16: Some(avx512::dots_f16),
-    dots_f16_group: Some(avx512::dots_f16_group),
-    wsum_f16_group: Some(avx512::wsum_f16_group),
+    ..avx512::EXACT
 };
 
 fn gemv(m: &QMatrix, p: &PreparedX, y: &mut [f32], r0: usize, r1: usize) {

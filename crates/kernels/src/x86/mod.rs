@@ -52,6 +52,7 @@ macro_rules! define_gemv {
 mod avx2;
 mod avx512;
 mod avx512_q16;
+mod avx512_vec;
 mod avx512_vnni;
 
 /// SIMD tables this CPU supports, slowest first.
