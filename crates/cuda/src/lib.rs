@@ -22,7 +22,7 @@
 //!   staging buffer on every call.
 //! - Quantized products: `qmv` / `qmatmul` (ops/quant.cu) for decode's one row, `qgemm_tc`
 //!   (ops/gemm.cu, `ops/gemm.rs`: a tensor-core GEMM, `mma.sync` on BF16 codes and a three-term
-//!   BF16 x, f32 accumulation) from 8 rows of x on; the prefill experts a layer's GPU slots hold
+//!   BF16 x, f32 accumulation) from 2 rows of x on; the prefill experts a layer's GPU slots hold
 //!   run together ([`CoreOps::glu_mlp_experts`]). Prefill attention is `attention_tiled`
 //!   (ops/attention.cu: KV rows shared by the query rows and heads of a KV head's group).
 //! - Activations are [`CudaTensor`]s (`CudaSlice<f32>` + shape), the KV cache a [`CudaKv`]

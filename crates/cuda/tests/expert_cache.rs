@@ -223,8 +223,8 @@ fn decode_experts_routed_on_the_device_equal_the_readback_path() {
 }
 
 /// Prefill experts at Gemma 4 26B-A4B's sizes (gate/up [704, 2816], down [2816, 704], 4-bit
-/// g64) on 5 rows (the short-product kernel) and 16, 33 and 64 rows (the GEMM, its columns
-/// split): within the f64 reference's budget, bit for bit the same from a GPU slot as from the
+/// g64) on one row (the decode kernels) and 5, 16, 33 and 64 rows (the tensor-core GEMM, its
+/// columns split): within the f64 reference's f32 budget, bit for bit the same from a GPU slot as from the
 /// staging buffer (so prefill does not depend on the GPU expert budget), and `glu_mlp_experts`
 /// over all of them at once bit for bit what `glu_mlp` gives for each.
 #[test]
@@ -241,7 +241,10 @@ fn prefill_experts_give_the_same_bits_from_a_slot_the_staging_buffer_and_a_batch
             up_proj: qmatrix(&mut b, &mut rng, inner, hidden, 4, 64),
             down_proj: qmatrix(&mut b, &mut rng, hidden, inner, 4, 64),
         });
-        b.extend([0u8; 16]);
+        // Padded to a multiple of 16 bytes, as an install's stride (16 KiB multiples) is: every
+        // slot then starts at the staging buffer's alignment, which the one-row (decode) kernels'
+        // bits depend on.
+        b.resize((b.len() + 16).next_multiple_of(16), 0);
         blobs.push(b);
     }
     let mlp = mlp.expect("experts");
@@ -268,7 +271,7 @@ fn prefill_experts_give_the_same_bits_from_a_slot_the_staging_buffer_and_a_batch
     let mut fails = Vec::new();
     // (expert, rows): expert 0 twice, as two tiles' worth of rows would never be, to check the
     // batch keeps its inputs apart.
-    let cases = [(1usize, 16usize), (0, 5), (2, 33), (0, 64)];
+    let cases = [(1usize, 16usize), (0, 5), (2, 33), (0, 64), (2, 1)];
     let mut xs = Vec::new();
     let mut one_by_one = Vec::new();
     for &(e, t) in &cases {

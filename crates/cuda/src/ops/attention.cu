@@ -226,7 +226,17 @@ extern "C" __global__ void attention_f32(const float* q, const float* ks, const 
 #define AT_ITEMS (AT_WARPS * AT_ROWS)
 #define AT_POS 8
 
-// kt, vt: shared [AT_POS][32 * DK] each.
+// Elements i .. i + 4 of a K or V store as floats (i a multiple of 4: d % 4 == 0).
+__device__ __forceinline__ float4 load_kv4(const u16* p, u64 i) {
+    uint2 u = *(const uint2*)(p + i);
+    return make_float4(f16_to_f32((u16)(u.x & 0xffffu)), f16_to_f32((u16)(u.x >> 16)),
+                       f16_to_f32((u16)(u.y & 0xffffu)), f16_to_f32((u16)(u.y >> 16)));
+}
+__device__ __forceinline__ float4 load_kv4(const float* p, u64 i) {
+    return *(const float4*)(p + i);
+}
+
+// kt, vt: shared [AT_POS][32 * DK] each; blockDim.x = AT_WARPS * 32 = 16 * AT_POS; d % 4 == 0.
 template <typename S, int DK>
 __device__ void attention_tiled_impl(float (*kt)[32 * DK], float (*vt)[32 * DK], const float* q,
                                      const S* ks, const S* vs, int t_rows, int nh, int nkv, int d,
@@ -263,17 +273,21 @@ __device__ void attention_tiled_impl(float (*kt)[32 * DK], float (*vt)[32 * DK],
     }
     for (int j0 = j_lo; j0 <= p_last; j0 += AT_POS) {
         __syncthreads();  // the previous tile's reads are done
-        for (int e = threadIdx.x; e < AT_POS * 32 * DK; e += blockDim.x) {
-            int pj = e / (32 * DK), c = e % (32 * DK);
-            int j = j0 + pj;
-            float kvk = 0.0f, kvv = 0.0f;
-            if (j <= p_last && c < d) {
-                u64 b = ((ring ? (u64)(j % rows) : (u64)j) * nkv + kvh) * d + c;
-                kvk = load_kv(ks, b);
-                kvv = load_kv(vs, b);
+        // 16 threads per position, 4 dims (16 bytes of f32, 8 of f16) per load.
+        {
+            int pj = threadIdx.x >> 4, j = j0 + pj;
+            bool okj = j <= p_last;
+            u64 rowb = okj ? ((ring ? (u64)(j % rows) : (u64)j) * nkv + kvh) * d : 0;
+#pragma unroll
+            for (int c = (threadIdx.x & 15) * 4; c < 32 * DK; c += 64) {
+                float4 kk = make_float4(0.0f, 0.0f, 0.0f, 0.0f), vv = kk;
+                if (okj && c < d) {
+                    kk = load_kv4(ks, rowb + c);
+                    vv = load_kv4(vs, rowb + c);
+                }
+                *(float4*)&kt[pj][c] = kk;
+                *(float4*)&vt[pj][c] = vv;
             }
-            kt[pj][c] = kvk;
-            vt[pj][c] = kvv;
         }
         __syncthreads();
         // Partial dots, index r * 8 + pj.

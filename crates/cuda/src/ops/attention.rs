@@ -185,7 +185,8 @@ impl CudaBackend {
             Some(w) => (last + 1).min(w),
             None => last + 1,
         };
-        if q.rows > 1 && items >= ATTN_SPLIT_BELOW_ITEMS && tiled() {
+        if q.rows > 1 && items >= ATTN_SPLIT_BELOW_ITEMS && s.head_dim.is_multiple_of(4) && tiled()
+        {
             return self.attention_tiled(q, kv, pos0, s, sp, out);
         }
         let splits = if items >= ATTN_SPLIT_BELOW_ITEMS {
@@ -250,9 +251,10 @@ impl CudaBackend {
         Ok(out)
     }
 
-    /// [`attention`](Self::attention) over many (row, head) items (prefill): one
-    /// `attention_tiled` launch (ops/attention.cu), blocks of `AT_ITEMS` items of one KV head's
-    /// group sharing each K and V row through shared memory. `sp`: the sinks' device address or 0.
+    /// [`attention`](Self::attention) over many (row, head) items (prefill) with heads of a
+    /// multiple of 4: one `attention_tiled` launch (ops/attention.cu), blocks of `AT_ITEMS` items
+    /// of one KV head's group sharing each K and V row through shared memory. `sp`: the sinks'
+    /// device address or 0.
     fn attention_tiled(
         &self,
         q: &CudaTensor,

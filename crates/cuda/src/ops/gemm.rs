@@ -14,9 +14,12 @@ use mference_backend::{check, check_mlp, Act, Mlp, OpResult, QRef, Weights};
 use crate::{qref_offsets, CudaBackend, CudaTensor, QJob, QJobs, QM_BLOCKS, QM_JOBS};
 
 /// Rows of x from which a product runs on a GEMM kernel (unless `MFERENCE_CUDA_QG_MIN_ROWS`
-/// says otherwise: [`min_rows`]): 8 for `qgemm_tc` (a tile of 32 rows of x costs little more on
-/// the tensor cores than `qmatmul`'s two passes over the codes), 16 for `qgemm`.
-const QT_MIN_ROWS: usize = 8;
+/// says otherwise: [`min_rows`]): 2 for `qgemm_tc` (a tile of 32 rows of x costs the tensor
+/// cores about what one row does, and a prefill expert of a few rows then joins its layer's
+/// batched launch instead of taking three launches of its own; one row stays on the decode
+/// kernels, in prefill as in decode, so an expert's bits do not depend on the GPU budget), 16
+/// for `qgemm`.
+const QT_MIN_ROWS: usize = 2;
 const QG_MIN_ROWS: usize = 16;
 /// `QG_BM` and `QG_BK` of ops/gemm.cu: output rows per block, columns per step (`QT_BK` is the
 /// same 32).
