@@ -54,6 +54,8 @@ pub(crate) const AT_WARPS: u32 = 4;
 pub(crate) const AT_ITEMS: usize = 16;
 /// Most experts per token the router kernel keeps per row.
 pub(crate) const ROUTE_MAX_K: usize = 64;
+/// Most experts `route_one` holds in shared memory (ops/router.cu `ROUTE_ONE_MAX_N`).
+pub(crate) const ROUTE_ONE_MAX_N: usize = 1024;
 /// Small constant vectors kept on the device (RoPE frequencies, attention sinks).
 pub(crate) const CONSTS_KEPT: usize = 64;
 

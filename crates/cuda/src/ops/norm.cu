@@ -4,18 +4,23 @@
 // RMSNorm of each `dim` piece of src into x (the same buffer when in place), one block per
 // piece: x <- src * rsqrt(mean(src^2) + eps) * s, mode 0 s = 1, 1 s = w, 2 s = 1 + w, 3 s = c
 // (folded into the rsqrt first: c / sqrt(mean + eps)); w BF16 at w_off of the resident buffer.
-// The piece's factor: c / sqrt(mean(q^2) + eps) for mode 3, else 1 / sqrt(...) (every thread
-// of the block gets it).
-__device__ __forceinline__ float rms_mean_sq(const float* q, int dim) {
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) ss += q[i] * q[i];
-    return block_sum(ss) / (float)dim;
+//
+// A thread holds the elements i = threadIdx.x + j * blockDim.x (j < NORM_J) of a piece in
+// registers (the launches check dim <= NORM_J * blockDim.x, `norm_threads` in launch.rs): every
+// load of a pass is issued before any value is used, so a pass waits for memory once rather than
+// once per element (a load after a store to global memory cannot be moved ahead of it). The sums
+// are the strided loop's, in the same order.
+#define NORM_J 16
+
+// Whether element j of this thread lies in a piece of `dim`.
+__device__ __forceinline__ bool norm_held(int j, int dim) {
+    return (int)(threadIdx.x + j * blockDim.x) < dim;
 }
 
-__device__ __forceinline__ float rms_factor(const float* q, int dim, int mode, float c,
-                                            float eps) {
-    float ms = rms_mean_sq(q, dim);
-    return (mode == 3 ? c : 1.0f) / sqrtf(ms + eps);
+// This thread's elements of the piece at q (0 past its end).
+__device__ __forceinline__ void norm_load(const float* q, int dim, float* v) {
+#pragma unroll
+    for (int j = 0; j < NORM_J; ++j) v[j] = norm_held(j, dim) ? q[threadIdx.x + j * blockDim.x] : 0.0f;
 }
 
 // Element i's scale s of a norm of `mode` (w BF16 at w_off of the resident buffer).
@@ -26,13 +31,52 @@ __device__ __forceinline__ float rms_scale(const unsigned char* base, u64 w_off,
     return 1.0f;
 }
 
+// This thread's scales of a norm of `mode` (rms_scale's values): the BF16 weights are all loaded
+// before any is converted (a conversion inside the load's branch would wait for each load in
+// turn).
+__device__ __forceinline__ void norm_scales(const unsigned char* base, u64 w_off, int mode, int dim,
+                                            float* s) {
+    const u16* w = (const u16*)(base + w_off);
+    bool weighted = mode == 1 || mode == 2;
+    u16 raw[NORM_J];
+#pragma unroll
+    for (int j = 0; j < NORM_J; ++j)
+        raw[j] = weighted && norm_held(j, dim) ? w[threadIdx.x + j * blockDim.x] : (u16)0;
+#pragma unroll
+    for (int j = 0; j < NORM_J; ++j)
+        s[j] = mode == 1 ? bf16_to_f32(raw[j]) : mode == 2 ? 1.0f + bf16_to_f32(raw[j]) : 1.0f;
+}
+
+// mean(v^2) over the piece (every thread of the block gets it).
+__device__ __forceinline__ float norm_mean_sq(const float* v, int dim) {
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < NORM_J; ++j)
+        if (norm_held(j, dim)) ss += v[j] * v[j];
+    return block_sum(ss) / (float)dim;
+}
+
+// The piece's factor: c / sqrt(mean(v^2) + eps) for mode 3, else 1 / sqrt(...).
+__device__ __forceinline__ float rms_factor(const float* v, int dim, int mode, float c, float eps) {
+    return (mode == 3 ? c : 1.0f) / sqrtf(norm_mean_sq(v, dim) + eps);
+}
+
+// This thread's elements v into the piece at p.
+__device__ __forceinline__ void norm_store(float* p, int dim, const float* v) {
+#pragma unroll
+    for (int j = 0; j < NORM_J; ++j)
+        if (norm_held(j, dim)) p[threadIdx.x + j * blockDim.x] = v[j];
+}
+
 extern "C" __global__ void rms_norm(const float* src, float* x, int dim, int mode,
                                     const unsigned char* base, u64 w_off, float c, float eps) {
-    const float* q = src + (u64)blockIdx.x * dim;
-    float* p = x + (u64)blockIdx.x * dim;
-    float r = rms_factor(q, dim, mode, c, eps);
-    for (int i = threadIdx.x; i < dim; i += blockDim.x)
-        p[i] = q[i] * (r * rms_scale(base, w_off, mode, i));
+    float v[NORM_J], s[NORM_J];
+    norm_load(src + (u64)blockIdx.x * dim, dim, v);
+    norm_scales(base, w_off, mode, dim, s);
+    float r = rms_factor(v, dim, mode, c, eps);
+#pragma unroll
+    for (int j = 0; j < NORM_J; ++j) v[j] = v[j] * (r * s[j]);
+    norm_store(x + (u64)blockIdx.x * dim, dim, v);
 }
 
 // x <- (x + rms_norm(src)) * s per `dim` piece (src unchanged, another buffer): rms_norm's value,
@@ -40,11 +84,15 @@ extern "C" __global__ void rms_norm(const float* src, float* x, int dim, int mod
 extern "C" __global__ void rms_norm_add(const float* src, float* x, int dim, int mode,
                                         const unsigned char* base, u64 w_off, float c, float eps,
                                         float s) {
-    const float* q = src + (u64)blockIdx.x * dim;
-    float* p = x + (u64)blockIdx.x * dim;
+    float q[NORM_J], p[NORM_J], w[NORM_J];
+    float* at = x + (u64)blockIdx.x * dim;
+    norm_load(src + (u64)blockIdx.x * dim, dim, q);
+    norm_load(at, dim, p);
+    norm_scales(base, w_off, mode, dim, w);
     float r = rms_factor(q, dim, mode, c, eps);
-    for (int i = threadIdx.x; i < dim; i += blockDim.x)
-        p[i] = (p[i] + __fmul_rn(q[i], r * rms_scale(base, w_off, mode, i))) * s;
+#pragma unroll
+    for (int j = 0; j < NORM_J; ++j) p[j] = (p[j] + __fmul_rn(q[j], r * w[j])) * s;
+    norm_store(at, dim, p);
 }
 
 // The pre-norms of rms_norm_add_pre, up to PRE_NORMS: output o = rms_norm of the new x with
@@ -62,32 +110,46 @@ struct PreNorms {
     int n;
 };
 
-// rms_norm_add of one `dim` piece q into p (p <- (p + rms_norm(q)) * s; mode -1: add_scaled's
-// p <- (p + q) * s), then the pre-norms of the new p (piece `piece` of the outputs): each thread
-// reads back the values it wrote, and every value is rounded as rms_norm and mul_cols round it,
-// so the outputs are those of the separate kernels.
-__device__ __forceinline__ void add_pre_piece(const float* q, float* p, u64 piece, int dim,
-                                              int mode, const unsigned char* base, u64 w_off,
-                                              float c, float eps, float s, u64 cols,
-                                              const PreNorms& pre) {
+// rms_norm_add of one `dim` piece (this thread's elements q, with the norm's scales w) into the
+// piece at `at` (its elements p): p <- (p + rms_norm(q)) * s; mode -1: add_scaled's
+// p <- (p + q) * s. Then the pre-norms of the new p (piece `piece` of the outputs). Every value is
+// rounded as rms_norm, add_scaled and mul_cols round it, so the outputs are those of the separate
+// kernels.
+__device__ __forceinline__ void add_pre_piece(const float* q, const float* w, float* p, float* at,
+                                              u64 piece, int dim, int mode,
+                                              const unsigned char* base, float c, float eps,
+                                              float s, u64 cols, const PreNorms& pre) {
     if (mode < 0) {
-        for (int i = threadIdx.x; i < dim; i += blockDim.x) p[i] = (p[i] + q[i]) * s;
+#pragma unroll
+        for (int j = 0; j < NORM_J; ++j) p[j] = (p[j] + q[j]) * s;
     } else {
         float r = rms_factor(q, dim, mode, c, eps);
-        for (int i = threadIdx.x; i < dim; i += blockDim.x)
-            p[i] = (p[i] + __fmul_rn(q[i], r * rms_scale(base, w_off, mode, i))) * s;
+#pragma unroll
+        for (int j = 0; j < NORM_J; ++j) p[j] = (p[j] + __fmul_rn(q[j], r * w[j])) * s;
     }
+    norm_store(at, dim, p);
     if (pre.n == 0) return;
-    float ms = rms_mean_sq(p, dim);
+    float ms = norm_mean_sq(p, dim);
     for (int o = 0; o < pre.n; ++o) {
         float f = (pre.mode[o] == 3 ? pre.c[o] : 1.0f) / sqrtf(ms + eps);
-        float* out = (float*)pre.out[o] + piece * dim;
+        float sc[NORM_J], v[NORM_J];
+        norm_scales(base, pre.w_off[o], pre.mode[o], dim, sc);
         const u16* cw = (const u16*)(base + pre.col_off[o]);
-        for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-            float v = p[i] * (f * rms_scale(base, pre.w_off[o], pre.mode[o], i));
-            if (pre.has_col[o]) v *= bf16_to_f32(cw[(piece * dim + i) % cols]) * pre.col_c[o];
-            out[i] = v;
+        u64 c0 = piece * dim % cols;  // column of the piece's first value (dim <= cols)
+        bool has_col = pre.has_col[o];
+        u16 col[NORM_J];  // loaded before any is used, as norm_scales does
+#pragma unroll
+        for (int j = 0; j < NORM_J; ++j) {
+            u64 ci = c0 + threadIdx.x + j * blockDim.x;
+            if (ci >= cols) ci -= cols;
+            col[j] = has_col && norm_held(j, dim) ? cw[ci] : (u16)0;
         }
+#pragma unroll
+        for (int j = 0; j < NORM_J; ++j) {
+            v[j] = p[j] * (f * sc[j]);
+            if (has_col) v[j] *= bf16_to_f32(col[j]) * pre.col_c[o];
+        }
+        norm_store((float*)pre.out[o] + piece * dim, dim, v);
     }
 }
 
@@ -96,7 +158,11 @@ extern "C" __global__ void rms_norm_add_pre(const float* src, float* x, int dim,
                                             const unsigned char* base, u64 w_off, float c,
                                             float eps, float s, u64 cols, PreNorms pre) {
     u64 b = blockIdx.x;
-    add_pre_piece(src + b * dim, x + b * dim, b, dim, mode, base, w_off, c, eps, s, cols, pre);
+    float q[NORM_J], p[NORM_J], w[NORM_J];
+    norm_load(src + b * dim, dim, q);
+    norm_load(x + b * dim, dim, p);
+    norm_scales(base, w_off, mode, dim, w);
+    add_pre_piece(q, w, p, x + b * dim, b, dim, mode, base, c, eps, s, cols, pre);
 }
 
 // Two block outputs into the residual (Gemma 4's shared MLP and routed experts): per `dim`
@@ -109,15 +175,22 @@ extern "C" __global__ void rms_norm2_add_pre(float* a, const float* b, float* x,
                                              const unsigned char* base, u64 w_off, float c,
                                              float eps, float s, u64 cols, PreNorms pre) {
     u64 blk = blockIdx.x;
-    float* pa = a + blk * dim;
-    const float* pb = b + blk * dim;
-    float ra = rms_factor(pa, dim, a_mode, a_c, eps);
-    float rb = rms_factor(pb, dim, b_mode, b_c, eps);
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-        float v = __fmul_rn(pa[i], ra * rms_scale(base, a_off, a_mode, i));
-        pa[i] = (v + __fmul_rn(pb[i], rb * rms_scale(base, b_off, b_mode, i))) * 1.0f;
+    float av[NORM_J], bv[NORM_J], p[NORM_J], as[NORM_J], bs[NORM_J], w[NORM_J];
+    norm_load(a + blk * dim, dim, av);
+    norm_load(b + blk * dim, dim, bv);
+    norm_load(x + blk * dim, dim, p);
+    norm_scales(base, a_off, a_mode, dim, as);
+    norm_scales(base, b_off, b_mode, dim, bs);
+    norm_scales(base, w_off, mode, dim, w);
+    float ra = rms_factor(av, dim, a_mode, a_c, eps);
+    float rb = rms_factor(bv, dim, b_mode, b_c, eps);
+#pragma unroll
+    for (int j = 0; j < NORM_J; ++j) {
+        float v = __fmul_rn(av[j], ra * as[j]);
+        av[j] = (v + __fmul_rn(bv[j], rb * bs[j])) * 1.0f;
     }
-    add_pre_piece(pa, x + blk * dim, blk, dim, mode, base, w_off, c, eps, s, cols, pre);
+    norm_store(a + blk * dim, dim, av);
+    add_pre_piece(av, w, p, x + blk * dim, blk, dim, mode, base, c, eps, s, cols, pre);
 }
 
 // rms_norm of the head at p (dim = head_dim <= 512) then rope at position `pos`, by one block: the
@@ -127,9 +200,13 @@ __device__ __forceinline__ void norm_rope_head(float* p, float* v, int dim, int 
                                                const unsigned char* base, u64 w_off, float c,
                                                float eps, int rotated, int style,
                                                const float* inv_freq, int pos, float mscale) {
-    float f = rms_factor(p, dim, mode, c, eps);
-    for (int i = threadIdx.x; i < dim; i += blockDim.x)
-        v[i] = __fmul_rn(p[i], f * rms_scale(base, w_off, mode, i));
+    float x[NORM_J], w[NORM_J];
+    norm_load(p, dim, x);
+    norm_scales(base, w_off, mode, dim, w);
+    float f = rms_factor(x, dim, mode, c, eps);
+#pragma unroll
+    for (int j = 0; j < NORM_J; ++j) x[j] = __fmul_rn(x[j], f * w[j]);
+    norm_store(v, dim, x);
     __syncthreads();
     int half = rotated / 2;
     for (int i = threadIdx.x; i < half; i += blockDim.x)
@@ -177,9 +254,13 @@ __device__ void norm_rope_kv(float* q, float* k, float* v, int dim, int hq, int 
     __syncthreads();
     float* pv = v + ((u64)r * hk + head) * dim;
     if (n.mode[2] >= 0) {
-        float f = rms_factor(pv, dim, n.mode[2], n.c[2], eps);
-        for (int i = threadIdx.x; i < dim; i += blockDim.x)
-            pv[i] = pv[i] * (f * rms_scale(base, n.w_off[2], n.mode[2], i));
+        float x[NORM_J], w[NORM_J];
+        norm_load(pv, dim, x);
+        norm_scales(base, n.w_off[2], n.mode[2], dim, w);
+        float f = rms_factor(x, dim, n.mode[2], n.c[2], eps);
+#pragma unroll
+        for (int j = 0; j < NORM_J; ++j) x[j] = x[j] * (f * w[j]);
+        norm_store(pv, dim, x);
     }
     if (ring && r + rows < t_rows) return;
     int pos = pos0 + r;

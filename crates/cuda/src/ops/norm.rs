@@ -45,7 +45,7 @@ impl CudaBackend {
             self,
             op,
             "rms_norm_add",
-            blocks(x.len() / dim, 256),
+            norm_blocks(op, x.len() / dim, dim)?,
             &*y.buf,
             &mut *x.buf,
             &d,
@@ -76,7 +76,7 @@ impl CudaBackend {
             self,
             op,
             "rms_norm_add_pre",
-            blocks(x.len() / dim, 256),
+            norm_blocks(op, x.len() / dim, dim)?,
             &*y.buf,
             &mut *x.buf,
             &d,
@@ -116,7 +116,7 @@ impl CudaBackend {
             self,
             op,
             "rms_norm2_add_pre",
-            blocks(x.len() / dim, 256),
+            norm_blocks(op, x.len() / dim, dim)?,
             &mut *a.buf,
             &*b.buf,
             &mut *x.buf,
@@ -344,7 +344,7 @@ impl CudaBackend {
             self,
             op,
             "rms_norm",
-            blocks(x.len() / dim, 256),
+            norm_blocks(op, x.len() / dim, dim)?,
             &from,
             &mut *x.buf,
             &d,
@@ -355,4 +355,19 @@ impl CudaBackend {
             &eps
         )
     }
+}
+
+/// Values a thread of a norm kernel holds in registers (ops/norm.cu `NORM_J`).
+const NORM_J: usize = 16;
+
+/// One block per piece of `dim` values for the row norms: 256 threads (pieces up to 4,096
+/// values), or 1,024 for longer pieces (up to 16,384; longer ones are refused). The thread count
+/// sets the order of the sums, so every row-norm kernel takes it from here: the fused kernels
+/// give the separate ones' bits.
+fn norm_blocks(op: &'static str, pieces: usize, dim: usize) -> OpResult<LaunchConfig> {
+    let threads = if dim <= 256 * NORM_J { 256 } else { 1024 };
+    check(op, dim <= threads * NORM_J, || {
+        format!("pieces of {dim} values (at most {})", 1024 * NORM_J)
+    })?;
+    Ok(blocks(pieces, threads as u32))
 }

@@ -26,12 +26,10 @@ __device__ __forceinline__ void route_consider(const float* lg, int e, int scori
     if (best < 0 || before(ke, e, bk, best)) { best = e; bk = ke; }
 }
 
-// The weights of the k experts `pick` of one row (lg its logits; m, z the max and the softmax
-// denominator of scoring 1) and their writing: route_row's second half.
-__device__ void route_write(const float* lg, int k, int scoring, int norm, float m, float z,
-                            const int* pick, const unsigned char* base, u64 pes_off, int has_pes,
-                            u32* ids, float* weights) {
-    float w[ROUTE_MAX_K];
+// The combine weights of the k experts `pick` of one row, before any per-expert scale, into w
+// (lg its logits; m, z the max and the softmax denominator of scoring 1).
+__device__ void route_weights(const float* lg, int k, int scoring, int norm, float m, float z,
+                              const int* pick, float* w) {
     if (scoring == 0) {
         float mm = -F32_INF, zz = 0.0f;
         for (int j = 0; j < k; ++j) mm = fmaxf(mm, lg[pick[j]]);
@@ -43,6 +41,14 @@ __device__ void route_write(const float* lg, int k, int scoring, int norm, float
         if (!norm) zz = 1.0f;
         for (int j = 0; j < k; ++j) w[j] /= zz;
     }
+}
+
+// The weights of the k experts `pick` of one row and their writing: route_row's second half.
+__device__ void route_write(const float* lg, int k, int scoring, int norm, float m, float z,
+                            const int* pick, const unsigned char* base, u64 pes_off, int has_pes,
+                            u32* ids, float* weights) {
+    float w[ROUTE_MAX_K];
+    route_weights(lg, k, scoring, norm, m, z, pick, w);
     const u16* pes = (const u16*)(base + pes_off);
     for (int j = 0; j < k; ++j) {
         ids[j] = (u32)pick[j];
@@ -111,24 +117,39 @@ extern "C" __global__ void route(const float* logits, int t_rows, int n, int k, 
               forced + (has_forced ? at : 0), has_forced, ids + at, weights + at, margins + row);
 }
 
-// route_row (no trace) by the 32 lanes of one warp: each round's largest remaining key is found
-// by the lanes over their experts and a shuffle reduction (the order is total: the same pick as
-// the serial search), and lane 0 computes m and z serially and writes the weights as route_row
-// does, so the results are route_row's bits.
-__device__ void route_row_warp(const float* lg, int n, int k, int scoring, int norm,
+// Experts route_one holds in shared memory (routers with more are refused by the launch).
+#define ROUTE_ONE_MAX_N 1024
+
+// route_row (no trace) by the 32 lanes of one warp: the logits are copied to shared memory in one
+// pass; with scoring 1, lane 0 takes their maximum and the softmax denominator serially (each
+// exp computed by the lanes first, with route_row's arithmetic), so m and z are route_row's bits.
+// Each expert's key (its raw logit, or exp(lg[e] - m) / z) is computed once; each round's largest
+// remaining key is found by the lanes over their experts and a shuffle reduction (the order is
+// total: the same pick as the serial search), and the weights are route_row's arithmetic, so the
+// results are route_row's bits.
+__device__ void route_row_warp(const float* lg_in, int n, int k, int scoring, int norm,
                                const unsigned char* base, u64 pes_off, int has_pes,
                                const u32* forced, int has_forced, u32* ids, float* weights) {
     const unsigned FULL = 0xffffffffu;
+    __shared__ float lg[ROUTE_ONE_MAX_N];
+    __shared__ float ex[ROUTE_ONE_MAX_N];
+    __shared__ int key[ROUTE_ONE_MAX_N];
     int lane = threadIdx.x & 31;
+    for (int e = lane; e < n; e += 32) lg[e] = lg_in[e];
+    __syncwarp();
     float m = -F32_INF, z = 0.0f;
     if (scoring == 1) {
-        if (lane == 0) {
+        if (lane == 0)
             for (int e = 0; e < n; ++e) m = fmaxf(m, lg[e]);
-            for (int e = 0; e < n; ++e) z += expf(lg[e] - m);
-        }
         m = __shfl_sync(FULL, m, 0);
+        for (int e = lane; e < n; e += 32) ex[e] = expf(lg[e] - m);
+        __syncwarp();
+        if (lane == 0)
+            for (int e = 0; e < n; ++e) z += ex[e];
         z = __shfl_sync(FULL, z, 0);
     }
+    for (int e = lane; e < n; e += 32) key[e] = total_key(scoring == 1 ? ex[e] / z : lg[e]);
+    __syncwarp();
     int pick[ROUTE_MAX_K];
     int pk = 0, pi = -1;
     for (int j = 0; j < k; ++j) {
@@ -137,7 +158,11 @@ __device__ void route_row_warp(const float* lg, int n, int k, int scoring, int n
             continue;
         }
         int best = -1, bk = 0;
-        for (int e = lane; e < n; e += 32) route_consider(lg, e, scoring, m, z, j, pk, pi, best, bk);
+        for (int e = lane; e < n; e += 32) {
+            int ke = key[e];
+            if (j > 0 && !before(pk, pi, ke, e)) continue;
+            if (best < 0 || before(ke, e, bk, best)) { best = e; bk = ke; }
+        }
         for (int o = 16; o > 0; o >>= 1) {
             int ob = __shfl_xor_sync(FULL, best, o), ok = __shfl_xor_sync(FULL, bk, o);
             if (ob >= 0 && (best < 0 || before(ok, ob, bk, best))) { best = ob; bk = ok; }
@@ -146,8 +171,16 @@ __device__ void route_row_warp(const float* lg, int n, int k, int scoring, int n
         pk = bk;
         pi = best;
     }
-    if (lane == 0)
-        route_write(lg, k, scoring, norm, m, z, pick, base, pes_off, has_pes, ids, weights);
+    // Lane 0 computes the weights (serially, as route_row); lane j scales and writes pick j, so
+    // the per-expert scales are loaded together.
+    __shared__ float w[ROUTE_MAX_K];
+    if (lane == 0) route_weights(lg, k, scoring, norm, m, z, pick, w);
+    __syncwarp();
+    const u16* pes = (const u16*)(base + pes_off);
+    for (int j = lane; j < k; j += 32) {
+        ids[j] = (u32)pick[j];
+        weights[j] = has_pes ? w[j] * bf16_to_f32(pes[pick[j]]) : w[j];
+    }
 }
 
 // The forced ids of one decode row, passed by value (no host-to-device copy).

@@ -15,7 +15,7 @@ impl CudaBackend {
         let base = self.addr(&out);
         let (ids_at, wts_at, margins_at) =
             (base, base + (4 * t * k) as u64, base + (8 * t * k) as u64);
-        if t == 1 && !spec.trace {
+        if t == 1 && !spec.trace && n_exp <= ROUTE_ONE_MAX_N {
             // One decode row: the warp kernel of the device-routed path (the same bits as
             // `route`'s one thread per row, faster), forced ids by value.
             self.route_one(op, logits, spec, ids_at, wts_at)?;
@@ -107,6 +107,9 @@ impl CudaBackend {
     ) -> OpResult<()> {
         let (n_exp, k) = (logits.cols, spec.top_k);
         let (scoring, norm, pes_off, has_pes) = self.route_args(op, spec, 1, n_exp)?;
+        check(op, n_exp <= ROUTE_ONE_MAX_N, || {
+            format!("{n_exp} experts (the device-routed decode holds at most {ROUTE_ONE_MAX_N})")
+        })?;
         let mut forced = ForcedIds {
             ids: [0; ROUTE_MAX_K],
         };
