@@ -8,7 +8,7 @@
 
 use mference_runtime::{ExpertStreamer, RuntimeError};
 
-use crate::{Act, Backend, Mlp, OpError, RouterSpec, Routes, Tensor, Weights};
+use crate::{Act, Backend, Mlp, OpError, OpResult, RouterSpec, Routes, Tensor, Weights};
 
 /// Routes the rows of `x` by `logits` (`[T, num_experts]`) and runs their experts: for one row
 /// of a layer whose experts the backend holds for good ([`DeviceExpertOps::routes_on_device`]) without a
@@ -76,6 +76,28 @@ where
     Ok(())
 }
 
+/// Reads all `experts` experts of the streamer's layer into its host slots, shown to the backend
+/// first ([`DeviceExpertOps::attach_host_slots`]: a GPU backend page-locks them), so that a prompt
+/// finds the layer in pinned host memory instead of reading and pinning it on first use. For a
+/// backend with its own expert cache whose host tier holds every expert of the layer (the load
+/// calls it, `Streamers::preload` in mference-models); nothing is copied to the backend here.
+///
+/// Errors: a failed read ([`RuntimeError`]), or a backend that cannot pin the slots ([`OpError`]).
+pub fn fill_host<B, E>(be: &B, streamer: &mut ExpertStreamer, experts: usize) -> Result<(), E>
+where
+    B: Backend,
+    E: From<OpError> + From<RuntimeError>,
+{
+    be.attach_host_slots(streamer.layer(), streamer.slot_memory())?;
+    let all: Vec<usize> = (0..experts).collect();
+    for tile in all.chunks(host_tile(streamer.slots())) {
+        streamer.acquire(tile)?;
+        streamer.wait()?;
+        streamer.release(tile);
+    }
+    Ok(())
+}
+
 /// Runs the experts of `routes` on the rows of `x` (`[T, hidden]`) and adds each expert's output,
 /// times its weight, to an accumulator.
 ///
@@ -125,13 +147,6 @@ where
     };
     let (carry, mut acc) = meanwhile()?;
 
-    let rows_of = |e: usize| -> Result<B::Tensor, OpError> {
-        let rows: Vec<usize> = routes.experts[&e].iter().map(|&(r, _)| r).collect();
-        be.gather_rows(x, &rows)
-    };
-    let run = |e: usize, w: Weights| -> Result<B::Tensor, OpError> {
-        be.glu_mlp(experts, act, w, &rows_of(e)?)
-    };
     let mut out: Vec<Option<B::Tensor>> = (0..=routed.last().copied().unwrap_or(0))
         .map(|_| None)
         .collect();
@@ -142,40 +157,41 @@ where
         .filter(|(_, &h)| h)
         .map(|(&e, _)| e)
         .collect();
-    let lists: Vec<Vec<usize>> = in_place
-        .iter()
-        .map(|e| routes.experts[e].iter().map(|&(r, _)| r).collect())
-        .collect();
-    let xs = be.gather_rows_many(x, &lists.iter().map(Vec::as_slice).collect::<Vec<_>>())?;
     let srcs: Vec<Weights> = in_place
         .iter()
         .map(|&expert| Weights::Held { layer, expert })
         .collect();
-    let ys = be.glu_mlp_experts(experts, act, &srcs, &xs.iter().collect::<Vec<_>>())?;
-    for (&e, y) in in_place.iter().zip(ys) {
-        out[e] = Some(y);
-    }
-    let from_host = |e: usize, blob: &[u8]| -> Result<B::Tensor, OpError> {
-        let w = be.load_expert(layer, e, blob)?;
-        run(e, w)
+    run_batch(be, experts, act, x, routes, &in_place, &srcs, &mut out)?;
+    // A tile's experts from their host slots, in one call (a backend with its own cache copies
+    // each into it first, `load_expert`).
+    let from_host = |list: &[(usize, usize)],
+                     streamer: &ExpertStreamer,
+                     out: &mut Vec<Option<B::Tensor>>|
+     -> Result<(), OpError> {
+        let es: Vec<usize> = list.iter().map(|&(e, _)| e).collect();
+        let srcs = list
+            .iter()
+            .map(|&(e, slot)| be.load_expert(layer, e, streamer.blob(slot)))
+            .collect::<OpResult<Vec<_>>>()?;
+        run_batch(be, experts, act, x, routes, &es, &srcs, out)
     };
     for (ti, (tl, _)) in tiles.iter().enumerate() {
         let slots = next_slots.take().expect("tile acquired one step ahead");
+        // (expert, host slot) of the tile's hits, then of its misses.
+        let of = |want_hit: bool| -> Vec<(usize, usize)> {
+            tl.iter()
+                .zip(&slots)
+                .filter(|(_, &(_, hit))| hit == want_hit)
+                .map(|(&e, &(slot, _))| (e, slot))
+                .collect()
+        };
         // Hits are in memory already: compute them while this tile's misses are read.
-        for (&e, &(slot, hit)) in tl.iter().zip(&slots) {
-            if hit {
-                out[e] = Some(from_host(e, streamer.blob(slot))?);
-            }
-        }
+        from_host(&of(true), streamer, &mut out)?;
         streamer.wait()?;
         if let Some((next, uses)) = tiles.get(ti + 1) {
             next_slots = Some(streamer.acquire_uses(next, uses)?);
         }
-        for (&e, &(slot, hit)) in tl.iter().zip(&slots) {
-            if !hit {
-                out[e] = Some(from_host(e, streamer.blob(slot))?);
-            }
-        }
+        from_host(&of(false), streamer, &mut out)?;
         // The host slots may be refilled once the copies out of them are done.
         be.expert_copies_done()?;
         streamer.release(tl);
@@ -188,6 +204,35 @@ where
     }
     be.scatter_add_many(&mut acc, &ys, &rows)?;
     Ok((carry, acc))
+}
+
+/// Runs the distinct experts `es` of `routes` from `srcs` on their rows of `x` in one
+/// [`CoreOps::glu_mlp_experts`] call, expert `e`'s output into `out[e]` (each output the bits
+/// [`CoreOps::glu_mlp`] gives for it alone).
+#[allow(clippy::too_many_arguments)]
+fn run_batch<B: Backend>(
+    be: &B,
+    experts: &Mlp,
+    act: Act,
+    x: &B::Tensor,
+    routes: &Routes,
+    es: &[usize],
+    srcs: &[Weights],
+    out: &mut [Option<B::Tensor>],
+) -> Result<(), OpError> {
+    if es.is_empty() {
+        return Ok(());
+    }
+    let lists: Vec<Vec<usize>> = es
+        .iter()
+        .map(|e| routes.experts[e].iter().map(|&(r, _)| r).collect())
+        .collect();
+    let xs = be.gather_rows_many(x, &lists.iter().map(Vec::as_slice).collect::<Vec<_>>())?;
+    let ys = be.glu_mlp_experts(experts, act, srcs, &xs.iter().collect::<Vec<_>>())?;
+    for (&e, y) in es.iter().zip(ys) {
+        out[e] = Some(y);
+    }
+    Ok(())
 }
 
 /// The host streamer's tiles for several rows: `needed` (the routed experts the backend does not

@@ -55,9 +55,14 @@ impl Streamers {
     }
 
     /// Fills the backend's own expert cache at load where it holds every expert of a layer
-    /// ([`crate::Model::preload_device_experts`]); only such a layer opens its file (and checks
-    /// it) now, the others on first use as before.
+    /// ([`crate::Model::preload_device_experts`]). Where it does not (a GPU expert budget below
+    /// the layer) but the host tier has a slot for every expert of the layer, the host tier is
+    /// read and page-locked now ([`mference_backend::moe::fill_host`]), as llama.cpp holds its
+    /// host-side experts from the start: the first prompt then streams them from pinned memory
+    /// instead of reading and pinning them on the way. Other layers open their file (and check
+    /// it) on first use as before.
     pub fn preload<B: Backend>(&mut self, be: &B, engine: &Engine) -> Result<(), ModelError> {
+        let experts = engine.install.layout.experts_per_layer;
         for layer in 0..self.layers.len() {
             if engine.install.layout.layers[layer].blob.is_none() {
                 continue;
@@ -69,6 +74,11 @@ impl Streamers {
                     self.get(layer, engine)?,
                     &missing,
                 )?;
+            } else if be.device_expert_stats().is_some() && !be.routes_on_device(layer, 1)? {
+                let s = self.get(layer, engine)?;
+                if s.slots() >= experts && !s.slot_memory().is_empty() {
+                    mference_backend::moe::fill_host::<B, ModelError>(be, s, experts)?;
+                }
             }
         }
         Ok(())
