@@ -165,8 +165,10 @@ fn validate(a: &BenchArgs) -> Result<()> {
     if a.repeats == 0 {
         bail!("--repeats must be at least 1");
     }
-    if a.gen == 0 || a.max_context == 0 {
-        bail!("--gen and --max-context must be positive");
+    for (flag, v) in [("--gen", a.gen), ("--max-context", a.max_context)] {
+        if v == 0 {
+            bail!("{flag} must be positive (got 0)");
+        }
     }
     if a.prefill_chunk != "auto" {
         crate::run_cmd::parse_prefill_chunk(&a.prefill_chunk, None)?;

@@ -184,16 +184,32 @@ fn print_report(r: &InstallReport) {
             r.ranges_reused
         );
         println!(
-            "source files: {} verified against published digests ({} bytes read only to be \
-             hashed){}",
-            r.verified_files.len(),
-            r.hashed_only_bytes,
-            if r.unverified_files.is_empty() {
-                String::new()
-            } else {
-                format!("; not verified: {}", r.unverified_files.join(", "))
-            }
+            "{}",
+            source_check_line(&r.verified_files, &r.unverified_files, r.hashed_only_bytes)
         );
+    }
+}
+
+/// The summary's line on the source files: how many matched a digest their source published,
+/// and which had none to match (a plain local folder publishes none: its files are copied as
+/// they are, and the install's own manifest hashes what was written).
+fn source_check_line(verified: &[String], unverified: &[String], hashed_only: u64) -> String {
+    match (verified.len(), unverified.len()) {
+        (0, 0) => "source files: none".to_string(),
+        (0, _) => format!(
+            "source files: the source publishes no digests, so none was checked against one \
+             (the install's manifest hashes what was written): {}",
+            unverified.join(", ")
+        ),
+        (n, 0) => format!(
+            "source files: all {n} matched the digests the source publishes ({hashed_only} bytes \
+             read only to be hashed)"
+        ),
+        (n, _) => format!(
+            "source files: {n} matched the digests the source publishes ({hashed_only} bytes read \
+             only to be hashed); none published for: {}",
+            unverified.join(", ")
+        ),
     }
 }
 

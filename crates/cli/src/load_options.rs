@@ -9,6 +9,7 @@ use mference_models::{Device, GpuExpertBudget, LoadOptions};
 use mference_runtime::CacheSlots;
 
 use crate::flags::{KvCache, ModelArgs, Slots};
+use crate::notes::note;
 
 /// `--device`, `--gpu-expert-budget` and `--gpu-force-miss` checked together (run, perplexity,
 /// logits, serve, bench): the GPU-only flags are refused on the CPU, not ignored, and a CUDA
@@ -124,7 +125,7 @@ fn resolve_slots(
         CacheSlots::Resident => "resident (layer files mapped)".to_string(),
         CacheSlots::Fixed(n) => format!("{n} slots per layer"),
     };
-    eprintln!(
+    note!(
         "[expert cache auto: {slots}{}; from {:.2} GB ({from}) - weights {:.2} GB - KV {:.2} GB - scratch {:.2} GB = {:.2} GB for {:.2} GB of expert files]",
         if s.direct_io || m.direct_io { ", O_DIRECT" } else { "" },
         gb(limit),
@@ -142,7 +143,7 @@ fn resolve_slots(
 fn clamp_slots(s: CacheSlots, man: Option<&Manifest>) -> CacheSlots {
     match (s, man.map(|m| m.experts_per_layer)) {
         (CacheSlots::Fixed(n), Some(experts)) if experts > 0 && n > experts => {
-            eprintln!(
+            note!(
                 "[--expert-cache-slots {n} is more than this model's {experts} experts per layer: using {experts} slots per layer]"
             );
             CacheSlots::Fixed(experts)
@@ -166,7 +167,7 @@ fn host_tier_slots(man: &Manifest, bytes: u64) -> Result<CacheSlots> {
         );
     }
     let n = n.min(man.experts_per_layer);
-    eprintln!(
+    note!(
         "[host expert cache: {n} slots per layer ({:.2} GB over {layers} layers)]",
         (n as u64 * per_slot) as f64 / 1e9
     );

@@ -11,6 +11,7 @@ mod install_cmd;
 mod line_input;
 mod load_options;
 mod logits_cmd;
+mod notes;
 mod perplexity_cmd;
 mod rss_peak;
 mod run_cmd;

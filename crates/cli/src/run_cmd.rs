@@ -160,8 +160,10 @@ fn validate_sampling(a: &RunArgs) -> Result<()> {
     if a.think.is_some() && a.prompt.is_some() {
         bail!("--think needs a chat template: use it with --chat or --messages-file, not --prompt");
     }
-    if a.max_new == 0 || a.max_context == 0 {
-        bail!("--max-new and --max-context must be positive");
+    for (flag, v) in [("--max-new", a.max_new), ("--max-context", a.max_context)] {
+        if v == 0 {
+            bail!("{flag} must be positive (got 0)");
+        }
     }
     if a.prefill_chunk != "auto" {
         parse_prefill_chunk(&a.prefill_chunk, None)?;
@@ -410,6 +412,7 @@ fn print_expert_stats(model: &dyn Model) {
 /// `mference run`.
 pub fn run(a: RunArgs) -> Result<()> {
     let t0 = Instant::now();
+    crate::notes::set_quiet(a.quiet);
     validate_sampling(&a)?;
     check_install_dir(&a.model.model)?;
     // The text side (most of it the tokenizer) is built while the install's files are checked;

@@ -135,7 +135,12 @@ fn refused(args: &[&str], msg: &str) {
 
 #[test]
 fn bad_flags_are_rejected_with_the_allowed_values() {
-    let cases: [(&[&str], &str); 6] = [
+    let cases: [(&[&str], &str); 8] = [
+        (&["--max-new", "0"], "--max-new must be positive (got 0)"),
+        (
+            &["--max-context", "0"],
+            "--max-context must be positive (got 0)",
+        ),
         (
             &["--temperature", "0.5", "--top-k", "0", "--top-p", "0.9"],
             "requires --top-k between 1 and 256",

@@ -1,6 +1,7 @@
 //! What `run` and `serve` do before the first token (issue 32): the tokenizer cache inside the
 //! install, the port checked before anything is read, the expert-cache slots clamped to the
-//! model's experts, and `--messages-file` taking the messages `serve` takes.
+//! model's experts, `--quiet` silencing every note, and `--messages-file` taking the messages
+//! `serve` takes.
 
 use std::path::Path;
 use std::process::Output;
@@ -21,6 +22,14 @@ fn ids(out: &Output) -> serde_json::Value {
         .find(|l| l.starts_with("{\""))
         .unwrap_or_else(|| panic!("no --show-ids line in {err}"));
     serde_json::from_str(line).unwrap()
+}
+
+/// `mference run --model <the demo install>` with `args` after them.
+fn run_demo(args: &[&str]) -> Output {
+    let model = demo_install().to_str().unwrap();
+    let mut all = vec!["run", "--model", model];
+    all.extend_from_slice(args);
+    run_ok(BIN, &all)
 }
 
 /// A copy of the demo install under `work` (so its cache starts absent).
@@ -98,21 +107,14 @@ fn serve_finds_a_busy_port_before_reading_the_install() {
 /// `--expert-cache-slots 32` on the demo model (16 experts per layer) says so and uses 16.
 #[test]
 fn expert_cache_slots_above_the_experts_are_clamped_with_a_note() {
-    let model = demo_install().to_str().unwrap();
-    let out = run_ok(
-        BIN,
-        &[
-            "run",
-            "--model",
-            model,
-            "--prompt",
-            "Once",
-            "--max-new",
-            "1",
-            "--expert-cache-slots",
-            "32",
-        ],
-    );
+    let out = run_demo(&[
+        "--prompt",
+        "Once",
+        "--max-new",
+        "1",
+        "--expert-cache-slots",
+        "32",
+    ]);
     let err = stderr(&out);
     assert!(
         err.contains("--expert-cache-slots 32 is more than this model's 16 experts per layer"),
@@ -120,6 +122,23 @@ fn expert_cache_slots_above_the_experts_are_clamped_with_a_note() {
     );
     assert!(err.contains("expert cache 16 slots/layer"), "{err}");
     assert!(!err.contains("32 slots/layer"), "{err}");
+}
+
+/// `run --quiet` prints only the generated text: nothing on stderr, not even the expert-cache
+/// sizing note of the default `--expert-cache-slots auto` (printed by the flag code all commands
+/// share).
+#[test]
+fn run_quiet_prints_nothing_on_stderr() {
+    let out = run_demo(&[
+        "--prompt",
+        "Once upon a time",
+        "--max-new",
+        "4",
+        "--temperature",
+        "0",
+        "--quiet",
+    ]);
+    assert_eq!(stderr(&out), "", "run --quiet wrote to stderr");
 }
 
 /// `--messages-file` takes content as a list of text parts, as `serve` does (the parts joined with
