@@ -6,7 +6,7 @@
 // (folded into the rsqrt first: c / sqrt(mean + eps)); w BF16 at w_off of the resident buffer.
 //
 // A thread holds the elements i = threadIdx.x + j * blockDim.x (j < NORM_J) of a piece in
-// registers (the launches check dim <= NORM_J * blockDim.x, `norm_threads` in launch.rs): every
+// registers (the launches check dim <= NORM_J * blockDim.x: `norm_blocks` in norm.rs): every
 // load of a pass is issued before any value is used, so a pass waits for memory once rather than
 // once per element (a load after a store to global memory cannot be moved ahead of it). The sums
 // are the strided loop's, in the same order.
