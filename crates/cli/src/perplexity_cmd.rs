@@ -78,10 +78,20 @@ pub fn perplexity(a: PerplexityArgs) -> Result<()> {
             a.ctx
         );
     }
+    let t_load = Instant::now();
     let mut model = mference_models::load(
         &a.model.model,
         &load_options(&a.model, a.ctx.clamp(32, 512).next_power_of_two(), a.ctx)?,
     )?;
+    // The load line `run` prints: the device (and its kernel table) before the first chunk.
+    eprintln!(
+        "[loaded {} in {:.2}s, device {}, expert cache {}; {chunks} chunks of {} tokens to score]",
+        a.model.model.display(),
+        t_load.elapsed().as_secs_f64(),
+        model.device(),
+        model.engine().expert_cache(),
+        a.ctx
+    );
     let vocab = model.vocab_size();
     let first = a.ctx / 2;
     let (mut nll, mut count) = (0.0f64, 0usize);

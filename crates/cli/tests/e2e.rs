@@ -421,8 +421,16 @@ fn chat_drops_the_oldest_turns_to_fit_but_keeps_system_and_newest_user() {
 /// tools/ref/reference-values.json).
 #[test]
 fn demo_perplexity_is_within_0_3_percent_of_mlx_lm() {
-    let (got, _) = perplexity(BIN, demo_install(), &[]);
+    let (got, err) = perplexity(BIN, demo_install(), &[]);
     assert_perplexity_near("gemma4-tiny", got, 0.003);
+    // The load line names the device and its kernel table before the first chunk is scored.
+    let load = err.find("[loaded ").expect("no load line");
+    let first = err.find("[chunk 1/").expect("no chunk line");
+    assert!(load < first, "{err}");
+    assert!(
+        err[load..].starts_with("[loaded ") && err[load..first].contains("device cpu"),
+        "{err}"
+    );
 }
 
 /// `mference serve` on the demo model gets SIGTERM (then, in a second run, SIGINT) while a stream
