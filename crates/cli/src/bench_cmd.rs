@@ -591,7 +591,8 @@ fn print_table(doc: &Value) {
         println!(
             "{:<8} {:>7} {:>9.3} {:>10.2} {:>8.3} {:>10.3} {:>9.0} {:>9.0} {:>9.0} {:>6.1} {:>9.1} {:>10.2} {:>10.2}{}",
             r["prompt"].as_str().unwrap_or(""),
-            r["prompt_tokens"],
+            // A number, not a JSON value: a value's Display ignores the column width.
+            r["prompt_tokens"].as_u64().unwrap_or(0),
             f("prefill_s"),
             f("prefill_tok_s"),
             f("ttft_s"),

@@ -87,23 +87,19 @@ pub(crate) fn chat(session: &mut Session, a: &RunArgs) -> Result<()> {
             }
             _ => {}
         }
-        turns.push(json!({"role": "user", "content": line}));
-        // Drop the oldest turns until the prompt fits, never the system message or the newest user turn.
+        // Drop the oldest turns until the prompt fits, never the system message or the newest
+        // user turn; on a copy, so that a message refused below leaves the conversation as it was.
+        let mut kept = turns.clone();
+        kept.push(json!({"role": "user", "content": line}));
+        let mut dropped = 0;
         let prompt = loop {
-            let msgs: Vec<_> = system
-                .iter()
-                .cloned()
-                .chain(turns.iter().cloned())
-                .collect();
+            let msgs: Vec<_> = system.iter().cloned().chain(kept.iter().cloned()).collect();
             let p = render(&text, &msgs, think)?;
-            if p.ids.len() + 1 < a.max_context || turns.len() <= 1 {
+            if p.ids.len() + 1 < a.max_context || kept.len() <= 1 {
                 break p;
             }
-            turns.remove(0);
-            eprintln!(
-                "[dropped the oldest message to fit --max-context {}]",
-                a.max_context
-            );
+            kept.remove(0);
+            dropped += 1;
         };
         if prompt.ids.len() + 1 >= a.max_context {
             // Say whether a larger --max-context would help: not past the model's own limit.
@@ -115,13 +111,19 @@ pub(crate) fn chat(session: &mut Session, a: &RunArgs) -> Result<()> {
                 None => String::new(),
             };
             eprintln!(
-                "[the message is {} tokens with the chat framing, which does not fit --max-context {} even alone{limit}; nothing was sent, try a shorter one]",
+                "[the message is {} tokens with the chat framing, which does not fit --max-context {} even alone{limit}; nothing was sent and the conversation is kept, try a shorter one]",
                 prompt.ids.len(),
                 a.max_context
             );
-            turns.pop();
             continue;
         }
+        for _ in 0..dropped {
+            eprintln!(
+                "[dropped the oldest message to fit --max-context {}]",
+                a.max_context
+            );
+        }
+        turns = kept;
         // The conversation so far is still in the model: only the new part is prefilled.
         interrupt.hit.store(false, Ordering::Relaxed);
         interrupt.generating.store(true, Ordering::Relaxed);

@@ -108,15 +108,21 @@ pub fn logits(a: LogitsArgs) -> Result<()> {
     let dir = &a.model.model;
     check_install_dir(dir)?;
     let ids = read_ids(&a.ids)?;
+    let model_max = max_positions(dir)?;
     if ids.len() > a.max_context {
         bail!(
-            "{} holds {} ids, more than --max-context {}: raise --max-context",
+            "{} holds {} ids, more than --max-context {}: {}",
             a.ids.display(),
             ids.len(),
-            a.max_context
+            a.max_context,
+            match model_max {
+                Some(m) if ids.len() > m =>
+                    format!("the model takes at most {m} positions (max_position_embeddings)"),
+                _ => "raise --max-context".to_string(),
+            }
         );
     }
-    if let Some(m) = max_positions(dir)? {
+    if let Some(m) = model_max {
         if a.max_context > m {
             bail!(
                 "--max-context {} exceeds the model's max_position_embeddings {m}",

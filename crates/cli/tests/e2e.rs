@@ -416,6 +416,30 @@ fn chat_drops_the_oldest_turns_to_fit_but_keeps_system_and_newest_user() {
     );
 }
 
+/// A message that does not fit `--max-context` even alone is refused and leaves the conversation
+/// as it was: the turns dropped while trying to fit it come back.
+#[test]
+fn chat_keeps_the_conversation_when_a_message_is_refused() {
+    let long = "the sea and the ships upon it ".repeat(40);
+    let turns = format!("Hello there.\n{long}\n/history\n/quit\n");
+    let out = chat_session("Be brief.", 4, 96, &turns);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("even alone"), "not refused: {err}");
+    assert!(
+        !err.contains("[dropped the oldest message"),
+        "a drop was reported for a refused message: {err}"
+    );
+    let history = &err[err.rfind("system: Be brief.").expect("system message kept")..];
+    assert!(
+        history.contains("user: Hello there."),
+        "the earlier turn was lost: {history}"
+    );
+    assert!(
+        history.contains("assistant: "),
+        "the reply was lost: {history}"
+    );
+}
+
 /// `mference perplexity` on the demo model: llama-perplexity's protocol on the first 8,192 tokens of
 /// the eval text at context 512, within 0.3% of mlx-lm's value (committed with its command in
 /// tools/ref/reference-values.json).

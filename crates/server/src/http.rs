@@ -340,10 +340,17 @@ async fn submit(
     received: Instant,
 ) -> Result<Response, ApiError> {
     if prompt.len() >= st.max_context {
+        // A larger --max-context helps only below the model's own limit.
+        let remedy = match st.text.max_positions {
+            Some(m) if st.max_context >= m => {
+                format!("shorten it ({m} tokens is the model's own limit)")
+            }
+            _ => "shorten it or restart with a larger --max-context".to_string(),
+        };
         return Err(ApiError::param(
             if reply.kind == Kind::Chat { "messages" } else { "prompt" },
             format!(
-                "the prompt is {} tokens, which does not fit this server's context of {} tokens (at least one token must be generated); shorten it or restart with a larger --max-context",
+                "the prompt is {} tokens, which does not fit this server's context of {} tokens (at least one token must be generated); {remedy}",
                 prompt.len(),
                 st.max_context
             ),

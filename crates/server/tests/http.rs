@@ -152,6 +152,12 @@ fn endpoints_and_error_statuses() {
     );
     assert_error(s, &b, 400, "prompt longer than the context");
     assert_eq!(b["error"]["code"], "context_length_exceeded");
+    // 4096 is also the demo model's own limit: no advice to raise --max-context.
+    let msg = b["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        msg.contains("the model's own limit") && !msg.contains("larger --max-context"),
+        "{msg}"
+    );
     for (extra, param) in [
         (json!({"echo": true}), "echo"),
         (json!({"prompt": ["a", "b"]}), "prompt"),

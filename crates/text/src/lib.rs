@@ -49,6 +49,12 @@ pub enum TextError {
         /// The underlying I/O error.
         source: std::io::Error,
     },
+    /// `tokenizer.json` is gone from an install whose manifest lists it: the install is damaged.
+    #[error("{path} is missing, but the install's manifest lists it: the install is incomplete or damaged (`mference verify` names what else is wrong); install it again")]
+    TokenizerMissing {
+        /// The missing file.
+        path: PathBuf,
+    },
     /// The folder has no `tokenizer.json`: the install was made from a checkpoint without tokenizer
     /// files, so it runs on token ids only.
     #[error("no tokenizer files in {dir} ({missing} missing): the install was made from a checkpoint without them, so it cannot turn text into tokens. `mference logits` and `mference bench` take token ids and work without a tokenizer; for text, add tokenizer.json and tokenizer_config.json to the checkpoint and reinstall")]

@@ -187,6 +187,7 @@ fn read_tokenizer_json(dir: &Path) -> Result<(PathBuf, Vec<u8>), TextError> {
         Err(source) if source.kind() != std::io::ErrorKind::NotFound => {
             Err(TextError::Io { path, source })
         }
+        Err(_) if listed_in_manifest(dir) => Err(TextError::TokenizerMissing { path }),
         Err(_) => {
             let missing: Vec<&str> = ["tokenizer.json", "tokenizer_config.json"]
                 .into_iter()
@@ -198,6 +199,19 @@ fn read_tokenizer_json(dir: &Path) -> Result<(PathBuf, Vec<u8>), TextError> {
             })
         }
     }
+}
+
+/// Whether the manifest of the install holding the tokenizer folder `dir` lists
+/// `tokenizer/tokenizer.json` (an install made with a tokenizer), so that its absence is damage
+/// rather than a checkpoint that had none.
+fn listed_in_manifest(dir: &Path) -> bool {
+    let Some(install) = dir.parent() else {
+        return false;
+    };
+    std::fs::read(install.join("manifest.json"))
+        .ok()
+        .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+        .is_some_and(|m| m["files"].get("tokenizer/tokenizer.json").is_some())
 }
 
 /// The `tokenizers` crate's own reading of `tokenizer.json` (the reference the cache is held to).

@@ -207,3 +207,30 @@ fn no_tokenizer_json_is_an_error_even_with_a_cache() {
     let e = Tokenizer::from_dir_cached(dir, &cache).unwrap_err();
     assert!(matches!(e, crate::TextError::NoTokenizer { .. }), "{e}");
 }
+
+#[test]
+fn a_tokenizer_json_the_manifest_lists_is_named_as_missing_not_as_never_installed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("tokenizer");
+    std::fs::create_dir(&dir).unwrap();
+    let cache = dir.join("tokenizer.bin");
+    write_tiny(&dir, json!([["a", "b"]]), 6);
+    std::fs::remove_file(dir.join("tokenizer.json")).unwrap();
+    let e = Tokenizer::from_dir_cached(&dir, &cache).unwrap_err();
+    assert!(matches!(e, crate::TextError::NoTokenizer { .. }), "{e}");
+    std::fs::write(
+        tmp.path().join("manifest.json"),
+        json!({"files": {"tokenizer/tokenizer.json": {"bytes": 1}}}).to_string(),
+    )
+    .unwrap();
+    let e = Tokenizer::from_dir_cached(&dir, &cache).unwrap_err();
+    assert!(
+        matches!(e, crate::TextError::TokenizerMissing { .. }),
+        "{e}"
+    );
+    assert!(
+        e.to_string()
+            .contains("the install is incomplete or damaged"),
+        "{e}"
+    );
+}
