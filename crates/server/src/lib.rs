@@ -26,6 +26,7 @@ mod error;
 pub mod fuzz;
 mod http;
 mod metrics;
+mod respond;
 mod stats;
 mod ui;
 mod worker;
