@@ -18,7 +18,7 @@ use mference_session::{
 };
 use mference_text::TokenizerCache;
 
-use crate::flags::{seed_flag, threads_flag, ModelArgs};
+use crate::flags::{seed_flag, threads_flag, ModelArgs, Verify};
 use crate::load_options::{load_options_for, open_install};
 
 /// `mference run`.
@@ -113,6 +113,20 @@ pub(crate) fn check_install_dir(dir: &Path) -> Result<()> {
 pub(crate) fn load_text(dir: &Path) -> Result<TextSide> {
     check_install_dir(dir)?;
     TextSide::load(dir).with_context(|| format!("loading the text side of {}", dir.display()))
+}
+
+/// [`load_text`] for a caller that opens the install with [`open_install`] beside it and stops
+/// if that fails: under `--verify full-sha256` that check holds `tokenizer.json` to the
+/// manifest's digest, so the tokenizer cache is bound to that digest instead of hashing the file
+/// a second time ([`TextSide::load_beside_check`]).
+pub(crate) fn load_text_beside_check(m: &ModelArgs) -> Result<TextSide> {
+    let dir = &m.model;
+    check_install_dir(dir)?;
+    match m.verify {
+        Verify::FullSha256 => TextSide::load_beside_check(dir),
+        Verify::TrustedReceipt => TextSide::load(dir),
+    }
+    .with_context(|| format!("loading the text side of {}", dir.display()))
 }
 
 /// A line on stderr when the install's tokenizer cache could not be used as it should: a stale
@@ -418,7 +432,7 @@ pub fn run(a: RunArgs) -> Result<()> {
     // The text side (most of it the tokenizer) is built while the install's files are checked;
     // errors keep their order: the text side's, the prompt's, then the device's and install's.
     let (text, install) = std::thread::scope(|s| {
-        let text = s.spawn(|| load_text(&a.model.model));
+        let text = s.spawn(|| load_text_beside_check(&a.model));
         let install = open_install(&a.model);
         (
             text.join().expect("loading the text side panicked"),

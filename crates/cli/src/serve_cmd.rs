@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 
-use mference_server::{BindMode, PromptCacheMode, ServerConfig, TextSide};
+use mference_server::{BindMode, PromptCacheMode, ServerConfig};
 
 use crate::flags::ModelArgs;
 use crate::load_options::{load_options_for, open_install};
@@ -72,15 +72,14 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     // text side is built while the install's files are checked, as in `run`.
     let t0 = Instant::now();
     let (text, install) = std::thread::scope(|s| {
-        let text = s.spawn(|| TextSide::load(&a.model.model));
+        let text = s.spawn(|| crate::run_cmd::load_text_beside_check(&a.model));
         let install = open_install(&a.model);
         (
             text.join().expect("loading the text side panicked"),
             install,
         )
     });
-    let text =
-        text.with_context(|| format!("loading the text side of {}", a.model.model.display()))?;
+    let text = text?;
     crate::run_cmd::cache_note(&text);
     let max_context = match (a.max_context, text.max_positions) {
         (Some(c), Some(m)) if c > m => {

@@ -87,6 +87,60 @@ fn run_writes_the_tokenizer_cache_and_rebuilds_a_damaged_one() {
     );
 }
 
+/// `run` binds the tokenizer cache to the manifest's digest of tokenizer.json instead of hashing
+/// the file again, because the install's own check (beside the load) holds the file to that
+/// digest: a same-size edit of tokenizer.json after the cache was made still stops `run`, naming
+/// the file, before any text; `--verify trusted-receipt` (no hash of it) hashes it for the cache
+/// and rebuilds the cache from the edited file.
+#[test]
+fn an_edited_tokenizer_json_is_refused_though_its_cache_is_bound_to_the_manifest() {
+    let work = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let model = copy_demo(work.path());
+    let args = [
+        "run",
+        "--model",
+        &model,
+        "--prompt",
+        "It is a truth",
+        "--max-new",
+        "2",
+        "--temperature",
+        "0",
+    ];
+    run_ok(BIN, &args);
+    let json = Path::new(&model).join("tokenizer/tokenizer.json");
+    let text = std::fs::read_to_string(&json).unwrap();
+    // A same-size edit that changes the bytes, not the tokenizer: a newline between two
+    // entries becomes a space.
+    let edited = text.replacen('\n', " ", 1);
+    assert_ne!(edited, text, "no newline to edit");
+    std::fs::write(&json, &edited).unwrap();
+    let out = std::process::Command::new(BIN).args(args).output().unwrap();
+    let err = stderr(&out);
+    assert!(
+        !out.status.success(),
+        "the edited tokenizer.json was accepted: {err}"
+    );
+    assert!(
+        err.contains("SHA-256 of tokenizer/tokenizer.json") && err.contains("the manifest says"),
+        "{err}"
+    );
+    assert!(out.stdout.is_empty(), "text was written: {:?}", out.stdout);
+    let mut trusted = args.to_vec();
+    trusted.extend(["--verify", "trusted-receipt"]);
+    // (This copy's receipt names the original's folder, so the trusted-receipt open then
+    // refuses it; the text side, loaded beside that, has already hashed the file.)
+    let out = std::process::Command::new(BIN)
+        .args(&trusted)
+        .output()
+        .unwrap();
+    assert!(
+        stderr(&out).contains("tokenizer cache made from another tokenizer.json"),
+        "{}",
+        stderr(&out)
+    );
+}
+
 /// A port in use fails `serve` before the install is read: here the install's tokenizer.json is
 /// broken, and the error is still the port's, naming the address.
 #[test]

@@ -136,6 +136,21 @@ pub fn tool_marker_token(family: Family) -> &'static str {
     }
 }
 
+/// The manifest's SHA-256 of `tokenizer/tokenizer.json` in `install` (`None` when it lists none).
+fn tokenizer_json_digest(install: &Path) -> Result<Option<String>, SessionError> {
+    let at = install.join(mference_format::MANIFEST_FILE);
+    let bytes = std::fs::read(&at)
+        .map_err(|e| SessionError::Install(format!("{} cannot be read: {e}", at.display())))?;
+    let m = mference_format::Manifest::parse(&bytes)
+        .map_err(|e| SessionError::Install(e.to_string()))?;
+    Ok(m.files
+        .get(&format!(
+            "{}/tokenizer.json",
+            mference_format::TOKENIZER_DIR
+        ))
+        .map(|f| f.sha256.clone()))
+}
+
 impl TextSide {
     /// Loads `<install>/tokenizer/` (tokenizer, template and `config.json`'s `model_type` and
     /// position limit). The tokenizer comes from the install's tokenizer cache when that was
@@ -145,9 +160,29 @@ impl TextSide {
     /// Errors: [`SessionError::Text`] for the tokenizer or a template that does not compile,
     /// [`SessionError::Install`] for a missing `config.json` or an unknown `model_type`.
     pub fn load(install: &Path) -> Result<Self, SessionError> {
+        Self::load_with(install, false)
+    }
+
+    /// [`TextSide::load`] for a caller that opens the same install with the full SHA-256 check
+    /// ([`mference_format::VerifyPolicy::FullSha256`]) beside it and stops if that fails: the
+    /// tokenizer cache is bound to the manifest's digest of `tokenizer.json` (which that check
+    /// holds the file to) instead of a second hash of its ~33 MB here. Errors: those of
+    /// [`TextSide::load`], and [`SessionError::Install`] for a manifest that cannot be read.
+    pub fn load_beside_check(install: &Path) -> Result<Self, SessionError> {
+        Self::load_with(install, true)
+    }
+
+    fn load_with(install: &Path, manifest_digest: bool) -> Result<Self, SessionError> {
         let dir = install.join("tokenizer");
-        let (tokenizer, cache) =
-            Tokenizer::from_dir_cached(&dir, &install.join(mference_format::TOKENIZER_CACHE_FILE))?;
+        let digest = match manifest_digest {
+            true => tokenizer_json_digest(install)?,
+            false => None,
+        };
+        let (tokenizer, cache) = Tokenizer::from_dir_cached(
+            &dir,
+            &install.join(mference_format::TOKENIZER_CACHE_FILE),
+            digest.as_deref(),
+        )?;
         let template = match ChatTemplate::from_dir(&dir) {
             Ok(t) => Some(t),
             Err(TextError::NoChatTemplate(_)) => None,

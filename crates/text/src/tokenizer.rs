@@ -33,7 +33,7 @@ impl Tokenizer {
     /// when it cannot be read, [`TextError::TokenizerLoad`] when it is not a valid HF tokenizer,
     /// [`TextError::Json`] when `tokenizer_config.json` is not valid JSON.
     pub fn from_dir(dir: &Path) -> Result<Self, TextError> {
-        let (path, bytes) = read_tokenizer_json(dir)?;
+        let (path, bytes) = read_tokenizer_json(dir, true)?;
         Self::with_config(dir, parse_json(&path, &bytes)?)
     }
 
@@ -43,15 +43,28 @@ impl Tokenizer {
     /// file and a rename, so a reader never sees half of one). The tokenizer is the same either
     /// way; the [`TokenizerCache`] says which way it came.
     ///
+    /// `json_sha256`: the SHA-256 (hex) of `tokenizer.json` when the caller checks the file
+    /// against it itself (an install's manifest digest, under a check that runs beside this
+    /// and stops the caller if it fails); `None`: the file is hashed here.
+    ///
     /// Errors: those of [`Tokenizer::from_dir`]; a cache that cannot be read or written is not
     /// an error (the tokenizer is parsed from `tokenizer.json`, and the outcome says why).
-    pub fn from_dir_cached(dir: &Path, cache: &Path) -> Result<(Self, TokenizerCache), TextError> {
-        // tokenizer.json is hashed while the cache is read and built (the two take about as
-        // long as each other on two cores); the cache is used only if the digests then agree.
+    pub fn from_dir_cached(
+        dir: &Path,
+        cache: &Path,
+        json_sha256: Option<&str>,
+    ) -> Result<(Self, TokenizerCache), TextError> {
+        // tokenizer.json is hashed (unless its digest is given: then only its presence is
+        // checked now, and its bytes are read if the cache is not used) while the cache is read
+        // and built; the cache is used only if the digests then agree.
         let (json, cached) = std::thread::scope(|s| {
-            let json = s.spawn(|| {
-                read_tokenizer_json(dir)
-                    .map(|(path, bytes)| (path, mference_format::hash::sha256_hex(&bytes), bytes))
+            let json = s.spawn(|| match json_sha256 {
+                Some(d) => read_tokenizer_json(dir, false)
+                    .map(|(path, _)| (path, d.to_ascii_lowercase(), None)),
+                None => read_tokenizer_json(dir, true).map(|(path, bytes)| {
+                    let sha = mference_format::hash::sha256_hex(&bytes);
+                    (path, sha, Some(bytes))
+                }),
             });
             let cached = match std::fs::read(cache) {
                 Ok(c) => Some(tokenizer_cache::decode(&c)),
@@ -71,6 +84,10 @@ impl Tokenizer {
             Some(Ok(_)) => Some(tokenizer_cache::Stale::OtherSource),
             Some(Err(why)) => Some(why),
             None => None,
+        };
+        let bytes = match bytes {
+            Some(b) => b,
+            None => read_tokenizer_json(dir, true)?.1,
         };
         // The cache's form is made while the `tokenizers` crate parses the same bytes; it is
         // written only if that parse succeeds.
@@ -179,10 +196,15 @@ pub enum TokenizerCache {
     NotWritten(String),
 }
 
-/// `dir/tokenizer.json`'s path and bytes.
-fn read_tokenizer_json(dir: &Path) -> Result<(PathBuf, Vec<u8>), TextError> {
+/// `dir/tokenizer.json` and its bytes (`read`), or only whether it is there (`!read`: no
+/// bytes), with the error that says why it cannot be had.
+fn read_tokenizer_json(dir: &Path, read: bool) -> Result<(PathBuf, Vec<u8>), TextError> {
     let path = dir.join("tokenizer.json");
-    match std::fs::read(&path) {
+    let got = match read {
+        true => std::fs::read(&path),
+        false => std::fs::metadata(&path).map(|_| Vec::new()),
+    };
+    match got {
         Ok(bytes) => Ok((path, bytes)),
         Err(source) if source.kind() != std::io::ErrorKind::NotFound => {
             Err(TextError::Io { path, source })

@@ -22,13 +22,13 @@ fn cache_matches_json(family: Family) {
     let dir = tokenizer_dir(family);
     let tmp = tempfile::tempdir().unwrap();
     let cache = tmp.path().join("cache/tokenizer.bin");
-    let (parsed, first) = Tokenizer::from_dir_cached(&dir, &cache).unwrap();
+    let (parsed, first) = Tokenizer::from_dir_cached(&dir, &cache, None).unwrap();
     assert_eq!(
         first,
         TokenizerCache::Written { replaced: None },
         "{family:?}"
     );
-    let (cached, second) = Tokenizer::from_dir_cached(&dir, &cache).unwrap();
+    let (cached, second) = Tokenizer::from_dir_cached(&dir, &cache, None).unwrap();
     assert_eq!(second, TokenizerCache::Used, "{family:?}");
     assert!(
         parsed.inner.to_string(false).unwrap() == cached.inner.to_string(false).unwrap(),
@@ -106,7 +106,7 @@ fn a_stale_or_damaged_cache_is_rebuilt_never_used() {
     let dir = tmp.path();
     let cache = dir.join("cache/tokenizer.bin");
     write_tiny(dir, json!([["a", "b"], ["ab", "c"]]), 6);
-    let load = || Tokenizer::from_dir_cached(dir, &cache).unwrap();
+    let load = || Tokenizer::from_dir_cached(dir, &cache, None).unwrap();
     let reference = || Tokenizer::from_dir(dir).unwrap();
 
     assert_eq!(load().1, TokenizerCache::Written { replaced: None });
@@ -160,10 +160,10 @@ fn legacy_merge_lines_are_cached_like_pairs() {
     let cache = dir.join("tokenizer.bin");
     write_tiny(dir, json!(["#version: 0.2", "a b", "ab c"]), 6);
     assert_eq!(
-        Tokenizer::from_dir_cached(dir, &cache).unwrap().1,
+        Tokenizer::from_dir_cached(dir, &cache, None).unwrap().1,
         TokenizerCache::Written { replaced: None }
     );
-    let (t, how) = Tokenizer::from_dir_cached(dir, &cache).unwrap();
+    let (t, how) = Tokenizer::from_dir_cached(dir, &cache, None).unwrap();
     assert_eq!(how, TokenizerCache::Used);
     assert_eq!(
         serialized(&t),
@@ -178,7 +178,7 @@ fn an_unwritable_cache_or_a_model_without_one_still_loads_from_json() {
     write_tiny(dir, json!([["a", "b"], ["ab", "c"]]), 6);
     // The cache's folder is a file: nothing can be written there.
     std::fs::write(dir.join("cache"), b"").unwrap();
-    let (t, how) = Tokenizer::from_dir_cached(dir, &dir.join("cache/tokenizer.bin")).unwrap();
+    let (t, how) = Tokenizer::from_dir_cached(dir, &dir.join("cache/tokenizer.bin"), None).unwrap();
     assert!(matches!(how, TokenizerCache::NotWritten(_)), "{how:?}");
     assert_eq!(
         serialized(&t),
@@ -190,7 +190,7 @@ fn an_unwritable_cache_or_a_model_without_one_still_loads_from_json() {
                     "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null, "decoder": null,
                     "model": {"type": "WordLevel", "vocab": {"[UNK]": 0, "hi": 1}, "unk_token": "[UNK]"}});
     std::fs::write(dir.join("tokenizer.json"), wl.to_string()).unwrap();
-    let (t, how) = Tokenizer::from_dir_cached(dir, &dir.join("other.bin")).unwrap();
+    let (t, how) = Tokenizer::from_dir_cached(dir, &dir.join("other.bin"), None).unwrap();
     assert!(matches!(how, TokenizerCache::NotCacheable(_)), "{how:?}");
     assert_eq!(t.encode("hi there", false).unwrap(), [1, 0]);
     assert!(!dir.join("other.bin").exists());
@@ -202,9 +202,9 @@ fn no_tokenizer_json_is_an_error_even_with_a_cache() {
     let dir = tmp.path();
     let cache = dir.join("tokenizer.bin");
     write_tiny(dir, json!([["a", "b"]]), 6);
-    Tokenizer::from_dir_cached(dir, &cache).unwrap();
+    Tokenizer::from_dir_cached(dir, &cache, None).unwrap();
     std::fs::remove_file(dir.join("tokenizer.json")).unwrap();
-    let e = Tokenizer::from_dir_cached(dir, &cache).unwrap_err();
+    let e = Tokenizer::from_dir_cached(dir, &cache, None).unwrap_err();
     assert!(matches!(e, crate::TextError::NoTokenizer { .. }), "{e}");
 }
 
@@ -216,14 +216,14 @@ fn a_tokenizer_json_the_manifest_lists_is_named_as_missing_not_as_never_installe
     let cache = dir.join("tokenizer.bin");
     write_tiny(&dir, json!([["a", "b"]]), 6);
     std::fs::remove_file(dir.join("tokenizer.json")).unwrap();
-    let e = Tokenizer::from_dir_cached(&dir, &cache).unwrap_err();
+    let e = Tokenizer::from_dir_cached(&dir, &cache, None).unwrap_err();
     assert!(matches!(e, crate::TextError::NoTokenizer { .. }), "{e}");
     std::fs::write(
         tmp.path().join("manifest.json"),
         json!({"files": {"tokenizer/tokenizer.json": {"bytes": 1}}}).to_string(),
     )
     .unwrap();
-    let e = Tokenizer::from_dir_cached(&dir, &cache).unwrap_err();
+    let e = Tokenizer::from_dir_cached(&dir, &cache, None).unwrap_err();
     assert!(
         matches!(e, crate::TextError::TokenizerMissing { .. }),
         "{e}"
@@ -233,4 +233,46 @@ fn a_tokenizer_json_the_manifest_lists_is_named_as_missing_not_as_never_installe
             .contains("the install is incomplete or damaged"),
         "{e}"
     );
+}
+
+/// With the digest of `tokenizer.json` given by the caller (an install's manifest digest, checked
+/// beside the load), the cache is bound to that digest: a cache made under another digest is
+/// replaced, one made under the same is used, and the tokenizer is the file's either way.
+#[test]
+fn a_given_digest_binds_the_cache_as_the_files_own_hash_does() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let cache = dir.join("tokenizer.bin");
+    write_tiny(dir, json!([["a", "b"], ["ab", "c"]]), 6);
+    let own =
+        mference_format::hash::sha256_hex(&std::fs::read(dir.join("tokenizer.json")).unwrap());
+    let reference = serialized(&Tokenizer::from_dir(dir).unwrap());
+    // Made under the file's own hash, then loaded under another digest: not used.
+    Tokenizer::from_dir_cached(dir, &cache, None).unwrap();
+    let other = "0".repeat(64);
+    let (t, how) = Tokenizer::from_dir_cached(dir, &cache, Some(&other)).unwrap();
+    assert!(
+        matches!(&how, TokenizerCache::Written { replaced: Some(w) } if w.contains("other")),
+        "{how:?}"
+    );
+    assert_eq!(serialized(&t), reference);
+    // Now bound to that digest: used under it, replaced under the file's own hash.
+    assert_eq!(
+        Tokenizer::from_dir_cached(dir, &cache, Some(&other))
+            .unwrap()
+            .1,
+        TokenizerCache::Used
+    );
+    assert!(matches!(
+        Tokenizer::from_dir_cached(dir, &cache, Some(&own.to_uppercase()))
+            .unwrap()
+            .1,
+        TokenizerCache::Written { replaced: Some(_) }
+    ));
+    let (t, how) = Tokenizer::from_dir_cached(dir, &cache, Some(&own)).unwrap();
+    assert_eq!(how, TokenizerCache::Used);
+    assert_eq!(serialized(&t), reference);
+    // The file must still be there, as without a digest.
+    std::fs::remove_file(dir.join("tokenizer.json")).unwrap();
+    assert!(Tokenizer::from_dir_cached(dir, &cache, Some(&own)).is_err());
 }
