@@ -52,6 +52,10 @@ pub(crate) const ATTN_MAX_SPLITS: usize = 16;
 /// items per block.
 pub(crate) const AT_WARPS: u32 = 4;
 pub(crate) const AT_ITEMS: usize = 16;
+/// `gated_delta_rule` (ops/recurrent.cu `GDR_COLS`, `GDR_WARPS`): state columns a lane keeps
+/// (`head_k_dim <= 32 * GDR_COLS`), warps (state rows) per block.
+pub(crate) const GDR_COLS: usize = 8;
+pub(crate) const GDR_WARPS: usize = 8;
 /// Most experts per token the router kernel keeps per row.
 pub(crate) const ROUTE_MAX_K: usize = 64;
 /// Most experts `route_one` holds in shared memory (ops/router.cu `ROUTE_ONE_MAX_N`).

@@ -1,4 +1,4 @@
-//! The decode products (`qmv`) of crates/cuda/src/ops/quant.cu run on the CPU: tools/cuda-emu
+//! The decode products (`qmv`) of crates/cuda/src/ops/quant.cu, and the delta rule of ops/recurrent.cu, run on the CPU: tools/cuda-emu
 //! builds the kernel's own source with g++ against a stand-in for the CUDA built-ins (one thread per CUDA thread, a barrier
 //! for the shuffles) and checks every bit width, group, lane count and code alignment against a
 //! double-precision product, and the gated launch bit-equal to its two one-matrix products. This
@@ -50,4 +50,38 @@ fn qmv_kernels_match_a_double_precision_product_on_the_cpu() {
             "QV_R {rows}, QV_U {unroll}: {cases} of 40 cases passed:\n{text}"
         );
     }
+}
+
+/// ops/recurrent.cu's `gated_delta_rule` (one warp per state row) on the CPU through the same
+/// stand-in: against a double-precision delta rule on five head shapes, the state carried over
+/// calls of 4, 1 and 3 rows, and those calls bit-equal to one call of 8 (tools/cuda-emu/gdr_emu.cpp).
+#[test]
+fn the_delta_rule_kernel_matches_a_double_precision_recurrence_on_the_cpu() {
+    let cxx = std::env::var("CXX").unwrap_or_else(|_| "g++".into());
+    if Command::new(&cxx).arg("--version").output().is_err() {
+        eprintln!("skipped the delta rule emulation: no C++ compiler ({cxx})");
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let exe = dir.path().join("gdr_emu");
+    let built = Command::new(&cxx)
+        .args(["-std=c++20", "-O1", "-pthread", "-I"])
+        .arg(repo().join("crates/cuda/src/ops"))
+        .arg(repo().join("tools/cuda-emu/gdr_emu.cpp"))
+        .arg("-o")
+        .arg(&exe)
+        .output()
+        .expect("run the C++ compiler");
+    assert!(
+        built.status.success(),
+        "building the delta rule emulation failed:\n{}",
+        String::from_utf8_lossy(&built.stderr)
+    );
+    let out = Command::new(&exe).output().expect("run the emulation");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let cases = text.lines().filter(|l| l.starts_with("ok")).count();
+    assert!(
+        out.status.success() && cases == 5,
+        "{cases} of 5 cases passed:\n{text}"
+    );
 }

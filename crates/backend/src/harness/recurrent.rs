@@ -46,13 +46,29 @@ pub(crate) fn recurrent_ops<B: Backend>(h: &mut Harness<B>, rng: &mut Rng) {
             }
         }
     }
-    // Gates and the delta rule, continued across calls.
-    let s = DeltaShape {
-        n_k_heads: 2,
-        n_v_heads: 4,
-        head_k_dim: 16,
-        head_v_dim: 8,
-    };
+    // Gates and the delta rule, continued across calls: a small shape (head_k_dim under a
+    // warp) and Qwen 3.6 35B-A3B's (16 key heads, 32 value heads, 128 x 128 per head).
+    for s in [
+        DeltaShape {
+            n_k_heads: 2,
+            n_v_heads: 4,
+            head_k_dim: 16,
+            head_v_dim: 8,
+        },
+        DeltaShape {
+            n_k_heads: 16,
+            n_v_heads: 32,
+            head_k_dim: 128,
+            head_v_dim: 128,
+        },
+    ] {
+        delta_rule_case(h, rng, s);
+    }
+}
+
+/// `delta_gates` then `gated_delta_rule` over calls of 4, 1 and 3 rows of shape `s`, the state
+/// carried from call to call, against the reference.
+fn delta_rule_case<B: Backend>(h: &mut Harness<B>, rng: &mut Rng, s: DeltaShape) {
     let nv = s.n_v_heads;
     let a = rng
         .vec(nv, 1.0)
@@ -112,7 +128,7 @@ pub(crate) fn recurrent_ops<B: Backend>(h: &mut Harness<B>, rng: &mut Rng) {
         ref_ds = next;
         if let Some(got) = h.read(&o) {
             h.expect_close(
-                &format!("gated_delta_rule {t} rows"),
+                &format!("gated_delta_rule {t} rows, {s:?}"),
                 &got,
                 &want,
                 EXACT_REL,

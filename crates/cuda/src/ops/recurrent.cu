@@ -38,34 +38,94 @@ extern "C" __global__ void delta_gates(const float* b, const float* alpha, const
 }
 
 // The gated delta rule (mlx-lm gated_delta.py): per row, S <- g S; u = (v - S k) beta;
-// S <- S + u k^T; o = S q. One block per value head, one thread per state row (head_v_dim rows
-// of head_k_dim); state [nv, dv, dk], q/k [T, nk, dk], v/out [T, nv, dv], g/beta [T, nv].
-extern "C" __global__ void gated_delta_rule(const float* q, const float* k, const float* v,
-                                            const float* g, const float* beta, float* state,
-                                            int t_rows, int nk, int nv, int dk, int dv,
-                                            float* out) {
-    int h = blockIdx.x;
+// S <- S + u k^T; o = S q. The dv rows of a head's state are independent of each other, so each
+// is one warp's: lane l keeps columns l, l + 32, ... (head_k_dim <= 32 * GDR_COLS) in registers
+// for all t_rows steps, and S k and S q are a lane's partial sums then a butterfly over the warp
+// (the same operations at every step, whatever t_rows: a row's result does not depend on the
+// chunk it was computed in). The next step's k, q, v and gates are loaded before this step's
+// reductions. state [nv, dv, dk], q/k [T, nk, dk], v/out [T, nv, dv], g/beta [T, nv]; one warp
+// per (head, state row), blocks of GDR_WARPS warps.
+#define GDR_COLS 8
+#define GDR_WARPS 8
+template <int C>
+__device__ __forceinline__ void gdr_row(const float* q, const float* k, const float* v,
+                                        const float* g, const float* beta, float* state,
+                                        int t_rows, int nk, int nv, int dk, int dv, float* out,
+                                        int w, int lane) {
+    int h = w / dv, i = w % dv;
     int kh = h / (nv / nk);
-    for (int i = threadIdx.x; i < dv; i += blockDim.x) {
-        float* row = state + ((u64)h * dv + i) * dk;
-        for (int r = 0; r < t_rows; ++r) {
-            const float* qr = q + ((u64)r * nk + kh) * dk;
-            const float* kr = k + ((u64)r * nk + kh) * dk;
-            float gr = g[(u64)r * nv + h], br = beta[(u64)r * nv + h];
-            float sk = 0.0f;
-            for (int c = 0; c < dk; ++c) {
-                float s = row[c] * gr;
-                row[c] = s;
-                sk += s * kr[c];
+    float* row = state + ((u64)h * dv + i) * dk;
+    float s[C], kc[C], qc[C];
+#pragma unroll
+    for (int j = 0; j < C; ++j) {
+        int c = lane + 32 * j;
+        s[j] = c < dk ? row[c] : 0.0f;
+    }
+    // Step r's operands, loaded one step ahead.
+    auto load = [&](int r, float* kr, float* qr, float& gr, float& br, float& vr) {
+        const float* kp = k + ((u64)r * nk + kh) * dk;
+        const float* qp = q + ((u64)r * nk + kh) * dk;
+#pragma unroll
+        for (int j = 0; j < C; ++j) {
+            int c = lane + 32 * j;
+            kr[j] = c < dk ? kp[c] : 0.0f;
+            qr[j] = c < dk ? qp[c] : 0.0f;
+        }
+        gr = g[(u64)r * nv + h];
+        br = beta[(u64)r * nv + h];
+        vr = v[((u64)r * nv + h) * dv + i];
+    };
+    float gr = 0.0f, br = 0.0f, vr = 0.0f;
+    if (t_rows > 0) load(0, kc, qc, gr, br, vr);
+    for (int r = 0; r < t_rows; ++r) {
+        float kn[C], qn[C], gn = 0.0f, bn = 0.0f, vn = 0.0f;
+        if (r + 1 < t_rows) load(r + 1, kn, qn, gn, bn, vn);
+        float sk = 0.0f;
+#pragma unroll
+        for (int j = 0; j < C; ++j) {
+            s[j] *= gr;
+            sk = fmaf(s[j], kc[j], sk);
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) sk += __shfl_xor_sync(0xffffffffu, sk, o);
+        float u = (vr - sk) * br;
+        float acc = 0.0f;
+#pragma unroll
+        for (int j = 0; j < C; ++j) {
+            s[j] = fmaf(u, kc[j], s[j]);
+            acc = fmaf(s[j], qc[j], acc);
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+        if (lane == 0) out[((u64)r * nv + h) * dv + i] = acc;
+        if (r + 1 < t_rows) {
+#pragma unroll
+            for (int j = 0; j < C; ++j) {
+                kc[j] = kn[j];
+                qc[j] = qn[j];
             }
-            float u = (v[((u64)r * nv + h) * dv + i] - sk) * br;
-            float o = 0.0f;
-            for (int c = 0; c < dk; ++c) {
-                float s = row[c] + u * kr[c];
-                row[c] = s;
-                o += s * qr[c];
-            }
-            out[((u64)r * nv + h) * dv + i] = o;
+            gr = gn;
+            br = bn;
+            vr = vn;
         }
     }
+#pragma unroll
+    for (int j = 0; j < C; ++j) {
+        int c = lane + 32 * j;
+        if (c < dk) row[c] = s[j];
+    }
+}
+
+// C = the columns a lane keeps: head_k_dim / 32 rounded up to 1, 2, 4 or 8 (checked on the host).
+extern "C" __global__ void __launch_bounds__(GDR_WARPS * 32)
+    gated_delta_rule(const float* q, const float* k, const float* v, const float* g,
+                     const float* beta, float* state, int t_rows, int nk, int nv, int dk, int dv,
+                     float* out) {
+    int w = blockIdx.x * GDR_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (w >= nv * dv) return;
+    int cols = (dk + 31) / 32;
+    if (cols <= 1) gdr_row<1>(q, k, v, g, beta, state, t_rows, nk, nv, dk, dv, out, w, lane);
+    else if (cols <= 2) gdr_row<2>(q, k, v, g, beta, state, t_rows, nk, nv, dk, dv, out, w, lane);
+    else if (cols <= 4) gdr_row<4>(q, k, v, g, beta, state, t_rows, nk, nv, dk, dv, out, w, lane);
+    else gdr_row<8>(q, k, v, g, beta, state, t_rows, nk, nv, dk, dv, out, w, lane);
 }

@@ -134,13 +134,19 @@ impl RecurrentOps for CudaBackend {
                 && q.rows == decay.rows,
             || format!("operands do not fit {s:?}"),
         )?;
+        check(op, dk <= 32 * GDR_COLS, || {
+            format!(
+                "head_k_dim {dk} (a warp keeps a state row: at most {})",
+                32 * GDR_COLS
+            )
+        })?;
         let mut out = self.tensor(op, q.rows, nv * dv)?;
         let (t, nki, nvi, dki, dvi) = (q.rows as i32, nk as i32, nv as i32, dk as i32, dv as i32);
         launch!(
             self,
             op,
             "gated_delta_rule",
-            blocks(nv, 128),
+            blocks((nv * dv).div_ceil(GDR_WARPS), 32 * GDR_WARPS as u32),
             &*q.buf,
             &*k.buf,
             &*v.buf,
