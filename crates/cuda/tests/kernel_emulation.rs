@@ -11,44 +11,52 @@ fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
-#[test]
-fn qmv_kernels_match_a_double_precision_product_on_the_cpu() {
+/// The C++ compiler (`CXX`, else g++), or `None` (said on stderr) when there is none.
+fn compiler(what: &str) -> Option<String> {
     let cxx = std::env::var("CXX").unwrap_or_else(|_| "g++".into());
     if Command::new(&cxx).arg("--version").output().is_err() {
-        eprintln!("skipped the qmv emulation: no C++ compiler ({cxx})");
-        return;
+        eprintln!("skipped the {what} emulation: no C++ compiler ({cxx})");
+        return None;
     }
+    Some(cxx)
+}
+
+/// Builds tools/cuda-emu/`src` with `defines` into `exe`, runs it, and returns its stdout once
+/// it exits with success and prints `cases` lines starting with "ok".
+fn build_and_run(cxx: &str, src: &str, defines: &[String], exe: &Path, cases: usize) {
+    let built = Command::new(cxx)
+        .args(["-std=c++20", "-O1", "-pthread"])
+        .args(defines)
+        .arg("-I")
+        .arg(repo().join("crates/cuda/src/ops"))
+        .arg(repo().join("tools/cuda-emu").join(src))
+        .arg("-o")
+        .arg(exe)
+        .output()
+        .expect("run the C++ compiler");
+    assert!(
+        built.status.success(),
+        "building {src} {defines:?} failed:\n{}",
+        String::from_utf8_lossy(&built.stderr)
+    );
+    let out = Command::new(exe).output().expect("run the emulation");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let ok = text.lines().filter(|l| l.starts_with("ok")).count();
+    assert!(
+        out.status.success() && ok == cases,
+        "{src} {defines:?}: {ok} of {cases} cases passed:\n{text}"
+    );
+}
+
+#[test]
+fn qmv_kernels_match_a_double_precision_product_on_the_cpu() {
+    let Some(cxx) = compiler("qmv") else { return };
     let dir = tempfile::tempdir().expect("tempdir");
     // (QV_R, QV_U): every row count, and every unroll at the default rows.
     for (rows, unroll) in [(2, 1), (2, 2), (2, 4), (2, 8), (4, 2), (8, 2)] {
         let exe = dir.path().join(format!("qmv_emu_{rows}_{unroll}"));
-        let built = Command::new(&cxx)
-            .args([
-                "-std=c++20",
-                "-O1",
-                "-pthread",
-                &format!("-DQV_R={rows}"),
-                &format!("-DQV_U={unroll}"),
-                "-I",
-            ])
-            .arg(repo().join("crates/cuda/src/ops"))
-            .arg(repo().join("tools/cuda-emu/qmv_emu.cpp"))
-            .arg("-o")
-            .arg(&exe)
-            .output()
-            .expect("run the C++ compiler");
-        assert!(
-            built.status.success(),
-            "building the emulation (QV_R {rows}, QV_U {unroll}) failed:\n{}",
-            String::from_utf8_lossy(&built.stderr)
-        );
-        let out = Command::new(&exe).output().expect("run the emulation");
-        let text = String::from_utf8_lossy(&out.stdout);
-        let cases = text.lines().filter(|l| l.starts_with("ok")).count();
-        assert!(
-            out.status.success() && cases == 40,
-            "QV_R {rows}, QV_U {unroll}: {cases} of 40 cases passed:\n{text}"
-        );
+        let defines = [format!("-DQV_R={rows}"), format!("-DQV_U={unroll}")];
+        build_and_run(&cxx, "qmv_emu.cpp", &defines, &exe, 40);
     }
 }
 
@@ -57,31 +65,9 @@ fn qmv_kernels_match_a_double_precision_product_on_the_cpu() {
 /// calls of 4, 1 and 3 rows, and those calls bit-equal to one call of 8 (tools/cuda-emu/gdr_emu.cpp).
 #[test]
 fn the_delta_rule_kernel_matches_a_double_precision_recurrence_on_the_cpu() {
-    let cxx = std::env::var("CXX").unwrap_or_else(|_| "g++".into());
-    if Command::new(&cxx).arg("--version").output().is_err() {
-        eprintln!("skipped the delta rule emulation: no C++ compiler ({cxx})");
+    let Some(cxx) = compiler("delta rule") else {
         return;
-    }
+    };
     let dir = tempfile::tempdir().expect("tempdir");
-    let exe = dir.path().join("gdr_emu");
-    let built = Command::new(&cxx)
-        .args(["-std=c++20", "-O1", "-pthread", "-I"])
-        .arg(repo().join("crates/cuda/src/ops"))
-        .arg(repo().join("tools/cuda-emu/gdr_emu.cpp"))
-        .arg("-o")
-        .arg(&exe)
-        .output()
-        .expect("run the C++ compiler");
-    assert!(
-        built.status.success(),
-        "building the delta rule emulation failed:\n{}",
-        String::from_utf8_lossy(&built.stderr)
-    );
-    let out = Command::new(&exe).output().expect("run the emulation");
-    let text = String::from_utf8_lossy(&out.stdout);
-    let cases = text.lines().filter(|l| l.starts_with("ok")).count();
-    assert!(
-        out.status.success() && cases == 5,
-        "{cases} of 5 cases passed:\n{text}"
-    );
+    build_and_run(&cxx, "gdr_emu.cpp", &[], &dir.path().join("gdr_emu"), 5);
 }

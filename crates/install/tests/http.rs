@@ -66,6 +66,8 @@ fn a_200_answer_to_a_ranged_request_is_an_error() {
     srv.push_fault(Fault::IgnoreRange);
     let err = common::install_from(&srv, &tmp.path().join("r.gturbo"), &opts()).unwrap_err();
     assert!(err.to_string().contains("200"), "{err}");
+    // An HTTP error names the URL it asked for once (it was also repeated in the detail).
+    assert_eq!(err.to_string().matches("http://").count(), 1, "{err}");
 }
 
 #[test]
