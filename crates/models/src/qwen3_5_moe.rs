@@ -333,10 +333,16 @@ fn delta_net<B: Backend>(
     let (nk, nv) = (cfg.linear_num_key_heads, cfg.linear_num_value_heads);
     let (dk, dv) = (cfg.linear_key_head_dim, cfg.linear_value_head_dim);
     let key_dim = nk * dk;
-    let mixed_qkv = one(be.matmul(&[&d.in_proj_qkv], Resident, a)?); // [T, conv_dim] = q | k | v
-    let z = one(be.matmul(&[&d.in_proj_z], Resident, a)?); // [T, n_v_heads · head_v_dim]
-    let b = one(be.matmul(&[&d.in_proj_b], Resident, a)?); // [T, n_v_heads]
-    let alpha = one(be.matmul(&[&d.in_proj_a], Resident, a)?); // [T, n_v_heads]
+    // The four input projections of `a` in one call (one launch where the backend groups them).
+    let mut p = be.matmul(
+        &[&d.in_proj_qkv, &d.in_proj_z, &d.in_proj_b, &d.in_proj_a],
+        Resident,
+        a,
+    )?;
+    let alpha = p.pop().expect("in_proj_a"); // [T, n_v_heads]
+    let b = p.pop().expect("in_proj_b"); // [T, n_v_heads]
+    let z = p.pop().expect("in_proj_z"); // [T, n_v_heads · head_v_dim]
+    let mixed_qkv = p.pop().expect("in_proj_qkv"); // [T, conv_dim] = q | k | v
 
     let conv_out = be.conv1d_silu(&mixed_qkv, conv, &d.conv1d, cfg.linear_conv_kernel_dim)?;
     let conv_dim = 2 * key_dim + nv * dv;
