@@ -425,8 +425,12 @@ fn sparse_moe<B: Backend>(
     ahead: Option<(&mut ExpertStreamer, &Routes, usize)>,
 ) -> Result<B::Tensor, ModelError> {
     let forced = engine.forced_routes(li, pos0, u.rows());
-    let (router_logits, spec) =
-        router(cfg, be, layer, u, engine.traces_router(), forced.as_deref())?;
+    // The router and the shared expert's gate in one call (one launch where the backend groups
+    // products of one shape: both are 8-bit in the pinned checkpoints).
+    let mut p = be.matmul(&[&layer.gate, &layer.shared_expert_gate], Resident, u)?;
+    let shared_gate = p.pop().expect("shared_expert_gate"); // [T, 1]
+    let router_logits = p.pop().expect("gate"); // [T, num_experts]
+    let spec = router_spec(cfg, engine.traces_router(), forced.as_deref());
     let ((), moe_out, margins) = moe::route_and_run(
         be,
         streamer,
@@ -440,7 +444,6 @@ fn sparse_moe<B: Backend>(
                 moe::prefetch_predicted(next, guess, n);
             }
             let mut shared = be.glu_mlp(&layer.shared_expert, Act::Silu, Resident, u)?;
-            let shared_gate = one(be.matmul(&[&layer.shared_expert_gate], Resident, u)?); // [T, 1]
             be.mul_rows_sigmoid(&mut shared, &shared_gate)?;
             Ok::<_, ModelError>(((), shared))
         },
@@ -461,7 +464,12 @@ fn router<'a, B: Backend>(
     forced: Option<&'a [usize]>,
 ) -> Result<(B::Tensor, RouterSpec<'a>), ModelError> {
     let logits = one(be.matmul(&[&layer.gate], Resident, u)?);
-    let spec = RouterSpec {
+    Ok((logits, router_spec(cfg, trace, forced)))
+}
+
+/// The router's scoring: softmax then top-k, renormalised when `norm_topk_prob`.
+fn router_spec<'a>(cfg: &Config, trace: bool, forced: Option<&'a [usize]>) -> RouterSpec<'a> {
+    RouterSpec {
         scoring: Scoring::TopKOfSoftmax {
             norm_topk_prob: cfg.norm_topk_prob,
         },
@@ -469,6 +477,5 @@ fn router<'a, B: Backend>(
         per_expert_scale: None,
         trace,
         forced,
-    };
-    Ok((logits, spec))
+    }
 }
