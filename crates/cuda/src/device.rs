@@ -4,12 +4,13 @@
 use crate::*;
 
 /// Every kernel of `ops/`, loaded at startup (a missing one fails [`CudaBackend::new`]).
-pub(crate) const KERNELS: [&str; 63] = [
+pub(crate) const KERNELS: [&str; 64] = [
     "all_finite",
     "matmul_bf16",
     "gather_rows",
     "gather_rows_many",
     "split_part",
+    "split_parts",
     "unary",
     "mul_cols",
     "mul_sigmoid",

@@ -116,6 +116,24 @@ pub(crate) struct ForcedIds {
 // SAFETY: a plain `repr(C)` u32 array, laid out as `struct ForcedIds` in ops/router.cu.
 unsafe impl cudarc::driver::DeviceRepr for ForcedIds {}
 
+/// Parts one `split_parts` launch writes (ops/elementwise.cu `SPLIT_PARTS`).
+pub(crate) const SPLIT_PARTS: usize = 4;
+
+/// The `SplitParts` argument of `split_parts`: each part's output address, its offset and length
+/// inside a group of columns, and the number of parts.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub(crate) struct SplitParts {
+    pub(crate) out: [u64; SPLIT_PARTS],
+    pub(crate) off: [i32; SPLIT_PARTS],
+    pub(crate) len: [i32; SPLIT_PARTS],
+    pub(crate) n: i32,
+}
+
+// SAFETY: plain `repr(C)` arrays and an i32, laid out as `struct SplitParts` in
+// ops/elementwise.cu.
+unsafe impl cudarc::driver::DeviceRepr for SplitParts {}
+
 /// Pre-norms one `rms_norm_add_pre` launch writes (ops/norm.cu `PRE_NORMS`).
 pub(crate) const PRE_NORMS: usize = 4;
 

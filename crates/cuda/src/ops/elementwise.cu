@@ -36,6 +36,29 @@ extern "C" __global__ void split_part(const float* x, u64 n_groups, int group, i
     }
 }
 
+// Up to SPLIT_PARTS parts of every group of `group` columns of x in one launch: part p (columns
+// off[p] .. off[p] + len[p] of each group) into out[p] (its groups one after another). One thread
+// per element of x.
+#define SPLIT_PARTS 4
+struct SplitParts {
+    u64 out[SPLIT_PARTS];
+    int off[SPLIT_PARTS];
+    int len[SPLIT_PARTS];
+    int n;
+};
+extern "C" __global__ void split_parts(const float* x, u64 n_groups, int group, SplitParts sp) {
+    FOR_EACH(i, n_groups * (u64)group) {
+        u64 g = i / group;
+        int c = (int)(i % group);
+        for (int p = 0; p < sp.n; ++p) {
+            if (c >= sp.off[p] && c < sp.off[p] + sp.len[p]) {
+                ((float*)sp.out[p])[g * sp.len[p] + (c - sp.off[p])] = x[i];
+                break;
+            }
+        }
+    }
+}
+
 // x <- op(x): 0 scale(a), 1 softcap(a), 2 clamp(a, b), 3 silu, 4 gelu-tanh, 5 sigmoid.
 extern "C" __global__ void unary(float* x, u64 n, int op, float a, float b) {
     FOR_EACH(i, n) {

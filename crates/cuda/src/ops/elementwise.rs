@@ -129,6 +129,32 @@ impl CudaBackend {
         let n_groups = (x.len() / group) as u64;
         let per_row = x.cols / group;
         let mut out = Vec::with_capacity(parts.len());
+        if parts.len() <= SPLIT_PARTS {
+            // One launch for every part.
+            let mut sp = SplitParts::default();
+            let mut off = 0usize;
+            for (i, &p) in parts.iter().enumerate() {
+                let t = self.uninit_tensor(op, x.rows, per_row * p)?;
+                sp.out[i] = self.addr(&*t.buf);
+                sp.off[i] = off as i32;
+                sp.len[i] = p as i32;
+                off += p;
+                out.push(t);
+            }
+            sp.n = parts.len() as i32;
+            let g = group as i32;
+            launch!(
+                self,
+                op,
+                "split_parts",
+                elems(x.len()),
+                &*x.buf,
+                &n_groups,
+                &g,
+                &sp
+            )?;
+            return Ok(out);
+        }
         let mut off = 0usize;
         for &p in parts {
             let mut t = self.uninit_tensor(op, x.rows, per_row * p)?;
