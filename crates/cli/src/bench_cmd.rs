@@ -8,6 +8,7 @@
 //! greedy token back (`--decode greedy`) or, like llama-bench's tg test, a pseudo-random id each
 //! step (`--decode forced`); every step computes the full head either way.
 
+use crate::notes::say;
 use std::path::PathBuf;
 use std::process::Command;
 use std::time::Instant;
@@ -106,7 +107,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     for (name, n) in &prompts {
         for i in 0..a.warmup + a.repeats {
             let warm = i < a.warmup;
-            eprintln!(
+            say!(
                 "[bench] {name} ({n} tokens) {} {}/{}",
                 if warm { "warmup" } else { "run" },
                 if warm { i + 1 } else { i - a.warmup + 1 },
@@ -304,7 +305,7 @@ fn child(a: &BenchArgs, n: usize) -> Result<Value> {
     let t_load = Instant::now();
     let mut model = mference_models::load(&a.model.model, &opts)?;
     let load_s = t_load.elapsed().as_secs_f64();
-    eprintln!(
+    say!(
         "[bench: loaded in {load_s:.2}s, device {}, expert cache {}, routing {}]",
         model.device(),
         model.engine().expert_cache(),

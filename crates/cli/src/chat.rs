@@ -1,5 +1,6 @@
 //! `run --chat`: the interactive loop, its slash commands and Ctrl-C.
 
+use crate::notes::say;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
@@ -38,15 +39,15 @@ pub(crate) fn chat(session: &mut Session, a: &RunArgs) -> Result<()> {
         let line = match input.read("> ")? {
             Line::Text(line) => line,
             Line::NotUtf8 => {
-                eprintln!("[that line is not valid UTF-8 text; nothing was sent, type it again]");
+                say!("[that line is not valid UTF-8 text; nothing was sent, type it again]");
                 continue;
             }
             Line::Eof => {
-                eprintln!(); // leave the terminal on a fresh line
+                say!(); // leave the terminal on a fresh line
                 return Ok(());
             }
             Line::Interrupted => {
-                eprintln!();
+                say!();
                 std::process::exit(130);
             }
         };
@@ -56,12 +57,12 @@ pub(crate) fn chat(session: &mut Session, a: &RunArgs) -> Result<()> {
             "/clear" => {
                 turns.clear();
                 session.clear();
-                eprintln!("[conversation cleared]");
+                say!("[conversation cleared]");
                 continue;
             }
             "/history" => {
                 for m in system.iter().chain(&turns) {
-                    eprintln!(
+                    say!(
                         "{}: {}",
                         m["role"].as_str().unwrap_or(""),
                         m["content"].as_str().unwrap_or("")
@@ -78,11 +79,11 @@ pub(crate) fn chat(session: &mut Session, a: &RunArgs) -> Result<()> {
                 continue;
             }
             "/think" => {
-                eprintln!("[use /think on or /think off]");
+                say!("[use /think on or /think off]");
                 continue;
             }
             cmd if cmd.starts_with('/') && !cmd.contains(char::is_whitespace) => {
-                eprintln!("[unknown command {cmd}: use {COMMANDS}]");
+                say!("[unknown command {cmd}: use {COMMANDS}]");
                 continue;
             }
             _ => {}
@@ -110,7 +111,7 @@ pub(crate) fn chat(session: &mut Session, a: &RunArgs) -> Result<()> {
                 Some(m) => format!(" (the model takes up to {m})"),
                 None => String::new(),
             };
-            eprintln!(
+            say!(
                 "[the message is {} tokens with the chat framing, which does not fit --max-context {} even alone{limit}; nothing was sent and the conversation is kept, try a shorter one]",
                 prompt.ids.len(),
                 a.max_context
@@ -118,7 +119,7 @@ pub(crate) fn chat(session: &mut Session, a: &RunArgs) -> Result<()> {
             continue;
         }
         for _ in 0..dropped {
-            eprintln!(
+            say!(
                 "[dropped the oldest message to fit --max-context {}]",
                 a.max_context
             );
@@ -149,9 +150,9 @@ fn set_think(text: &TextSide, think: &mut Option<Think>, to: Think) {
     match check_think(text, to) {
         Ok(()) => {
             *think = Some(to);
-            eprintln!("[thinking {}]", if to == Think::On { "on" } else { "off" });
+            say!("[thinking {}]", if to == Think::On { "on" } else { "off" });
         }
-        Err(e) => eprintln!("[{e}]"),
+        Err(e) => say!("[{e}]"),
     }
 }
 
@@ -182,7 +183,7 @@ impl Interrupt {
                         if g.load(Ordering::Relaxed) {
                             h.store(true, Ordering::Relaxed);
                         } else {
-                            eprintln!();
+                            say!();
                             std::process::exit(130);
                         }
                     }

@@ -1,6 +1,7 @@
 //! `install`, `verify`, `inspect`, `discard`: argument parsing and printing only; the work
 //! is in `mference-install`.
 
+use crate::notes::{out, say};
 use anyhow::{bail, Context};
 use clap::Args;
 use mference_install::checkpoint::Pin;
@@ -111,7 +112,7 @@ pub fn install(a: InstallArgs) -> anyhow::Result<()> {
             if a.model.is_none() {
                 // The original's default; say so, since a forgotten SOURCE starts a download,
                 // and at a terminal ask first (a pipe or script gets the default as before).
-                eprintln!(
+                say!(
                     "no SOURCE directory given: installing the default preset --model {name} ({} @ {}) over HTTP",
                     p.repo, p.revision
                 );
@@ -150,32 +151,33 @@ pub fn install(a: InstallArgs) -> anyhow::Result<()> {
 
 fn print_report(r: &InstallReport) {
     for w in &r.warnings {
-        eprintln!("warning: {w}");
+        say!("warning: {w}");
     }
     if r.dry_run {
-        println!("dry run: nothing written");
-        println!("family:            {}", r.family);
-        println!("source revision:   {}", r.source_revision);
-        println!("range requests:    {}", r.ranges_total);
-        println!("source bytes:      {}", r.source_bytes);
-        println!(
+        out!("dry run: nothing written");
+        out!("family:            {}", r.family);
+        out!("source revision:   {}", r.source_revision);
+        out!("range requests:    {}", r.ranges_total);
+        out!("source bytes:      {}", r.source_bytes);
+        out!(
             "output bytes:      {} (layout.json not counted)",
             r.output_bytes
         );
-        println!("resident entries:  {}", r.resident_entries);
-        println!(
+        out!("resident entries:  {}", r.resident_entries);
+        out!(
             "expert layers:     {} (stride {} bytes)",
-            r.expert_layers, r.expert_stride
+            r.expert_layers,
+            r.expert_stride
         );
-        println!("excluded tensors:  {}", r.excluded.len());
+        out!("excluded tensors:  {}", r.excluded.len());
         for n in &r.excluded {
-            println!("  {n}");
+            out!("  {n}");
         }
         for n in &r.notes {
-            println!("note: {n}");
+            out!("note: {n}");
         }
     } else {
-        println!(
+        out!(
             "installed {} ({} bytes): {} ranges fetched ({} bytes), {} reused from the journal",
             r.output.display(),
             r.output_bytes,
@@ -183,7 +185,7 @@ fn print_report(r: &InstallReport) {
             r.fetched_bytes,
             r.ranges_reused
         );
-        println!(
+        out!(
             "{}",
             source_check_line(&r.verified_files, &r.unverified_files, r.hashed_only_bytes)
         );
@@ -215,27 +217,28 @@ fn source_check_line(verified: &[String], unverified: &[String], hashed_only: u6
 
 pub fn verify(a: VerifyArgs) -> anyhow::Result<()> {
     let s = state::verify(&a.dir)?;
-    println!(
+    out!(
         "Verified manifest.json and the {} files it lists ({} bytes); wrote verified-install.json",
-        s.files, s.bytes
+        s.files,
+        s.bytes
     );
     Ok(())
 }
 
 pub fn inspect(a: InspectArgs) -> anyhow::Result<()> {
     let r = state::inspect(&a.dir)?;
-    println!("install: {}", r.out.display());
+    out!("install: {}", r.out.display());
     match &r.manifest {
         Some(m) => {
             let ar = &m.arch;
-            println!("model:   {} (family {})", m.model_id, ar.family);
-            println!(
+            out!("model:   {} (family {})", m.model_id, ar.family);
+            out!(
                 "arch:    {} layers, hidden {}, {} heads / {} kv (head_dim {}), vocab {}, {} experts top-{}, expert width {}",
                 ar.num_layers, ar.hidden_size, ar.num_heads, ar.num_kv_heads, ar.head_dim, ar.vocab_size,
                 ar.num_experts, ar.top_k_experts, ar.moe_intermediate_size
             );
             if let Some(q) = &m.quant {
-                println!(
+                out!(
                     "quant:   embedding {}b, attention {}b, router {}b, shared {}b, routed {}b (group {})",
                     q.embedding.weight_bits, q.attention.weight_bits, q.router.weight_bits,
                     q.shared_expert.weight_bits, q.routed_expert.weight_bits, q.routed_expert.group_size
@@ -246,7 +249,7 @@ pub fn inspect(a: InspectArgs) -> anyhow::Result<()> {
                 .get(mference_format::WEIGHTS_FILE)
                 .map(|f| f.size)
                 .unwrap_or(0);
-            println!(
+            out!(
                 "sizes:   {} bytes total, model_weights.bin {} bytes, {} expert layers × {} experts × {} bytes stride",
                 r.installed_bytes,
                 resident,
@@ -255,7 +258,7 @@ pub fn inspect(a: InspectArgs) -> anyhow::Result<()> {
                 m.expert_stride
             );
         }
-        None => println!("no complete install at this path"),
+        None => out!("no complete install at this path"),
     }
     let receipt = std::fs::read(r.out.join("verified-install.json"))
         .ok()
@@ -275,38 +278,38 @@ pub fn inspect(a: InspectArgs) -> anyhow::Result<()> {
                     .map(|r| mference_install::run::source_trust(r).to_string())
             })
             .unwrap_or_else(|| "not recorded".into());
-        println!("source:  {from}; source bytes {bytes}");
+        out!("source:  {from}; source bytes {bytes}");
     }
     let hint = r.partial_hint.as_deref().unwrap_or_default();
     match (&r.journal, r.partial) {
         (Some(j), _) if r.running => {
             let done: u64 = j.completed_ranges.iter().map(|c| c.source_bytes).sum();
-            println!(
+            out!(
                 "partial: an install from {}@{} is running now (another process holds its install lock): {} ranges done, {} of {} source bytes",
                 j.repo_id, j.requested_revision, j.completed_ranges.len(), done, j.total_source_bytes
             );
         }
         (None, true) if r.running => {
-            println!("partial: an install is running now (another process holds its lock)")
+            out!("partial: an install is running now (another process holds its lock)")
         }
         (Some(j), _) => {
             let done: u64 = j.completed_ranges.iter().map(|c| c.source_bytes).sum();
-            println!(
+            out!(
                 "partial: an interrupted install from {}@{}: {} ranges done, {} of {} source bytes; {hint}",
                 j.repo_id, j.requested_revision, j.completed_ranges.len(), done, j.total_source_bytes
             );
         }
         (None, true) => {
-            println!("partial: an interrupted install without a journal (it starts over); {hint}")
+            out!("partial: an interrupted install without a journal (it starts over); {hint}")
         }
-        (None, false) => println!("partial: none"),
+        (None, false) => out!("partial: none"),
     }
     Ok(())
 }
 
 pub fn discard(a: DiscardArgs) -> anyhow::Result<()> {
     if state::discard(&a.dir)? {
-        println!("discarded the saved partial install of {}", a.dir.display());
+        out!("discarded the saved partial install of {}", a.dir.display());
     } else {
         bail!("nothing to discard at {}", a.dir.display());
     }

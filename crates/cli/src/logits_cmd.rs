@@ -2,6 +2,7 @@
 //! and bit-identity checks against mlx-lm and against other builds. No tokenizer is involved, so
 //! it runs on installs made from checkpoints without tokenizer files.
 
+use crate::notes::say;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -226,7 +227,7 @@ pub fn logits(a: LogitsArgs) -> Result<()> {
     }
     tmp.persist(&a.out)
         .map_err(|e| anyhow::anyhow!("cannot rename into {}: {}", a.out.display(), e.error))?;
-    eprintln!(
+    say!(
         "[wrote {}: {} x {vocab} float32 logits, mode {}, kernels {}, device {}, {:.2}s]",
         a.out.display(),
         ids.len(),

@@ -2,6 +2,7 @@
 // The bench JSON record is one `json!` literal with more fields than the default macro depth.
 #![recursion_limit = "256"]
 
+use crate::notes::say;
 use clap::{Parser, Subcommand};
 
 mod bench_cmd;
@@ -78,7 +79,7 @@ fn main() -> std::process::ExitCode {
             }) {
                 return std::process::ExitCode::SUCCESS;
             }
-            eprintln!("error: {}", error_text(&e));
+            say!("error: {}", error_text(&e));
             std::process::ExitCode::FAILURE
         }
     }

@@ -15,11 +15,30 @@ pub(crate) fn quiet() -> bool {
     QUIET.load(Ordering::Relaxed)
 }
 
-/// `eprintln!` unless `--quiet` was given.
+/// `eprintln!` that never panics: a line stderr cannot take (a closed pipe, as in `install ... 2>&1
+/// | head`) is dropped and the command goes on.
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+pub(crate) use say;
+
+/// `println!` that never panics: a reader that has gone (`| head`) drops the line.
+macro_rules! out {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout(), $($arg)*);
+    }};
+}
+pub(crate) use out;
+
+/// [`say!`] unless `--quiet` was given.
 macro_rules! note {
     ($($arg:tt)*) => {
         if !$crate::notes::quiet() {
-            eprintln!($($arg)*);
+            $crate::notes::say!($($arg)*);
         }
     };
 }

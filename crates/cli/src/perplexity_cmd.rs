@@ -1,5 +1,6 @@
 //! `perplexity`: llama-perplexity's protocol over a text file.
 
+use crate::notes::say;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -84,7 +85,7 @@ pub fn perplexity(a: PerplexityArgs) -> Result<()> {
         &load_options(&a.model, a.ctx.clamp(32, 512).next_power_of_two(), a.ctx)?,
     )?;
     // The load line `run` prints: the device (and its kernel table) before the first chunk.
-    eprintln!(
+    say!(
         "[loaded {} in {:.2}s, device {}, expert cache {}; {chunks} chunks of {} tokens to score]",
         a.model.model.display(),
         t_load.elapsed().as_secs_f64(),
@@ -118,14 +119,14 @@ pub fn perplexity(a: PerplexityArgs) -> Result<()> {
                 count += 1;
             }
         }
-        eprintln!(
+        say!(
             "[chunk {}/{chunks}: running perplexity {:.4}]",
             c + 1,
             (nll / count as f64).exp()
         );
     }
     println!("perplexity: {:.4}", (nll / count as f64).exp());
-    eprintln!(
+    say!(
         "[{} chunks of {}, {} scored tokens, mean NLL {:.6}, {:.1}s, device {}, expert cache {}, kernels {}{}]",
         chunks,
         a.ctx,

@@ -1,6 +1,7 @@
 //! `run` (raw prompt, messages file, interactive chat), and the install helpers the other
 //! commands share.
 
+use crate::notes::say;
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -135,9 +136,9 @@ pub(crate) fn cache_note(text: &TextSide) {
     match &text.tokenizer_cache {
         Some(TokenizerCache::Written {
             replaced: Some(why),
-        }) => eprintln!("[tokenizer cache {why}: rebuilt from tokenizer.json]"),
+        }) => say!("[tokenizer cache {why}: rebuilt from tokenizer.json]"),
         Some(TokenizerCache::NotWritten(why)) => {
-            eprintln!("[tokenizer cache not written ({why}): every start parses tokenizer.json]")
+            say!("[tokenizer cache not written ({why}): every start parses tokenizer.json]")
         }
         _ => {}
     }
@@ -270,7 +271,7 @@ impl<W: Write> Terminal<'_, W> {
             } else {
                 ""
             };
-            eprintln!("{reset}");
+            say!("{reset}");
         }
     }
 }
@@ -342,7 +343,7 @@ pub(crate) fn reply(
     }
     out.flush()?;
     if a.show_ids {
-        eprintln!(
+        say!(
             "{}",
             serde_json::json!({"prompt": prompt, "generated": outcome.tokens})
         );
@@ -370,7 +371,7 @@ pub(crate) fn reply(
         } else {
             String::new()
         };
-        eprintln!(
+        say!(
             "\n[stop={stop} prefill={}tok/{:.2}s{cached} new={}tok decode={:.2}s tok/s={:.3}]",
             stats.prompt_tokens - stats.cached_tokens,
             stats.prefill.as_secs_f64(),
@@ -401,7 +402,7 @@ fn print_expert_stats(model: &dyn Model) {
         total.add(s);
         let n = s.hits + s.misses;
         if n > 0 {
-            eprintln!(
+            say!(
                 "[experts layer {l:02}: hits={} misses={} hit-rate={:.1}% read={:.1}MiB wait={:.3}s]",
                 s.hits,
                 s.misses,
@@ -412,7 +413,7 @@ fn print_expert_stats(model: &dyn Model) {
         }
     }
     let n = (total.hits + total.misses).max(1);
-    eprintln!(
+    say!(
         "[experts total: hits={} misses={} hit-rate={:.1}% read={:.1}MiB wait={:.3}s kv={:.1}MiB]",
         total.hits,
         total.misses,
@@ -486,7 +487,7 @@ pub fn run(a: RunArgs) -> Result<()> {
     let opts = load_options_for(&a.model, &install, chunk, a.max_context)?;
     let model = mference_models::load_install(install, &opts)?;
     if !a.quiet {
-        eprintln!(
+        say!(
             "[loaded {} (tokenizer, checks, weights) in {:.2}s, device {}, expert cache {}{}]",
             a.model.model.display(),
             t0.elapsed().as_secs_f64(),
@@ -501,7 +502,8 @@ pub fn run(a: RunArgs) -> Result<()> {
         Some((p, reasoning)) => {
             let never = AtomicBool::new(false);
             reply(&mut session, &p, reasoning, &a, &mut stdout.lock(), &never)?;
-            println!();
+            // A reader that has gone (`| head -c N`) is not an error here, as in the reply.
+            let _ = writeln!(stdout.lock());
         }
         None => crate::chat::chat(&mut session, &a)?,
     }

@@ -1,5 +1,6 @@
 //! `serve`: the OpenAI-compatible HTTP server (`mference-server`).
 
+use crate::notes::say;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
@@ -108,7 +109,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         .check_layer_files()
         .with_context(|| format!("checking the expert files of {}", a.model.model.display()))?;
     let loaded = t0.elapsed().as_secs_f64();
-    eprintln!(
+    say!(
         "[model on {}, expert cache {}; {files} expert layer files checked: {}]",
         model.device(),
         model.engine().expert_cache(),
@@ -125,7 +126,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         stop_on_signals: true,
     };
     let server = mference_server::start_on(model, text, cfg, listener)?;
-    eprintln!(
+    say!(
         "MferenceServer ready on http://{} model={model_id} context={} queue={} prompt-cache={} (loaded in {loaded:.2}s)",
         server.local_addr(),
         max_context,
@@ -134,6 +135,6 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     );
     // Returns after SIGTERM/SIGINT and the graceful shutdown (open streams end in-band).
     server.wait();
-    eprintln!("MferenceServer stopped");
+    say!("MferenceServer stopped");
     Ok(())
 }

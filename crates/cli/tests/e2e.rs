@@ -534,6 +534,86 @@ fn serve_shuts_down_gracefully_on_sigterm_and_sigint() {
     }
 }
 
+/// `serve 2>&1 | head -3`: once nothing reads its stderr, the server still answers generation
+/// requests (each logs a line it can no longer write) and still stops on SIGTERM; it used to drop
+/// every request's connection (a panic printing the log line) while `/health` said ok, and to
+/// ignore the signal. Likewise `run ... | head -c N` ends quietly.
+#[test]
+fn serve_and_run_survive_a_closed_output_pipe() {
+    use std::io::{BufRead, BufReader};
+    let model = demo_install().to_str().unwrap();
+    let mut child = Command::new(BIN)
+        .args([
+            "serve",
+            "--model",
+            model,
+            "--model-id",
+            "demo",
+            "--port",
+            "0",
+        ])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let addr: std::net::SocketAddr = loop {
+        let line = lines
+            .next()
+            .expect("serve ended before its ready line")
+            .unwrap();
+        if let Some(rest) = line.strip_prefix("MferenceServer ready on http://") {
+            break rest.split_whitespace().next().unwrap().parse().unwrap();
+        }
+    };
+    drop(lines); // the reader goes away, as `head` does
+    let body =
+        json!({"model": "demo", "prompt": "It is a truth", "max_tokens": 3, "temperature": 0});
+    for _ in 0..2 {
+        let (status, v) = post(addr, "/v1/completions", &body);
+        assert_eq!(status, 200, "{v}");
+        assert!(v["choices"][0]["text"].is_string(), "{v}");
+    }
+    let (status, _) = post(
+        addr,
+        "/v1/completions",
+        &json!({"model": "nope", "prompt": "x"}),
+    );
+    assert_eq!(status, 404);
+    Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let exit = loop {
+        if let Some(e) = child.try_wait().unwrap() {
+            break Some(e);
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(
+        exit.is_some(),
+        "serve ignored SIGTERM once its stderr was closed"
+    );
+
+    // `run` whose reader stops after a few bytes: no panic, no exit 101.
+    let out = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "'{BIN}' run --model '{model}' --prompt 'The king said' --max-new 30 --temperature 0.9 \
+             --seed 99 --quiet | head -c 10 >/dev/null"
+        ))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("panicked"), "{err}");
+}
+
 /// `serve` checks what a load can check before it says it is ready: a port in use fails before
 /// the model loads, and a damaged expert file fails the start (it used to print the ready line,
 /// answer `/health` ok and then fail every request).

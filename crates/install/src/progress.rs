@@ -36,7 +36,11 @@ impl Progress {
         match (&self.bar, self.mode) {
             (Some(b), _) => b.println(msg),
             (None, ProgressMode::Quiet) => {}
-            (None, _) => eprintln!("{msg}"),
+            // A closed stderr (`install ... 2>&1 | head`) drops the line; the install goes on.
+            (None, _) => {
+                use std::io::Write as _;
+                let _ = writeln!(std::io::stderr(), "{msg}");
+            }
         }
     }
 

@@ -198,7 +198,7 @@ fn log_rejected(st: &AppState, id: &str, received: Instant, e: &ApiError) {
         return;
     }
     st.live.rejected(e.status.as_u16());
-    eprintln!(
+    crate::log_line!(
         "{} request {id} rejected in {:.3}s status={} ({})",
         timestamp(),
         received.elapsed().as_secs_f64(),

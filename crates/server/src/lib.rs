@@ -20,6 +20,16 @@
 //!
 //! [`start`] binds, spawns the generation thread and the HTTP runtime, and returns a [`Server`].
 
+/// `eprintln!` that never panics: a line stderr cannot take (a closed pipe, as in `serve 2>&1 |
+/// head`) is dropped and the server goes on answering and stopping on signals.
+#[macro_export]
+macro_rules! log_line {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+
 mod api;
 mod error;
 #[doc(hidden)]
@@ -341,7 +351,7 @@ pub fn start_on(
                 let listener = match tokio::net::TcpListener::from_std(listener) {
                     Ok(l) => l,
                     Err(e) => {
-                        eprintln!("error: cannot register the listener: {e}");
+                        log_line!("error: cannot register the listener: {e}");
                         return;
                     }
                 };
@@ -351,7 +361,7 @@ pub fn start_on(
                             _ = term.recv() => "SIGTERM",
                             _ = int.recv() => "SIGINT",
                         };
-                        eprintln!(
+                        log_line!(
                             "{} received {name}: shutting down (no new connections; open requests end with server_shutting_down)",
                             worker::timestamp()
                         );
@@ -368,10 +378,10 @@ pub fn start_on(
                 tokio::select! {
                     res = serve => {
                         if let Err(e) = res {
-                            eprintln!("error: the HTTP server stopped: {e}");
+                            log_line!("error: the HTTP server stopped: {e}");
                         }
                     }
-                    _ = deadline => eprintln!(
+                    _ = deadline => log_line!(
                         "{} connections still open {}s after the shutdown began; closing them",
                         worker::timestamp(),
                         DRAIN.as_secs()

@@ -209,7 +209,7 @@ impl Sink for Events<'_> {
 impl Worker {
     fn handle(&mut self, job: Job) {
         if job.events.is_closed() {
-            eprintln!(
+            crate::log_line!(
                 "{} request {} cancelled while queued after {:.3}s",
                 timestamp(),
                 job.id,
@@ -244,7 +244,7 @@ impl Worker {
             Ok(d) => d.finish.as_str().to_string(),
             Err(e) => format!("error status={} ({})", e.status.as_u16(), e.message),
         };
-        eprintln!(
+        crate::log_line!(
             "{} request {} completed in {secs:.3}s prompt={} cached={} completion={} finish={finish}",
             timestamp(),
             job.id,
