@@ -4,7 +4,7 @@
 use crate::*;
 
 /// Every kernel of `ops/`, loaded at startup (a missing one fails [`CudaBackend::new`]).
-pub(crate) const KERNELS: [&str; 64] = [
+pub(crate) const KERNELS: [&str; 67] = [
     "all_finite",
     "matmul_bf16",
     "gather_rows",
@@ -59,10 +59,13 @@ pub(crate) const KERNELS: [&str; 64] = [
     "attention_tiled8_f32",
     "attention_tiled16_f32",
     "conv1d_silu",
+    "conv1d_silu_rows",
+    "conv1d_keep",
     "delta_gates",
     "gated_delta_rule",
     "route",
     "route_one",
+    "route_warps",
     "qmv_down_combine2",
     "qmv_down_combine4",
     "qmv_down_combine8",

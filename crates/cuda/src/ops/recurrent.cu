@@ -2,28 +2,58 @@
 
 // Depthwise causal conv + SiLU over x ([T, C]) continuing state ([kernel-1, C], the last pre-conv
 // rows): out[r, c] = silu(sum_j w[c, j] * seq[r + j, c]) with seq = state ++ x; then state <- the
-// last kernel-1 rows of seq. One thread per channel.
-extern "C" __global__ void conv1d_silu(const float* x, float* state, const float* w, int t_rows,
-                                       int channels, int kernel, float* out) {
-    int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= channels) return;
+// last kernel-1 rows of seq.
+
+// out[r, c] (conv_out's arithmetic in every kernel below, so decode's and prefill's bits agree).
+__device__ __forceinline__ float conv_out(const float* x, const float* state, const float* w,
+                                          int r, int c, int channels, int kernel) {
     int keep = kernel - 1;
-    for (int r = 0; r < t_rows; ++r) {
-        float acc = 0.0f;
-        for (int j = 0; j < kernel; ++j) {
-            int s = r + j;
-            float v = s < keep ? state[(u64)s * channels + c]
-                               : x[(u64)(s - keep) * channels + c];
-            acc += w[c * kernel + j] * v;
-        }
-        out[(u64)r * channels + c] = silu_f(acc);
+    float acc = 0.0f;
+    for (int j = 0; j < kernel; ++j) {
+        int s = r + j;
+        float v = s < keep ? state[(u64)s * channels + c] : x[(u64)(s - keep) * channels + c];
+        acc += w[c * kernel + j] * v;
     }
-    // Ascending i reads seq row t_rows + i > i before row i is overwritten.
+    return silu_f(acc);
+}
+
+// state <- the last kernel-1 rows of state ++ x, for channel c (ascending i reads seq row
+// t_rows + i > i before row i is overwritten).
+__device__ __forceinline__ void conv_keep(const float* x, float* state, int t_rows, int c,
+                                          int channels, int kernel) {
+    int keep = kernel - 1;
     for (int i = 0; i < keep; ++i) {
         int s = t_rows + i;
         state[(u64)i * channels + c] = s < keep ? state[(u64)s * channels + c]
                                                 : x[(u64)(s - keep) * channels + c];
     }
+}
+
+// Both, one thread per channel over the rows (decode's one row).
+extern "C" __global__ void conv1d_silu(const float* x, float* state, const float* w, int t_rows,
+                                       int channels, int kernel, float* out) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= channels) return;
+    for (int r = 0; r < t_rows; ++r)
+        out[(u64)r * channels + c] = conv_out(x, state, w, r, c, channels, kernel);
+    conv_keep(x, state, t_rows, c, channels, kernel);
+}
+
+// The outputs only, one thread per (row, channel) (a prefill chunk; conv1d_keep then moves the
+// state, in a second launch, after every output has read it).
+extern "C" __global__ void conv1d_silu_rows(const float* x, const float* state, const float* w,
+                                            int t_rows, int channels, int kernel, float* out) {
+    FOR_EACH(i, (u64)t_rows * channels) {
+        int r = (int)(i / channels), c = (int)(i % channels);
+        out[i] = conv_out(x, state, w, r, c, channels, kernel);
+    }
+}
+
+extern "C" __global__ void conv1d_keep(const float* x, float* state, int t_rows, int channels,
+                                       int kernel) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= channels) return;
+    conv_keep(x, state, t_rows, c, channels, kernel);
 }
 
 // beta = sigmoid(b), decay = exp(-a[h] * softplus(alpha + dt_bias[h])) over [T, nv].

@@ -59,6 +59,34 @@ impl RecurrentOps for CudaBackend {
         )?;
         let mut out = self.tensor(op, x.rows, c)?;
         let (t, ci, ki) = (x.rows as i32, c as i32, kernel as i32);
+        if x.rows > 1 {
+            // Every (row, channel) at once, then the state (the same bits as below).
+            launch!(
+                self,
+                op,
+                "conv1d_silu_rows",
+                elems(out.len()),
+                &*x.buf,
+                &state.buf,
+                &*w.buf,
+                &t,
+                &ci,
+                &ki,
+                &mut *out.buf
+            )?;
+            launch!(
+                self,
+                op,
+                "conv1d_keep",
+                elems(c),
+                &*x.buf,
+                &mut state.buf,
+                &t,
+                &ci,
+                &ki
+            )?;
+            return Ok(out);
+        }
         launch!(
             self,
             op,

@@ -197,3 +197,17 @@ extern "C" __global__ void route_one(const float* logits, int n, int k, int scor
     route_row_warp(logits, n, k, scoring, norm, base, pes_off, has_pes, forced.ids, has_forced,
                    ids, weights);
 }
+
+// route (no trace) for rows of logits [t_rows, n], one warp (block) per row: route_row_warp, so
+// route_row's bits (a prefill chunk's routing; `route`'s one thread per row left most of the
+// device idle). forced: t_rows * k ids when has_forced.
+extern "C" __global__ void route_warps(const float* logits, int t_rows, int n, int k, int scoring,
+                                       int norm, const unsigned char* base, u64 pes_off,
+                                       int has_pes, const u32* forced, int has_forced, u32* ids,
+                                       float* weights) {
+    int row = blockIdx.x;
+    if (row >= t_rows || threadIdx.x >= 32) return;
+    u64 at = (u64)row * k;
+    route_row_warp(logits + (u64)row * n, n, k, scoring, norm, base, pes_off, has_pes,
+                   forced + (has_forced ? at : 0), has_forced, ids + at, weights + at);
+}

@@ -40,9 +40,10 @@ impl CudaBackend {
         Ok(Routes { experts, margins })
     }
 
-    /// The `route` kernel over `logits`' rows (one thread each): ids, weight bits and margin
-    /// bits at the device addresses `ids_at`, `wts_at`, `margins_at`; `scratch` is a device
-    /// address the kernel never reads when no ids are forced.
+    /// The routing of `logits`' rows: ids, weight bits and margin bits at the device addresses
+    /// `ids_at`, `wts_at`, `margins_at` (margins only with `spec.trace`); `route_warps` (a warp
+    /// per row) without a trace, else `route` (a thread per row, margins too). `scratch` is a
+    /// device address the kernels never read when no ids are forced.
     #[allow(clippy::too_many_arguments)]
     fn route_rows(
         &self,
@@ -67,6 +68,28 @@ impl CudaBackend {
         let forced_at = forced.as_ref().map_or(scratch, |f| self.addr(f));
         let has_forced = spec.forced.is_some() as i32;
         let (ti, ni, ki) = (t as i32, n_exp as i32, k as i32);
+        if !spec.trace && n_exp <= ROUTE_ONE_MAX_N {
+            // A warp per row (route_row's bits), for every row of a prefill chunk.
+            return launch!(
+                self,
+                op,
+                "route_warps",
+                blocks(t, 32),
+                &*logits.buf,
+                &ti,
+                &ni,
+                &ki,
+                &scoring,
+                &norm,
+                &self.resident,
+                &pes_off,
+                &has_pes,
+                &forced_at,
+                &has_forced,
+                &ids_at,
+                &wts_at
+            );
+        }
         let trace = spec.trace as i32;
         launch!(
             self,
