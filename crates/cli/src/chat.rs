@@ -86,6 +86,14 @@ pub(crate) fn chat(session: &mut Session, a: &RunArgs) -> Result<()> {
                 say!("[unknown command {cmd}: use {COMMANDS}]");
                 continue;
             }
+            // A command word with other words after it (`/clear now`, `/think maybe`) is a
+            // mistyped command, not a message for the model.
+            cmd if ["/quit", "/exit", "/clear", "/history", "/think"]
+                .contains(&cmd.split_whitespace().next().unwrap_or("")) =>
+            {
+                say!("[{cmd} is not a command: use {COMMANDS}; nothing was sent]");
+                continue;
+            }
             _ => {}
         }
         // Drop the oldest turns until the prompt fits, never the system message or the newest

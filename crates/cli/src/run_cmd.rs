@@ -360,11 +360,14 @@ pub(crate) fn reply(
         Finish::ToolCalls => "toolCalls",
     };
     if !a.quiet {
+        // The first new token comes from the prompt's logits: the decode time covers the
+        // forward passes of the others (as llama.cpp's eval time), so the rate is theirs.
         let dec = stats.decode.as_secs_f64();
-        let tps = if dec > 0.0 {
-            stats.new_tokens as f64 / dec
+        let steps = stats.new_tokens.saturating_sub(1);
+        let tps = if dec > 0.0 && steps > 0 {
+            format!("{:.3}", steps as f64 / dec)
         } else {
-            0.0
+            "n/a".to_string()
         };
         let cached = if stats.cached_tokens > 0 {
             format!(" cached={}tok", stats.cached_tokens)
@@ -372,7 +375,7 @@ pub(crate) fn reply(
             String::new()
         };
         say!(
-            "\n[stop={stop} prefill={}tok/{:.2}s{cached} new={}tok decode={:.2}s tok/s={:.3}]",
+            "\n[stop={stop} prefill={}tok/{:.2}s{cached} new={}tok decode={:.2}s tok/s={}]",
             stats.prompt_tokens - stats.cached_tokens,
             stats.prefill.as_secs_f64(),
             stats.new_tokens,

@@ -416,6 +416,55 @@ fn chat_drops_the_oldest_turns_to_fit_but_keeps_system_and_newest_user() {
     );
 }
 
+/// A chat command with other words after it (`/think maybe`, `/clear now`, `/quit now`) is
+/// named as a mistyped command and sent nowhere (it used to go to the model as a message).
+#[test]
+fn chat_names_a_command_with_extra_words_and_sends_nothing() {
+    let out = chat_session(
+        "Be brief.",
+        4,
+        512,
+        "/think maybe\n/clear now\n/quit now\n/history\n/quit\n",
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    for cmd in ["/think maybe", "/clear now", "/quit now"] {
+        assert!(
+            err.contains(&format!("[{cmd} is not a command")),
+            "{cmd}: {err}"
+        );
+    }
+    assert!(
+        !err.contains("user: "),
+        "a command went to the model: {err}"
+    );
+    assert!(
+        out.stdout.is_empty(),
+        "a reply was written: {:?}",
+        out.stdout
+    );
+}
+
+/// `install --resume` where nothing was saved says so and installs from the start (a mistyped
+/// `--output` used to start over without a word).
+#[test]
+fn install_resume_with_nothing_saved_says_it_starts_anew() {
+    let work = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let out = work.path().join("fresh.gturbo");
+    let o = output_ok(
+        Command::new(BIN)
+            .args(["install", demo_source().to_str().unwrap(), "--output"])
+            .arg(&out)
+            .arg("--resume"),
+    );
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("--resume: no saved partial install of")
+            && err.contains("starting a new install"),
+        "{err}"
+    );
+    assert!(out.join("manifest.json").is_file(), "{err}");
+}
+
 /// A message that does not fit `--max-context` even alone is refused and leaves the conversation
 /// as it was: the turns dropped while trying to fit it come back.
 #[test]

@@ -288,6 +288,13 @@ fn install_locked(
             )
         })
         .collect::<Result<Vec<_>, _>>()?;
+    if opts.resume && !has_journal && !has_partial {
+        // A mistyped --output with --resume would otherwise start over unnoticed.
+        progress.stage(&format!(
+            "--resume: no saved partial install of {}; starting a new install",
+            paths.out.display()
+        ));
+    }
     let mut journal = if opts.resume && has_journal {
         let j = Journal::load(&paths.journal)?;
         check_resume_identity(&j, &fresh_journal, &paths.out)?;

@@ -419,6 +419,19 @@ fn template_kwargs(o: &Map<String, Value>) -> Result<Map<String, Value>, ApiErro
             ))
         }
     };
+    // The thinking switches are booleans: a template tests them for truth, so the string
+    // "false" would turn thinking on.
+    for switch in ["enable_thinking", "thinking"] {
+        if let Some(v) = kwargs
+            .get(switch)
+            .filter(|v| !v.is_boolean() && !v.is_null())
+        {
+            return Err(ApiError::param(
+                KW,
+                format!("`chat_template_kwargs.{switch}` must be true or false, got {v}"),
+            ));
+        }
+    }
     if let Some(effort) = field(o, "reasoning_effort") {
         let effort = effort.as_str().ok_or_else(|| {
             ApiError::param("reasoning_effort", "`reasoning_effort` must be a string")
@@ -571,6 +584,15 @@ mod tests {
             (
                 json!({"reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "high"}}),
                 "reasoning_effort",
+            ),
+            // A string switch would be true to the template whatever it says.
+            (
+                json!({"chat_template_kwargs": {"enable_thinking": "false"}}),
+                "chat_template_kwargs",
+            ),
+            (
+                json!({"chat_template_kwargs": {"thinking": 0}}),
+                "chat_template_kwargs",
             ),
         ] {
             let e = chat(bad.clone()).unwrap_err();
