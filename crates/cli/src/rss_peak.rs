@@ -150,16 +150,20 @@ mod tests {
         let base = current().expect("this kernel reports RssAnon / RssFile");
         let bytes = 64 * MIB as usize;
 
-        let mut anon = vec![0u8; bytes];
+        // A mapping of its own, not the heap: the allocator (mimalloc) may keep freed memory.
+        let mut anon = memmap2::MmapMut::map_anon(bytes).unwrap();
         for i in (0..bytes).step_by(4096) {
             anon[i] = 1;
         }
-        std::hint::black_box(&anon);
+        std::hint::black_box(&anon[..]);
         s.sample_now();
         drop(anon);
 
         let mut f = tempfile::tempfile().unwrap();
-        f.write_all(&vec![7u8; bytes]).unwrap();
+        let chunk = vec![7u8; MIB as usize]; // not 64 MiB of heap the allocator may keep
+        for _ in 0..bytes / MIB as usize {
+            f.write_all(&chunk).unwrap();
+        }
         // SAFETY: a private temporary file nobody else writes while it is mapped.
         let map = unsafe { memmap2::Mmap::map(&f).unwrap() };
         let mut sum = 0u64;
