@@ -4,12 +4,11 @@
 use crate::*;
 
 /// Every kernel of `ops/`, loaded at startup (a missing one fails [`CudaBackend::new`]).
-pub(crate) const KERNELS: [&str; 67] = [
+pub(crate) const KERNELS: [&str; 66] = [
     "all_finite",
     "matmul_bf16",
     "gather_rows",
     "gather_rows_many",
-    "split_part",
     "split_parts",
     "unary",
     "mul_cols",

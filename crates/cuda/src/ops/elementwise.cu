@@ -26,16 +26,6 @@ extern "C" __global__ void gather_rows_many(const float* x, u64 cols, const u64*
     }
 }
 
-// Part `part` (at offset `off` inside each group of `group` columns) of every group of x:
-// out[g, 0..part) = x[g, off..off+part) over the n_groups groups of all rows.
-extern "C" __global__ void split_part(const float* x, u64 n_groups, int group, int off, int part,
-                                      float* out) {
-    FOR_EACH(i, n_groups * (u64)part) {
-        u64 g = i / part, c = i % part;
-        out[i] = x[g * group + off + c];
-    }
-}
-
 // Up to SPLIT_PARTS parts of every group of `group` columns of x in one launch: part p (columns
 // off[p] .. off[p] + len[p] of each group) into out[p] (its groups one after another). One thread
 // per element of x.

@@ -129,11 +129,11 @@ impl CudaBackend {
         let n_groups = (x.len() / group) as u64;
         let per_row = x.cols / group;
         let mut out = Vec::with_capacity(parts.len());
-        if parts.len() <= SPLIT_PARTS {
-            // One launch for every part.
+        // One `split_parts` launch per SPLIT_PARTS parts (one launch for the families' splits).
+        let mut off = 0usize;
+        for chunk in parts.chunks(SPLIT_PARTS) {
             let mut sp = SplitParts::default();
-            let mut off = 0usize;
-            for (i, &p) in parts.iter().enumerate() {
+            for (i, &p) in chunk.iter().enumerate() {
                 let t = self.uninit_tensor(op, x.rows, per_row * p)?;
                 sp.out[i] = self.addr(&*t.buf);
                 sp.off[i] = off as i32;
@@ -141,7 +141,7 @@ impl CudaBackend {
                 off += p;
                 out.push(t);
             }
-            sp.n = parts.len() as i32;
+            sp.n = chunk.len() as i32;
             let g = group as i32;
             launch!(
                 self,
@@ -153,26 +153,6 @@ impl CudaBackend {
                 &g,
                 &sp
             )?;
-            return Ok(out);
-        }
-        let mut off = 0usize;
-        for &p in parts {
-            let mut t = self.uninit_tensor(op, x.rows, per_row * p)?;
-            let (g, o, pp) = (group as i32, off as i32, p as i32);
-            launch!(
-                self,
-                op,
-                "split_part",
-                elems(t.len()),
-                &*x.buf,
-                &n_groups,
-                &g,
-                &o,
-                &pp,
-                &mut *t.buf
-            )?;
-            out.push(t);
-            off += p;
         }
         Ok(out)
     }
