@@ -16,14 +16,8 @@ pub(crate) fn quiet() -> bool {
 }
 
 /// `eprintln!` that never panics: a line stderr cannot take (a closed pipe, as in `install ... 2>&1
-/// | head`) is dropped and the command goes on.
-macro_rules! say {
-    ($($arg:tt)*) => {{
-        use std::io::Write as _;
-        let _ = writeln!(std::io::stderr(), $($arg)*);
-    }};
-}
-pub(crate) use say;
+/// | head`) is dropped and the command goes on (the server's own log macro).
+pub(crate) use mference_server::log_line as say;
 
 /// `println!` that never panics: a reader that has gone (`| head`) drops the line.
 macro_rules! out {
