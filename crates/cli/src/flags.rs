@@ -51,8 +51,9 @@ pub struct ModelArgs {
     /// Kernel table: auto (the fastest exact one this CPU has), scalar, avx2, avx512 (the exact f32
     /// tables), avx512i16 (int16 activations in every 4-bit product: ~2x the prompt products and
     /// ~13% faster decode products than avx512, perplexity within 0.002% of it on the bundled
-    /// models, but off mlx-lm by up to 0.8 of max|logit| on random-weight Gemma checkpoints), or
-    /// avx512vnni (int8 activations in
+    /// models, but off mlx-lm by up to 0.8 of max|logit| on random-weight Gemma checkpoints), amx
+    /// (avx512i16's bits with its prompt products on AMX tiles, Intel Xeon from Sapphire Rapids
+    /// on), or avx512vnni (int8 activations in
     /// prefill: 1.5-2.2x the prompt speed on Gemma 26B, perplexity +0.1-0.4% on the bundled models; a
     /// prompt row's logits then depend on the chunk, so a seeded reply can change with the prompt
     /// cache). The rounded ones only for Gemma 4 and Qwen 3.6.
@@ -205,7 +206,7 @@ pub struct KernelTable(pub Option<&'static str>);
 
 impl KernelTable {
     /// Parses `auto` or the name of a kernel table this CPU runs (`scalar`, `avx2`, `avx512`,
-    /// `avx512vnni`); the error lists the ones it does.
+    /// `avx512i16`, `amx`, `avx512vnni`); the error lists the ones it does.
     pub fn parse(name: &str) -> Result<Self, String> {
         if name == "auto" {
             return Ok(Self(None));

@@ -39,6 +39,9 @@ pub struct Kernels {
     /// 4-bit products with group size 64/128 take int16 activations (`XLayout::Q16EvenOdd64`, and
     /// `XLayout::Q16Lanes16` from `Q16_MIN_ROWS` tokens), GEMV and GEMM alike.
     pub(crate) q16: bool,
+    /// With `q16`: the GEMM from `Q16_MIN_ROWS` tokens runs on AMX tiles (`XLayout::Q16Amx`), with
+    /// the same bits as the int16 GEMV.
+    pub(crate) amx: bool,
     /// What the table rounds beyond f32 arithmetic, in words for the load line; `None` for the
     /// exact tables (errors are f32 rounding only), the only ones `detect()` picks.
     pub(crate) rounding: Option<&'static str>,
@@ -68,6 +71,7 @@ static SCALAR: Kernels = Kernels {
     layout2: XLayout::Natural,
     q8: false,
     q16: false,
+    amx: false,
     rounding: None,
     gemv: scalar::gemv,
     gemm: scalar::gemm,
@@ -136,12 +140,14 @@ impl Kernels {
         v
     }
 
-    /// The table called `name` (`"scalar"`, `"avx2"`, `"avx512"`, `"avx512vnni"`), if this CPU supports it.
+    /// The table called `name` (`"scalar"`, `"avx2"`, `"avx512"`, `"avx512i16"`, `"amx"`,
+    /// `"avx512vnni"`), if this CPU supports it.
     pub fn by_name(name: &str) -> Option<&'static Kernels> {
         Self::available().into_iter().find(|k| k.name == name)
     }
 
-    /// Short name of this table: `"scalar"`, `"avx2"`, `"avx512"` or `"avx512vnni"`.
+    /// Short name of this table: `"scalar"`, `"avx2"`, `"avx512"`, `"avx512i16"`, `"amx"` or
+    /// `"avx512vnni"`.
     pub fn name(&self) -> &'static str {
         self.name
     }
@@ -149,6 +155,7 @@ impl Kernels {
     pub(crate) fn layout_for(&self, bits: u32, group_size: usize, n: usize) -> XLayout {
         match bits {
             4 if self.q8 && group_size.is_multiple_of(64) && n >= Q8_MIN_ROWS => XLayout::Q8Lanes16,
+            4 if self.amx && group_size.is_multiple_of(64) && n >= Q16_MIN_ROWS => XLayout::Q16Amx,
             4 if self.q16 && group_size.is_multiple_of(64) && n >= Q16_MIN_ROWS => {
                 XLayout::Q16Lanes16
             }

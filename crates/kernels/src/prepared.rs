@@ -28,6 +28,13 @@ pub(crate) enum XLayout {
     /// past `n` are zero), quantized as [`XLayout::Q16EvenOdd64`]; `qd` and `sums` are
     /// `[block][group][16 tokens]`. Only for at least `Q16_MIN_ROWS` tokens.
     Q16Lanes16,
+    /// int16 activations for the AMX GEMM (`amx` table, 4-bit only, from `Q16_MIN_ROWS` tokens):
+    /// the codes of [`XLayout::Q16EvenOdd64`] split exactly as `c = 256 · hi + lo` (`hi = c >> 8`
+    /// signed, `lo = c & 255` unsigned), each half stored as [`XLayout::Q8Lanes16`] stores its int8
+    /// codes (per block of 16 tokens and per 4 columns, 64 bytes `[token][4 columns]`, tokens past `n`
+    /// zero): `q` holds every block's `hi` half, then every block's `lo` half (as bytes). One
+    /// 64-column step of a block is then a 16 x 64-byte AMX tile. `qd` and `sums` as `Q16Lanes16`.
+    Q16Amx,
     /// int8 activations for the VNNI GEMM, 16 tokens per 512-bit lane group: per block of 16 tokens
     /// and per 4 columns, 64 bytes `[token][4 columns]` (tokens past `n` are zero), so one
     /// `vpdpbusd` multiplies 4 columns of one weight row (broadcast) with 16 tokens at once. Each
@@ -64,8 +71,9 @@ pub struct PreparedX {
     pub(crate) x: Vec<f32>,
     /// `[n, cols / group_size]`: Σ x over each group.
     pub(crate) sums: Vec<f32>,
-    /// `XLayout::Q8Lanes16` only: int8 codes `[n.div_ceil(16), cols / 4, 16, 4]` and per-token group
-    /// scales `[n.div_ceil(16), cols / group_size, 16]` (`sums` then has the same shape).
+    /// `XLayout::Q8Lanes16`: int8 codes `[n.div_ceil(16), cols / 4, 16, 4]` and per-token group
+    /// scales `[n.div_ceil(16), cols / group_size, 16]` (`sums` then has the same shape);
+    /// `XLayout::Q16Amx`: two such code arrays (the int16 codes' high then low bytes).
     pub(crate) q: Vec<i8>,
     pub(crate) qd: Vec<f32>,
     /// `XLayout::Q16EvenOdd64` / `XLayout::Q16Lanes16` only: int16 codes (see there).
@@ -98,6 +106,26 @@ fn quantizer() -> QuantizeFn {
         return f;
     }
     quantize_scalar
+}
+
+/// `round(v · inv)` as int16 (|v · inv| <= 32767), `codes.len() == src.len()` (a multiple of 16);
+/// round to nearest, ties to even, on every implementation.
+pub(crate) type Quantize16Fn = fn(&[f32], f32, &mut [i16]);
+
+/// The fastest [`Quantize16Fn`] this CPU runs.
+fn quantizer16() -> Quantize16Fn {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(f) = crate::x86::quantizer16() {
+        return f;
+    }
+    quantize16_scalar
+}
+
+fn quantize16_scalar(src: &[f32], inv: f32, codes: &mut [i16]) {
+    for (c, &v) in codes.iter_mut().zip(src) {
+        // The 1.5 · 2^23 trick rounds to the nearest integer, ties to even.
+        *c = ((v * inv + ROUND_MAGIC) - ROUND_MAGIC) as i32 as i16;
+    }
 }
 
 fn quantize_scalar(src: &[f32], inv: f32, words: &mut [u32]) {
@@ -182,8 +210,11 @@ impl PreparedX {
             self.fill_q8_lanes(x);
             return;
         }
-        if matches!(layout, XLayout::Q16EvenOdd64 | XLayout::Q16Lanes16) {
-            self.fill_q16(x, layout == XLayout::Q16Lanes16);
+        if matches!(
+            layout,
+            XLayout::Q16EvenOdd64 | XLayout::Q16Lanes16 | XLayout::Q16Amx
+        ) {
+            self.fill_q16(x, layout);
             return;
         }
         self.x.resize(n * cols, 0.0);
@@ -193,7 +224,10 @@ impl PreparedX {
             let dst = &mut self.x[t * cols..(t + 1) * cols];
             match layout {
                 XLayout::Natural => dst.copy_from_slice(src),
-                XLayout::Q8Lanes16 | XLayout::Q16EvenOdd64 | XLayout::Q16Lanes16 => {
+                XLayout::Q8Lanes16
+                | XLayout::Q16EvenOdd64
+                | XLayout::Q16Lanes16
+                | XLayout::Q16Amx => {
                     unreachable!("filled above")
                 }
                 XLayout::Mod4x32 => {
@@ -224,29 +258,35 @@ impl PreparedX {
         }
     }
 
-    /// [`XLayout::Q16EvenOdd64`] or (`lanes`) [`XLayout::Q16Lanes16`]: quantizes every token's
-    /// weight groups to int16 and places the codes (see there).
-    fn fill_q16(&mut self, x: &[f32], lanes: bool) {
+    /// [`XLayout::Q16EvenOdd64`], [`XLayout::Q16Lanes16`] or [`XLayout::Q16Amx`]: quantizes every
+    /// token's weight groups to int16 (the same codes for all three) and places them (see there).
+    fn fill_q16(&mut self, x: &[f32], layout: XLayout) {
         let (n, cols, gs) = (self.n, self.cols, self.group_size);
         assert!(
             gs.is_multiple_of(64),
             "int16 activations need groups of 64 or 128, got {gs}"
         );
         let gpr = cols / gs;
+        let lanes = layout != XLayout::Q16EvenOdd64;
         let rows = if lanes { n.div_ceil(16) * 16 } else { n };
         self.q16.clear();
-        self.q16.resize(rows * cols, 0);
+        if layout == XLayout::Q16Amx {
+            self.q.resize(2 * rows * cols, 0);
+        } else {
+            self.q16.resize(rows * cols, 0);
+        }
         self.qd.resize(rows * gpr, 0.0);
         self.sums.resize(rows * gpr, 0.0);
+        // `Q16Amx`: where the `lo` halves start in `q`, and one group's halves.
+        let lo_half = rows * cols;
+        let (mut hi, mut lo) = (vec![0i8; gs], vec![0i8; gs]);
         let mut codes = vec![0i16; gs];
+        let quantize = quantizer16();
         for t in 0..n {
             for g in 0..gpr {
                 let src = &x[t * cols + g * gs..t * cols + (g + 1) * gs];
                 let (d, inv) = quant_step(src, 32767.0);
-                // The 1.5 · 2^23 trick rounds to the nearest integer, ties to even (|v · inv| <= 32767).
-                for (c, &v) in codes.iter_mut().zip(src) {
-                    *c = ((v * inv + ROUND_MAGIC) - ROUND_MAGIC) as i32 as i16;
-                }
+                quantize(src, inv, &mut codes);
                 let at = if lanes {
                     ((t / 16) * gpr + g) * 16 + t % 16
                 } else {
@@ -254,19 +294,36 @@ impl PreparedX {
                 };
                 self.qd[at] = d;
                 self.sums[at] = group_sum(src);
-                if lanes {
-                    let block = &mut self.q16[(t / 16) * 16 * cols..(t / 16 + 1) * 16 * cols];
-                    for k in 0..gs / 2 {
-                        let at = (g * gs / 2 + k) * 32 + (t % 16) * 2;
-                        block[at] = codes[2 * k];
-                        block[at + 1] = codes[2 * k + 1];
+                match layout {
+                    XLayout::Q16Amx => {
+                        // The halves of this group's codes, then 4 columns (one dword) at a time
+                        // to their places 64 bytes apart.
+                        for (k, &c) in codes.iter().enumerate() {
+                            hi[k] = (c >> 8) as i8;
+                            lo[k] = c as u8 as i8;
+                        }
+                        let base = (t / 16) * 16 * cols + (g * gs / 4) * 64 + (t % 16) * 4;
+                        for (j, (h, l)) in hi.chunks_exact(4).zip(lo.chunks_exact(4)).enumerate() {
+                            let at = base + j * 64;
+                            self.q[at..at + 4].copy_from_slice(h);
+                            self.q[lo_half + at..lo_half + at + 4].copy_from_slice(l);
+                        }
                     }
-                } else {
-                    let row = &mut self.q16[t * cols + g * gs..t * cols + (g + 1) * gs];
-                    for (d, s) in row.chunks_exact_mut(64).zip(codes.chunks_exact(64)) {
-                        for j in 0..32 {
-                            d[j] = s[2 * j];
-                            d[32 + j] = s[2 * j + 1];
+                    XLayout::Q16Lanes16 => {
+                        let block = &mut self.q16[(t / 16) * 16 * cols..(t / 16 + 1) * 16 * cols];
+                        for k in 0..gs / 2 {
+                            let at = (g * gs / 2 + k) * 32 + (t % 16) * 2;
+                            block[at] = codes[2 * k];
+                            block[at + 1] = codes[2 * k + 1];
+                        }
+                    }
+                    _ => {
+                        let row = &mut self.q16[t * cols + g * gs..t * cols + (g + 1) * gs];
+                        for (d, s) in row.chunks_exact_mut(64).zip(codes.chunks_exact(64)) {
+                            for j in 0..32 {
+                                d[j] = s[2 * j];
+                                d[32 + j] = s[2 * j + 1];
+                            }
                         }
                     }
                 }
@@ -342,7 +399,7 @@ impl PreparedX {
 mod tests {
     use super::*;
 
-    /// The SIMD quantizer (when this CPU has one) gives the scalar one's codes bit for bit,
+    /// The SIMD quantizers (when this CPU has them; int8 and int16) give the scalar ones' codes bit for bit,
     /// including exact halves (ties to even) and the ±127 ends.
     #[test]
     fn simd_quantize_equals_scalar() {
@@ -368,6 +425,11 @@ mod tests {
             quantizer()(&src, inv, &mut a);
             quantize_scalar(&src, inv, &mut b);
             assert_eq!(a, b, "case {case}");
+            let inv16 = inv * 32767.0 / 127.0;
+            let (mut a, mut b) = (vec![0i16; len], vec![0i16; len]);
+            quantizer16()(&src, inv16, &mut a);
+            quantize16_scalar(&src, inv16, &mut b);
+            assert_eq!(a, b, "int16, case {case}");
         }
     }
 }

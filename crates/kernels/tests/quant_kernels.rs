@@ -28,7 +28,7 @@ const Q16_VS_SCALAR_REL: f64 = 2e-4;
 fn budget(k: &Kernels) -> f64 {
     match k.name() {
         _ if k.is_exact() => SIMD_VS_SCALAR_REL,
-        "avx512i16" => Q16_VS_SCALAR_REL,
+        _ if k.rounding() == Some("int16 activations") => Q16_VS_SCALAR_REL,
         _ => Q8_VS_SCALAR_REL,
     }
 }

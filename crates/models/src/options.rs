@@ -72,7 +72,7 @@ pub struct LoadOptions {
     /// predicted experts that are not cached ([`mference_backend::moe::prefetch_predicted`]);
     /// 0 = off. Results are identical either way; other families ignore it.
     pub router_lookahead: usize,
-    /// Force a kernel table by name (`scalar`, `avx2`, `avx512`, `avx512i16`, `avx512vnni`); `None` =
+    /// Force a kernel table by name (`scalar`, `avx2`, `avx512`, `avx512i16`, `amx`, `avx512vnni`); `None` =
     /// auto, the fastest exact table.
     pub kernels: Option<String>,
     /// Maple only: FlashHead (approximate head from centroid scoring) for single-token decode

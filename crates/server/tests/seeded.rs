@@ -133,3 +133,15 @@ fn int16_kernels_same_seed_same_tokens() {
     same_seed_same_tokens("gemma4-tiny", "gemma-tiny", Some("avx512i16"));
     same_seed_same_tokens("qwen3_6-tiny", "qwen-tiny", Some("avx512i16"));
 }
+
+/// `--kernels amx` (the int16 table with its prompt GEMM on AMX tiles) gives the same integer sums
+/// in the same f32 order as its GEMV, so it is batch-invariant too.
+#[test]
+fn amx_kernels_same_seed_same_tokens() {
+    if mference_kernels::Kernels::by_name("amx").is_none() {
+        eprintln!("skipped: this CPU (or OS) has no AMX-INT8");
+        return;
+    }
+    same_seed_same_tokens("gemma4-tiny", "gemma-tiny", Some("amx"));
+    same_seed_same_tokens("qwen3_6-tiny", "qwen-tiny", Some("amx"));
+}

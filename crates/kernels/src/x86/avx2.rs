@@ -24,6 +24,7 @@ pub(super) static TABLE: Kernels = Kernels {
     layout2: XLayout::Mod4x32,
     q8: false,
     q16: false,
+    amx: false,
     rounding: None,
     gemv,
     gemm,

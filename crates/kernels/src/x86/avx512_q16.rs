@@ -37,7 +37,7 @@ fn gemv(m: &QMatrix, p: &PreparedX, y: &mut [f32], r0: usize, r1: usize) {
     gemm(m, p, y, r0, r1)
 }
 
-fn gemm(m: &QMatrix, p: &PreparedX, y: &mut [f32], r0: usize, r1: usize) {
+pub(super) fn gemm(m: &QMatrix, p: &PreparedX, y: &mut [f32], r0: usize, r1: usize) {
     let layout = TABLE.layout_for(m.bits, m.group_size, p.n);
     if !matches!(layout, XLayout::Q16EvenOdd64 | XLayout::Q16Lanes16) {
         return if p.n == 1 {

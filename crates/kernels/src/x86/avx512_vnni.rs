@@ -289,3 +289,20 @@ pub(super) unsafe fn quantize_i8(src: &[f32], inv: f32, words: &mut [u32]) {
         }
     }
 }
+
+/// `codes[i] = round(src[i] · inv)` as int16 (|src · inv| <= 32767; round to nearest, ties to even,
+/// as the MXCSR default the conversion uses). `src.len()` is a multiple of 16 and equals `codes.len()`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+pub(super) unsafe fn quantize_i16(src: &[f32], inv: f32, codes: &mut [i16]) {
+    let s = _mm512_set1_ps(inv);
+    for (i, c) in src.chunks_exact(16).enumerate() {
+        // SAFETY: 16 floats of `c`; 16 int16 of `codes` at 16i (checked lengths).
+        unsafe {
+            let v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(c.as_ptr()), s));
+            _mm256_storeu_si256(
+                codes.as_mut_ptr().add(16 * i) as *mut __m256i,
+                _mm512_cvtsepi32_epi16(v),
+            );
+        }
+    }
+}

@@ -1,4 +1,4 @@
-//! x86-64 SIMD kernel tables: AVX2 (+FMA, F16C), AVX-512 (F/BW/VL), and AVX-512 VNNI with int16 activations (`avx512_q16.rs`) or an int8 prefill GEMM (`avx512_vnni.rs`). Each table is reachable only through
+//! x86-64 SIMD kernel tables: AVX2 (+FMA, F16C), AVX-512 (F/BW/VL), and AVX-512 VNNI with int16 activations (`avx512_q16.rs`, and its prompt GEMM on AMX tiles, `amx.rs`) or an int8 prefill GEMM (`avx512_vnni.rs`). Each table is reachable only through
 //! [`available`], which checks the CPU features first: that check is what makes the `unsafe` calls from the
 //! table's safe wrappers into `#[target_feature]` functions sound.
 
@@ -49,6 +49,7 @@ macro_rules! define_gemv {
     };
 }
 
+mod amx;
 mod avx2;
 mod avx512;
 mod avx512_q16;
@@ -70,12 +71,27 @@ pub(crate) fn available() -> Vec<&'static Kernels> {
     if avx512_q16::supported() {
         v.push(&avx512_q16::TABLE);
     }
+    if amx::supported() {
+        v.push(&amx::TABLE);
+    }
     v
 }
 
 /// The AVX-512 [`QuantizeFn`](crate::prepared::QuantizeFn), when the CPU has AVX-512 F/BW/VL.
 pub(crate) fn quantizer() -> Option<crate::prepared::QuantizeFn> {
     avx512::supported().then_some(quantize_avx512 as crate::prepared::QuantizeFn)
+}
+
+/// The AVX-512 [`Quantize16Fn`](crate::prepared::Quantize16Fn), when the CPU has AVX-512 F/BW/VL.
+pub(crate) fn quantizer16() -> Option<crate::prepared::Quantize16Fn> {
+    avx512::supported().then_some(quantize16_avx512 as crate::prepared::Quantize16Fn)
+}
+
+/// Only handed out by [`quantizer16`], after the feature check.
+fn quantize16_avx512(src: &[f32], inv: f32, codes: &mut [i16]) {
+    assert!(src.len().is_multiple_of(16) && codes.len() == src.len());
+    // SAFETY: AVX-512 F/BW/VL were detected before this function was handed out; lengths checked.
+    unsafe { avx512_vnni::quantize_i16(src, inv, codes) }
 }
 
 /// Only handed out by [`quantizer`], after the feature check.
