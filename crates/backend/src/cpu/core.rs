@@ -161,6 +161,33 @@ impl CoreOps for CpuBackend {
         Ok(CpuTensor::new(y.expect("one MLP"), mlp.down_proj.rows))
     }
 
+    fn glu_mlp_experts(
+        &self,
+        mlp: &Mlp,
+        act: Act,
+        srcs: &[Weights],
+        xs: &[&CpuTensor],
+    ) -> OpResult<Vec<CpuTensor>> {
+        check("glu_mlp_experts", srcs.len() == xs.len(), || {
+            format!("{} sources for {} inputs", srcs.len(), xs.len())
+        })?;
+        for x in xs {
+            check_mlp("glu_mlp_experts", mlp, x.cols)?;
+        }
+        let ins: Vec<(&[f32], usize)> = xs.iter().map(|x| (&x.data[..], x.rows())).collect();
+        match self.glu_mlp_batch(mlp, act, srcs, &ins) {
+            Some(ys) => Ok(ys
+                .into_iter()
+                .map(|y| CpuTensor::new(y, mlp.down_proj.rows))
+                .collect()),
+            None => srcs
+                .iter()
+                .zip(xs)
+                .map(|(src, x)| self.glu_mlp(mlp, act, *src, x))
+                .collect(),
+        }
+    }
+
     fn glu_mlp_rows(
         &self,
         mlp: &Mlp,

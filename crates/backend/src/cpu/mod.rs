@@ -10,7 +10,7 @@ pub mod ops;
 mod recurrent;
 
 use std::ops::Deref;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, OnceLock};
 
 use mference_kernels::{Kernels, MatJob, PairJob, PreparedX, QMatrix, ThreadPool};
 use mference_runtime::KvLayer;
@@ -124,6 +124,78 @@ impl CpuBackend {
         }
         self.pool.gemm_batch(k, &mut jobs);
         ys
+    }
+
+    /// [`CpuBackend::glu_mlps`] of several experts' own prefill rows (`xs[j]`: `[t_j, cols]` for
+    /// `srcs[j]`) in three parallel regions for all of them: the inputs prepared (an expert per
+    /// work item) and every gate and up product; the activations and the down inputs prepared;
+    /// every down product. Bit for bit one `glu_mlps` per expert (the same preparations and
+    /// products); `None` where gate and up differ in bits or group size (no shared input).
+    fn glu_mlp_batch(
+        &self,
+        mlp: &Mlp,
+        act: Act,
+        srcs: &[Weights],
+        xs: &[(&[f32], usize)],
+    ) -> Option<Vec<Vec<f32>>> {
+        let (g, u) = (&mlp.gate_proj, &mlp.up_proj);
+        if (g.bits, g.group_size) != (u.bits, u.group_size) {
+            return None;
+        }
+        let k = self.kernels;
+        let bufs: Vec<&[u8]> = srcs.iter().map(|w| self.buf(*w)).collect();
+        let gate_up: Vec<[QMatrix; 2]> = bufs.iter().map(|b| [g.mat(b), u.mat(b)]).collect();
+        let prepared = |mats: &[QMatrix], ins: &[(&[f32], usize)]| -> Vec<PreparedX> {
+            let cells: Vec<OnceLock<PreparedX>> = ins.iter().map(|_| OnceLock::new()).collect();
+            self.pool.for_chunks(ins.len(), 1, |a, b| {
+                for j in a..b {
+                    let (x, t) = ins[j];
+                    let _ = cells[j].set(k.prepare(&mats[j], x, t));
+                }
+            });
+            cells
+                .into_iter()
+                .map(|c| c.into_inner().expect("every input prepared"))
+                .collect()
+        };
+        let gates: Vec<QMatrix> = gate_up.iter().map(|[g, _]| *g).collect();
+        let px = prepared(&gates, xs);
+        let mut hg: Vec<Vec<f32>> = xs.iter().map(|&(_, t)| vec![0.0; t * g.rows]).collect();
+        let mut hu: Vec<Vec<f32>> = xs.iter().map(|&(_, t)| vec![0.0; t * u.rows]).collect();
+        let mut jobs: Vec<MatJob> = Vec::with_capacity(2 * xs.len());
+        for ((([gm, um], x), yg), yu) in gate_up.iter().zip(&px).zip(&mut hg).zip(&mut hu) {
+            jobs.push(MatJob { m: *gm, x, y: yg });
+            jobs.push(MatJob { m: *um, x, y: yu });
+        }
+        self.pool.gemm_batch(k, &mut jobs);
+        drop(jobs);
+        let hg: Vec<Mutex<Vec<f32>>> = hg.into_iter().map(Mutex::new).collect();
+        self.pool.for_chunks(xs.len(), 1, |a, b| {
+            for j in a..b {
+                let mut h = hg[j].lock().unwrap_or_else(|e| e.into_inner());
+                ops::glu(act, &mut h, &hu[j]);
+            }
+        });
+        let hg: Vec<Vec<f32>> = hg
+            .into_iter()
+            .map(|m| m.into_inner().unwrap_or_else(|e| e.into_inner()))
+            .collect();
+        let downs: Vec<QMatrix> = bufs.iter().map(|b| mlp.down_proj.mat(b)).collect();
+        let ins: Vec<(&[f32], usize)> = hg.iter().zip(xs).map(|(h, &(_, t))| (&h[..], t)).collect();
+        let pd = prepared(&downs, &ins);
+        let mut ys: Vec<Vec<f32>> = xs
+            .iter()
+            .map(|&(_, t)| vec![0.0; t * mlp.down_proj.rows])
+            .collect();
+        let mut jobs: Vec<MatJob> = downs
+            .iter()
+            .zip(&pd)
+            .zip(&mut ys)
+            .map(|((m, x), y)| MatJob { m: *m, x, y })
+            .collect();
+        self.pool.gemm_batch(k, &mut jobs);
+        drop(jobs);
+        Some(ys)
     }
 
     /// `down(act(gate(x)) ⊙ up(x))` of the same rows `x` (`[t, cols]`) for every weight source
