@@ -48,10 +48,12 @@ pub struct ModelArgs {
     /// KV cache element type: f16 (half the memory) or f32 (K and V kept exactly).
     #[arg(long, value_enum, default_value_t = KvCache::F16, hide_possible_values = true)]
     pub kv_cache: KvCache,
-    /// Kernel table: auto (the fastest exact one this CPU has), scalar, avx2, avx512 (the exact f32
-    /// tables), avx512i16 (int16 activations in every 4-bit product: ~2x the prompt products and
-    /// ~13% faster decode products than avx512, perplexity within 0.002% of it on the bundled
-    /// models, but off mlx-lm by up to 0.8 of max|logit| on random-weight Gemma checkpoints), amx
+    /// Kernel table: auto (Gemma 4 and Qwen 3.6: amx, else avx512i16, where this CPU has them;
+    /// otherwise and for the other families the fastest exact one), scalar, avx2, avx512 (the
+    /// exact f32 tables), avx512i16 (int16 activations in every 4-bit product: ~2x the prompt
+    /// products and ~13% faster decode products than avx512, perplexity within 0.002% of it on
+    /// the bundled models, but off mlx-lm by up to 0.8 of max|logit| on random-weight Gemma
+    /// checkpoints), amx
     /// (avx512i16's bits with its prompt products on AMX tiles, Intel Xeon from Sapphire Rapids
     /// on), or avx512vnni (int8 activations in
     /// prefill: 1.5-2.2x the prompt speed on Gemma 26B, perplexity +0.1-0.4% on the bundled models; a

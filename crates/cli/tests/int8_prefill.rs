@@ -3,9 +3,10 @@
 //! text, 512-token chunks, so every scored logit comes out of a prefill) stays within a stated
 //! budget of the float32 reference. The exact kernels' budget is 0.3% (`e2e.rs`); int8 rounding of
 //! the activations costs more (measured +0.12% Gemma, +0.39% Qwen), so the budgets here are 0.5%
-//! and 0.75%. `--kernels avx512i16` (int16 activations in every 4-bit product) must stay within the
-//! exact kernels' 0.3% of mlx-lm and within 0.15% of the exact table's own perplexity (measured
-//! -0.002% Gemma, -0.0007% Qwen). Skipped, with a message, on CPUs without AVX-512 VNNI.
+//! and 0.75%. The default for these families on such CPUs, an int16 table (`amx` or `avx512i16`:
+//! int16 activations in every 4-bit product), must stay within the exact kernels' 0.3% of mlx-lm
+//! and within 0.15% of the exact table's own perplexity (measured -0.002% Gemma, -0.0007% Qwen).
+//! Skipped, with a message, on CPUs without AVX-512 VNNI.
 
 use std::path::Path;
 
@@ -41,20 +42,25 @@ fn check(model: &str, install: &Path, budget: f64) {
     assert_perplexity_near(model, perplexity_on(install, "avx512vnni"), budget);
 }
 
-/// Perplexity with `--kernels avx512i16`: within the exact budget of mlx-lm's, and within 0.15%
-/// of the exact AVX-512 table's.
+/// Perplexity with the default kernels (`auto`), which on a CPU with AVX-512 VNNI take an int16
+/// table for these families (`amx` where it has AMX-INT8, else `avx512i16`; the same bits): within
+/// the exact budget of mlx-lm's, and within 0.15% of the exact AVX-512 table's.
 fn check_int16(model: &str, install: &Path) {
-    let got = perplexity_on(install, "avx512i16");
+    let (got, err) = perplexity(BIN, install, &[]);
+    assert!(
+        err.contains("kernels amx]") || err.contains("kernels avx512i16]"),
+        "{model}: auto did not take an int16 table: {err}"
+    );
     assert_perplexity_near(model, got, 0.003);
     let exact = perplexity_on(install, "avx512");
     let rel = (got - exact).abs() / exact;
     eprintln!(
-        "{model}: avx512i16 {got} vs avx512 {exact} ({:+.4}%)",
+        "{model}: auto (int16) {got} vs avx512 {exact} ({:+.4}%)",
         100.0 * (got - exact) / exact
     );
     assert!(
         rel <= 0.0015,
-        "{model}: avx512i16 perplexity {got} is {rel:.2e} from the exact table's {exact}"
+        "{model}: int16 perplexity {got} is {rel:.2e} from the exact table's {exact}"
     );
 }
 

@@ -23,6 +23,9 @@ pub struct Engine {
     pub device: String,
     /// Why `--device auto` ran on the CPU (what CUDA lacked), if it did.
     pub device_fallback: Option<String>,
+    /// Why `--kernels auto` kept the exact table where this CPU has a faster rounded one (a
+    /// family not checked with it), for the load line.
+    pub kernels_note: Option<String>,
     pub io: Arc<IoPool>,
     pub slots: CacheSlots,
     pub expert_policy: ExpertPolicy,
@@ -205,6 +208,7 @@ impl Engine {
             threads: opts.threads.max(1),
             device: String::new(),
             device_fallback: None,
+            kernels_note: None,
             io: IoPool::new(4),
             slots,
             expert_policy: opts.expert_policy,

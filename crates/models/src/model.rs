@@ -43,10 +43,14 @@ pub trait Model: Send {
                 g.slots_per_layer,
                 g.slab_bytes as f64 / (1u64 << 30) as f64
             ),
-            None => match &self.engine().device_fallback {
-                Some(why) => format!("{d} (--device auto: {why})"),
-                None => d.clone(),
-            },
+            None => {
+                let e = self.engine();
+                let note = e.kernels_note.as_ref().map(|n| format!(" ({n})"));
+                match &e.device_fallback {
+                    Some(why) => format!("{d}{} (--device auto: {why})", note.unwrap_or_default()),
+                    None => format!("{d}{}", note.unwrap_or_default()),
+                }
+            }
         }
     }
     /// Sizes the backend's own expert cache now that the weights and the KV cache are placed

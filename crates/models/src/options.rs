@@ -73,7 +73,8 @@ pub struct LoadOptions {
     /// 0 = off. Results are identical either way; other families ignore it.
     pub router_lookahead: usize,
     /// Force a kernel table by name (`scalar`, `avx2`, `avx512`, `avx512i16`, `amx`, `avx512vnni`); `None` =
-    /// auto, the fastest exact table.
+    /// auto: `Kernels::detect_int16` for the families checked with int16 activations (Gemma 4,
+    /// Qwen 3.6), else the fastest exact table.
     pub kernels: Option<String>,
     /// Maple only: FlashHead (approximate head from centroid scoring) for single-token decode
     /// (`--flash-head`); prefill and every other call keep the exact head.

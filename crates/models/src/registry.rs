@@ -2,6 +2,7 @@
 //! install, checks the options against its [`Family`], picks the device and hands the engine and
 //! backend to that family's loader.
 
+use mference_kernels::Kernels;
 use std::path::Path;
 
 use mference_backend::{missing_ops, Backend, Op};
@@ -39,7 +40,28 @@ pub fn load_install(install: Install, opts: &LoadOptions) -> Result<Box<dyn Mode
              --gpu-force-miss apply only on CUDA: drop them, or fix CUDA and use --device cuda"
         )));
     }
+    // `auto` kernels: the int16-activation tables where the family was checked with them (the
+    // load line names the rounding); the other families keep the exact table, and where this CPU
+    // has a faster int16 one the load line says why it was not taken.
+    let (int16, exact) = (Kernels::detect_int16(), Kernels::detect());
+    let chosen;
+    let opts = if opts.kernels.is_none() && family.int8_prefill() {
+        chosen = LoadOptions {
+            kernels: Some(int16.name().to_string()),
+            ..opts.clone()
+        };
+        &chosen
+    } else {
+        opts
+    };
     let mut engine = Engine::new(install, opts)?;
+    if opts.kernels.is_none() && !std::ptr::eq(int16, exact) {
+        engine.kernels_note = Some(format!(
+            "exact: {} is checked only for {}",
+            int16.name(),
+            Family::display_names_where(Family::int8_prefill, " and ")
+        ));
+    }
     // The int8 / int16 tables round activations ([`mference_format::FamilySpec::int8_prefill`]):
     // refuse them where their error was not measured against the reference rather than mislead.
     if !engine.kernels.is_exact() && !family.int8_prefill() {

@@ -91,11 +91,16 @@ pub fn ref_greedy(model: &Path, tokens: &[u32], n: usize, work: &Path) -> Vec<u3
         .collect()
 }
 
+/// Load options for the parity runs. They check the model's math against mlx-lm in f32, so they
+/// name the exact kernel table: `auto` takes the int16-activation tables for Gemma 4 and Qwen 3.6,
+/// whose accuracy is checked by perplexity instead (`crates/cli/tests/int8_prefill.rs`); on these
+/// random-weight checkpoints, with routers close to ties, their rounding flips expert choices.
 pub fn opts(chunk: usize, max_context: usize) -> LoadOptions {
     LoadOptions {
         prefill_chunk: chunk,
         max_context,
         threads: 2,
+        kernels: Some(mference_kernels::Kernels::detect().name().to_string()),
         ..Default::default()
     }
 }
