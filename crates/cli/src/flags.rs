@@ -51,7 +51,7 @@ pub struct ModelArgs {
     /// Kernel table: auto (Gemma 4 and Qwen 3.6: amx, else avx512i16, where this CPU has them;
     /// otherwise and for the other families the fastest exact one), scalar, avx2, avx512 (the
     /// exact f32 tables), avx512i16 (int16 activations in every 4-bit product: ~2x the prompt
-    /// products and ~13% faster decode products than avx512, perplexity within 0.002% of it on
+    /// products and ~13% faster decode products than avx512, perplexity within 0.01% of it on
     /// the bundled models, but off mlx-lm by up to 0.8 of max|logit| on random-weight Gemma
     /// checkpoints), amx
     /// (avx512i16's bits with its prompt products on AMX tiles, Intel Xeon from Sapphire Rapids

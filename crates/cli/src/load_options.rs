@@ -33,6 +33,10 @@ fn device_flags_for(m: &ModelArgs, man: Option<&Manifest>) -> Result<()> {
     // fails here, before the model is sized or read (the family from its manifest, when there
     // is one: a path that is not an install is reported by the load).
     mference_models::check_device(m.device, man.map(|man| man.arch.family))?;
+    // A rounded kernel table for a family not checked with it, likewise before anything is read.
+    if let Some(man) = man {
+        mference_models::check_kernels(m.kernels.0, man.arch.family)?;
+    }
     Ok(())
 }
 

@@ -83,4 +83,26 @@ fn a_family_whose_ops_cuda_lacks_is_refused_on_cuda_and_runs_on_the_cpu_under_au
         read("cpu"),
         "auto's CPU run differs from --device cpu"
     );
+
+    // A rounded kernel table for this family is refused before anything is read: with the
+    // weights file emptied, the error is still the table's.
+    std::fs::write(inst.join("model_weights.bin"), b"").unwrap();
+    let out = Command::new(BIN)
+        .args(["logits", "--kernels", "avx512i16", "--model"])
+        .arg(&inst)
+        .arg("--ids")
+        .arg(fixture().join("prompt_ids.json"))
+        .arg("--out")
+        .arg(work.path().join("i16.npy"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "a rounded table ran on DeepSeek-V4:\n{err}"
+    );
+    assert!(
+        err.contains("is checked only for Gemma 4 and Qwen 3.6") || err.contains("this CPU runs"),
+        "the refusal does not name the kernel table, or came after the weights were read:\n{err}"
+    );
 }

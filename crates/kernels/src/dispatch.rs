@@ -125,9 +125,11 @@ impl Kernels {
     /// and Qwen 3.6): `amx` where this CPU has AMX-INT8, else `avx512i16` where it has AVX-512
     /// VNNI (int16 activations in every 4-bit product: perplexity within 0.002% of the exact
     /// table's on the bundled models, faster prompts and decode, batch-invariant), else
-    /// [`Kernels::detect`]'s exact table. `MFERENCE_KERNELS` overrides it as it does `detect`.
+    /// [`Kernels::detect`]'s exact table. `MFERENCE_KERNELS` naming a table this CPU runs
+    /// overrides it as it does `detect` (an unknown or unsupported value is ignored by both).
     pub fn detect_int16() -> &'static Kernels {
-        if std::env::var_os("MFERENCE_KERNELS").is_some() {
+        let forced = std::env::var("MFERENCE_KERNELS").ok();
+        if forced.is_some_and(|want| Self::by_name(want.trim()).is_some()) {
             return Self::detect();
         }
         Self::by_name("amx")

@@ -40,6 +40,7 @@ pub fn load_install(install: Install, opts: &LoadOptions) -> Result<Box<dyn Mode
              --gpu-force-miss apply only on CUDA: drop them, or fix CUDA and use --device cuda"
         )));
     }
+    check_kernels(opts.kernels.as_deref(), family)?;
     // `auto` kernels: the int16-activation tables where the family was checked with them (the
     // load line names the rounding); the other families keep the exact table, and where this CPU
     // has a faster int16 one the load line says why it was not taken.
@@ -61,16 +62,6 @@ pub fn load_install(install: Install, opts: &LoadOptions) -> Result<Box<dyn Mode
             int16.name(),
             Family::display_names_where(Family::int8_prefill, " and ")
         ));
-    }
-    // The int8 / int16 tables round activations ([`mference_format::FamilySpec::int8_prefill`]):
-    // refuse them where their error was not measured against the reference rather than mislead.
-    if !engine.kernels.is_exact() && !family.int8_prefill() {
-        return Err(ModelError::Config(format!(
-            "--kernels {} (rounded activations) is checked only for {}; on {model_type} \
-             it is not checked against the reference: use --kernels avx512 (or auto)",
-            engine.kernels.name(),
-            Family::display_names_where(Family::int8_prefill, " and "),
-        )));
     }
     let cuda = |n: usize, engine: &Engine| {
         mference_cuda::CudaBackend::new(n, engine.map.clone())
@@ -130,6 +121,28 @@ pub fn check_device(device: Device, family: Option<Family>) -> Result<Option<Str
         ))),
         (Device::Auto, Some(why)) => Ok(Some(why)),
         _ => probe_device(device),
+    }
+}
+
+/// Refuses a kernel table that rounds activations (`kernels`, `--kernels`; or, for `None`,
+/// what `MFERENCE_KERNELS` forces) for a family whose error with it was not measured against the
+/// reference ([`mference_format::FamilySpec::int8_prefill`]), rather than mislead. Cheap: the CLI
+/// calls it before anything is read, [`load`] again.
+pub fn check_kernels(kernels: Option<&str>, family: Family) -> Result<(), ModelError> {
+    let (table, from) = match kernels {
+        Some(name) => (Kernels::by_name(name), "--kernels"),
+        None => (Some(Kernels::detect()), "MFERENCE_KERNELS="),
+    };
+    match table {
+        Some(t) if !t.is_exact() && !family.int8_prefill() => Err(ModelError::Config(format!(
+            "{from}{}{} (rounded activations) is checked only for {}; on {} it is not checked \
+             against the reference: use --kernels avx512 (or auto)",
+            if from == "--kernels" { " " } else { "" },
+            t.name(),
+            Family::display_names_where(Family::int8_prefill, " and "),
+            family.display_name(),
+        ))),
+        _ => Ok(()),
     }
 }
 
