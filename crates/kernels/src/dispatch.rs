@@ -5,7 +5,7 @@ use std::sync::OnceLock;
 
 use half::f16;
 
-use crate::prepared::{PreparedX, XLayout, Q16_MIN_ROWS, Q8_MIN_ROWS};
+use crate::prepared::{PreparedX, XLayout, AMX_MIN_ROWS, Q16_MIN_ROWS, Q8_MIN_ROWS};
 use crate::{scalar, QMatrix};
 
 pub(crate) type GemvFn = fn(&QMatrix, &PreparedX, &mut [f32], usize, usize);
@@ -172,7 +172,7 @@ impl Kernels {
     pub(crate) fn layout_for(&self, bits: u32, group_size: usize, n: usize) -> XLayout {
         match bits {
             4 if self.q8 && group_size.is_multiple_of(64) && n >= Q8_MIN_ROWS => XLayout::Q8Lanes16,
-            4 if self.amx && group_size.is_multiple_of(64) && n >= Q16_MIN_ROWS => XLayout::Q16Amx,
+            4 if self.amx && group_size.is_multiple_of(64) && n >= AMX_MIN_ROWS => XLayout::Q16Amx,
             4 if self.q16 && group_size.is_multiple_of(64) && n >= Q16_MIN_ROWS => {
                 XLayout::Q16Lanes16
             }

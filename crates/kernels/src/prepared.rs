@@ -28,7 +28,7 @@ pub(crate) enum XLayout {
     /// past `n` are zero), quantized as [`XLayout::Q16EvenOdd64`]; `qd` and `sums` are
     /// `[block][group][16 tokens]`. Only for at least `Q16_MIN_ROWS` tokens.
     Q16Lanes16,
-    /// int16 activations for the AMX GEMM (`amx` table, 4-bit only, from `Q16_MIN_ROWS` tokens):
+    /// int16 activations for the AMX GEMM (`amx` table, 4-bit only, from `AMX_MIN_ROWS` tokens):
     /// the codes of [`XLayout::Q16EvenOdd64`] split exactly as `c = 256 · hi + lo` (`hi = c >> 8`
     /// signed, `lo = c & 255` unsigned), each half stored as [`XLayout::Q8Lanes16`] stores its int8
     /// codes (per block of 16 tokens and per 4 columns, 64 bytes `[token][4 columns]`, tokens past `n`
@@ -48,6 +48,11 @@ pub(crate) enum XLayout {
 /// ([`XLayout::Q16Lanes16`]); fewer go one token at a time ([`XLayout::Q16EvenOdd64`]), with the
 /// same bits.
 pub(crate) const Q16_MIN_ROWS: usize = 8;
+
+/// Fewest activation rows for which the `amx` table runs its GEMM on tiles ([`XLayout::Q16Amx`]);
+/// fewer go one token at a time on the int16 GEMV, with the same bits. 704x2816, one thread, the
+/// tiles against the GEMV (prepare included): n = 5 326 vs 345 us, 6 343 vs 412, 7 337 vs 476.
+pub(crate) const AMX_MIN_ROWS: usize = 6;
 
 /// Fewest activation rows for which a table with an int8 GEMM quantizes them ([`XLayout::Q8Lanes16`]);
 /// below this, mostly empty 16-token lanes cost as much as the f32 kernel (704x2816, one thread:

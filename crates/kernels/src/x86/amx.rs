@@ -1,5 +1,5 @@
 //! AMX (Advanced Matrix Extensions, Intel Sapphire Rapids and later) GEMM for the int16-activation
-//! products, `--kernels amx`: the `avx512i16` table with its prompt GEMM on AMX-INT8 tiles. The
+//! products, `--kernels amx`: the `avx512i16` table with its prompt GEMM (6+ tokens) on AMX-INT8 tiles. The
 //! numbers are those of `avx512i16`, bit for bit.
 //!
 //! `avx512i16` multiplies a 4-bit code `q` (0..15) with an int16 activation code `c` into exact
