@@ -2,14 +2,26 @@
 # The README's first command: build mference, install the bundled trained tiny Gemma 4 through the
 # real installer (first run only), and generate English text from a prompt.
 #
-#   tools/demo.sh ["your prompt"]   # extra flags after the prompt go to `mference run`
+#   tools/demo.sh ["your prompt"]   # extra flags (after the prompt, or alone) go to `mference run`
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo"
 src="assets/models/gemma4-tiny"
 out="work/gemma4-tiny.gturbo"
-prompt="${1:-It is a truth universally acknowledged, that}"
-shift || true
+default_prompt="It is a truth universally acknowledged, that"
+case "${1:-}" in
+    -h | --help)
+        echo "usage: tools/demo.sh [\"your prompt\"] [mference run flags, e.g. --temperature 0]"
+        echo "Builds mference, installs the bundled tiny Gemma 4 (first run) and writes 64 tokens"
+        echo "after the prompt (default: \"$default_prompt\"). \`mference run --help\` lists the flags."
+        exit 0
+        ;;
+    -*) prompt="$default_prompt" ;; # flags only: the default prompt, every argument to `run`
+    *)
+        prompt="${1:-$default_prompt}"
+        shift || true
+        ;;
+esac
 
 # The bundled checkpoint must be byte-for-byte the one its README describes.
 while read -r file sum; do

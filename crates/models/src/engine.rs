@@ -42,6 +42,17 @@ pub struct Engine {
 }
 
 impl Engine {
+    /// The kernels the model's products run on, for load lines and reports: the CPU table's name
+    /// ([`Kernels::name`]), or `cuda` on a CUDA backend, whose own kernels do the products (the
+    /// CPU table then runs nothing of the model).
+    pub fn kernels_label(&self) -> &'static str {
+        if self.device.starts_with("cuda") {
+            "cuda"
+        } else {
+            self.kernels.name()
+        }
+    }
+
     /// Whether routers should report their top-k margins ([`Engine::note_router_margins`]).
     pub fn traces_router(&self) -> bool {
         self.router_margins.is_some()

@@ -78,3 +78,18 @@ fn a_routing_trace_drives_the_expert_cache_and_a_mismatched_one_is_refused() {
         assert!(e.contains("routing trace"), "{e}");
     }
 }
+
+/// Reports name the kernels that run the products: the CPU table on the CPU, `cuda` where the
+/// backend is CUDA (its own kernels do the products; a run on CUDA once reported `amx`).
+#[test]
+fn the_kernels_label_names_the_cpu_table_or_cuda() {
+    let work = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let inst = install(&repo().join("assets/models/gemma4-tiny"), work.path());
+    let open = mference_format::Install::open(&inst, mference_format::VerifyPolicy::FullSha256)
+        .expect("open the install");
+    let mut engine = mference_models::Engine::new(open, &opts(7, 512)).expect("engine");
+    engine.device = "cpu avx512 x2".into();
+    assert_eq!(engine.kernels_label(), engine.kernels.name());
+    engine.device = "cuda:0 NVIDIA H100 80GB HBM3 sm_90".into();
+    assert_eq!(engine.kernels_label(), "cuda");
+}
