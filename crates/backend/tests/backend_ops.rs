@@ -78,6 +78,9 @@ impl CoreOps for Empty {
     fn name(&self) -> String {
         "empty".into()
     }
+    fn kernels(&self) -> &'static str {
+        "empty"
+    }
     fn supports(_op: Op) -> bool {
         false
     }
@@ -96,6 +99,9 @@ impl CoreOps for Claims {
     type State = ();
     fn name(&self) -> String {
         "claims".into()
+    }
+    fn kernels(&self) -> &'static str {
+        "claims"
     }
     fn supports(op: Op) -> bool {
         op == Op::Upload

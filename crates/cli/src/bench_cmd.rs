@@ -444,7 +444,7 @@ fn child(a: &BenchArgs, n: usize) -> Result<Value> {
         "prefill_chunk": chunk,
         "ctx": a.max_context,
         "decode": a.decode,
-        "kernels": model.engine().kernels_label(),
+        "kernels": model.engine().kernels_label,
         "routing": model.engine().routing(),
         "device": model.engine().device,
         // What `--device auto` found missing when it ran on the CPU (null otherwise).

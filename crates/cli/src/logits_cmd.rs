@@ -232,7 +232,7 @@ pub fn logits(a: LogitsArgs) -> Result<()> {
         a.out.display(),
         ids.len(),
         a.mode,
-        model.engine().kernels_label(),
+        model.engine().kernels_label,
         model.device(),
         t0.elapsed().as_secs_f64()
     );

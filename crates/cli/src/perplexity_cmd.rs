@@ -135,7 +135,7 @@ pub fn perplexity(a: PerplexityArgs) -> Result<()> {
         t0.elapsed().as_secs_f64(),
         model.device(),
         model.engine().expert_cache(),
-        model.engine().kernels_label(),
+        model.engine().kernels_label,
         lookahead_note(a.model.router_lookahead)
     );
     Ok(())

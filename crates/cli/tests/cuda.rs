@@ -43,6 +43,8 @@ fn cuda() -> bool {
             .unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
         if out.status.success() {
+            // The line names CUDA's kernels, not the idle CPU table's.
+            assert!(err.contains("kernels cuda,"), "logits on CUDA:\n{err}");
             return true;
         }
         assert!(

@@ -13,6 +13,10 @@ impl CoreOps for CudaBackend {
         self.name.clone()
     }
 
+    fn kernels(&self) -> &'static str {
+        "cuda"
+    }
+
     /// What the kernels of `ops/` cover: every core and recurrent op except `linear`,
     /// `set_rows`, DeepSeek-V4's router scoring and Inkling's `conv1d`; none of DeepSeek-V4's or
     /// Inkling's own ops yet.

@@ -21,6 +21,12 @@ pub struct Engine {
     pub threads: usize,
     /// The backend the model runs on, as it names itself (`cpu avx512 x2`, `cuda:0 NVIDIA H200 sm_90`).
     pub device: String,
+    /// What runs the model's products, as the backend names them ([`CoreOps::kernels`]: the CPU
+    /// table's name, or `cuda`, whose own kernels leave the CPU table idle), for reports; set with
+    /// `device` when the backend is attached.
+    ///
+    /// [`CoreOps::kernels`]: mference_backend::CoreOps::kernels
+    pub kernels_label: &'static str,
     /// Why `--device auto` ran on the CPU (what CUDA lacked), if it did.
     pub device_fallback: Option<String>,
     /// Why `--kernels auto` kept the exact table where this CPU has a faster rounded one (a
@@ -42,17 +48,6 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// The kernels the model's products run on, for load lines and reports: the CPU table's name
-    /// ([`Kernels::name`]), or `cuda` on a CUDA backend, whose own kernels do the products (the
-    /// CPU table then runs nothing of the model).
-    pub fn kernels_label(&self) -> &'static str {
-        if self.device.starts_with("cuda") {
-            "cuda"
-        } else {
-            self.kernels.name()
-        }
-    }
-
     /// Whether routers should report their top-k margins ([`Engine::note_router_margins`]).
     pub fn traces_router(&self) -> bool {
         self.router_margins.is_some()
@@ -218,6 +213,7 @@ impl Engine {
             kernels,
             threads: opts.threads.max(1),
             device: String::new(),
+            kernels_label: "",
             device_fallback: None,
             kernels_note: None,
             io: IoPool::new(4),

@@ -311,6 +311,7 @@ fn load_family<B: Backend + 'static>(
     opts: &LoadOptions,
 ) -> Result<Box<dyn Model>, ModelError> {
     engine.device = be.name();
+    engine.kernels_label = be.kernels();
     let config = &engine.install.config_json;
     let mut model: Box<dyn Model> = match family {
         Family::Gemma4 => {

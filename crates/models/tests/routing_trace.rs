@@ -79,17 +79,22 @@ fn a_routing_trace_drives_the_expert_cache_and_a_mismatched_one_is_refused() {
     }
 }
 
-/// Reports name the kernels that run the products: the CPU table on the CPU, `cuda` where the
-/// backend is CUDA (its own kernels do the products; a run on CUDA once reported `amx`).
+/// Reports name what runs the products as the backend says it ([`CoreOps::kernels`]): on the
+/// CPU, the table the load picked (`scalar` when asked for); a CUDA backend says `cuda`
+/// (crates/cli/tests/cuda.rs checks the `logits` line on a GPU; a run on CUDA once reported `amx`).
+///
+/// [`CoreOps::kernels`]: mference_backend::CoreOps::kernels
 #[test]
-fn the_kernels_label_names_the_cpu_table_or_cuda() {
+fn the_kernels_label_is_the_backends_own() {
     let work = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let inst = install(&repo().join("assets/models/gemma4-tiny"), work.path());
-    let open = mference_format::Install::open(&inst, mference_format::VerifyPolicy::FullSha256)
-        .expect("open the install");
-    let mut engine = mference_models::Engine::new(open, &opts(7, 512)).expect("engine");
-    engine.device = "cpu avx512 x2".into();
-    assert_eq!(engine.kernels_label(), engine.kernels.name());
-    engine.device = "cuda:0 NVIDIA H100 80GB HBM3 sm_90".into();
-    assert_eq!(engine.kernels_label(), "cuda");
+    for table in [mference_kernels::Kernels::detect().name(), "scalar"] {
+        let o = LoadOptions {
+            kernels: Some(table.to_string()),
+            ..opts(7, 512)
+        };
+        let m = load(&inst, &o).expect("load");
+        assert_eq!(m.engine().kernels_label, table);
+        assert_eq!(m.engine().kernels_label, m.engine().kernels.name());
+    }
 }

@@ -25,6 +25,10 @@ impl CoreOps for CpuBackend {
         format!("cpu {name}{} x{threads}", rounding.unwrap_or_default())
     }
 
+    fn kernels(&self) -> &'static str {
+        self.kernels.name()
+    }
+
     fn supports(_op: Op) -> bool {
         true
     }

@@ -27,6 +27,10 @@ pub trait CoreOps: Send + Sync + Sized {
     /// Short description: `cpu avx512 ×2`.
     fn name(&self) -> String;
 
+    /// What runs this backend's products, for reports: a CPU kernel table's name (`amx`,
+    /// `avx512`), or `cuda` for the CUDA backend's own kernels.
+    fn kernels(&self) -> &'static str;
+
     /// Whether this backend implements `op` (ggml's `supports_op`): static per backend type, so a
     /// loader asks before any device context, buffer or weight exists. `false` exactly when the
     /// op fails with [`OpError::Missing`] naming [`Op::name`]; the op harness checks the two agree.

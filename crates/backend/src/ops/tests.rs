@@ -40,6 +40,9 @@ impl CoreOps for Null {
     fn name(&self) -> String {
         "null".into()
     }
+    fn kernels(&self) -> &'static str {
+        "null"
+    }
     fn supports(op: Op) -> bool {
         matches!(op, Op::Upload | Op::Route)
     }
