@@ -1,6 +1,6 @@
 //! The op-layer traits of [`CudaBackend`]: the core group delegates each op to its module under
 //! `ops/` (same name); the recurrent ops are in `ops/recurrent.rs`, the expert-cache hooks in
-//! `device_experts.rs`; DeepSeek-V4's and Inkling's groups have no kernels yet.
+//! `device_experts.rs`, Inkling's in `ops/inkling.rs`; DeepSeek-V4's group has no kernels yet.
 
 use crate::*;
 
@@ -17,16 +17,12 @@ impl CoreOps for CudaBackend {
         "cuda"
     }
 
-    /// What the kernels of `ops/` cover: every core and recurrent op except `linear`,
-    /// `set_rows`, DeepSeek-V4's router scoring and Inkling's `conv1d`; none of DeepSeek-V4's or
-    /// Inkling's own ops yet.
+    /// What the kernels of `ops/` cover: every core, recurrent and Inkling op, all but
+    /// DeepSeek-V4's router scoring and its own ops.
     fn supports(op: Op) -> bool {
         !matches!(
             op,
-            Op::Linear
-                | Op::SetRows
-                | Op::RouteSqrtSoftplus
-                | Op::Conv1d
+            Op::RouteSqrtSoftplus
                 | Op::RopeAt
                 | Op::MatmulGrouped
                 | Op::HcPre
@@ -34,8 +30,6 @@ impl CoreOps for CudaBackend {
                 | Op::CompressPool
                 | Op::AttentionSparse
                 | Op::IndexTopK
-                | Op::AttentionRel
-                | Op::RouteSinks
         )
     }
 
@@ -81,6 +75,14 @@ impl CoreOps for CudaBackend {
 
     fn matmul_bf16(&self, w: &VRef, rows: usize, x: &CudaTensor) -> OpResult<CudaTensor> {
         self.matmul_bf16(w, rows, x)
+    }
+
+    fn linear(&self, x: &CudaTensor, w: &CudaTensor) -> OpResult<CudaTensor> {
+        self.linear(x, w)
+    }
+
+    fn set_rows(&self, dst: &mut CudaTensor, row0: usize, src: &CudaTensor) -> OpResult<()> {
+        self.set_rows(dst, row0, src)
     }
 
     fn glu_mlp(&self, mlp: &Mlp, act: Act, src: Weights, x: &CudaTensor) -> OpResult<CudaTensor> {
@@ -294,5 +296,3 @@ impl CoreOps for CudaBackend {
 }
 
 impl DeepSeekV4Ops for CudaBackend {}
-
-impl InklingOps for CudaBackend {}

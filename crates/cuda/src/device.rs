@@ -4,9 +4,10 @@
 use crate::*;
 
 /// Every kernel of `ops/`, loaded at startup (a missing one fails [`CudaBackend::new`]).
-pub(crate) const KERNELS: [&str; 66] = [
+pub(crate) const KERNELS: [&str; 67] = [
     "all_finite",
     "matmul_bf16",
+    "linear",
     "gather_rows",
     "gather_rows_many",
     "split_parts",
@@ -57,8 +58,8 @@ pub(crate) const KERNELS: [&str; 66] = [
     "attention_tiled4_f32",
     "attention_tiled8_f32",
     "attention_tiled16_f32",
-    "conv1d_silu",
-    "conv1d_silu_rows",
+    "conv1d_causal",
+    "conv1d_causal_rows",
     "conv1d_keep",
     "delta_gates",
     "gated_delta_rule",

@@ -116,6 +116,25 @@ pub(crate) struct ForcedIds {
 // SAFETY: a plain `repr(C)` u32 array, laid out as `struct ForcedIds` in ops/router.cu.
 unsafe impl cudarc::driver::DeviceRepr for ForcedIds {}
 
+/// The `RelArgs` argument of the attention kernels (ops/attention.cu): Inkling's relative-position
+/// bias, `rel` = 0 for plain attention.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub(crate) struct RelArgs {
+    /// `[T, n_heads, d_rel]` f32 coefficients (device address).
+    pub(crate) rel: u64,
+    /// `[d_rel, extent]` f32 profiles (device address).
+    pub(crate) proj: u64,
+    pub(crate) d_rel: i32,
+    pub(crate) extent: i32,
+    /// The log position scale's `alpha` and `n_floor` (0: none).
+    pub(crate) alpha: f32,
+    pub(crate) n_floor: f32,
+}
+
+// SAFETY: `repr(C)` u64, u64, i32, i32, f32, f32, laid out as `struct RelArgs` in ops/attention.cu.
+unsafe impl cudarc::driver::DeviceRepr for RelArgs {}
+
 /// Parts one `split_parts` launch writes (ops/elementwise.cu `SPLIT_PARTS`).
 pub(crate) const SPLIT_PARTS: usize = 4;
 

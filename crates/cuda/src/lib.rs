@@ -64,8 +64,8 @@ use mference_backend::cpu::ResidentBytes;
 use mference_backend::{
     check, check_forced, check_glu_combine, check_glu_rows, check_mlp, Act, AttnShape, CoreOps,
     DeepSeekV4Ops, DeltaShape, DeviceExpertOps, DeviceExpertStats, InklingOps, KvDtype, KvState,
-    Mlp, Norm, Op, OpError, OpResult, PreNorm, QRef, RecurrentOps, Rope, RopeStyle, RouterSpec,
-    Routes, Scoring, Tensor, Unary, VRef, Weights,
+    Mlp, Norm, Op, OpError, OpResult, PreNorm, QRef, RecurrentOps, RelBias, Rope, RopeStyle,
+    RouterSpec, Routes, Scoring, SinkRouter, Tensor, Unary, VRef, Weights,
 };
 
 /// Why the CUDA backend could not start. Each names what is missing and what to do.

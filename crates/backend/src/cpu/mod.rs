@@ -6,6 +6,8 @@
 mod core;
 mod deepseek_v4;
 mod inkling;
+
+pub use inkling::sink_routes;
 pub mod ops;
 mod recurrent;
 

@@ -36,22 +36,24 @@ pub(crate) fn inkling_ops<B: Backend>(h: &mut Harness<B>, rng: &mut Rng) {
             h.expect_close(&format!("conv1d {t} rows"), &got, &want, EXACT_REL);
         }
     }
-    // attention_rel: (dtype, window, extent, heads, log scaling)
+    // attention_rel: (dtype, window, extent, heads, head_dim, d_rel, log scaling, chunks). The
+    // 48-row chunks give 192 (row, head) items: a GPU's prefill (tiled) kernel, not decode's.
     let log = Some(LogScaling {
         n_floor: 3.0,
         alpha: 0.3,
     });
+    let (short, long): (&[usize], &[usize]) = (&[5, 1, 3, 1], &[48, 1, 2, 48]);
     let cases = [
-        (KvDtype::F32, None, 6, (4, 2), log),
-        (KvDtype::F32, Some(5), 3, (2, 1), None),
-        (KvDtype::F16, Some(4), 4, (4, 2), None),
-        (KvDtype::F16, None, 20, (3, 3), log),
+        (KvDtype::F32, None, 6, (4, 2), 16, 5, log, short),
+        (KvDtype::F32, Some(5), 3, (2, 1), 16, 5, None, short),
+        (KvDtype::F16, Some(4), 4, (4, 2), 16, 5, None, short),
+        (KvDtype::F16, None, 20, (3, 3), 16, 5, log, short),
+        (KvDtype::F32, None, 40, (4, 2), 64, 16, log, long),
+        (KvDtype::F16, Some(32), 32, (4, 1), 128, 16, None, long),
     ];
-    for (dtype, window, extent, (nh, nkv), log_scaling) in cases {
-        let (d, d_rel) = (16, 5);
-        let chunks = [5usize, 1, 3, 1];
+    for (dtype, window, extent, (nh, nkv), d, d_rel, log_scaling, chunks) in cases {
         let (kv_rows, ring) = match window {
-            Some(w) => (w + 5, true),
+            Some(w) => (w + chunks.iter().max().unwrap_or(&1), true),
             None => (chunks.iter().sum(), false),
         };
         let r = h.be.new_kv(kv_rows, ring, nkv, d, dtype);
@@ -72,7 +74,7 @@ pub(crate) fn inkling_ops<B: Backend>(h: &mut Harness<B>, rng: &mut Rng) {
         };
         let (mut hk, mut hv) = (Vec::new(), Vec::new());
         let mut pos0 = 0;
-        for t in chunks {
+        for &t in chunks {
             let k = rng.vec(t * nkv * d, 2.0);
             let v = rng.vec(t * nkv * d, 1.0);
             let q = rng.vec(t * nh * d, 2.0);

@@ -96,6 +96,34 @@ __device__ __forceinline__ void attn_step(float s, const S* vs, u64 base, int d,
     m = mn;
 }
 
+// Inkling's relative-position bias (attention_rel; `rel` = 0 for plain attention): the logit of
+// query item (row, head) at position p against the key at distance dist = p - j becomes
+// tau_p * (q . k * scale + sum_i rel[item, i] * proj[i, dist]), the sum only for dist < extent;
+// rel [T, nh, d_rel] (d_rel <= 32) and proj [d_rel, extent] f32 at device addresses;
+// tau_p = 1 + alpha * ln(max((p + 1) / n_floor, 1)) on global layers (n_floor 0: tau_p = 1).
+struct RelArgs {
+    u64 rel;
+    u64 proj;
+    int d_rel;
+    int extent;
+    float alpha;
+    float n_floor;
+};
+
+__device__ __forceinline__ float rel_tau(const RelArgs& ra, int p) {
+    return ra.n_floor > 0.0f ? 1.0f + ra.alpha * logf(fmaxf((float)(p + 1) / ra.n_floor, 1.0f))
+                             : 1.0f;
+}
+
+// The biased logit of one key for a warp whose lane i < d_rel holds rc = rel[item, i] (every lane
+// of the warp calls it: the bias is a warp sum).
+__device__ __forceinline__ float rel_logit(const RelArgs& ra, float rc, float s, int dist,
+                                           int lane, float tau) {
+    const float* proj = (const float*)ra.proj;
+    float b = lane < ra.d_rel && dist < ra.extent ? rc * proj[(u64)lane * ra.extent + dist] : 0.0f;
+    return (s + warp_sum(b)) * tau;
+}
+
 // Part `sp` of `splits` of softmax(q k^T * scale) v for one (query row, head) per block of
 // ATTN_WARPS warps: the visible positions lo..=p (p = pos0 + row; lo = p + 1 - window for a
 // sliding window) are cut into `splits` runs of equal length, and this block takes run sp. Warp
@@ -105,8 +133,8 @@ __device__ __forceinline__ void attn_step(float s, const S* vs, u64 base, int d,
 template <typename S>
 __device__ void attention_impl(const float* q, const S* ks, const S* vs, int t_rows, int nh,
                                int nkv, int d, int rows, int ring, int pos0, int window,
-                               float scale, int splits, float* part_m, float* part_l,
-                               float* part_o) {
+                               float scale, int splits, RelArgs ra, float* part_m,
+                               float* part_l, float* part_o) {
     __shared__ float wm[ATTN_WARPS], wl[ATTN_WARPS];
     __shared__ float wo[ATTN_WARPS][32 * ATTN_PER_LANE];
     int item = blockIdx.x, sp = blockIdx.y;
@@ -127,12 +155,19 @@ __device__ void attention_impl(const float* q, const S* ks, const S* vs, int t_r
         o[k] = 0.0f;
     }
     float m = -F32_INF, l = 0.0f;
+    float rc = ra.rel && lane < ra.d_rel ? ((const float*)ra.rel)[(u64)item * ra.d_rel + lane]
+                                         : 0.0f;
+    float tau = rel_tau(ra, p);
     for (int j = first + w; j <= last; j += 2 * ATTN_WARPS) {
         int j2 = j + ATTN_WARPS;
         u64 b1 = ((ring ? (u64)(j % rows) : (u64)j) * nkv + kvh) * d;
         u64 b2 = ((ring ? (u64)(j2 % rows) : (u64)j2) * nkv + kvh) * d;
         float s1 = attn_dot(qv, ks, b1, d, lane) * scale;
         float s2 = j2 <= last ? attn_dot(qv, ks, b2, d, lane) * scale : 0.0f;
+        if (ra.rel) {
+            s1 = rel_logit(ra, rc, s1, p - j, lane, tau);
+            if (j2 <= last) s2 = rel_logit(ra, rc, s2, p - j2, lane, tau);
+        }
         attn_step(s1, vs, b1, d, lane, m, l, o);
         if (j2 <= last) attn_step(s2, vs, b2, d, lane, m, l, o);
     }
@@ -194,16 +229,18 @@ extern "C" __global__ void attention_merge(const float* part_m, const float* par
 extern "C" __global__ void attention_f16(const float* q, const u16* ks, const u16* vs,
                                          int t_rows, int nh, int nkv, int d, int rows, int ring,
                                          int pos0, int window, float scale, int splits,
-                                         float* part_m, float* part_l, float* part_o) {
-    attention_impl(q, ks, vs, t_rows, nh, nkv, d, rows, ring, pos0, window, scale, splits,
+                                         RelArgs ra, float* part_m, float* part_l,
+                                         float* part_o) {
+    attention_impl(q, ks, vs, t_rows, nh, nkv, d, rows, ring, pos0, window, scale, splits, ra,
                    part_m, part_l, part_o);
 }
 
 extern "C" __global__ void attention_f32(const float* q, const float* ks, const float* vs,
                                          int t_rows, int nh, int nkv, int d, int rows, int ring,
                                          int pos0, int window, float scale, int splits,
-                                         float* part_m, float* part_l, float* part_o) {
-    attention_impl(q, ks, vs, t_rows, nh, nkv, d, rows, ring, pos0, window, scale, splits,
+                                         RelArgs ra, float* part_m, float* part_l,
+                                         float* part_o) {
+    attention_impl(q, ks, vs, t_rows, nh, nkv, d, rows, ring, pos0, window, scale, splits, ra,
                    part_m, part_l, part_o);
 }
 
@@ -241,7 +278,7 @@ template <typename S, int DK>
 __device__ void attention_tiled_impl(float (*kt)[32 * DK], float (*vt)[32 * DK], const float* q,
                                      const S* ks, const S* vs, int t_rows, int nh, int nkv, int d,
                                      int rows, int ring, int pos0, int window, float scale,
-                                     const float* sinks, float* out) {
+                                     const float* sinks, RelArgs ra, float* out) {
     const int G = nh / nkv;
     const int kvh = blockIdx.y;
     const int n_items = t_rows * G;
@@ -321,6 +358,18 @@ __device__ void attention_tiled_impl(float (*kt)[32 * DK], float (*vt)[32 * DK],
             if (r == r_me) p_me = ip[r];
         bool vis = p_me >= 0 && j_me <= p_me && (window <= 0 || j_me > p_me - window);
         float logit = vis ? s[0] : -F32_INF;
+        if (ra.rel && vis) {
+            // This lane's item and key: the bias summed in order, then the position scale.
+            int it = i0 + w * AT_ROWS + r_me, dist = p_me - j_me;
+            const float* rc =
+                (const float*)ra.rel + ((u64)(it / G) * nh + kvh * G + it % G) * ra.d_rel;
+            const float* proj = (const float*)ra.proj;
+            float b = 0.0f;
+            if (dist < ra.extent) {
+                for (int i = 0; i < ra.d_rel; ++i) b += rc[i] * proj[(u64)i * ra.extent + dist];
+            }
+            logit = (logit + b) * rel_tau(ra, p_me);
+        }
         // The lane's item: its new maximum over the tile's 8 lanes, and this position's weight.
         float mn_me = logit, m_me = -F32_INF;
 #pragma unroll
@@ -380,11 +429,11 @@ __device__ void attention_tiled_impl(float (*kt)[32 * DK], float (*vt)[32 * DK],
     extern "C" __global__ void __launch_bounds__(AT_WARPS * 32)                                 \
         NAME(const float* q, const S* ks, const S* vs, int t_rows, int nh, int nkv, int d,      \
              int rows, int ring, int pos0, int window, float scale, const float* sinks,        \
-             float* out) {                                                                      \
+             RelArgs ra, float* out) {                                                          \
         __shared__ __align__(16) float kt[AT_POS][32 * DK];                                     \
         __shared__ __align__(16) float vt[AT_POS][32 * DK];                                     \
         attention_tiled_impl<S, DK>(kt, vt, q, ks, vs, t_rows, nh, nkv, d, rows, ring, pos0,    \
-                                    window, scale, sinks, out);                                 \
+                                    window, scale, sinks, ra, out);                             \
     }
 
 ATTN_TILED(attention_tiled4_f16, u16, 4)

@@ -135,7 +135,20 @@ impl CudaBackend {
         pos0: usize,
         s: &AttnShape,
     ) -> OpResult<CudaTensor> {
-        let op = "attention";
+        self.attention_with("attention", q, kv, pos0, s, None)
+    }
+
+    /// [`CudaBackend::attention`], with Inkling's relative-position bias when `bias` is given
+    /// (`attention_rel`: `d_rel` <= 32).
+    pub(crate) fn attention_with(
+        &self,
+        op: &'static str,
+        q: &CudaTensor,
+        kv: &CudaKv,
+        pos0: usize,
+        s: &AttnShape,
+        bias: Option<&RelBias<CudaTensor>>,
+    ) -> OpResult<CudaTensor> {
         check(
             op,
             q.cols == s.n_heads * s.head_dim
@@ -154,6 +167,7 @@ impl CudaBackend {
                 )
             },
         )?;
+        let ra = self.rel_args(op, q, s, bias)?;
         check(
             op,
             if kv.ring {
@@ -187,7 +201,7 @@ impl CudaBackend {
         };
         if q.rows > 1 && items >= ATTN_SPLIT_BELOW_ITEMS && s.head_dim.is_multiple_of(4) && tiled()
         {
-            return self.attention_tiled(q, kv, pos0, s, sp, out);
+            return self.attention_tiled(op, q, kv, pos0, s, sp, ra, out);
         }
         let splits = if items >= ATTN_SPLIT_BELOW_ITEMS {
             1
@@ -229,6 +243,7 @@ impl CudaBackend {
             &win,
             &s.scale,
             &si,
+            &ra,
             &pm,
             &pl,
             &po
@@ -255,16 +270,18 @@ impl CudaBackend {
     /// multiple of 4: one `attention_tiled` launch (ops/attention.cu), blocks of `AT_ITEMS` items
     /// of one KV head's group sharing each K and V row through shared memory. `sp`: the sinks'
     /// device address or 0.
+    #[allow(clippy::too_many_arguments)]
     fn attention_tiled(
         &self,
+        op: &'static str,
         q: &CudaTensor,
         kv: &CudaKv,
         pos0: usize,
         s: &AttnShape,
         sp: u64,
+        ra: RelArgs,
         mut out: CudaTensor,
     ) -> OpResult<CudaTensor> {
-        let op = "attention";
         let group_items = q.rows * (s.n_heads / s.n_kv_heads);
         let [t, nh, nkv, d, rows, ring, p0, win] = attn_ints(q, kv, pos0, s);
         // Dims of a head per lane: 4, 8 or 16 (a kernel each).
@@ -300,9 +317,51 @@ impl CudaBackend {
             &win,
             &s.scale,
             &sp,
+            &ra,
             &mut *out.buf
         )?;
         Ok(out)
+    }
+
+    /// The kernels' [`RelArgs`] for `bias` (zero without one), its operands checked against `q`.
+    fn rel_args(
+        &self,
+        op: &'static str,
+        q: &CudaTensor,
+        s: &AttnShape,
+        bias: Option<&RelBias<CudaTensor>>,
+    ) -> OpResult<RelArgs> {
+        let Some(b) = bias else {
+            return Ok(RelArgs::default());
+        };
+        let (d_rel, extent) = (b.proj.rows, b.proj.cols);
+        check(
+            op,
+            (1..=32).contains(&d_rel)
+                && b.rel.rows == q.rows
+                && b.rel.cols == s.n_heads * d_rel
+                && b.log_scaling.is_none_or(|l| l.n_floor > 0.0),
+            || {
+                format!(
+                    "rel [{}, {}] for {} rows of {} heads with d_rel {d_rel} (at most 32), \
+                     log scaling {:?} (n_floor > 0)",
+                    b.rel.rows,
+                    b.rel.cols,
+                    q.rows,
+                    s.n_heads,
+                    b.log_scaling.map(|l| l.n_floor)
+                )
+            },
+        )?;
+        let (alpha, n_floor) = b.log_scaling.map_or((0.0, 0.0), |l| (l.alpha, l.n_floor));
+        Ok(RelArgs {
+            rel: self.addr(&*b.rel.buf),
+            proj: self.addr(&*b.proj.buf),
+            d_rel: d_rel as i32,
+            extent: extent as i32,
+            alpha,
+            n_floor,
+        })
     }
 
     /// RoPE's checks, and its kernel arguments (frequencies on the device, style code); `None`

@@ -87,6 +87,23 @@ extern "C" __global__ void matmul_bf16(const float* x, u64 t, u64 rows, u64 cols
     }
 }
 
+// y[t, r] = sum_c x[t, c] * w[r, c] for an f32 weight w [rows, cols] held on the device (an
+// unquantized router): a warp per output, each lane's strided sum added by warp_sum.
+extern "C" __global__ void linear(const float* x, const float* w, u64 t, u64 rows, u64 cols,
+                                  float* y) {
+    u64 warps = ((u64)gridDim.x * blockDim.x) >> 5;
+    u64 first = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    int lane = threadIdx.x & 31;
+    for (u64 i = first; i < t * rows; i += warps) {
+        const float* xr = x + (i / rows) * cols;
+        const float* wr = w + (i % rows) * cols;
+        float acc = 0.0f;
+        for (u64 c = lane; c < cols; c += 32) acc = fmaf(xr[c], wr[c], acc);
+        acc = warp_sum(acc);
+        if (lane == 0) y[i] = acc;
+    }
+}
+
 // x <- x * sigmoid(g).
 extern "C" __global__ void mul_sigmoid(float* x, const float* g, u64 n) {
     FOR_EACH(i, n) { x[i] *= sigmoid_f(g[i]); }

@@ -206,6 +206,61 @@ impl CudaBackend {
         Ok(out)
     }
 
+    pub(crate) fn linear(&self, x: &CudaTensor, w: &CudaTensor) -> OpResult<CudaTensor> {
+        let op = "linear";
+        check(op, x.cols == w.cols, || {
+            format!(
+                "rows of {} against a weight [{}, {}]",
+                x.cols, w.rows, w.cols
+            )
+        })?;
+        let mut out = self.tensor(op, x.rows, w.rows)?;
+        let (t, r, c) = (x.rows as u64, w.rows as u64, x.cols as u64);
+        // A warp per output, 8 per block.
+        let cfg = LaunchConfig {
+            grid_dim: (out.len().div_ceil(8).clamp(1, 1 << 16) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        launch!(
+            self,
+            op,
+            "linear",
+            cfg,
+            &*x.buf,
+            &*w.buf,
+            &t,
+            &r,
+            &c,
+            &mut *out.buf
+        )?;
+        Ok(out)
+    }
+
+    pub(crate) fn set_rows(
+        &self,
+        dst: &mut CudaTensor,
+        row0: usize,
+        src: &CudaTensor,
+    ) -> OpResult<()> {
+        let op = "set_rows";
+        check(
+            op,
+            dst.cols == src.cols && row0 + src.rows <= dst.rows,
+            || {
+                format!(
+                    "[{}, {}] at row {row0} of [{}, {}]",
+                    src.rows, src.cols, dst.rows, dst.cols
+                )
+            },
+        )?;
+        let at = row0 * dst.cols;
+        let mut view = dst.buf.slice_mut(at..at + src.len());
+        self.stream
+            .memcpy_dtod(&*src.buf, &mut view)
+            .map_err(|e| self.dev(op, e))
+    }
+
     pub(crate) fn mul_cols(&self, x: &mut CudaTensor, w: &VRef, c: f32) -> OpResult<()> {
         let op = "mul_cols";
         let off = self.vref(op, w, x.cols)?;

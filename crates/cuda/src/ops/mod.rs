@@ -4,6 +4,7 @@
 mod attention;
 mod elementwise;
 mod gemm;
+mod inkling;
 mod moe;
 mod norm;
 mod quant;

@@ -1,12 +1,13 @@
 // Gated DeltaNet's recurrent pieces: the causal conv, the gates and the delta rule.
 
-// Depthwise causal conv + SiLU over x ([T, C]) continuing state ([kernel-1, C], the last pre-conv
-// rows): out[r, c] = silu(sum_j w[c, j] * seq[r + j, c]) with seq = state ++ x; then state <- the
+// Depthwise causal conv over x ([T, C]) continuing state ([kernel-1, C], the last pre-conv rows):
+// out[r, c] = act(sum_j w[c, j] * seq[r + j, c]) with seq = state ++ x, act SiLU (silu != 0:
+// Gated DeltaNet's conv1d_silu) or none (Inkling's short convolutions, conv1d); then state <- the
 // last kernel-1 rows of seq.
 
 // out[r, c] (conv_out's arithmetic in every kernel below, so decode's and prefill's bits agree).
 __device__ __forceinline__ float conv_out(const float* x, const float* state, const float* w,
-                                          int r, int c, int channels, int kernel) {
+                                          int r, int c, int channels, int kernel, int silu) {
     int keep = kernel - 1;
     float acc = 0.0f;
     for (int j = 0; j < kernel; ++j) {
@@ -14,7 +15,7 @@ __device__ __forceinline__ float conv_out(const float* x, const float* state, co
         float v = s < keep ? state[(u64)s * channels + c] : x[(u64)(s - keep) * channels + c];
         acc += w[c * kernel + j] * v;
     }
-    return silu_f(acc);
+    return silu ? silu_f(acc) : acc;
 }
 
 // state <- the last kernel-1 rows of state ++ x, for channel c (ascending i reads seq row
@@ -30,22 +31,24 @@ __device__ __forceinline__ void conv_keep(const float* x, float* state, int t_ro
 }
 
 // Both, one thread per channel over the rows (decode's one row).
-extern "C" __global__ void conv1d_silu(const float* x, float* state, const float* w, int t_rows,
-                                       int channels, int kernel, float* out) {
+extern "C" __global__ void conv1d_causal(const float* x, float* state, const float* w,
+                                         int t_rows, int channels, int kernel, int silu,
+                                         float* out) {
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= channels) return;
     for (int r = 0; r < t_rows; ++r)
-        out[(u64)r * channels + c] = conv_out(x, state, w, r, c, channels, kernel);
+        out[(u64)r * channels + c] = conv_out(x, state, w, r, c, channels, kernel, silu);
     conv_keep(x, state, t_rows, c, channels, kernel);
 }
 
 // The outputs only, one thread per (row, channel) (a prefill chunk; conv1d_keep then moves the
 // state, in a second launch, after every output has read it).
-extern "C" __global__ void conv1d_silu_rows(const float* x, const float* state, const float* w,
-                                            int t_rows, int channels, int kernel, float* out) {
+extern "C" __global__ void conv1d_causal_rows(const float* x, const float* state,
+                                              const float* w, int t_rows, int channels,
+                                              int kernel, int silu, float* out) {
     FOR_EACH(i, (u64)t_rows * channels) {
         int r = (int)(i / channels), c = (int)(i % channels);
-        out[i] = conv_out(x, state, w, r, c, channels, kernel);
+        out[i] = conv_out(x, state, w, r, c, channels, kernel, silu);
     }
 }
 

@@ -1,4 +1,4 @@
-//! The recurrent ops: Gated DeltaNet's conv, gates and delta rule, and its gated norm (kernels:
+//! The recurrent ops: the causal convs (Gated DeltaNet's, Inkling's), DeltaNet's gates, delta rule and gated norm (kernels:
 //! recurrent.cu).
 
 use crate::*;
@@ -50,57 +50,17 @@ impl RecurrentOps for CudaBackend {
         w: &CudaTensor,
         kernel: usize,
     ) -> OpResult<CudaTensor> {
-        let op = "conv1d_silu";
-        let c = x.cols;
-        check(
-            op,
-            kernel >= 2 && w.len() == c * kernel && state.buf.len() == (kernel - 1) * c,
-            || format!("kernel {kernel} over {c} channels"),
-        )?;
-        let mut out = self.tensor(op, x.rows, c)?;
-        let (t, ci, ki) = (x.rows as i32, c as i32, kernel as i32);
-        if x.rows > 1 {
-            // Every (row, channel) at once, then the state (the same bits as below).
-            launch!(
-                self,
-                op,
-                "conv1d_silu_rows",
-                elems(out.len()),
-                &*x.buf,
-                &state.buf,
-                &*w.buf,
-                &t,
-                &ci,
-                &ki,
-                &mut *out.buf
-            )?;
-            launch!(
-                self,
-                op,
-                "conv1d_keep",
-                elems(c),
-                &*x.buf,
-                &mut state.buf,
-                &t,
-                &ci,
-                &ki
-            )?;
-            return Ok(out);
-        }
-        launch!(
-            self,
-            op,
-            "conv1d_silu",
-            elems(c),
-            &*x.buf,
-            &mut state.buf,
-            &*w.buf,
-            &t,
-            &ci,
-            &ki,
-            &mut *out.buf
-        )?;
-        Ok(out)
+        self.conv1d_causal("conv1d_silu", x, state, w, kernel, true)
+    }
+
+    fn conv1d(
+        &self,
+        x: &CudaTensor,
+        state: &mut CudaState,
+        w: &CudaTensor,
+        kernel: usize,
+    ) -> OpResult<CudaTensor> {
+        self.conv1d_causal("conv1d", x, state, w, kernel, false)
     }
 
     fn delta_gates(
@@ -186,6 +146,73 @@ impl RecurrentOps for CudaBackend {
             &nvi,
             &dki,
             &dvi,
+            &mut *out.buf
+        )?;
+        Ok(out)
+    }
+}
+
+impl CudaBackend {
+    /// The depthwise causal conv of `op` over `x`'s rows continuing `state`, SiLU after it with
+    /// `silu` (Gated DeltaNet) or not (Inkling's short convolutions).
+    fn conv1d_causal(
+        &self,
+        op: &'static str,
+        x: &CudaTensor,
+        state: &mut CudaState,
+        w: &CudaTensor,
+        kernel: usize,
+        silu: bool,
+    ) -> OpResult<CudaTensor> {
+        let c = x.cols;
+        check(
+            op,
+            kernel >= 2 && w.len() == c * kernel && state.buf.len() == (kernel - 1) * c,
+            || format!("kernel {kernel} over {c} channels"),
+        )?;
+        let mut out = self.tensor(op, x.rows, c)?;
+        let (t, ci, ki, act) = (x.rows as i32, c as i32, kernel as i32, silu as i32);
+        if x.rows > 1 {
+            // Every (row, channel) at once, then the state (the same bits as below).
+            launch!(
+                self,
+                op,
+                "conv1d_causal_rows",
+                elems(out.len()),
+                &*x.buf,
+                &state.buf,
+                &*w.buf,
+                &t,
+                &ci,
+                &ki,
+                &act,
+                &mut *out.buf
+            )?;
+            launch!(
+                self,
+                op,
+                "conv1d_keep",
+                elems(c),
+                &*x.buf,
+                &mut state.buf,
+                &t,
+                &ci,
+                &ki
+            )?;
+            return Ok(out);
+        }
+        launch!(
+            self,
+            op,
+            "conv1d_causal",
+            elems(c),
+            &*x.buf,
+            &mut state.buf,
+            &*w.buf,
+            &t,
+            &ci,
+            &ki,
+            &act,
             &mut *out.buf
         )?;
         Ok(out)

@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use mference_models::{load, LoadOptions, Logits, Model, Want};
+use mference_models::{load, Device, LoadOptions, Logits, Model, Want};
 
 /// The repository and the reference venv's python (a missing venv is a failure, never a skip),
 /// the reference logits and the comparison with them.
@@ -95,19 +95,46 @@ pub fn ref_greedy(model: &Path, tokens: &[u32], n: usize, work: &Path) -> Vec<u3
 /// name the exact kernel table: `auto` takes the int16-activation tables for Gemma 4 and Qwen 3.6,
 /// whose accuracy is checked by perplexity instead (`crates/cli/tests/int8_prefill.rs`); on these
 /// random-weight checkpoints, with routers close to ties, their rounding flips expert choices.
+///
+/// They run on `MFERENCE_TEST_DEVICE` (`cpu`, the default, or `cuda` / `cuda:N`;
+/// `tools/cuda-test.sh` runs the fixture families' parity on CUDA with it): a device that cannot
+/// start fails the load, never falls back to the CPU.
 pub fn opts(chunk: usize, max_context: usize) -> LoadOptions {
     LoadOptions {
         prefill_chunk: chunk,
         max_context,
         threads: 2,
         kernels: Some(mference_kernels::Kernels::detect().name().to_string()),
+        device: test_device(),
         ..Default::default()
     }
 }
 
+/// The device of [`opts`]: `MFERENCE_TEST_DEVICE`, else the CPU (an unknown name panics).
+pub fn test_device() -> Device {
+    match std::env::var("MFERENCE_TEST_DEVICE") {
+        Ok(v) => Device::parse(&v).unwrap_or_else(|e| panic!("MFERENCE_TEST_DEVICE: {e}")),
+        Err(_) => Device::Cpu,
+    }
+}
+
+/// Loads `install` with `o`, checking that it runs where `o.device` says (a CUDA parity run that
+/// loaded on the CPU would prove nothing).
+pub fn load_on(install: &Path, o: &LoadOptions) -> Box<dyn Model> {
+    let m = load(install, o).expect("load");
+    if let Device::Cuda(n) = o.device {
+        let at = m.device();
+        assert!(
+            at.starts_with(&format!("cuda:{n}")),
+            "loaded on {at}, not cuda:{n}"
+        );
+    }
+    m
+}
+
 /// Logits of every position via one chunked prefill.
 pub fn prefill_all(install: &Path, tokens: &[u32], o: &LoadOptions) -> Vec<f32> {
-    let mut m = load(install, o).expect("load");
+    let mut m = load_on(install, o);
     match m.forward(tokens, Want::All).expect("forward") {
         Logits::Rows(r) => r,
         other => panic!("unexpected {other:?}"),
@@ -116,7 +143,7 @@ pub fn prefill_all(install: &Path, tokens: &[u32], o: &LoadOptions) -> Vec<f32> 
 
 /// Logits of every position via token-by-token decode.
 pub fn decode_all(install: &Path, tokens: &[u32], o: &LoadOptions) -> Vec<f32> {
-    let mut m = load(install, o).expect("load");
+    let mut m = load_on(install, o);
     let mut all = Vec::new();
     for &t in tokens {
         match m.forward(&[t], Want::Last).expect("forward") {
@@ -325,18 +352,26 @@ pub fn check_greedy(
 /// Slot count, resident mode and O_DIRECT change where expert bytes come from, never the math:
 /// all-position logits and a greedy continuation must be bit-identical to the resident run, and
 /// every configuration must really have read experts.
+///
+/// On CUDA ([`test_device`]) the GPU expert memory varies too: every expert resident (the base),
+/// and every use a forced miss copied in from the host tier of each configuration.
 pub fn assert_slot_invariance(install: &Path, prompt: &[u32]) {
     use mference_runtime::CacheSlots;
+    let cuda = matches!(test_device(), Device::Cuda(_));
+    let base_opts = LoadOptions {
+        slots: CacheSlots::Resident,
+        gpu_expert_budget: mference_cuda::GpuExpertBudget::Resident,
+        ..opts(64, 512)
+    };
     let with = |slots: CacheSlots, direct_io: bool| LoadOptions {
         slots,
         direct_io,
-        ..opts(64, 512)
+        gpu_force_miss: cuda,
+        ..base_opts.clone()
     };
-    let base = prefill_all(install, prompt, &with(CacheSlots::Resident, false));
+    let base = prefill_all(install, prompt, &base_opts);
     let base_greedy = greedy(
-        load(install, &with(CacheSlots::Resident, false))
-            .unwrap()
-            .as_mut(),
+        load(install, &base_opts).unwrap().as_mut(),
         &prompt[..50],
         32,
     );
