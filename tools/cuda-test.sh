@@ -11,8 +11,8 @@ cargo test --release -p mference-cuda "$@" -- --nocapture
 # The bundled tiny models on CUDA: greedy ids and perplexity against mlx-lm, bit-identity across
 # GPU expert budgets (crates/cli/tests/cuda.rs).
 cargo test --release -p mference-cli --test cuda "$@" -- --nocapture --test-threads 1
-# The fixture families on CUDA (issue 30): Inkling's and Maple's golden fixtures with the model on
-# the GPU, against their reference logits at every position and greedy ids, and bit-identical
-# across GPU expert memory (crates/models/tests/{inkling,maple}_parity.rs).
-MFERENCE_TEST_DEVICE=cuda cargo test --release -p mference-models --test inkling_parity \
-  --test maple_parity "$@" -- --nocapture --test-threads 1
+# The fixture families on CUDA (issue 30): DeepSeek-V4's, Inkling's and Maple's golden fixtures
+# with the model on the GPU, against their reference logits at every position and greedy ids, and
+# bit-identical across GPU expert memory (crates/models/tests/{deepseek_v4,inkling,maple}_parity.rs).
+MFERENCE_TEST_DEVICE=cuda cargo test --release -p mference-models --test deepseek_v4_parity \
+  --test inkling_parity --test maple_parity "$@" -- --nocapture --test-threads 1

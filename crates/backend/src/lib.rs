@@ -36,7 +36,8 @@ use std::collections::BTreeMap;
 pub use kv::{KvCache, KvState};
 pub use mference_runtime::KvDtype;
 pub use ops::{
-    missing_ops, Backend, CoreOps, DeepSeekV4Ops, DeviceExpertOps, InklingOps, Op, RecurrentOps,
+    deepseek_v4_checks, missing_ops, Backend, CoreOps, DeepSeekV4Ops, DeviceExpertOps, InklingOps,
+    Op, RecurrentOps,
 };
 pub use rope::{Rope, RopeStyle, Yarn};
 pub use weights::{f32_vector, FRef, Mlp, QRef, VRef, WeightError};

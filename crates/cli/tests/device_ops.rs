@@ -1,8 +1,8 @@
-//! The op capability check before any weight moves (issue 26 item 4): on an install whose family
-//! needs ops the CUDA backend has no kernel for (the golden DeepSeek-V4 fixture,
-//! `assets/fixtures/deepseek_v4/A`), `--device cuda` is refused at once naming those ops, and
-//! `--device auto` takes the CPU and says why on the load line. Neither needs a GPU: the check
-//! asks the backend type what it supports, before the driver is touched.
+//! The op capability check before any weight moves (issue 26 item 4) on the golden DeepSeek-V4
+//! fixture (`assets/fixtures/deepseek_v4/A`), the family that lacked the most CUDA kernels until
+//! issue 30: no op is named missing, `--device cuda` fails only where CUDA is missing, `--device
+//! auto` then takes the CPU. A backend that lacks ops is refused naming them (the machinery's own
+//! tests: `crates/backend/tests/backend_ops.rs`, `crates/backend/src/ops/tests.rs`).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -27,8 +27,11 @@ fn logits(inst: &Path, work: &Path, device: &str) -> std::process::Output {
         .unwrap()
 }
 
+/// DeepSeek-V4, the family that lacked the most CUDA kernels, passes the capability check now:
+/// `--device cuda` fails only for want of CUDA itself (the driver or a device, never an op), and
+/// `--device auto` runs where CUDA is missing on the CPU with `--device cpu`'s bits.
 #[test]
-fn a_family_whose_ops_cuda_lacks_is_refused_on_cuda_and_runs_on_the_cpu_under_auto() {
+fn deepseek_v4_passes_the_capability_check_and_auto_takes_what_runs() {
     let work = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let inst = work.path().join("dsv4.gturbo");
     let (src, out) = (fixture().join("checkpoint"), inst.clone());
@@ -46,43 +49,34 @@ fn a_family_whose_ops_cuda_lacks_is_refused_on_cuda_and_runs_on_the_cpu_under_au
     let cuda = logits(&inst, work.path(), "cuda");
     let err = String::from_utf8_lossy(&cuda.stderr);
     assert!(
-        !cuda.status.success(),
-        "--device cuda ran a family CUDA lacks ops for:\n{err}"
+        !err.contains("has no kernel for"),
+        "--device cuda refused an op of DeepSeek-V4:\n{err}"
     );
-    for op in [
-        "hc_pre",
-        "hc_post",
-        "compress_pool",
-        "attention_sparse",
-        "index_top_k",
-    ] {
-        assert!(err.contains(op), "the refusal does not name {op}:\n{err}");
+    let gpu = cuda.status.success();
+    if !gpu {
+        assert!(
+            err.contains("no CUDA driver") || err.contains("the driver sees 0 device(s)"),
+            "--device cuda failed for another reason than a missing GPU:\n{err}"
+        );
     }
-    assert!(
-        err.contains("DeepSeek-V4"),
-        "the refusal does not name the family:\n{err}"
-    );
-    assert!(
-        !work.path().join("cuda.npy").exists(),
-        "a refused run wrote logits"
-    );
 
     let auto = logits(&inst, work.path(), "auto");
     let log = String::from_utf8_lossy(&auto.stderr);
     assert!(auto.status.success(), "--device auto failed:\n{log}");
     assert!(
-        log.contains("--device auto: the CUDA backend has no kernel for")
-            && log.contains("hc_post"),
-        "the load line does not say why auto took the CPU:\n{log}"
+        !log.contains("has no kernel for"),
+        "--device auto names a missing op:\n{log}"
     );
     let cpu = logits(&inst, work.path(), "cpu");
     assert!(cpu.status.success());
     let read = |d: &str| std::fs::read(work.path().join(format!("{d}.npy"))).unwrap();
-    assert_eq!(
-        read("auto"),
-        read("cpu"),
-        "auto's CPU run differs from --device cpu"
-    );
+    if !gpu {
+        assert_eq!(
+            read("auto"),
+            read("cpu"),
+            "auto's CPU run differs from --device cpu"
+        );
+    }
 
     // A rounded kernel table for this family is refused before anything is read: with the
     // weights file emptied, the error is still the table's.

@@ -1,6 +1,7 @@
 //! The op-layer traits of [`CudaBackend`]: the core group delegates each op to its module under
 //! `ops/` (same name); the recurrent ops are in `ops/recurrent.rs`, the expert-cache hooks in
-//! `device_experts.rs`, Inkling's in `ops/inkling.rs`; DeepSeek-V4's group has no kernels yet.
+//! `device_experts.rs`, Inkling's and DeepSeek-V4's groups in `ops/inkling.rs` and
+//! `ops/deepseek_v4.rs`.
 
 use crate::*;
 
@@ -17,20 +18,9 @@ impl CoreOps for CudaBackend {
         "cuda"
     }
 
-    /// What the kernels of `ops/` cover: every core, recurrent and Inkling op, all but
-    /// DeepSeek-V4's router scoring and its own ops.
-    fn supports(op: Op) -> bool {
-        !matches!(
-            op,
-            Op::RouteSqrtSoftplus
-                | Op::RopeAt
-                | Op::MatmulGrouped
-                | Op::HcPre
-                | Op::HcPost
-                | Op::CompressPool
-                | Op::AttentionSparse
-                | Op::IndexTopK
-        )
+    /// What the kernels of `ops/` cover: every op of every group.
+    fn supports(_op: Op) -> bool {
+        true
     }
 
     fn upload(&self, data: &[f32], cols: usize) -> OpResult<CudaTensor> {
@@ -294,5 +284,3 @@ impl CoreOps for CudaBackend {
         self.route(logits, spec)
     }
 }
-
-impl DeepSeekV4Ops for CudaBackend {}

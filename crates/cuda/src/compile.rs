@@ -25,6 +25,7 @@ pub(crate) const SOURCES: &[(&str, &str)] = &[
     ("quant.cu", include_str!("ops/quant.cu")),
     ("gemm.cu", include_str!("ops/gemm.cu")),
     ("attention.cu", include_str!("ops/attention.cu")),
+    ("deepseek_v4.cu", include_str!("ops/deepseek_v4.cu")),
     ("norm.cu", include_str!("ops/norm.cu")),
     ("recurrent.cu", include_str!("ops/recurrent.cu")),
     ("router.cu", include_str!("ops/router.cu")),

@@ -4,7 +4,7 @@
 use crate::*;
 
 /// Every kernel of `ops/`, loaded at startup (a missing one fails [`CudaBackend::new`]).
-pub(crate) const KERNELS: [&str; 67] = [
+pub(crate) const KERNELS: [&str; 72] = [
     "all_finite",
     "matmul_bf16",
     "linear",
@@ -52,6 +52,11 @@ pub(crate) const KERNELS: [&str; 67] = [
     "attention_f16",
     "attention_f32",
     "attention_merge",
+    "place_cols",
+    "hc_pre_row",
+    "hc_post",
+    "compress_pool",
+    "index_scores",
     "attention_tiled4_f16",
     "attention_tiled8_f16",
     "attention_tiled16_f16",

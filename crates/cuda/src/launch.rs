@@ -135,6 +135,21 @@ pub(crate) struct RelArgs {
 // SAFETY: `repr(C)` u64, u64, i32, i32, f32, f32, laid out as `struct RelArgs` in ops/attention.cu.
 unsafe impl cudarc::driver::DeviceRepr for RelArgs {}
 
+/// The `SparseArgs` argument of the split attention kernel (ops/attention.cu): DeepSeek-V4's
+/// compressed entries and each row's visible ones, `ent` = 0 for plain attention.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub(crate) struct SparseArgs {
+    /// `[N, n_kv_heads · head_dim]` f32 entries (device address).
+    pub(crate) ent: u64,
+    /// `[T + 1]` i32: row `r`'s indices are `vis_idx[vis_off[r] .. vis_off[r + 1]]`.
+    pub(crate) vis_off: u64,
+    pub(crate) vis_idx: u64,
+}
+
+// SAFETY: `repr(C)` u64 x 3, laid out as `struct SparseArgs` in ops/attention.cu.
+unsafe impl cudarc::driver::DeviceRepr for SparseArgs {}
+
 /// Parts one `split_parts` launch writes (ops/elementwise.cu `SPLIT_PARTS`).
 pub(crate) const SPLIT_PARTS: usize = 4;
 
@@ -307,6 +322,16 @@ pub(crate) fn qmv_grid(rows: usize, lanes: usize, jobs: usize, nm: usize) -> Lau
 
 /// Logits per block of `argmax_parts` (4 per thread; a 262,144-token vocabulary is 64 parts).
 pub(crate) const ARGMAX_CHUNK: usize = 4096;
+
+/// A warp per item of `n` (kernels that stride over `gridDim.x * blockDim.x / 32` warps), 8 per
+/// block.
+pub(crate) fn warps(n: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (n.div_ceil(8).clamp(1, 1 << 16) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
 
 pub(crate) fn blocks(n: usize, threads: u32) -> LaunchConfig {
     LaunchConfig {

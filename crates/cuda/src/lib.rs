@@ -62,10 +62,11 @@ use cudarc::nvrtc::Ptx;
 use experts::{CacheError, GpuExperts};
 use mference_backend::cpu::ResidentBytes;
 use mference_backend::{
-    check, check_forced, check_glu_combine, check_glu_rows, check_mlp, Act, AttnShape, CoreOps,
-    DeepSeekV4Ops, DeltaShape, DeviceExpertOps, DeviceExpertStats, InklingOps, KvDtype, KvState,
-    Mlp, Norm, Op, OpError, OpResult, PreNorm, QRef, RecurrentOps, RelBias, Rope, RopeStyle,
-    RouterSpec, Routes, Scoring, SinkRouter, Tensor, Unary, VRef, Weights,
+    check, check_forced, check_glu_combine, check_glu_rows, check_mlp, deepseek_v4_checks, Act,
+    AttnShape, CoreOps, DeepSeekV4Ops, DeltaShape, DeviceExpertOps, DeviceExpertStats, HcSpec,
+    InklingOps, KvDtype, KvState, Mlp, Norm, Op, OpError, OpResult, PreNorm, QRef, RecurrentOps,
+    RelBias, Rope, RopeStyle, RouterSpec, Routes, Scoring, SinkRouter, Tensor, Unary, VRef,
+    Weights,
 };
 
 /// Why the CUDA backend could not start. Each names what is missing and what to do.

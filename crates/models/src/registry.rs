@@ -350,6 +350,15 @@ mod tests {
             .map(|e| e.to_string())
     }
 
+    /// Issue 30 item 3: the CUDA backend has every op of every family, so `--device auto` takes
+    /// CUDA for all five where CUDA runs.
+    #[test]
+    fn cuda_has_every_op_of_every_family() {
+        for f in Family::ALL {
+            assert_eq!(cuda_lacks(f), None, "{f:?}");
+        }
+    }
+
     #[test]
     fn options_are_checked_against_the_registry() {
         let flash = LoadOptions {

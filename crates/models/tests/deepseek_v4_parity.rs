@@ -8,10 +8,14 @@
 //! most 75 entries); case B keeps the top 2 (the truncating path, its boundary gaps checked by the
 //! fixture generator). With the default FP16 KV the argmax agreement and the worst error are printed.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
-use mference_models::{load, LoadOptions, Logits, Model, Want};
+use common::{load_on, test_device};
+
+use mference_models::{load, Device, LoadOptions, Logits, Model, Want};
 use mference_runtime::{CacheSlots, KvDtype};
 
 fn case_dir(case: &str) -> PathBuf {
@@ -76,18 +80,21 @@ fn tolerance(case: &str) -> f32 {
     }
 }
 
+/// Load options on `MFERENCE_TEST_DEVICE` (`cpu`, the default, or `cuda` / `cuda:N`:
+/// `tools/cuda-test.sh` runs these on the GPU).
 fn opts(chunk: usize, kv: KvDtype) -> LoadOptions {
     LoadOptions {
         prefill_chunk: chunk,
         max_context: 512,
         threads: 2,
         kv_dtype: kv,
+        device: test_device(),
         ..Default::default()
     }
 }
 
 fn prefill(inst: &Path, ids: &[u32], o: &LoadOptions) -> Vec<f32> {
-    let mut m = load(inst, o).expect("load");
+    let mut m = load_on(inst, o);
     match m.forward(ids, Want::All).expect("forward") {
         Logits::Rows(r) => r,
         other => panic!("unexpected {other:?}"),
@@ -95,7 +102,7 @@ fn prefill(inst: &Path, ids: &[u32], o: &LoadOptions) -> Vec<f32> {
 }
 
 fn decode(inst: &Path, ids: &[u32], o: &LoadOptions) -> Vec<f32> {
-    let mut m = load(inst, o).expect("load");
+    let mut m = load_on(inst, o);
     let mut all = Vec::with_capacity(ids.len() * 1024);
     for &t in ids {
         match m.forward(&[t], Want::Last).expect("forward") {
@@ -256,16 +263,20 @@ fn shadow_prefetch_changes_no_output() {
     }
 }
 
-/// Slot counts (8, 16 = every expert, resident) and pread vs O_DIRECT give the same bytes.
+/// Slot counts (8, 16 = every expert, resident) and pread vs O_DIRECT give the same bytes; on
+/// CUDA the base holds every expert on the GPU and the others copy each use in (forced misses).
 #[test]
 fn outputs_are_bit_identical_across_slots_and_io() {
     let dir = case_dir("B");
     let inst = install("B");
     let ids = json_ids(&dir.join("prompt_ids.json"));
+    let cuda = matches!(test_device(), Device::Cuda(_));
     let run = |slots: CacheSlots, direct_io: bool| {
         let o = LoadOptions {
             slots,
             direct_io,
+            gpu_expert_budget: mference_cuda::GpuExpertBudget::Resident,
+            gpu_force_miss: cuda && (slots, direct_io) != (CacheSlots::Fixed(8), false),
             ..opts(64, KvDtype::F32)
         };
         prefill(&inst, &ids[..160], &o)

@@ -465,23 +465,14 @@ impl CoreOps for CpuBackend {
                 Scoring::SqrtSoftplus {
                     routed_scaling_factor,
                     correction_bias,
-                } => {
-                    p.clear();
-                    p.extend(lg.iter().map(|&x| ops::softplus(x).sqrt()));
-                    let idx = match (spec.forced, correction_bias) {
-                        (None, Some(b)) => {
-                            let biased: Vec<f32> = (0..n_exp)
-                                .map(|e| p[e] + b.get(&self.resident, e))
-                                .collect();
-                            ops::top_k(&biased, k)
-                        }
-                        _ => pick(row, &p),
-                    };
-                    let z: f32 = idx.iter().map(|&e| p[e]).sum::<f32>() + 1e-20;
-                    idx.into_iter()
-                        .map(|e| (e, p[e] / z * routed_scaling_factor))
-                        .collect()
-                }
+                } => sqrt_softplus_row(
+                    lg,
+                    k,
+                    spec.forced.map(|f| &f[row * k..(row + 1) * k]),
+                    correction_bias.map(|b| move |e| b.get(&self.resident, e)),
+                    routed_scaling_factor,
+                    &mut p,
+                ),
             };
             for (e, w) in chosen {
                 let w = match spec.per_expert_scale {
@@ -493,4 +484,32 @@ impl CoreOps for CpuBackend {
         }
         Ok(Routes { experts, margins })
     }
+}
+
+/// One row of DeepSeek-V4's sqrt-softplus routing ([`Scoring::SqrtSoftplus`]): `p` gets the
+/// scores `sqrt(softplus(lg))`; the experts are `forced` or the top-k of `p + bias(e)` (of `p`
+/// without a bias); each weighs `p[e] / (Σ_chosen p + 1e-20) · routed_scaling_factor`. The CUDA
+/// backend routes its read-back logits with this too, so both give the same routes.
+pub fn sqrt_softplus_row(
+    lg: &[f32],
+    k: usize,
+    forced: Option<&[usize]>,
+    bias: Option<impl Fn(usize) -> f32>,
+    routed_scaling_factor: f32,
+    p: &mut Vec<f32>,
+) -> Vec<(usize, f32)> {
+    p.clear();
+    p.extend(lg.iter().map(|&x| ops::softplus(x).sqrt()));
+    let idx = match (forced, bias) {
+        (Some(f), _) => f.to_vec(),
+        (None, Some(b)) => {
+            let biased: Vec<f32> = (0..lg.len()).map(|e| p[e] + b(e)).collect();
+            ops::top_k(&biased, k)
+        }
+        (None, None) => ops::top_k(p, k),
+    };
+    let z: f32 = idx.iter().map(|&e| p[e]).sum::<f32>() + 1e-20;
+    idx.into_iter()
+        .map(|e| (e, p[e] / z * routed_scaling_factor))
+        .collect()
 }

@@ -3,7 +3,7 @@
 //! and the Lightning indexer's top-k.
 
 use super::CoreOps;
-use crate::{AttnShape, HcSpec, OpResult, QRef, Rope, Weights};
+use crate::{check, AttnShape, HcSpec, OpResult, QRef, Rope, Tensor, Weights};
 
 /// DeepSeek-V4-Flash's own ops (`reference` twins in [`crate::reference`]): its router's
 /// sqrt-softplus scoring is a mode of [`CoreOps::route`] ([`super::Op::RouteSqrtSoftplus`]).
@@ -106,5 +106,117 @@ pub trait DeepSeekV4Ops: CoreOps {
         top_k: usize,
     ) -> OpResult<Vec<Vec<usize>>> {
         Err(self.missing("index_top_k"))
+    }
+}
+
+/// The operand checks of DeepSeek-V4's ops shared by the backends (each backend may add its own
+/// limits).
+pub mod checks {
+    use super::*;
+
+    /// [`DeepSeekV4Ops::matmul_grouped`]: `groups` blocks of `w` over rows of `groups · w.cols`.
+    pub fn matmul_grouped<T: Tensor>(w: &QRef, groups: usize, x: &T) -> OpResult<()> {
+        check(
+            "matmul_grouped",
+            groups > 0 && w.rows.is_multiple_of(groups) && x.cols() == groups * w.cols,
+            || {
+                format!(
+                    "{groups} groups of [{}, {}] over rows of {}",
+                    w.rows,
+                    w.cols,
+                    x.cols()
+                )
+            },
+        )
+    }
+
+    /// [`DeepSeekV4Ops::hc_pre`]: `f` `[n or (2 + n)·n, x.cols]`, `base` one per mix, `scale` 1 or
+    /// 3 values, at most `max_streams` streams.
+    pub fn hc_pre<T: Tensor>(
+        x: &T,
+        f: &T,
+        base: &[f32],
+        scale: &[f32],
+        spec: &HcSpec,
+        max_streams: usize,
+    ) -> OpResult<()> {
+        let (n, m) = (spec.streams, f.rows());
+        check(
+            "hc_pre",
+            (1..=max_streams).contains(&n)
+                && x.cols().is_multiple_of(n)
+                && f.cols() == x.cols()
+                && (m == n || m == (2 + n) * n)
+                && base.len() == m
+                && scale.len() == if m == n { 1 } else { 3 },
+            || {
+                format!(
+                    "{n} streams (at most {max_streams}) of rows of {}, projection [{m}, {}]",
+                    x.cols(),
+                    f.cols()
+                )
+            },
+        )
+    }
+
+    /// [`DeepSeekV4Ops::hc_post`]: `x` `[T, n·D]`, `out` `[T, D]`, `post` `[T, n]`, `comb`
+    /// `[T, n·n]`.
+    pub fn hc_post<T: Tensor>(x: &T, out: &T, post: &T, comb: &T) -> OpResult<()> {
+        let (n, t, d) = (post.cols(), out.rows(), out.cols());
+        check(
+            "hc_post",
+            x.cols() == n * d
+                && x.rows() == t
+                && post.rows() == t
+                && comb.cols() == n * n
+                && comb.rows() == t,
+            || {
+                format!(
+                    "streams [{t}, {}] for an output [{t}, {d}] and {n} streams",
+                    x.cols()
+                )
+            },
+        )
+    }
+
+    /// [`DeepSeekV4Ops::compress_pool`]: `kv` and `gate` of one shape, whole windows, `ape`
+    /// `[rate, width]`, a prior `[rate, width / 2]` only with overlap.
+    pub fn compress_pool<T: Tensor>(
+        kv: &T,
+        gate: &T,
+        ape: &T,
+        rate: usize,
+        overlap: bool,
+        prior: Option<(&T, &T)>,
+    ) -> OpResult<()> {
+        let w = kv.cols();
+        let d = if overlap { w / 2 } else { w };
+        check(
+            "compress_pool",
+            gate.rows() == kv.rows()
+                && gate.cols() == w
+                && rate > 0
+                && kv.rows().is_multiple_of(rate)
+                && (!overlap || w.is_multiple_of(2))
+                && ape.cols() == w
+                && ape.rows() == rate
+                && prior.is_none_or(|(k, g)| {
+                    overlap
+                        && k.cols() == d
+                        && g.cols() == d
+                        && k.rows() == rate
+                        && g.rows() == rate
+                }),
+            || {
+                format!(
+                    "windows of {rate} rows of {w} (overlap {overlap}; gate [{}, {}], ape [{}, \
+                     {}])",
+                    gate.rows(),
+                    gate.cols(),
+                    ape.rows(),
+                    ape.cols()
+                )
+            },
+        )
     }
 }

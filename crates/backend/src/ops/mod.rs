@@ -14,7 +14,7 @@ mod inkling;
 mod recurrent;
 
 pub use self::core::CoreOps;
-pub use deepseek_v4::DeepSeekV4Ops;
+pub use deepseek_v4::{checks as deepseek_v4_checks, DeepSeekV4Ops};
 pub use device_experts::DeviceExpertOps;
 pub use inkling::InklingOps;
 pub use recurrent::RecurrentOps;

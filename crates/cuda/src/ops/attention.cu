@@ -19,15 +19,19 @@ __device__ __forceinline__ void rope_pair(const float* src, float* dst, int i, i
     dst[ib] = x1 * s + x2 * c;
 }
 
+// Row r at position pos0 + r, or at positions[r] when given (DeepSeek-V4's rope_at: compressed
+// entries sit at rate * w, not at consecutive positions).
 extern "C" __global__ void rope(float* x, u64 t_rows, int cols, int head_dim, int rotated,
-                                int style, const float* inv_freq, int pos0, float mscale) {
+                                int style, const float* inv_freq, int pos0,
+                                const int* positions, float mscale) {
     int half = rotated / 2;
     int heads = cols / head_dim;
     FOR_EACH(idx, t_rows * (u64)heads * half) {
         int i = (int)(idx % half);
         u64 rh = idx / half;                 // row * heads + head
         float* h = x + rh * head_dim;
-        rope_pair(h, h, i, half, style, inv_freq, pos0 + (int)(rh / heads), mscale);
+        int r = (int)(rh / heads);
+        rope_pair(h, h, i, half, style, inv_freq, positions ? positions[r] : pos0 + r, mscale);
     }
 }
 
@@ -124,6 +128,15 @@ __device__ __forceinline__ float rel_logit(const RelArgs& ra, float rc, float s,
     return (s + warp_sum(b)) * tau;
 }
 
+// DeepSeek-V4's sparse attention (attention_sparse; `ent` = 0 for plain attention): query row r
+// also attends to the rows vis_idx[vis_off[r] .. vis_off[r + 1]) of the compressed entries `ent`
+// ([N, nkv * d] f32, K = V), in one more part (blockIdx.y == splits) merged with the others.
+struct SparseArgs {
+    u64 ent;
+    u64 vis_off;
+    u64 vis_idx;
+};
+
 // Part `sp` of `splits` of softmax(q k^T * scale) v for one (query row, head) per block of
 // ATTN_WARPS warps: the visible positions lo..=p (p = pos0 + row; lo = p + 1 - window for a
 // sliding window) are cut into `splits` runs of equal length, and this block takes run sp. Warp
@@ -133,8 +146,8 @@ __device__ __forceinline__ float rel_logit(const RelArgs& ra, float rc, float s,
 template <typename S>
 __device__ void attention_impl(const float* q, const S* ks, const S* vs, int t_rows, int nh,
                                int nkv, int d, int rows, int ring, int pos0, int window,
-                               float scale, int splits, RelArgs ra, float* part_m,
-                               float* part_l, float* part_o) {
+                               float scale, int splits, RelArgs ra, SparseArgs sa,
+                               float* part_m, float* part_l, float* part_o) {
     __shared__ float wm[ATTN_WARPS], wl[ATTN_WARPS];
     __shared__ float wo[ATTN_WARPS][32 * ATTN_PER_LANE];
     int item = blockIdx.x, sp = blockIdx.y;
@@ -158,6 +171,18 @@ __device__ void attention_impl(const float* q, const S* ks, const S* vs, int t_r
     float rc = ra.rel && lane < ra.d_rel ? ((const float*)ra.rel)[(u64)item * ra.d_rel + lane]
                                          : 0.0f;
     float tau = rel_tau(ra, p);
+    if (sa.ent && sp == splits) {
+        // The entries part: the row's visible compressed entries, one online softmax per warp.
+        const float* ent = (const float*)sa.ent;
+        const int* off = (const int*)sa.vis_off;
+        const int* idx = (const int*)sa.vis_idx;
+        for (int jj = off[r] + w; jj < off[r + 1]; jj += ATTN_WARPS) {
+            u64 b = ((u64)idx[jj] * nkv + kvh) * d;
+            attn_step(attn_dot(qv, ent, b, d, lane) * scale, ent, b, d, lane, m, l, o);
+        }
+        first = 1;
+        last = 0;  // no positions in this part
+    }
     for (int j = first + w; j <= last; j += 2 * ATTN_WARPS) {
         int j2 = j + ATTN_WARPS;
         u64 b1 = ((ring ? (u64)(j % rows) : (u64)j) * nkv + kvh) * d;
@@ -187,7 +212,7 @@ __device__ void attention_impl(const float* q, const S* ks, const S* vs, int t_r
     for (int x = 0; x < ATTN_WARPS; ++x) {
         if (wm[x] != -F32_INF) lt += wl[x] * expf(wm[x] - mt);
     }
-    u64 part = (u64)item * splits + sp;
+    u64 part = (u64)item * gridDim.y + sp;
     if (threadIdx.x == 0) {
         part_m[part] = mt;
         part_l[part] = lt;
@@ -229,19 +254,19 @@ extern "C" __global__ void attention_merge(const float* part_m, const float* par
 extern "C" __global__ void attention_f16(const float* q, const u16* ks, const u16* vs,
                                          int t_rows, int nh, int nkv, int d, int rows, int ring,
                                          int pos0, int window, float scale, int splits,
-                                         RelArgs ra, float* part_m, float* part_l,
-                                         float* part_o) {
+                                         RelArgs ra, SparseArgs sa, float* part_m,
+                                         float* part_l, float* part_o) {
     attention_impl(q, ks, vs, t_rows, nh, nkv, d, rows, ring, pos0, window, scale, splits, ra,
-                   part_m, part_l, part_o);
+                   sa, part_m, part_l, part_o);
 }
 
 extern "C" __global__ void attention_f32(const float* q, const float* ks, const float* vs,
                                          int t_rows, int nh, int nkv, int d, int rows, int ring,
                                          int pos0, int window, float scale, int splits,
-                                         RelArgs ra, float* part_m, float* part_l,
-                                         float* part_o) {
+                                         RelArgs ra, SparseArgs sa, float* part_m,
+                                         float* part_l, float* part_o) {
     attention_impl(q, ks, vs, t_rows, nh, nkv, d, rows, ring, pos0, window, scale, splits, ra,
-                   part_m, part_l, part_o);
+                   sa, part_m, part_l, part_o);
 }
 
 // Prefill attention, tiled: a block of AT_WARPS warps takes AT_ITEMS consecutive (row, head)

@@ -38,10 +38,37 @@ impl CudaBackend {
         head_dim: usize,
         pos0: usize,
     ) -> OpResult<()> {
-        let op = "rope";
+        self.rope_rows("rope", x, rope, head_dim, pos0, None)
+    }
+
+    /// RoPE of row `r` of `x` at `positions[r]` when given, else at `pos0 + r` (`rope`).
+    pub(crate) fn rope_rows(
+        &self,
+        op: &'static str,
+        x: &mut CudaTensor,
+        rope: &Rope,
+        head_dim: usize,
+        pos0: usize,
+        positions: Option<&[usize]>,
+    ) -> OpResult<()> {
+        check(op, positions.is_none_or(|p| p.len() == x.rows), || {
+            format!(
+                "{:?} positions for {} rows",
+                positions.map(<[_]>::len),
+                x.rows
+            )
+        })?;
         let Some((freq, style)) = self.rope_args(op, x, rope, head_dim)? else {
             return Ok(());
         };
+        let pos = match positions {
+            Some(p) => {
+                let p: Vec<i32> = p.iter().map(|&v| v as i32).collect();
+                Some(self.to_device(op, &p)?)
+            }
+            None => None,
+        };
+        let pos_at = pos.as_ref().map_or(0, |p| self.addr(p));
         let (t, cols, hd, rot, p0) = (
             x.rows as u64,
             x.cols as i32,
@@ -63,6 +90,7 @@ impl CudaBackend {
             &style,
             &*freq,
             &p0,
+            &pos_at,
             &rope.mscale
         )
     }
@@ -135,11 +163,14 @@ impl CudaBackend {
         pos0: usize,
         s: &AttnShape,
     ) -> OpResult<CudaTensor> {
-        self.attention_with("attention", q, kv, pos0, s, None)
+        self.attention_with("attention", q, kv, pos0, s, None, None)
     }
 
     /// [`CudaBackend::attention`], with Inkling's relative-position bias when `bias` is given
-    /// (`attention_rel`: `d_rel` <= 32).
+    /// (`attention_rel`: `d_rel` <= 32), and with DeepSeek-V4's compressed entries when `sparse`
+    /// is: row `r` also attends to the rows `visible[r]` of `entries` (K = V; `attention_sparse`,
+    /// always the split kernel, the entries one more part of each row).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn attention_with(
         &self,
         op: &'static str,
@@ -148,6 +179,7 @@ impl CudaBackend {
         pos0: usize,
         s: &AttnShape,
         bias: Option<&RelBias<CudaTensor>>,
+        sparse: Option<(&CudaTensor, &[Vec<usize>])>,
     ) -> OpResult<CudaTensor> {
         check(
             op,
@@ -199,10 +231,16 @@ impl CudaBackend {
             Some(w) => (last + 1).min(w),
             None => last + 1,
         };
-        if q.rows > 1 && items >= ATTN_SPLIT_BELOW_ITEMS && s.head_dim.is_multiple_of(4) && tiled()
+        if q.rows > 1
+            && items >= ATTN_SPLIT_BELOW_ITEMS
+            && s.head_dim.is_multiple_of(4)
+            && sparse.is_none()
+            && tiled()
         {
             return self.attention_tiled(op, q, kv, pos0, s, sp, ra, out);
         }
+        // The entries' part: their rows' offsets into one list of indices.
+        let (sa, _lists) = self.sparse_args(op, q, kv, sparse)?;
         let splits = if items >= ATTN_SPLIT_BELOW_ITEMS {
             1
         } else {
@@ -210,23 +248,24 @@ impl CudaBackend {
                 .div_ceil(ATTN_SPLIT_POSITIONS)
                 .clamp(1, ATTN_MAX_SPLITS)
         };
+        let n_parts = splits + sparse.is_some() as usize;
         // (maximum, sum) per part, then each part's output row.
-        let parts = self.uninit_tensor(op, items * splits, s.head_dim + 2)?;
+        let parts = self.uninit_tensor(op, items * n_parts, s.head_dim + 2)?;
         let pa = self.addr(&*parts.buf);
         let (pm, pl, po) = (
             pa,
-            pa + (4 * items * splits) as u64,
-            pa + (8 * items * splits) as u64,
+            pa + (4 * items * n_parts) as u64,
+            pa + (8 * items * n_parts) as u64,
         );
         let [t, nh, nkv, d, rows, ring, p0, win] = attn_ints(q, kv, pos0, s);
-        let (ni, si) = (items as i32, splits as i32);
+        let (ni, si, pi) = (items as i32, splits as i32, n_parts as i32);
         let (kernel, ks, vs) = self.kv_ptrs(kv, "attention_f16", "attention_f32");
         launch!(
             self,
             op,
             kernel,
             LaunchConfig {
-                grid_dim: (items as u32, splits as u32, 1),
+                grid_dim: (items as u32, n_parts as u32, 1),
                 block_dim: (32 * ATTN_WARPS, 1, 1),
                 shared_mem_bytes: 0,
             },
@@ -244,6 +283,7 @@ impl CudaBackend {
             &s.scale,
             &si,
             &ra,
+            &sa,
             &pm,
             &pl,
             &po
@@ -259,7 +299,7 @@ impl CudaBackend {
             &ni,
             &nh,
             &d,
-            &si,
+            &pi,
             &sp,
             &mut *out.buf
         )?;
@@ -321,6 +361,52 @@ impl CudaBackend {
             &mut *out.buf
         )?;
         Ok(out)
+    }
+
+    /// The kernels' [`SparseArgs`] for `sparse` (zero without it) and the device lists they point
+    /// into (kept alive until the launch is queued), its operands checked against `q` and `kv`.
+    #[allow(clippy::type_complexity)]
+    fn sparse_args(
+        &self,
+        op: &'static str,
+        q: &CudaTensor,
+        kv: &CudaKv,
+        sparse: Option<(&CudaTensor, &[Vec<usize>])>,
+    ) -> OpResult<(SparseArgs, Option<(CudaSlice<i32>, CudaSlice<i32>)>)> {
+        let Some((entries, visible)) = sparse else {
+            return Ok((SparseArgs::default(), None));
+        };
+        check(
+            op,
+            entries.cols == kv.width()
+                && visible.len() == q.rows
+                && visible.iter().flatten().all(|&e| e < entries.rows),
+            || {
+                format!(
+                    "{} entries of {} for KV rows of {}, {} visible lists for {} rows",
+                    entries.rows,
+                    entries.cols,
+                    kv.width(),
+                    visible.len(),
+                    q.rows
+                )
+            },
+        )?;
+        let mut off = Vec::with_capacity(visible.len() + 1);
+        off.push(0i32);
+        let mut idx = Vec::new();
+        for v in visible {
+            idx.extend(v.iter().map(|&e| e as i32));
+            off.push(idx.len() as i32);
+        }
+        idx.push(0); // never empty
+        let (off, idx) = (self.to_device(op, &off)?, self.to_device(op, &idx)?);
+        let sa = SparseArgs {
+            ent: self.addr(&*entries.buf),
+            vis_off: self.addr(&off),
+            vis_idx: self.addr(&idx),
+        };
+        Ok((sa, Some((off, idx))))
     }
 
     /// The kernels' [`RelArgs`] for `bias` (zero without one), its operands checked against `q`.

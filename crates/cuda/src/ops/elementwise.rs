@@ -216,17 +216,11 @@ impl CudaBackend {
         })?;
         let mut out = self.tensor(op, x.rows, w.rows)?;
         let (t, r, c) = (x.rows as u64, w.rows as u64, x.cols as u64);
-        // A warp per output, 8 per block.
-        let cfg = LaunchConfig {
-            grid_dim: (out.len().div_ceil(8).clamp(1, 1 << 16) as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
         launch!(
             self,
             op,
             "linear",
-            cfg,
+            warps(out.len()),
             &*x.buf,
             &*w.buf,
             &t,

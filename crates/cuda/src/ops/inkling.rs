@@ -12,7 +12,7 @@ impl InklingOps for CudaBackend {
         shape: &AttnShape,
         bias: &RelBias<CudaTensor>,
     ) -> OpResult<CudaTensor> {
-        self.attention_with("attention_rel", q, kv, pos0, shape, Some(bias))
+        self.attention_with("attention_rel", q, kv, pos0, shape, Some(bias), None)
     }
 
     /// One readback of the logits (`[T, n_routed + n_shared]`, a few hundred floats per row) and

@@ -2,6 +2,7 @@
 //! the recurrent group's trait impl.
 
 mod attention;
+mod deepseek_v4;
 mod elementwise;
 mod gemm;
 mod inkling;

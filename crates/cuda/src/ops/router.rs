@@ -5,6 +5,9 @@ use crate::*;
 impl CudaBackend {
     pub(crate) fn route(&self, logits: &CudaTensor, spec: &RouterSpec) -> OpResult<Routes> {
         let op = "route";
+        if let Scoring::SqrtSoftplus { .. } = spec.scoring {
+            return self.route_sqrt_softplus(logits, spec);
+        }
         let (t, n_exp, k) = (logits.rows, logits.cols, spec.top_k);
         self.route_args(op, spec, t, n_exp)?;
         // One readback: ids, then weight bits, then margin bits.

@@ -26,9 +26,8 @@ pub fn start(bytes: &Arc<Vec<u8>>) -> Option<CudaBackend> {
     }
 }
 
-/// Ops the CUDA backend does not have yet (DeepSeek-V4's and Inkling's), as it says itself: the
-/// harness may find these reported as missing by name (a case that needs one skips what follows
-/// it), and nothing else may fail (the harness also checks `supports` against what ran).
+/// Ops the CUDA backend says it lacks (none since issue 30; the harness checks `supports`
+/// against what ran).
 pub fn not_yet() -> Vec<&'static str> {
     mference_backend::missing_ops::<CudaBackend>(Op::ALL)
         .into_iter()

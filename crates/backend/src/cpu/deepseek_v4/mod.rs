@@ -4,7 +4,8 @@ mod loops;
 
 use mference_runtime::KvLayer;
 
-use super::{same_shape, CpuBackend, CpuTensor};
+use super::{CpuBackend, CpuTensor};
+use crate::deepseek_v4_checks as checks;
 use crate::{check, AttnShape, DeepSeekV4Ops, HcSpec, OpResult, QRef, Rope, Tensor, Weights};
 
 impl DeepSeekV4Ops for CpuBackend {
@@ -43,16 +44,7 @@ impl DeepSeekV4Ops for CpuBackend {
         src: Weights,
         x: &CpuTensor,
     ) -> OpResult<CpuTensor> {
-        check(
-            "matmul_grouped",
-            groups > 0 && w.rows.is_multiple_of(groups) && x.cols == groups * w.cols,
-            || {
-                format!(
-                    "{groups} groups of [{}, {}] over rows of {}",
-                    w.rows, w.cols, x.cols
-                )
-            },
-        )?;
+        checks::matmul_grouped(w, groups, x)?;
         let (t, c, r) = (x.rows(), w.cols, w.rows / groups);
         let buf = self.buf(src);
         let mut y = vec![0.0f32; t * groups * r];
@@ -80,23 +72,8 @@ impl DeepSeekV4Ops for CpuBackend {
         scale: &[f32],
         spec: &HcSpec,
     ) -> OpResult<(CpuTensor, Option<(CpuTensor, CpuTensor)>)> {
-        let n = spec.streams;
-        let m = f.rows();
-        check(
-            "hc_pre",
-            n > 0
-                && x.cols.is_multiple_of(n)
-                && f.cols == x.cols
-                && (m == n || m == (2 + n) * n)
-                && base.len() == m
-                && scale.len() == if m == n { 1 } else { 3 },
-            || {
-                format!(
-                    "{n} streams of rows of {}, projection [{m}, {}]",
-                    x.cols, f.cols
-                )
-            },
-        )?;
+        checks::hc_pre(x, f, base, scale, spec, usize::MAX)?;
+        let (n, m) = (spec.streams, f.rows());
         let d = x.cols / n;
         let (t, c) = (x.rows(), x.cols);
         let normed: Vec<f32> = x
@@ -130,22 +107,8 @@ impl DeepSeekV4Ops for CpuBackend {
         post: &CpuTensor,
         comb: &CpuTensor,
     ) -> OpResult<CpuTensor> {
-        let n = post.cols;
-        let (t, d) = (out.rows(), out.cols);
-        check(
-            "hc_post",
-            x.cols == n * d
-                && x.rows() == t
-                && post.rows() == t
-                && comb.cols == n * n
-                && comb.rows() == t,
-            || {
-                format!(
-                    "streams [{t}, {}] for an output [{t}, {d}] and {n} streams",
-                    x.cols
-                )
-            },
-        )?;
+        checks::hc_post(x, out, post, comb)?;
+        let (n, t, d) = (post.cols, out.rows(), out.cols);
         let mut y = vec![0.0f32; t * n * d];
         for r in 0..t {
             let xr = &x.data[r * n * d..(r + 1) * n * d];
@@ -174,21 +137,9 @@ impl DeepSeekV4Ops for CpuBackend {
         overlap: bool,
         prior: Option<(&CpuTensor, &CpuTensor)>,
     ) -> OpResult<CpuTensor> {
-        same_shape("compress_pool", kv, gate)?;
+        checks::compress_pool(kv, gate, ape, rate, overlap, prior)?;
         let w = kv.cols;
         let d = if overlap { w / 2 } else { w };
-        check(
-            "compress_pool",
-            rate > 0
-                && kv.rows().is_multiple_of(rate)
-                && (!overlap || w.is_multiple_of(2))
-                && ape.cols == w
-                && ape.rows() == rate
-                && prior.is_none_or(|(k, g)| {
-                    overlap && k.cols == d && g.cols == d && k.rows() == rate && g.rows() == rate
-                }),
-            || format!("windows of {rate} rows of {w} (overlap {overlap})"),
-        )?;
         let out = loops::compress_pool(
             &kv.data,
             &gate.data,

@@ -1,0 +1,183 @@
+// DeepSeek-V4's own kernels (the math: transformers `modeling_deepseek_v4.py`; the f64 twins in
+// crates/backend/src/reference/deepseek_v4.rs): the grouped product's column join, the manifold-constrained hyper-connections (mHC), the KV compressor's window
+// pooling and the Lightning indexer's scores. RoPE at given positions is attention.cu's `rope`
+// with `positions`, sparse attention its split kernel with `SparseArgs`.
+
+// dst[t, col0 + c] = src[t, c] for src [t_rows, c_src] and dst rows of c_dst.
+extern "C" __global__ void place_cols(const float* src, u64 t_rows, int c_src, float* dst,
+                                      int c_dst, int col0) {
+    FOR_EACH(i, t_rows * (u64)c_src) {
+        u64 t = i / c_src, c = i % c_src;
+        dst[t * c_dst + col0 + c] = src[i];
+    }
+}
+
+// Most mixes per mHC row: (2 + n) * n for n <= 6 streams.
+#define HC_MAX_MIX 48
+
+// The mHC entry of one row of x ([T, n * d]) per block: r = 1 / sqrt(mean(x^2) + norm_eps);
+// mix[i] = sum_c f[i, c] * x[c] * r for the m rows of f; pre_j = sigmoid(mix[j] * scale[0] +
+// base[j]) + hc_eps and col = sum_j pre_j x_j ([T, d]). With m = (2 + n) * n also post_j =
+// 2 sigmoid(mix[n + j] * scale[1] + base[n + j]) ([T, n]) and the comb matrix ([T, n * n], row j
+// = softmax_k(mix[2n + j n + k] * scale[2] + base[..]) + hc_eps, columns normalised, then
+// sinkhorn - 1 rounds of rows then columns, every denominator + hc_eps), as the CPU's
+// hc_weights in f32.
+extern "C" __global__ void hc_pre_row(const float* x, int cols, int n, const float* f, int m,
+                                      const float* base, const float* scale, float hc_eps,
+                                      float norm_eps, int sinkhorn, float* col, float* post,
+                                      float* comb) {
+    __shared__ float mix[HC_MAX_MIX];
+    __shared__ float pre[8];
+    int row = blockIdx.x, d = cols / n;
+    const float* xr = x + (u64)row * cols;
+    float ss = 0.0f;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) ss += xr[c] * xr[c];
+    float r = 1.0f / sqrtf(block_sum(ss) / (float)cols + norm_eps);
+    for (int i = 0; i < m; ++i) {
+        const float* fr = f + (u64)i * cols;
+        float a = 0.0f;
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) a += fr[c] * (xr[c] * r);
+        a = block_sum(a);
+        if (threadIdx.x == 0) mix[i] = a;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int j = 0; j < n; ++j) pre[j] = sigmoid_f(mix[j] * scale[0] + base[j]) + hc_eps;
+        if (m != n) {
+            float* po = post + (u64)row * n;
+            for (int j = 0; j < n; ++j) po[j] = 2.0f * sigmoid_f(mix[n + j] * scale[1] + base[n + j]);
+            float* c = comb + (u64)row * n * n;
+            for (int j = 0; j < n; ++j) {
+                float mx = -F32_INF;
+                for (int k = 0; k < n; ++k) {
+                    c[j * n + k] = mix[2 * n + j * n + k] * scale[2] + base[2 * n + j * n + k];
+                    mx = fmaxf(mx, c[j * n + k]);
+                }
+                float z = 0.0f;
+                for (int k = 0; k < n; ++k) {
+                    c[j * n + k] = expf(c[j * n + k] - mx);
+                    z += c[j * n + k];
+                }
+                for (int k = 0; k < n; ++k) c[j * n + k] = c[j * n + k] / z + hc_eps;
+            }
+            for (int it = 0; it < max(sinkhorn, 1); ++it) {
+                if (it > 0) {
+                    for (int j = 0; j < n; ++j) {
+                        float z = hc_eps;
+                        for (int k = 0; k < n; ++k) z += c[j * n + k];
+                        for (int k = 0; k < n; ++k) c[j * n + k] /= z;
+                    }
+                }
+                for (int k = 0; k < n; ++k) {
+                    float z = hc_eps;
+                    for (int j = 0; j < n; ++j) z += c[j * n + k];
+                    for (int j = 0; j < n; ++j) c[j * n + k] /= z;
+                }
+            }
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        float a = 0.0f;
+        for (int j = 0; j < n; ++j) a += pre[j] * xr[j * d + i];
+        col[(u64)row * d + i] = a;
+    }
+}
+
+// The mHC exit: y[t, k, i] = post[t, k] * out[t, i] + sum_j comb[t, j, k] * x[t, j, i] for x
+// [T, n * d], out [T, d], post [T, n], comb [T, n * n].
+extern "C" __global__ void hc_post(const float* x, const float* out, const float* post,
+                                   const float* comb, u64 t_rows, int n, int d, float* y) {
+    FOR_EACH(idx, t_rows * (u64)n * d) {
+        int i = (int)(idx % d);
+        u64 rk = idx / d;
+        int k = (int)(rk % n);
+        u64 r = rk / n;
+        const float* xr = x + r * n * d;
+        const float* cr = comb + r * n * n;
+        float mix = 0.0f;
+        for (int j = 0; j < n; ++j) mix += cr[j * n + k] * xr[(u64)j * d + i];
+        y[idx] = post[r * n + k] * out[r * d + i] + mix;
+    }
+}
+
+// Slot s of entry w, channel c of compress_pool (below): its (kv, gate + ape); false when the
+// slot takes no weight (window 0's overlap slots without a prior).
+__device__ __forceinline__ bool pool_slot(const float* kv, const float* gate, const float* ape,
+                                          int rate, int width, int overlap, const float* pk,
+                                          const float* pg, u64 w, int c, int s, float* v,
+                                          float* g) {
+    int d = overlap ? width / 2 : width;
+    if (overlap && s < rate) {
+        if (w == 0) {
+            if (!pk) return false;
+            *v = pk[(u64)s * d + c];
+            *g = pg[(u64)s * d + c];
+            return true;
+        }
+        u64 at = ((w - 1) * rate + s) * width + c;
+        *v = kv[at];
+        *g = gate[at] + ape[(u64)s * width + c];
+        return true;
+    }
+    int i = overlap ? s - rate : s;
+    int col = (overlap ? d : 0) + c;
+    u64 at = (w * rate + i) * width + col;
+    *v = kv[at];
+    *g = gate[at] + ape[(u64)i * width + col];
+    return true;
+}
+
+// DeepSeek-V4's KV compressor pooling, one thread per (entry w, channel c): out[w, c] = sum over
+// the entry's slots of softmax(g) * kv, slots as in DeepSeekV4Ops::compress_pool (overlap: rate
+// slots of window w - 1's first d columns, or of the prior (pk, pg) [rate, d] for w = 0, then
+// rate slots of window w's last d columns; else window w's rate rows).
+extern "C" __global__ void compress_pool(const float* kv, const float* gate, const float* ape,
+                                         int rate, int width, int overlap, const float* pk,
+                                         const float* pg, u64 n_win, float* out) {
+    int d = overlap ? width / 2 : width;
+    int slots = overlap ? 2 * rate : rate;
+    FOR_EACH(idx, n_win * (u64)d) {
+        u64 w = idx / d;
+        int c = (int)(idx % d);
+        float v, g, m = -F32_INF;
+        for (int s = 0; s < slots; ++s)
+            if (pool_slot(kv, gate, ape, rate, width, overlap, pk, pg, w, c, s, &v, &g))
+                m = fmaxf(m, g);
+        float z = 0.0f, acc = 0.0f;
+        for (int s = 0; s < slots; ++s) {
+            if (!pool_slot(kv, gate, ape, rate, width, overlap, pk, pg, w, c, s, &v, &g)) continue;
+            float e = expf(g - m);
+            z += e;
+            acc += v * e;
+        }
+        out[idx] = acc / z;
+    }
+}
+
+// The Lightning indexer's scores, a warp per (row r, entry e): scores[r, e] = sum_h weights[r, h]
+// * relu(q[r, h] . keys[e]) for e < visible[r], -inf beyond (q [T, nh * d], keys [n_keys, d]).
+extern "C" __global__ void index_scores(const float* q, const float* keys, const float* weights,
+                                        int t_rows, int nh, int d, int n_keys,
+                                        const int* visible, float* scores) {
+    u64 warps = ((u64)gridDim.x * blockDim.x) >> 5;
+    u64 first = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    int lane = threadIdx.x & 31;
+    for (u64 i = first; i < (u64)t_rows * n_keys; i += warps) {
+        int r = (int)(i / n_keys), e = (int)(i % n_keys);
+        if (e >= visible[r]) {
+            if (lane == 0) scores[i] = -F32_INF;
+            continue;
+        }
+        const float* k = keys + (u64)e * d;
+        float total = 0.0f;
+        for (int h = 0; h < nh; ++h) {
+            const float* qh = q + ((u64)r * nh + h) * d;
+            float dot = 0.0f;
+            for (int c = lane; c < d; c += 32) dot = fmaf(qh[c], k[c], dot);
+            dot = warp_sum(dot);
+            total += weights[(u64)r * nh + h] * fmaxf(dot, 0.0f);
+        }
+        if (lane == 0) scores[i] = total;
+    }
+}
