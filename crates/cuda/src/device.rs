@@ -4,7 +4,7 @@
 use crate::*;
 
 /// Every kernel of `ops/`, loaded at startup (a missing one fails [`CudaBackend::new`]).
-pub(crate) const KERNELS: [&str; 72] = [
+pub(crate) const KERNELS: [&str; 73] = [
     "all_finite",
     "matmul_bf16",
     "linear",
@@ -53,6 +53,7 @@ pub(crate) const KERNELS: [&str; 72] = [
     "attention_f32",
     "attention_merge",
     "place_cols",
+    "hc_mix_parts",
     "hc_pre_row",
     "hc_post",
     "compress_pool",

@@ -60,6 +60,8 @@ pub(crate) const GDR_WARPS: usize = 8;
 pub(crate) const ROUTE_MAX_K: usize = 64;
 /// Most experts `route_one` holds in shared memory (ops/router.cu `ROUTE_ONE_MAX_N`).
 pub(crate) const ROUTE_ONE_MAX_N: usize = 1024;
+/// Columns of an mHC row per `hc_mix_parts` block (ops/deepseek_v4.cu `HC_SPLIT`).
+pub(crate) const HC_SPLIT: usize = 1024;
 /// Small constant vectors kept on the device (RoPE frequencies, attention sinks).
 pub(crate) const CONSTS_KEPT: usize = 64;
 

@@ -14,34 +14,74 @@ extern "C" __global__ void place_cols(const float* src, u64 t_rows, int c_src, f
 
 // Most mixes per mHC row: (2 + n) * n for n <= 6 streams.
 #define HC_MAX_MIX 48
+// Columns of an mHC row per hc_mix_parts block (256 threads, 4 strided columns each).
+#define HC_SPLIT 1024
 
-// The mHC entry of one row of x ([T, n * d]) per block: r = 1 / sqrt(mean(x^2) + norm_eps);
-// mix[i] = sum_c f[i, c] * x[c] * r for the m rows of f; pre_j = sigmoid(mix[j] * scale[0] +
-// base[j]) + hc_eps and col = sum_j pre_j x_j ([T, d]). With m = (2 + n) * n also post_j =
-// 2 sigmoid(mix[n + j] * scale[1] + base[n + j]) ([T, n]) and the comb matrix ([T, n * n], row j
-// = softmax_k(mix[2n + j n + k] * scale[2] + base[..]) + hc_eps, columns normalised, then
-// sinkhorn - 1 rounds of rows then columns, every denominator + hc_eps), as the CPU's
-// hc_weights in f32.
-extern "C" __global__ void hc_pre_row(const float* x, int cols, int n, const float* f, int m,
-                                      const float* base, const float* scale, float hc_eps,
-                                      float norm_eps, int sinkhorn, float* col, float* post,
-                                      float* comb) {
+// The mHC entry's products, split over the columns: block (s, row) sums, over its HC_SPLIT
+// columns c of the row of x ([T, cols]), f[i, c] * x[c] for the m rows of f and x[c]^2, into
+// parts[(row * splits + s) * (m + 1) + i] (i = m: the squares), each a warp sum then the 8
+// warps' sums in order.
+extern "C" __global__ void hc_mix_parts(const float* x, int cols, const float* f, int m,
+                                        float* parts) {
+    __shared__ float wsum[HC_MAX_MIX + 1][8];
+    int s = blockIdx.x, row = blockIdx.y, splits = gridDim.x;
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    const float* xr = x + (u64)row * cols;
+    float xv[4];
+    float ss = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        int c = s * HC_SPLIT + threadIdx.x + 256 * k;
+        xv[k] = c < cols ? xr[c] : 0.0f;
+        ss += xv[k] * xv[k];
+    }
+    for (int i = 0; i <= m; ++i) {
+        float a = ss;
+        if (i < m) {
+            const float* fr = f + (u64)i * cols;
+            a = 0.0f;
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                int c = s * HC_SPLIT + threadIdx.x + 256 * k;
+                if (c < cols) a += fr[c] * xv[k];
+            }
+        }
+        a = warp_sum(a);
+        if (lane == 0) wsum[i][w] = a;
+    }
+    __syncthreads();
+    if ((int)threadIdx.x <= m) {
+        float a = 0.0f;
+        for (int k = 0; k < 8; ++k) a += wsum[threadIdx.x][k];
+        parts[((u64)row * splits + s) * (m + 1) + threadIdx.x] = a;
+    }
+}
+
+// The mHC entry of one row of x ([T, n * d]) per block, from hc_mix_parts' sums (`splits` parts
+// per row): r = 1 / sqrt(mean(x^2) + norm_eps); mix[i] = r * sum_c f[i, c] x[c] for the m rows
+// of f; pre_j = sigmoid(mix[j] * scale[0] + base[j]) + hc_eps and col = sum_j pre_j x_j
+// ([T, d]). With m = (2 + n) * n also post_j = 2 sigmoid(mix[n + j] * scale[1] + base[n + j])
+// ([T, n]) and the comb matrix ([T, n * n], row j = softmax_k(mix[2n + j n + k] * scale[2] +
+// base[..]) + hc_eps, columns normalised, then sinkhorn - 1 rounds of rows then columns, every
+// denominator + hc_eps), as the CPU's hc_weights in f32.
+extern "C" __global__ void hc_pre_row(const float* x, int cols, int n, const float* parts,
+                                      int splits, int m, const float* base, const float* scale,
+                                      float hc_eps, float norm_eps, int sinkhorn, float* col,
+                                      float* post, float* comb) {
     __shared__ float mix[HC_MAX_MIX];
     __shared__ float pre[8];
     int row = blockIdx.x, d = cols / n;
     const float* xr = x + (u64)row * cols;
-    float ss = 0.0f;
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) ss += xr[c] * xr[c];
-    float r = 1.0f / sqrtf(block_sum(ss) / (float)cols + norm_eps);
-    for (int i = 0; i < m; ++i) {
-        const float* fr = f + (u64)i * cols;
-        float a = 0.0f;
-        for (int c = threadIdx.x; c < cols; c += blockDim.x) a += fr[c] * (xr[c] * r);
-        a = block_sum(a);
-        if (threadIdx.x == 0) mix[i] = a;
-    }
-    __syncthreads();
+    const float* pr = parts + (u64)row * splits * (m + 1);
     if (threadIdx.x == 0) {
+        float ss = 0.0f;
+        for (int s = 0; s < splits; ++s) ss += pr[s * (m + 1) + m];
+        float r = 1.0f / sqrtf(ss / (float)cols + norm_eps);
+        for (int i = 0; i < m; ++i) {
+            float a = 0.0f;
+            for (int s = 0; s < splits; ++s) a += pr[s * (m + 1) + i];
+            mix[i] = a * r;
+        }
         for (int j = 0; j < n; ++j) pre[j] = sigmoid_f(mix[j] * scale[0] + base[j]) + hc_eps;
         if (m != n) {
             float* po = post + (u64)row * n;

@@ -88,12 +88,32 @@ impl DeepSeekV4Ops for CudaBackend {
         let mut post = self.uninit_tensor(op, x.rows, if full { n } else { 1 })?;
         let mut comb = self.uninit_tensor(op, x.rows, if full { n * n } else { 1 })?;
         let (base, scale) = (self.constant(op, base)?, self.constant(op, scale)?);
-        let (ci, ni, mi, iters) = (
+        // The products split over the columns (a block per HC_SPLIT of them and row), then a
+        // block per row for the rest.
+        let splits = x.cols.div_ceil(HC_SPLIT);
+        let parts = self.uninit_tensor(op, x.rows * splits, m + 1)?;
+        let (ci, ni, mi, si, iters) = (
             x.cols as i32,
             n as i32,
             m as i32,
+            splits as i32,
             spec.sinkhorn_iters as i32,
         );
+        launch!(
+            self,
+            op,
+            "hc_mix_parts",
+            LaunchConfig {
+                grid_dim: (splits as u32, x.rows as u32, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            },
+            &*x.buf,
+            &ci,
+            &*f.buf,
+            &mi,
+            &*parts.buf
+        )?;
         launch!(
             self,
             op,
@@ -102,7 +122,8 @@ impl DeepSeekV4Ops for CudaBackend {
             &*x.buf,
             &ci,
             &ni,
-            &*f.buf,
+            &*parts.buf,
+            &si,
             &mi,
             &*base,
             &*scale,
