@@ -87,8 +87,14 @@ extern "C" __global__ void matmul_bf16(const float* x, u64 t, u64 rows, u64 cols
     }
 }
 
+__device__ __forceinline__ float dot4(float4 a, float4 b) {
+    return fmaf(a.x, b.x, fmaf(a.y, b.y, fmaf(a.z, b.z, a.w * b.w)));
+}
+
 // y[t, r] = sum_c x[t, c] * w[r, c] for an f32 weight w [rows, cols] held on the device (an
-// unquantized router): a warp per output, each lane's strided sum added by warp_sum.
+// unquantized router, 256 x 4096 per layer): a warp per output. With cols % 4 == 0 each lane
+// reads 16-byte pieces, four of them in flight (four partial sums, added in a fixed order), so a
+// long row is a few round trips instead of cols / 32; the lanes' sums are added by warp_sum.
 extern "C" __global__ void linear(const float* x, const float* w, u64 t, u64 rows, u64 cols,
                                   float* y) {
     u64 warps = ((u64)gridDim.x * blockDim.x) >> 5;
@@ -98,7 +104,26 @@ extern "C" __global__ void linear(const float* x, const float* w, u64 t, u64 row
         const float* xr = x + (i / rows) * cols;
         const float* wr = w + (i % rows) * cols;
         float acc = 0.0f;
-        for (u64 c = lane; c < cols; c += 32) acc = fmaf(xr[c], wr[c], acc);
+        if ((cols & 3) == 0) {
+            const float4* x4 = (const float4*)xr;
+            const float4* w4 = (const float4*)wr;
+            u64 n4 = cols / 4, c = lane;
+            float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            for (; c + 96 < n4; c += 128) {
+                float4 xv[4], wv[4];
+#pragma unroll
+                for (int k = 0; k < 4; ++k) {
+                    xv[k] = x4[c + 32 * k];
+                    wv[k] = w4[c + 32 * k];
+                }
+#pragma unroll
+                for (int k = 0; k < 4; ++k) a[k] += dot4(xv[k], wv[k]);
+            }
+            for (; c < n4; c += 32) a[0] += dot4(x4[c], w4[c]);
+            acc = (a[0] + a[1]) + (a[2] + a[3]);
+        } else {
+            for (u64 c = lane; c < cols; c += 32) acc = fmaf(xr[c], wr[c], acc);
+        }
         acc = warp_sum(acc);
         if (lane == 0) y[i] = acc;
     }
