@@ -1,4 +1,5 @@
-//! The decode products (`qmv`) of crates/cuda/src/ops/quant.cu, and the delta rule of ops/recurrent.cu, run on the CPU: tools/cuda-emu
+//! The decode products (`qmv`) of crates/cuda/src/ops/quant.cu, the delta rule of ops/recurrent.cu, DeepSeek-V4's mHC kernels
+//! and the f32 `linear`, run on the CPU: tools/cuda-emu
 //! builds the kernel's own source with g++ against a stand-in for the CUDA built-ins (one thread per CUDA thread, a barrier
 //! for the shuffles) and checks every bit width, group, lane count and code alignment against a
 //! double-precision product, and the gated launch bit-equal to its two one-matrix products. This
@@ -70,4 +71,15 @@ fn the_delta_rule_kernel_matches_a_double_precision_recurrence_on_the_cpu() {
     };
     let dir = tempfile::tempdir().expect("tempdir");
     build_and_run(&cxx, "gdr_emu.cpp", &[], &dir.path().join("gdr_emu"), 5);
+}
+
+/// ops/deepseek_v4.cu's mHC entry (`hc_mix_parts` over column splits, then `hc_pre_row`) and exit
+/// (`hc_post`), and ops/elementwise.cu's f32 `linear` (its 16-byte path and tail), on the CPU
+/// through the same stand-in against double-precision twins of the reference: DeepSeek-V4-Flash's
+/// 4 streams of 4096 columns among the shapes (tools/cuda-emu/mhc_emu.cpp).
+#[test]
+fn the_mhc_and_linear_kernels_match_a_double_precision_reference_on_the_cpu() {
+    let Some(cxx) = compiler("mHC") else { return };
+    let dir = tempfile::tempdir().expect("tempdir");
+    build_and_run(&cxx, "mhc_emu.cpp", &[], &dir.path().join("mhc_emu"), 15);
 }
