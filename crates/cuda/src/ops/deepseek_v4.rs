@@ -288,8 +288,8 @@ impl DeepSeekV4Ops for CudaBackend {
 }
 
 impl CudaBackend {
-    /// DeepSeek-V4's sqrt-softplus routing: one readback of the logits (and of the correction
-    /// bias from the resident copy), then the CPU's rule row by row
+    /// DeepSeek-V4's sqrt-softplus routing: one readback of the logits (the correction bias is
+    /// read from the host's resident bytes), then the CPU's rule row by row
     /// ([`mference_backend::cpu::sqrt_softplus_row`]), so the routes are the CPU backend's.
     pub(crate) fn route_sqrt_softplus(
         &self,
@@ -314,23 +314,13 @@ impl CudaBackend {
             || format!("sqrt-softplus top-{k} of {n_exp} experts (no per-expert scale)"),
         )?;
         check_forced(op, spec, logits.rows, n_exp)?;
+        let host = &self.host_resident[..];
+        check(
+            op,
+            correction_bias.is_none_or(|b| b.offset() + 4 * n_exp <= host.len()),
+            || "a correction bias past the resident bytes".to_string(),
+        )?;
         let lg = self.read(logits)?;
-        let bias = match correction_bias {
-            Some(b) => {
-                let at = b.offset();
-                check(op, at + 4 * n_exp <= self.resident.len(), || {
-                    format!("a correction bias at byte {at} past the resident bytes")
-                })?;
-                let bytes = self.to_host(op, &self.resident.slice(at..at + 4 * n_exp))?;
-                Some(
-                    bytes
-                        .chunks_exact(4)
-                        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                        .collect::<Vec<f32>>(),
-                )
-            }
-            None => None,
-        };
         let mut experts: BTreeMap<usize, Vec<(usize, f32)>> = BTreeMap::new();
         let mut margins = Vec::new();
         let mut p = Vec::with_capacity(n_exp);
@@ -342,7 +332,7 @@ impl CudaBackend {
                 r,
                 k,
                 spec.forced.map(|f| &f[row * k..(row + 1) * k]),
-                bias.as_ref().map(|b| |e: usize| b[e]),
+                correction_bias.map(|b| move |e: usize| b.get(host, e)),
                 routed_scaling_factor,
                 &mut p,
             );
