@@ -137,6 +137,34 @@ pub struct RelSlices<'a> {
     pub log_scaling: Option<LogScaling>,
 }
 
+/// Runs `f(scratch, item, out_item)` for every item of `out` (`item_len` values each) over the
+/// worker pool: the items in one contiguous run per worker (at most one item per worker), each
+/// worker with its own `scratch` (`S::default()`). The results depend only on `f`, never on the
+/// thread count.
+pub(crate) fn par_items<S: Default>(
+    pool: &ThreadPool,
+    out: &mut [f32],
+    item_len: usize,
+    f: impl Fn(&mut S, usize, &mut [f32]) + Sync,
+) {
+    let items = out.len() / item_len;
+    let threads = pool.threads().min(items).max(1);
+    let per = items.div_ceil(threads);
+    let pieces: Vec<Mutex<Option<&mut [f32]>>> = out
+        .chunks_mut(per * item_len)
+        .map(|c| Mutex::new(Some(c)))
+        .collect();
+    pool.run(|tid, _| {
+        let Some(piece) = pieces.get(tid).and_then(|m| m.lock().ok()?.take()) else {
+            return;
+        };
+        let mut scratch = S::default();
+        for (j, o) in piece.chunks_exact_mut(item_len).enumerate() {
+            f(&mut scratch, tid * per + j, o);
+        }
+    });
+}
+
 /// Causal attention for `t` query rows at positions `pos0..pos0+t` against the cache (which already
 /// holds those rows): `out[t, n_heads·head_dim] = softmax(q·kᵀ·scale) v`, GQA by `n_heads / n_kv_heads`;
 /// with `rel`, the logits are `τ_p · (q·kᵀ·scale + bias)` ([`crate::InklingOps::attention_rel`]).
@@ -157,76 +185,63 @@ pub fn attention(
 ) {
     let d = s.head_dim;
     let group = s.n_heads / s.n_kv_heads;
-    let items = q.len() / (d * group); // (row, KV head) pairs
-    let threads = pool.threads().min(items).max(1);
-    let per = items.div_ceil(threads);
-    let pieces: Vec<Mutex<Option<&mut [f32]>>> = out
-        .chunks_mut(per * group * d)
-        .map(|c| Mutex::new(Some(c)))
-        .collect();
-    pool.run(|tid, _n| {
-        let Some(piece) = pieces.get(tid).and_then(|m| m.lock().ok()?.take()) else {
-            return;
-        };
-        let mut scores = Vec::new();
-        for (j, o) in piece.chunks_exact_mut(group * d).enumerate() {
-            let item = tid * per + j;
-            let (row, kvh) = (item / s.n_kv_heads, item % s.n_kv_heads);
-            // The group's first (row, head) item; its heads are contiguous in q and out.
-            let first = row * s.n_heads + kvh * group;
-            let p = pos0 + row;
-            let lo = s.window.map_or(0, |w| (p + 1).saturating_sub(w));
-            let n = p + 1 - lo;
-            let qg = &q[first * d..(first + group) * d];
-            // q·K over the positions, run by run: scores[h · n + i] for head h of the group.
-            let stride = kv.row_stride();
-            scores.clear();
-            scores.resize(group * n, 0.0);
-            let mut i0 = 0;
-            for (count, run) in kv.k_runs(lo, p, kvh) {
-                match run {
-                    KvRow::F16(r) => {
-                        k.dots_f16_group(qg, group, r, stride, count, &mut scores[i0..], n)
-                    }
-                    KvRow::F32(r) => {
-                        for h in 0..group {
-                            let qh = &qg[h * d..(h + 1) * d];
-                            for i in 0..count {
-                                let ki = &r[i * stride..i * stride + d];
-                                scores[h * n + i0 + i] = k.dot_f32(qh, ki);
-                            }
+    // Items are (row, KV head) pairs.
+    par_items(pool, out, group * d, |scores: &mut Vec<f32>, item, o| {
+        let (row, kvh) = (item / s.n_kv_heads, item % s.n_kv_heads);
+        // The group's first (row, head) item; its heads are contiguous in q and out.
+        let first = row * s.n_heads + kvh * group;
+        let p = pos0 + row;
+        let lo = s.window.map_or(0, |w| (p + 1).saturating_sub(w));
+        let n = p + 1 - lo;
+        let qg = &q[first * d..(first + group) * d];
+        // q·K over the positions, run by run: scores[h · n + i] for head h of the group.
+        let stride = kv.row_stride();
+        scores.clear();
+        scores.resize(group * n, 0.0);
+        let mut i0 = 0;
+        for (count, run) in kv.k_runs(lo, p, kvh) {
+            match run {
+                KvRow::F16(r) => {
+                    k.dots_f16_group(qg, group, r, stride, count, &mut scores[i0..], n)
+                }
+                KvRow::F32(r) => {
+                    for h in 0..group {
+                        let qh = &qg[h * d..(h + 1) * d];
+                        for i in 0..count {
+                            let ki = &r[i * stride..i * stride + d];
+                            scores[h * n + i0 + i] = k.dot_f32(qh, ki);
                         }
                     }
                 }
-                i0 += count;
             }
-            for (h, sc) in scores.chunks_exact_mut(n).enumerate() {
-                sc.iter_mut().for_each(|x| *x *= s.scale);
-                if let Some(rb) = rel {
-                    add_rel_bias(sc, rb, first + h, p);
-                }
-                match &s.sinks {
-                    None => softmax(sc),
-                    Some(sinks) => softmax_with_sink(sc, sinks[kvh * group + h]),
-                }
+            i0 += count;
+        }
+        for (h, sc) in scores.chunks_exact_mut(n).enumerate() {
+            sc.iter_mut().for_each(|x| *x *= s.scale);
+            if let Some(rb) = rel {
+                add_rel_bias(sc, rb, first + h, p);
             }
-            o.fill(0.0);
-            // Σ w·V over the positions, in order, run by run.
-            let mut i0 = 0;
-            for (count, run) in kv.v_runs(lo, p, kvh) {
-                match run {
-                    KvRow::F16(r) => k.wsum_f16_group(&scores[i0..], n, count, r, stride, o, group),
-                    KvRow::F32(r) => {
-                        for (h, oh) in o.chunks_exact_mut(d).enumerate() {
-                            for i in 0..count {
-                                let wi = scores[h * n + i0 + i];
-                                k.axpy(wi, &r[i * stride..i * stride + d], oh);
-                            }
+            match &s.sinks {
+                None => softmax(sc),
+                Some(sinks) => softmax_with_sink(sc, sinks[kvh * group + h]),
+            }
+        }
+        o.fill(0.0);
+        // Σ w·V over the positions, in order, run by run.
+        let mut i0 = 0;
+        for (count, run) in kv.v_runs(lo, p, kvh) {
+            match run {
+                KvRow::F16(r) => k.wsum_f16_group(&scores[i0..], n, count, r, stride, o, group),
+                KvRow::F32(r) => {
+                    for (h, oh) in o.chunks_exact_mut(d).enumerate() {
+                        for i in 0..count {
+                            let wi = scores[h * n + i0 + i];
+                            k.axpy(wi, &r[i * stride..i * stride + d], oh);
                         }
                     }
                 }
-                i0 += count;
             }
+            i0 += count;
         }
     });
 }
@@ -401,20 +416,10 @@ pub fn gated_delta_rule(
 pub fn linear(pool: &ThreadPool, k: &Kernels, x: &[f32], w: &[f32], c: usize) -> Vec<f32> {
     let (t, n) = (x.len() / c, w.len() / c);
     let mut y = vec![0.0f32; t * n];
-    let threads = pool.threads().min(t).max(1);
-    let per = t.div_ceil(threads);
-    let pieces: Vec<Mutex<Option<&mut [f32]>>> =
-        y.chunks_mut(per * n).map(|p| Mutex::new(Some(p))).collect();
-    pool.run(|tid, _| {
-        let Some(piece) = pieces.get(tid).and_then(|m| m.lock().ok()?.take()) else {
-            return;
-        };
-        for (j, yr) in piece.chunks_exact_mut(n).enumerate() {
-            let r = tid * per + j;
-            let xr = &x[r * c..(r + 1) * c];
-            for (o, wr) in yr.iter_mut().zip(w.chunks_exact(c)) {
-                *o = k.dot_f32(xr, wr);
-            }
+    par_items(pool, &mut y, n, |_: &mut (), r, yr| {
+        let xr = &x[r * c..(r + 1) * c];
+        for (o, wr) in yr.iter_mut().zip(w.chunks_exact(c)) {
+            *o = k.dot_f32(xr, wr);
         }
     });
     y

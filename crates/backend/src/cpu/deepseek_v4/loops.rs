@@ -2,12 +2,10 @@
 //! attention_sparse, index_top_k}`): plain f32 loops over host slices, the dot products through the
 //! kernel table, (row, head) items spread over the worker pool where the work is per query.
 
-use std::sync::Mutex;
-
 use mference_kernels::{Kernels, ThreadPool};
 use mference_runtime::{KvLayer, KvRow};
 
-use crate::cpu::ops::{sigmoid, softmax};
+use crate::cpu::ops::{par_items, sigmoid, softmax};
 use crate::{AttnShape, HcSpec};
 
 /// `pre`, and `(post, comb)` for a site that mixes the streams.
@@ -115,59 +113,46 @@ pub fn attention_sparse(
     out: &mut [f32],
 ) {
     let d = s.head_dim;
-    let items = q.len() / d;
     let group = s.n_heads / s.n_kv_heads;
     let ew = s.n_kv_heads * d;
-    let threads = pool.threads().min(items).max(1);
-    let per = items.div_ceil(threads);
-    let pieces: Vec<Mutex<Option<&mut [f32]>>> = out
-        .chunks_mut(per * d)
-        .map(|c| Mutex::new(Some(c)))
-        .collect();
-    pool.run(|tid, _| {
-        let Some(piece) = pieces.get(tid).and_then(|m| m.lock().ok()?.take()) else {
-            return;
-        };
-        let mut scores = Vec::new();
+    // Items are (row, head) pairs.
+    par_items(pool, out, d, |scores: &mut Vec<f32>, item, o| {
         let mut one = [0.0f32];
-        for (j, o) in piece.chunks_exact_mut(d).enumerate() {
-            let item = tid * per + j;
-            let (row, head) = (item / s.n_heads, item % s.n_heads);
-            let kvh = head / group;
-            let p = pos0 + row;
-            let lo = s.window.map_or(0, |w| (p + 1).saturating_sub(w));
-            let qh = &q[item * d..(item + 1) * d];
-            scores.clear();
-            for pos in lo..=p {
-                scores.push(match kv.k(pos, kvh) {
-                    KvRow::F32(r) => k.dot_f32(qh, &r[..d]),
-                    KvRow::F16(r) => {
-                        k.dots_f16(qh, r, d, &mut one);
-                        one[0]
-                    }
-                });
-            }
-            let sel = &visible[row];
-            for &e in sel {
-                scores.push(k.dot_f32(qh, &entries[e * ew + kvh * d..e * ew + (kvh + 1) * d]));
-            }
-            scores.iter_mut().for_each(|x| *x *= s.scale);
-            match &s.sinks {
-                None => softmax(&mut scores),
-                Some(sinks) => crate::cpu::ops::softmax_with_sink(&mut scores, sinks[head]),
-            }
-            o.fill(0.0);
-            for (i, pos) in (lo..=p).enumerate() {
-                match kv.v(pos, kvh) {
-                    KvRow::F32(r) => k.axpy(scores[i], &r[..d], o),
-                    KvRow::F16(r) => k.axpy_f16(scores[i], &r[..d], o),
+        let (row, head) = (item / s.n_heads, item % s.n_heads);
+        let kvh = head / group;
+        let p = pos0 + row;
+        let lo = s.window.map_or(0, |w| (p + 1).saturating_sub(w));
+        let qh = &q[item * d..(item + 1) * d];
+        scores.clear();
+        for pos in lo..=p {
+            scores.push(match kv.k(pos, kvh) {
+                KvRow::F32(r) => k.dot_f32(qh, &r[..d]),
+                KvRow::F16(r) => {
+                    k.dots_f16(qh, r, d, &mut one);
+                    one[0]
                 }
+            });
+        }
+        let sel = &visible[row];
+        for &e in sel {
+            scores.push(k.dot_f32(qh, &entries[e * ew + kvh * d..e * ew + (kvh + 1) * d]));
+        }
+        scores.iter_mut().for_each(|x| *x *= s.scale);
+        match &s.sinks {
+            None => softmax(scores),
+            Some(sinks) => crate::cpu::ops::softmax_with_sink(scores, sinks[head]),
+        }
+        o.fill(0.0);
+        for (i, pos) in (lo..=p).enumerate() {
+            match kv.v(pos, kvh) {
+                KvRow::F32(r) => k.axpy(scores[i], &r[..d], o),
+                KvRow::F16(r) => k.axpy_f16(scores[i], &r[..d], o),
             }
-            let n_win = p + 1 - lo;
-            for (i, &e) in sel.iter().enumerate() {
-                let r = &entries[e * ew + kvh * d..e * ew + (kvh + 1) * d];
-                k.axpy(scores[n_win + i], r, o);
-            }
+        }
+        let n_win = p + 1 - lo;
+        for (i, &e) in sel.iter().enumerate() {
+            let r = &entries[e * ew + kvh * d..e * ew + (kvh + 1) * d];
+            k.axpy(scores[n_win + i], r, o);
         }
     });
 }
