@@ -11,7 +11,9 @@ use std::sync::Arc;
 use common::*;
 
 use mference_backend::cpu::ResidentBytes;
-use mference_backend::harness::{run_all, test_weights, Numerics, Rng, EXACT_REL, F16_KV_REL};
+use mference_backend::harness::{
+    kv_rounded, run_all, test_weights, Numerics, Rng, EXACT_REL, F16_KV_REL,
+};
 use mference_backend::reference as refr;
 use mference_backend::{AttnShape, CoreOps, KvDtype, RouterSpec, Scoring, Tensor, VRef, Weights};
 use mference_cuda::{CudaBackend, CudaError, KernelOrigin};
@@ -135,14 +137,8 @@ fn model_sized_shapes_match_the_reference() {
             let k = vals(&mut rng, t * nkv * d, 2.0);
             let v = vals(&mut rng, t * nkv * d, 1.0);
             let q = vals(&mut rng, t * nh * d, 2.0);
-            let round = |x: &[f32]| -> Vec<f32> {
-                match dtype {
-                    KvDtype::F16 => x.iter().map(|&a| half::f16::from_f32(a).to_f32()).collect(),
-                    KvDtype::F32 => x.to_vec(),
-                }
-            };
-            hk.extend(round(&k));
-            hv.extend(round(&v));
+            hk.extend(kv_rounded(dtype, &k));
+            hv.extend(kv_rounded(dtype, &v));
             let kt = be.upload(&k, nkv * d).expect("upload");
             let vt = be.upload(&v, nkv * d).expect("upload");
             let qt = be.upload(&q, nh * d).expect("upload");

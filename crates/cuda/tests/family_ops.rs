@@ -16,19 +16,12 @@ use std::sync::Arc;
 
 use common::*;
 
-use mference_backend::harness::{Rng, EXACT_REL, F16_KV_REL};
+use mference_backend::harness::{kv_rounded, Rng, EXACT_REL, F16_KV_REL};
 use mference_backend::reference as refr;
 use mference_backend::{
     AttnShape, CoreOps, DeepSeekV4Ops, HcSpec, InklingOps, KvDtype, LogScaling, RecurrentOps,
     RelBias, Rope, RouterSpec, Scoring, SinkRouter, Weights,
 };
-
-fn round(dtype: KvDtype, x: &[f32]) -> Vec<f32> {
-    match dtype {
-        KvDtype::F16 => x.iter().map(|&a| half::f16::from_f32(a).to_f32()).collect(),
-        KvDtype::F32 => x.to_vec(),
-    }
-}
 
 #[test]
 fn inkling_ops_at_model_size_match_the_reference() {
@@ -70,8 +63,8 @@ fn inkling_ops_at_model_size_match_the_reference() {
             let v = vals(&mut rng, t * nkv * d, 1.0);
             let q = vals(&mut rng, t * nh * d, 2.0);
             let rel = vals(&mut rng, t * nh * d_rel, 1.0);
-            hk.extend(round(dtype, &k));
-            hv.extend(round(dtype, &v));
+            hk.extend(kv_rounded(dtype, &k));
+            hv.extend(kv_rounded(dtype, &v));
             let kt = be.upload(&k, nkv * d).expect("upload");
             let vt = be.upload(&v, nkv * d).expect("upload");
             let qt = be.upload(&q, nh * d).expect("upload");
@@ -298,7 +291,7 @@ fn deepseek_v4_ops_at_model_size_match_the_reference() {
         let mut pos0 = 0;
         for t in [64usize, 64, 1] {
             let k = vals(&mut rng, t * d, 2.0);
-            hist.extend(round(dtype, &k));
+            hist.extend(kv_rounded(dtype, &k));
             let q = vals(&mut rng, t * nh * d, 1.0);
             let (kt, qt) = (be.upload(&k, d).unwrap(), be.upload(&q, nh * d).unwrap());
             be.kv_write(&mut kv, pos0, &kt, &kt).expect("kv_write");

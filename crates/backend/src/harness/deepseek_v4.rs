@@ -147,10 +147,7 @@ pub(crate) fn dsv4_ops<B: Backend>(h: &mut Harness<B>, rng: &mut Rng, w: &TestWe
         let mut pos0 = 0;
         for t in [7usize, 1, 3] {
             let k = rng.vec(t * d, 2.0);
-            hist.extend(match dtype {
-                KvDtype::F16 => k.iter().map(|&a| half::f16::from_f32(a).to_f32()).collect(),
-                KvDtype::F32 => k.clone(),
-            });
+            hist.extend(kv_rounded(dtype, &k));
             let q = rng.vec(t * nh * d, 2.0);
             let (Some(kt), Some(qt)) = (h.up(&k, d), h.up(&q, nh * d)) else {
                 return;

@@ -79,14 +79,8 @@ pub(crate) fn inkling_ops<B: Backend>(h: &mut Harness<B>, rng: &mut Rng) {
             let v = rng.vec(t * nkv * d, 1.0);
             let q = rng.vec(t * nh * d, 2.0);
             let rel = rng.vec(t * nh * d_rel, 1.0);
-            let round = |x: &[f32]| -> Vec<f32> {
-                match dtype {
-                    KvDtype::F16 => x.iter().map(|&a| half::f16::from_f32(a).to_f32()).collect(),
-                    KvDtype::F32 => x.to_vec(),
-                }
-            };
-            hk.extend(round(&k));
-            hv.extend(round(&v));
+            hk.extend(kv_rounded(dtype, &k));
+            hv.extend(kv_rounded(dtype, &v));
             let (Some(kt), Some(vt), Some(qt), Some(rt)) = (
                 h.up(&k, nkv * d),
                 h.up(&v, nkv * d),

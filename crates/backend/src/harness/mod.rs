@@ -16,6 +16,7 @@ mod recurrent;
 
 use std::collections::BTreeSet;
 
+pub use self::core::kv_rounded;
 use self::core::{
     attention_ops, check_routes, data_ops, norm_rope_kv, norms_and_elementwise, products, rope_ops,
     router_ops, two_into_residual,

@@ -69,8 +69,8 @@ pub(crate) fn rope_ops<B: Backend>(h: &mut Harness<B>, rng: &mut Rng, w: &TestWe
     }
 }
 
-/// `x` as the KV cache stores it.
-pub(crate) fn kv_rounded(dtype: KvDtype, x: &[f32]) -> Vec<f32> {
+/// `x` as the KV cache stores it (`dtype`'s rounding).
+pub fn kv_rounded(dtype: KvDtype, x: &[f32]) -> Vec<f32> {
     match dtype {
         KvDtype::F16 => x.iter().map(|&a| half::f16::from_f32(a).to_f32()).collect(),
         KvDtype::F32 => x.to_vec(),

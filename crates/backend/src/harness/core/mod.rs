@@ -5,6 +5,7 @@ mod norms;
 mod products;
 mod router;
 
+pub use attention::kv_rounded;
 pub(crate) use attention::{attention_ops, norm_rope_kv, rope_ops};
 pub(crate) use norms::{norms_and_elementwise, two_into_residual};
 pub(crate) use products::products;
