@@ -175,7 +175,7 @@ impl CudaBackend {
     pub(crate) fn to_host<T: cudarc::driver::DeviceRepr + Default + Clone>(
         &self,
         op: &'static str,
-        v: &impl DevicePtr<T>,
+        v: &CudaSlice<T>,
     ) -> OpResult<Vec<T>> {
         let t0 = self.profile.as_ref().map(|_| std::time::Instant::now());
         let out = self.stream.clone_dtoh(v).map_err(|e| self.dev(op, e))?;

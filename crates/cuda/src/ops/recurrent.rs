@@ -1,5 +1,5 @@
-//! The recurrent ops: the causal convs (Gated DeltaNet's, Inkling's), DeltaNet's gates, delta rule and gated norm (kernels:
-//! recurrent.cu).
+//! The recurrent ops: the causal convs (Gated DeltaNet's, Inkling's), DeltaNet's gates, delta
+//! rule and gated norm (kernels: recurrent.cu).
 
 use crate::*;
 
