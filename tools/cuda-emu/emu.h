@@ -26,6 +26,8 @@ struct uint2 { u32 x, y; };
 inline uint2 make_uint2(u32 a, u32 b) { return {a, b}; }
 struct float2 { float x, y; };
 struct float4 { float x, y, z, w; };
+struct uint4 { u32 x, y, z, w; };
+inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
 inline float bf16_to_f32(u16 h) { return __uint_as_float(((u32)h) << 16); }
 std::barrier<>* bar; float slot[1024];
 inline float __shfl_xor_sync(u32, float v, int o) {

@@ -1,8 +1,9 @@
 // ops/deepseek_v4.cu's mHC entry (hc_mix_parts, then hc_pre_row) and exit (hc_post), and
-// ops/elementwise.cu's f32 `linear`, run on the CPU (emu.h) against double-precision twins of
+// ops/elementwise.cu's `linear` and `matmul_bf16`, run on the CPU (emu.h) against double-precision twins of
 // crates/backend/src/reference/deepseek_v4.rs `hc_pre` / `hc_post` and `linear`: 4 streams of 32,
-// 300 (a partial split) and 4096 (16 splits, DeepSeek-V4-Flash) columns per stream, 24 and 4
-// mixes, 1 and 3 rows; linear at 40 and 4096 columns (the 16-byte path and its tail) and 30.
+// 300 (a partial split) and 4096 (64 splits, DeepSeek-V4-Flash) columns per stream, 24 and 4
+// mixes, 1 and 3 rows; linear and matmul_bf16 at 40, 4096 and 2048 columns (the 16-byte paths and
+// their tails) and 30, the BF16 weights also at an offset that is not 16-byte aligned.
 // Build: g++ -std=c++20 -O1 -pthread -I crates/cuda/src/ops tools/cuda-emu/mhc_emu.cpp
 // Prints one line per case; exits non-zero when any case fails.
 #include "emu.h"
@@ -103,11 +104,11 @@ int main() {
         printf("%s mHC d %d mixes %d rows %d: max rel err %.3g\n", ok ? "ok" : "FAIL", d, m, t, e);
         fails += !ok;
       }
-  // linear: t * rows a multiple of the 8 warps of a block (every warp shuffles equally).
-  for (auto [t, rows, cols] : {std::tuple{2, 4, 40}, std::tuple{1, 16, 4096}, std::tuple{3, 8, 30}}) {
+  // linear and matmul_bf16: a block of DOT_THREADS per output.
+  for (auto [t, rows, cols] : {std::tuple{2, 4, 40}, std::tuple{1, 16, 4096}, std::tuple{3, 8, 30}, std::tuple{1, 3, 2048}}) {
     auto x = vec((size_t)t * cols, 1.0f), w = vec((size_t)rows * cols, 0.5f);
     std::vector<float> y((size_t)t * rows);
-    launch({(unsigned)(t * rows / 8), 1, 1}, 256, [&] { linear(x.data(), w.data(), t, rows, cols, y.data()); });
+    launch({(unsigned)(t * rows), 1, 1}, DOT_THREADS, [&] { linear(x.data(), w.data(), t, rows, cols, y.data()); });
     std::vector<double> want;
     for (int r = 0; r < t; ++r) for (int o = 0; o < rows; ++o) {
       double a = 0; for (int c = 0; c < cols; ++c) a += (double)x[(size_t)r * cols + c] * w[(size_t)o * cols + c];
@@ -117,6 +118,25 @@ int main() {
     bool ok = e <= 1e-5;
     printf("%s linear %d x [%d, %d]: max rel err %.3g\n", ok ? "ok" : "FAIL", t, rows, cols, e);
     fails += !ok;
+    // The same product with w rounded to BF16 at a 16-byte offset (the wide path) and at 2 bytes.
+    for (int off : {16, 2}) {
+      std::vector<unsigned char> base(off + w.size() * 2);
+      std::vector<double> wb(w.size());
+      for (size_t i = 0; i < w.size(); ++i) {
+        u32 u; memcpy(&u, &w[i], 4); u16 h = (u16)(u >> 16);
+        memcpy(&base[off + 2 * i], &h, 2); wb[i] = bf16_to_f32(h);
+      }
+      launch({(unsigned)(t * rows), 1, 1}, DOT_THREADS, [&] { matmul_bf16(x.data(), t, rows, cols, base.data(), off, y.data()); });
+      std::vector<double> wantb;
+      for (int r = 0; r < t; ++r) for (int o = 0; o < rows; ++o) {
+        double a = 0; for (int c = 0; c < cols; ++c) a += (double)x[(size_t)r * cols + c] * wb[(size_t)o * cols + c];
+        wantb.push_back(a);
+      }
+      double eb = max_rel(y, wantb);
+      bool okb = eb <= 1e-5;
+      printf("%s matmul_bf16 %d x [%d, %d] at offset %d: max rel err %.3g\n", okb ? "ok" : "FAIL", t, rows, cols, off, eb);
+      fails += !okb;
+    }
   }
   return fails != 0;
 }

@@ -61,7 +61,7 @@ pub(crate) const ROUTE_MAX_K: usize = 64;
 /// Most experts `route_one` holds in shared memory (ops/router.cu `ROUTE_ONE_MAX_N`).
 pub(crate) const ROUTE_ONE_MAX_N: usize = 1024;
 /// Columns of an mHC row per `hc_mix_parts` block (ops/deepseek_v4.cu `HC_SPLIT`).
-pub(crate) const HC_SPLIT: usize = 1024;
+pub(crate) const HC_SPLIT: usize = 256;
 /// Small constant vectors kept on the device (RoPE frequencies, attention sinks).
 pub(crate) const CONSTS_KEPT: usize = 64;
 
@@ -334,6 +334,15 @@ pub(crate) fn warps(n: usize) -> LaunchConfig {
         shared_mem_bytes: 0,
     }
 }
+
+/// One block of `DOT_THREADS` (ops/elementwise.cu) per output of a `linear` / `matmul_bf16`
+/// launch of `n` outputs (a grid-stride loop past 2^20 blocks).
+pub(crate) fn dot_blocks(n: usize) -> LaunchConfig {
+    blocks(n.clamp(1, 1 << 20), DOT_THREADS)
+}
+
+/// `DOT_THREADS` in ops/elementwise.cu.
+pub(crate) const DOT_THREADS: u32 = 128;
 
 pub(crate) fn blocks(n: usize, threads: u32) -> LaunchConfig {
     LaunchConfig {

@@ -14,46 +14,45 @@ extern "C" __global__ void place_cols(const float* src, u64 t_rows, int c_src, f
 
 // Most mixes per mHC row: (2 + n) * n for n <= 6 streams.
 #define HC_MAX_MIX 48
-// Columns of an mHC row per hc_mix_parts block (256 threads, 4 strided columns each).
-#define HC_SPLIT 1024
+// Columns of an mHC row per hc_mix_parts block (256 threads: each warp takes every column of
+// the block, 8 per lane, for its share of the mixes).
+#define HC_SPLIT 256
 
 // The mHC entry's products, split over the columns: block (s, row) sums, over its HC_SPLIT
 // columns c of the row of x ([T, cols]), f[i, c] * x[c] for the m rows of f and x[c]^2, into
-// parts[(row * splits + s) * (m + 1) + i] (i = m: the squares), each a warp sum then the 8
-// warps' sums in order.
+// parts[(row * splits + s) * (m + 1) + i] (i = m: the squares). Warp w takes mixes w, w + 8, ..:
+// a lane's 8 columns (8 loads in flight per mix), then a warp sum.
 extern "C" __global__ void hc_mix_parts(const float* x, int cols, const float* f, int m,
                                         float* parts) {
-    __shared__ float wsum[HC_MAX_MIX + 1][8];
     int s = blockIdx.x, row = blockIdx.y, splits = gridDim.x;
     int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     const float* xr = x + (u64)row * cols;
-    float xv[4];
-    float ss = 0.0f;
+    float xv[8];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        int c = s * HC_SPLIT + threadIdx.x + 256 * k;
+    for (int k = 0; k < 8; ++k) {
+        int c = s * HC_SPLIT + lane + 32 * k;
         xv[k] = c < cols ? xr[c] : 0.0f;
-        ss += xv[k] * xv[k];
     }
-    for (int i = 0; i <= m; ++i) {
-        float a = ss;
+    // Every warp runs the same number of rounds (the CPU emulation's shuffles are block-wide).
+    for (int i0 = 0; i0 <= m; i0 += 8) {
+        int i = i0 + w;
+        float a = 0.0f;
         if (i < m) {
             const float* fr = f + (u64)i * cols;
-            a = 0.0f;
+            float fv[8];
 #pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                int c = s * HC_SPLIT + threadIdx.x + 256 * k;
-                if (c < cols) a += fr[c] * xv[k];
+            for (int k = 0; k < 8; ++k) {
+                int c = s * HC_SPLIT + lane + 32 * k;
+                fv[k] = c < cols ? fr[c] : 0.0f;
             }
+#pragma unroll
+            for (int k = 0; k < 8; ++k) a = fmaf(fv[k], xv[k], a);
+        } else if (i == m) {
+#pragma unroll
+            for (int k = 0; k < 8; ++k) a = fmaf(xv[k], xv[k], a);
         }
         a = warp_sum(a);
-        if (lane == 0) wsum[i][w] = a;
-    }
-    __syncthreads();
-    if ((int)threadIdx.x <= m) {
-        float a = 0.0f;
-        for (int k = 0; k < 8; ++k) a += wsum[threadIdx.x][k];
-        parts[((u64)row * splits + s) * (m + 1) + threadIdx.x] = a;
+        if (lane == 0 && i <= m) parts[((u64)row * splits + s) * (m + 1) + i] = a;
     }
 }
 
@@ -63,63 +62,79 @@ extern "C" __global__ void hc_mix_parts(const float* x, int cols, const float* f
 // ([T, d]). With m = (2 + n) * n also post_j = 2 sigmoid(mix[n + j] * scale[1] + base[n + j])
 // ([T, n]) and the comb matrix ([T, n * n], row j = softmax_k(mix[2n + j n + k] * scale[2] +
 // base[..]) + hc_eps, columns normalised, then sinkhorn - 1 rounds of rows then columns, every
-// denominator + hc_eps), as the CPU's hc_weights in f32.
+// denominator + hc_eps), as the CPU's hc_weights in f32. Thread e < n * n holds comb entry e
+// (j = e / n, k = e % n) and reads its row's or column's entries from shared memory, in the
+// order of the sequential rule, so each entry's bits are those of one thread doing it all.
 extern "C" __global__ void hc_pre_row(const float* x, int cols, int n, const float* parts,
                                       int splits, int m, const float* base, const float* scale,
                                       float hc_eps, float norm_eps, int sinkhorn, float* col,
                                       float* post, float* comb) {
-    __shared__ float mix[HC_MAX_MIX];
+    __shared__ float mix[HC_MAX_MIX + 1];
     __shared__ float pre[8];
-    int row = blockIdx.x, d = cols / n;
+    __shared__ float cs[2][HC_MAX_MIX];
+    int row = blockIdx.x, d = cols / n, t = threadIdx.x, nn = n * n;
     const float* xr = x + (u64)row * cols;
     const float* pr = parts + (u64)row * splits * (m + 1);
-    if (threadIdx.x == 0) {
-        float ss = 0.0f;
-        for (int s = 0; s < splits; ++s) ss += pr[s * (m + 1) + m];
-        float r = 1.0f / sqrtf(ss / (float)cols + norm_eps);
-        for (int i = 0; i < m; ++i) {
-            float a = 0.0f;
-            for (int s = 0; s < splits; ++s) a += pr[s * (m + 1) + i];
-            mix[i] = a * r;
-        }
-        for (int j = 0; j < n; ++j) pre[j] = sigmoid_f(mix[j] * scale[0] + base[j]) + hc_eps;
-        if (m != n) {
-            float* po = post + (u64)row * n;
-            for (int j = 0; j < n; ++j) po[j] = 2.0f * sigmoid_f(mix[n + j] * scale[1] + base[n + j]);
-            float* c = comb + (u64)row * n * n;
-            for (int j = 0; j < n; ++j) {
-                float mx = -F32_INF;
-                for (int k = 0; k < n; ++k) {
-                    c[j * n + k] = mix[2 * n + j * n + k] * scale[2] + base[2 * n + j * n + k];
-                    mx = fmaxf(mx, c[j * n + k]);
-                }
-                float z = 0.0f;
-                for (int k = 0; k < n; ++k) {
-                    c[j * n + k] = expf(c[j * n + k] - mx);
-                    z += c[j * n + k];
-                }
-                for (int k = 0; k < n; ++k) c[j * n + k] = c[j * n + k] / z + hc_eps;
-            }
-            for (int it = 0; it < max(sinkhorn, 1); ++it) {
-                if (it > 0) {
-                    for (int j = 0; j < n; ++j) {
-                        float z = hc_eps;
-                        for (int k = 0; k < n; ++k) z += c[j * n + k];
-                        for (int k = 0; k < n; ++k) c[j * n + k] /= z;
-                    }
-                }
-                for (int k = 0; k < n; ++k) {
-                    float z = hc_eps;
-                    for (int j = 0; j < n; ++j) z += c[j * n + k];
-                    for (int j = 0; j < n; ++j) c[j * n + k] /= z;
-                }
-            }
-        }
+    if (t <= m) {
+        float a = 0.0f;
+        for (int s = 0; s < splits; ++s) a += pr[s * (m + 1) + t];
+        mix[t] = a;
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+    float r = 1.0f / sqrtf(mix[m] / (float)cols + norm_eps);
+    if (t < n) pre[t] = sigmoid_f(mix[t] * r * scale[0] + base[t]) + hc_eps;
+    bool full = m != n;
+    if (full && t < n) post[(u64)row * n + t] = 2.0f * sigmoid_f(mix[n + t] * r * scale[1] + base[n + t]);
+    if (full) {
+        int j = t / n, k = t % n;
+        float v = 0.0f;
+        if (t < nn) {
+            v = mix[2 * n + t] * r * scale[2] + base[2 * n + t];
+            cs[0][t] = v;
+        }
+        __syncthreads();
+        if (t < nn) {
+            float mx = -F32_INF;
+            for (int q = 0; q < n; ++q) mx = fmaxf(mx, cs[0][j * n + q]);
+            v = expf(v - mx);
+            cs[1][t] = v;
+        }
+        __syncthreads();
+        if (t < nn) {
+            float z = 0.0f;
+            for (int q = 0; q < n; ++q) z += cs[1][j * n + q];
+            v = v / z + hc_eps;
+            cs[0][t] = v;
+        }
+        __syncthreads();
+        // Each half-round reads buffer b and writes the other: one barrier per half-round.
+        int b = 0;
+        for (int it = 0; it < max(sinkhorn, 1); ++it) {
+            if (it > 0) {
+                if (t < nn) {
+                    float z = hc_eps;
+                    for (int q = 0; q < n; ++q) z += cs[b][j * n + q];
+                    v /= z;
+                    cs[b ^ 1][t] = v;
+                }
+                b ^= 1;
+                __syncthreads();
+            }
+            if (t < nn) {
+                float z = hc_eps;
+                for (int q = 0; q < n; ++q) z += cs[b][q * n + k];
+                v /= z;
+                cs[b ^ 1][t] = v;
+            }
+            b ^= 1;
+            __syncthreads();
+        }
+        if (t < nn) comb[(u64)row * nn + t] = v;
+    }
+    __syncthreads();
+    for (int i = t; i < d; i += blockDim.x) {
         float a = 0.0f;
-        for (int j = 0; j < n; ++j) a += pre[j] * xr[j * d + i];
+        for (int q = 0; q < n; ++q) a += pre[q] * xr[q * d + i];
         col[(u64)row * d + i] = a;
     }
 }

@@ -72,60 +72,100 @@ extern "C" __global__ void mul_cols(float* x, u64 n, u64 cols, const unsigned ch
     FOR_EACH(i, n) { x[i] *= bf16_to_f32(w[i % cols]) * c; }
 }
 
-// y[t, r] = sum_c x[t, c] * w[r, c], w BF16 [rows, cols] at byte offset w_off of the resident
-// buffer, f32 accumulation (an unquantized router).
-extern "C" __global__ void matmul_bf16(const float* x, u64 t, u64 rows, u64 cols,
-                                       const unsigned char* base, u64 w_off, float* y) {
-    const u16* w = (const u16*)(base + w_off);
-    FOR_EACH(i, t * rows) {
-        u64 tt = i / rows, r = i % rows;
-        const float* xr = x + tt * cols;
-        const u16* wr = w + r * cols;
-        float acc = 0.0f;
-        for (u64 c = 0; c < cols; ++c) acc += xr[c] * bf16_to_f32(wr[c]);
-        y[i] = acc;
-    }
-}
-
 __device__ __forceinline__ float dot4(float4 a, float4 b) {
     return fmaf(a.x, b.x, fmaf(a.y, b.y, fmaf(a.z, b.z, a.w * b.w)));
 }
 
+// Threads of a block of the one-output-per-block products below (`linear`, `matmul_bf16`).
+#define DOT_THREADS 128
+
+// The block's sum of `a` (each thread's partial): warp sums, then the warps' sums in order; every
+// thread gets it. Ends with a barrier, so the block may call it again.
+__device__ __forceinline__ float block_dot_sum(float a) {
+    __shared__ float ws[DOT_THREADS / 32];
+    a = warp_sum(a);
+    if ((threadIdx.x & 31) == 0) ws[threadIdx.x >> 5] = a;
+    __syncthreads();
+    float s = (ws[0] + ws[1]) + (ws[2] + ws[3]);
+    __syncthreads();
+    return s;
+}
+
 // y[t, r] = sum_c x[t, c] * w[r, c] for an f32 weight w [rows, cols] held on the device (an
-// unquantized router, 256 x 4096 per layer): a warp per output. With cols % 4 == 0 each lane
-// reads 16-byte pieces, four of them in flight (four partial sums, added in a fixed order), so a
-// long row is a few round trips instead of cols / 32; the lanes' sums are added by warp_sum.
+// unquantized router, 256 x 4096 per layer): a block of DOT_THREADS per output, so that a few
+// hundred outputs still keep every SM loading. With cols % 4 == 0 each thread reads 16-byte
+// pieces, four of them in flight (four partial sums, added in a fixed order); the block's sums
+// are added by block_dot_sum.
 extern "C" __global__ void linear(const float* x, const float* w, u64 t, u64 rows, u64 cols,
                                   float* y) {
-    u64 warps = ((u64)gridDim.x * blockDim.x) >> 5;
-    u64 first = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    int lane = threadIdx.x & 31;
-    for (u64 i = first; i < t * rows; i += warps) {
+    int th = threadIdx.x;
+    for (u64 i = blockIdx.x; i < t * rows; i += gridDim.x) {
         const float* xr = x + (i / rows) * cols;
         const float* wr = w + (i % rows) * cols;
         float acc = 0.0f;
         if ((cols & 3) == 0) {
             const float4* x4 = (const float4*)xr;
             const float4* w4 = (const float4*)wr;
-            u64 n4 = cols / 4, c = lane;
+            u64 n4 = cols / 4, c = th;
             float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            for (; c + 96 < n4; c += 128) {
+            for (; c + 3 * DOT_THREADS < n4; c += 4 * DOT_THREADS) {
                 float4 xv[4], wv[4];
 #pragma unroll
                 for (int k = 0; k < 4; ++k) {
-                    xv[k] = x4[c + 32 * k];
-                    wv[k] = w4[c + 32 * k];
+                    xv[k] = x4[c + DOT_THREADS * k];
+                    wv[k] = w4[c + DOT_THREADS * k];
                 }
 #pragma unroll
                 for (int k = 0; k < 4; ++k) a[k] += dot4(xv[k], wv[k]);
             }
-            for (; c < n4; c += 32) a[0] += dot4(x4[c], w4[c]);
+            for (; c < n4; c += DOT_THREADS) a[0] += dot4(x4[c], w4[c]);
             acc = (a[0] + a[1]) + (a[2] + a[3]);
         } else {
-            for (u64 c = lane; c < cols; c += 32) acc = fmaf(xr[c], wr[c], acc);
+            for (u64 c = th; c < cols; c += DOT_THREADS) acc = fmaf(xr[c], wr[c], acc);
         }
-        acc = warp_sum(acc);
-        if (lane == 0) y[i] = acc;
+        acc = block_dot_sum(acc);
+        if (th == 0) y[i] = acc;
+    }
+}
+
+// y[t, r] = sum_c x[t, c] * w[r, c], w BF16 [rows, cols] at byte offset w_off of the resident
+// buffer, f32 accumulation (an unquantized router, FlashHead's centroids): a block of
+// DOT_THREADS per output as `linear`. With cols % 8 == 0 and w 16-byte aligned each thread reads
+// 8 weights (16 bytes) and their 8 columns of x per step, two steps in flight.
+extern "C" __global__ void matmul_bf16(const float* x, u64 t, u64 rows, u64 cols,
+                                       const unsigned char* base, u64 w_off, float* y) {
+    const u16* w = (const u16*)(base + w_off);
+    int th = threadIdx.x;
+    bool wide = (cols & 7) == 0 && (w_off & 15) == 0;
+    for (u64 i = blockIdx.x; i < t * rows; i += gridDim.x) {
+        const float* xr = x + (i / rows) * cols;
+        const u16* wr = w + (i % rows) * cols;
+        float acc = 0.0f;
+        if (wide) {
+            const uint4* w8 = (const uint4*)wr;
+            const float4* x4 = (const float4*)xr;
+            u64 n8 = cols / 8, c = th;
+            float a[2] = {0.0f, 0.0f};
+            for (; c < n8; c += 2 * DOT_THREADS) {
+#pragma unroll
+                for (int k = 0; k < 2; ++k) {
+                    u64 cc = c + DOT_THREADS * k;
+                    if (cc >= n8) break;
+                    uint4 wv = w8[cc];
+                    float4 lo = x4[2 * cc], hi = x4[2 * cc + 1];
+                    float4 wl = make_float4(__uint_as_float(wv.x << 16), __uint_as_float(wv.x & 0xffff0000u),
+                                            __uint_as_float(wv.y << 16), __uint_as_float(wv.y & 0xffff0000u));
+                    float4 wh = make_float4(__uint_as_float(wv.z << 16), __uint_as_float(wv.z & 0xffff0000u),
+                                            __uint_as_float(wv.w << 16), __uint_as_float(wv.w & 0xffff0000u));
+                    a[k] += dot4(lo, wl) + dot4(hi, wh);
+                }
+            }
+            acc = a[0] + a[1];
+        } else {
+            for (u64 c = th; c < cols; c += DOT_THREADS) acc = fmaf(xr[c], bf16_to_f32(wr[c]), acc);
+        }
+        acc = block_dot_sum(acc);
+        if (th == 0) y[i] = acc;
     }
 }
 
