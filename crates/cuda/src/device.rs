@@ -96,9 +96,6 @@ pub struct CudaBackend {
     pub(crate) _module: Arc<CudaModule>,
     pub(crate) funcs: HashMap<&'static str, CudaFunction>,
     pub(crate) resident: CudaSlice<u8>,
-    /// The host bytes `resident` was copied from (the mapped `model_weights.bin`): small vectors
-    /// the host-side routers read (DeepSeek-V4's correction bias) without a readback.
-    pub(crate) host_resident: ResidentBytes,
     /// An expert blob's device copy (grown to the largest blob seen).
     pub(crate) staging: Mutex<Option<CudaSlice<u8>>>,
     /// Host constants already uploaded, by their bit patterns.
@@ -193,7 +190,6 @@ impl CudaBackend {
                 .map_err(driver("cuModuleGetFunction"))?;
             funcs.insert(k, f);
         }
-        let host_resident = resident.clone();
         let resident = stream
             .clone_htod(&resident[..])
             .map_err(driver("copying the resident weights to the device"))?;
@@ -206,7 +202,6 @@ impl CudaBackend {
             _module: module,
             funcs,
             resident,
-            host_resident,
             staging: Mutex::new(None),
             consts: Mutex::new(Vec::new()),
             experts: None,

@@ -282,11 +282,10 @@ pub(crate) fn qjobs<'a, 'b: 'a>(
 }
 
 /// Whether a gate and an up matrix (codes at device addresses `gate_at`, `up_at`) can share a
-/// `qmv_glu` lane group: one shape, and the same alignment modulo 8 (so a lane's words hold the
-/// same columns of both).
+/// `qmv_glu` lane group: one shape and bit width (the group sizes may differ: `qmv_glu`'s
+/// `up_group`), and the same alignment modulo 8 (so a lane's words hold the same columns of both).
 pub(crate) fn pairs_fuse(gate: &QRef, up: &QRef, gate_at: u64, up_at: u64) -> bool {
-    (gate.rows, gate.cols, gate.bits, gate.group_size) == (up.rows, up.cols, up.bits, up.group_size)
-        && gate_at % 8 == up_at % 8
+    (gate.rows, gate.cols, gate.bits) == (up.rows, up.cols, up.bits) && gate_at % 8 == up_at % 8
 }
 
 /// The shapes the quantized product kernels take: 2/4/8 bits, a multiple of 32 columns, groups

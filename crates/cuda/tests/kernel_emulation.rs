@@ -57,7 +57,7 @@ fn qmv_kernels_match_a_double_precision_product_on_the_cpu() {
     for (rows, unroll) in [(2, 1), (2, 2), (2, 4), (2, 8), (4, 2), (8, 2)] {
         let exe = dir.path().join(format!("qmv_emu_{rows}_{unroll}"));
         let defines = [format!("-DQV_R={rows}"), format!("-DQV_U={unroll}")];
-        build_and_run(&cxx, "qmv_emu.cpp", &defines, &exe, 40);
+        build_and_run(&cxx, "qmv_emu.cpp", &defines, &exe, 52);
     }
 }
 

@@ -488,9 +488,9 @@ impl CoreOps for CpuBackend {
 
 /// One row of DeepSeek-V4's sqrt-softplus routing ([`Scoring::SqrtSoftplus`]): `p` gets the
 /// scores `sqrt(softplus(lg))`; the experts are `forced` or the top-k of `p + bias(e)` (of `p`
-/// without a bias); each weighs `p[e] / (Σ_chosen p + 1e-20) · routed_scaling_factor`. The CUDA
-/// backend routes its read-back logits with this too, so both give the same routes.
-pub fn sqrt_softplus_row(
+/// without a bias); each weighs `p[e] / (Σ_chosen p + 1e-20) · routed_scaling_factor` (the CUDA
+/// router kernels' scoring 2 is the same rule).
+pub(crate) fn sqrt_softplus_row(
     lg: &[f32],
     k: usize,
     forced: Option<&[usize]>,

@@ -7,7 +7,6 @@ mod core;
 mod deepseek_v4;
 mod inkling;
 
-pub use core::sqrt_softplus_row;
 pub use inkling::sink_routes;
 pub mod ops;
 mod recurrent;

@@ -204,45 +204,48 @@ pub(crate) fn dsv4_ops<B: Backend>(h: &mut Harness<B>, rng: &mut Rng, w: &TestWe
             }
         }
     }
-    // route: sqrt-softplus with and without the selection bias, and forced (hash) ids
-    let (t, n_exp) = (6, 16);
-    let logits = rng.vec(t * n_exp, 4.0);
-    let Some(lt) = h.up(&logits, n_exp) else {
-        return;
-    };
-    let forced: Vec<usize> = (0..t)
-        .flat_map(|r| {
-            [
-                (5 * r + 1) % n_exp,
-                (5 * r + 2) % n_exp,
-                (5 * r + 3) % n_exp,
-            ]
-        })
-        .collect();
-    for (bias, forced) in [
-        (Some(w.bias), None),
-        (None, None),
-        (None, Some(&forced[..])),
-    ] {
-        let spec = RouterSpec {
-            scoring: Scoring::SqrtSoftplus {
-                routed_scaling_factor: 1.5,
-                correction_bias: bias,
-            },
-            top_k: if forced.is_some() { 3 } else { 6 },
-            per_expert_scale: None,
-            trace: false,
-            forced,
+    // route: sqrt-softplus with and without the selection bias, and forced (hash) ids; a prefill
+    // chunk's rows and one decode row (a backend may route one row by another kernel)
+    for t in [6, 1] {
+        let n_exp = 16;
+        let logits = rng.vec(t * n_exp, 4.0);
+        let Some(lt) = h.up(&logits, n_exp) else {
+            return;
         };
-        let r = h.be.route(&lt, &spec);
-        let Some(routes) = h.ok("route (sqrt-softplus)", r) else {
-            continue;
-        };
-        let name = format!(
-            "route sqrt-softplus bias {} forced {}",
-            bias.is_some(),
-            forced.is_some()
-        );
-        check_routes(h, &name, &routes, &refr::route(&logits, n_exp, &spec, buf));
+        let forced: Vec<usize> = (0..t)
+            .flat_map(|r| {
+                [
+                    (5 * r + 1) % n_exp,
+                    (5 * r + 2) % n_exp,
+                    (5 * r + 3) % n_exp,
+                ]
+            })
+            .collect();
+        for (bias, forced) in [
+            (Some(w.bias), None),
+            (None, None),
+            (None, Some(&forced[..])),
+        ] {
+            let spec = RouterSpec {
+                scoring: Scoring::SqrtSoftplus {
+                    routed_scaling_factor: 1.5,
+                    correction_bias: bias,
+                },
+                top_k: if forced.is_some() { 3 } else { 6 },
+                per_expert_scale: None,
+                trace: false,
+                forced,
+            };
+            let r = h.be.route(&lt, &spec);
+            let Some(routes) = h.ok("route (sqrt-softplus)", r) else {
+                continue;
+            };
+            let name = format!(
+                "route sqrt-softplus rows {t} bias {} forced {}",
+                bias.is_some(),
+                forced.is_some()
+            );
+            check_routes(h, &name, &routes, &refr::route(&logits, n_exp, &spec, buf));
+        }
     }
 }

@@ -1,5 +1,5 @@
 //! DeepSeek-V4's ops (kernels: deepseek_v4.cu; sparse attention: attention.cu's split kernel with
-//! `SparseArgs`), and its sqrt-softplus router on the host after one readback of the logits.
+//! `SparseArgs`; its sqrt-softplus router is the router kernels' scoring 2, router.rs).
 
 use crate::*;
 
@@ -284,62 +284,5 @@ impl DeepSeekV4Ops for CudaBackend {
                 order
             })
             .collect())
-    }
-}
-
-impl CudaBackend {
-    /// DeepSeek-V4's sqrt-softplus routing: one readback of the logits (the correction bias is
-    /// read from the host's resident bytes), then the CPU's rule row by row
-    /// ([`mference_backend::cpu::sqrt_softplus_row`]), so the routes are the CPU backend's.
-    pub(crate) fn route_sqrt_softplus(
-        &self,
-        logits: &CudaTensor,
-        spec: &RouterSpec,
-    ) -> OpResult<Routes> {
-        let op = "route";
-        let Scoring::SqrtSoftplus {
-            routed_scaling_factor,
-            correction_bias,
-        } = spec.scoring
-        else {
-            unreachable!("called for sqrt-softplus scoring only");
-        };
-        let (n_exp, k) = (logits.cols, spec.top_k);
-        check(
-            op,
-            k > 0
-                && k <= n_exp
-                && spec.per_expert_scale.is_none()
-                && correction_bias.is_none_or(|b| b.len == n_exp),
-            || format!("sqrt-softplus top-{k} of {n_exp} experts (no per-expert scale)"),
-        )?;
-        check_forced(op, spec, logits.rows, n_exp)?;
-        let host = &self.host_resident[..];
-        check(
-            op,
-            correction_bias.is_none_or(|b| b.offset() + 4 * n_exp <= host.len()),
-            || "a correction bias past the resident bytes".to_string(),
-        )?;
-        let lg = self.read(logits)?;
-        let mut experts: BTreeMap<usize, Vec<(usize, f32)>> = BTreeMap::new();
-        let mut margins = Vec::new();
-        let mut p = Vec::with_capacity(n_exp);
-        for (row, r) in lg.chunks_exact(n_exp).enumerate() {
-            if spec.trace {
-                margins.push(mference_backend::cpu::top_k_margin(r, k));
-            }
-            let chosen = mference_backend::cpu::sqrt_softplus_row(
-                r,
-                k,
-                spec.forced.map(|f| &f[row * k..(row + 1) * k]),
-                correction_bias.map(|b| move |e: usize| b.get(host, e)),
-                routed_scaling_factor,
-                &mut p,
-            );
-            for (e, w) in chosen {
-                experts.entry(e).or_default().push((row, w));
-            }
-        }
-        Ok(Routes { experts, margins })
     }
 }

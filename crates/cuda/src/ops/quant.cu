@@ -269,11 +269,12 @@ __device__ __forceinline__ float piece_dot(u32 u, const float* xs) {
 }
 
 // The matrices of a lane group: NM = 1 (a product) or 2 (a gated MLP's gate and up, sharing x
-// and their alignment modulo 8), with the act of glu_f for NM = 2.
+// and their alignment modulo 8, not always their group size), with the act of glu_f for NM = 2.
 struct QvMats {
     u64 w[2], s[2], b[2];
     int act;
     float limit;
+    int up_group;  // matrix 1's group when > 0 (DeepSeek-V4's gate in 32s, up in 64s), else `group`
 };
 
 // The sums of rows r0 .. r0 + QV_R / NM (those below `rows`) of each of the NM matrices, by the
@@ -286,8 +287,12 @@ __device__ __forceinline__ void qmv_sums(const QvMats& mat, const float* x, int 
     const int PER = 16 / BITS;
     const int RG = QV_R / NM;         // rows of each matrix
     int n16 = cols / PER;             // pieces per row
-    int groups = cols / group;
-    int gshift = 31 - __clz(group);   // a power of two (checked by the launch)
+    int gshift[NM], groups[NM];       // each matrix's group: a power of two (checked by the launch)
+#pragma unroll
+    for (int mi = 0; mi < NM; ++mi) {
+        gshift[mi] = 31 - __clz(mi == 1 && mat.up_group > 0 ? mat.up_group : group);
+        groups[mi] = cols >> gshift[mi];
+    }
     u64 a0[NM];                       // the 8-byte word holding each matrix's first piece
 #pragma unroll
     for (int mi = 0; mi < NM; ++mi) a0[mi] = mat.w[mi] & ~(u64)7;
@@ -314,11 +319,17 @@ __device__ __forceinline__ void qmv_sums(const QvMats& mat, const float* x, int 
             int k = k0 + u * LPR;
             if (k >= words) break;
             const uint2* v = vu[u];
-            // The word's columns of x (zero for pieces outside the row), their sums, scaled copies.
+            // The word's columns of x (zero for pieces outside the row), their sums, scaled copies;
+            // each matrix's groups of its first and last piece (a word spans at most two).
             float xv[4][PER], xsum[4];
-            bool hi[4];
+            bool hi[NM][4];
             int i0 = max(4 * k - m, 0), i3 = min(4 * k + 3 - m, n16 - 1);
-            int g0 = (i0 * PER) >> gshift, g3 = (i3 * PER) >> gshift;
+            int g0[NM], g3[NM];
+#pragma unroll
+            for (int mi = 0; mi < NM; ++mi) {
+                g0[mi] = (i0 * PER) >> gshift[mi];
+                g3[mi] = (i3 * PER) >> gshift[mi];
+            }
 #pragma unroll
             for (int p = 0; p < 4; ++p) {
                 int i = 4 * k + p - m;
@@ -334,25 +345,28 @@ __device__ __forceinline__ void qmv_sums(const QvMats& mat, const float* x, int 
                 xsum[p] = sum;
 #pragma unroll
                 for (int e = 0; e < PER; ++e) xv[p][e] *= __int_as_float((127 - BITS * e) << 23);
-                hi[p] = ((max(i, 0) * PER) >> gshift) != g0;
+#pragma unroll
+                for (int mi = 0; mi < NM; ++mi)
+                    hi[mi][p] = ((max(i, 0) * PER) >> gshift[mi]) != g0[mi];
             }
 #pragma unroll
             for (int rr = 0; rr < QV_R; ++rr) {
                 if (rr % RG >= nr) continue;
-                const u16* sc = (const u16*)mat.s[rr / RG];
-                const u16* bi = (const u16*)mat.b[rr / RG];
-                u64 gr = (u64)(r0 + rr % RG) * groups;
-                float s0 = bf16_to_f32(sc[gr + g0]), b0 = bf16_to_f32(bi[gr + g0]);
+                const int mi = rr / RG;
+                const u16* sc = (const u16*)mat.s[mi];
+                const u16* bi = (const u16*)mat.b[mi];
+                u64 gr = (u64)(r0 + rr % RG) * groups[mi];
+                float s0 = bf16_to_f32(sc[gr + g0[mi]]), b0 = bf16_to_f32(bi[gr + g0[mi]]);
                 float s3 = s0, b3 = b0;
-                if (g3 != g0) {
-                    s3 = bf16_to_f32(sc[gr + g3]);
-                    b3 = bf16_to_f32(bi[gr + g3]);
+                if (g3[mi] != g0[mi]) {
+                    s3 = bf16_to_f32(sc[gr + g3[mi]]);
+                    b3 = bf16_to_f32(bi[gr + g3[mi]]);
                 }
 #pragma unroll
                 for (int p = 0; p < 4; ++p) {
                     u32 pc = (p < 2 ? v[rr].x : v[rr].y) >> (16 * (p & 1));
                     float d = piece_dot<BITS>(pc, xv[p]);
-                    acc[rr] += (hi[p] ? s3 : s0) * d + (hi[p] ? b3 : b0) * xsum[p];
+                    acc[rr] += (hi[mi][p] ? s3 : s0) * d + (hi[mi][p] ? b3 : b0) * xsum[p];
                 }
             }
         }
@@ -425,6 +439,7 @@ __device__ __forceinline__ QvMats qv_mats(const QJobs& jobs, int j, int nm, int 
     }
     m.act = act;
     m.limit = limit;
+    m.up_group = 0;
     return m;
 }
 
@@ -442,6 +457,7 @@ __device__ __forceinline__ QvMats qv_id_mats(const QIdJobs& jobs, const u64* slo
     }
     m.act = act;
     m.limit = limit;
+    m.up_group = 0;
     return m;
 }
 
@@ -456,8 +472,9 @@ struct QvRows {
 // 32, cols a multiple of 32 and of group.
 // - qmv<BITS>: up to QM_JOBS products of one row of x each (the QJobs of qmatmul) with the same
 //   columns, bits and group, rows per job in jr;
-// - qmv_glu<BITS>: QM_JOBS / 2 gated pairs, jobs 2j (gate) and 2j + 1 (up) of one x, into the
-//   y of job 2j: glu_f(gate, up) with the gate's and up's sums as qmv computes them;
+// - qmv_glu<BITS>: QM_JOBS / 2 gated pairs, jobs 2j (gate, in groups of `group`) and 2j + 1 (up,
+//   in groups of `up_group`) of one x, into the y of job 2j: glu_f(gate, up) with the gate's and
+//   up's sums as qmv computes them;
 // - qmv_ids<BITS> / qmv_glu_ids<BITS>: the same for experts named by device-side ids (decode's
 //   routed experts without a readback), from the same bytes at the same addresses as a launch
 //   on the readback path, so bit-identical results.
@@ -470,11 +487,12 @@ struct QvRows {
                            group);                                                               \
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(QV_WARPS * 32)                                  \
-        qmv_glu##BITS(QJobs jobs, int rows, int cols, int group, int lpr, int act,               \
+        qmv_glu##BITS(QJobs jobs, int rows, int cols, int group, int up_group, int lpr, int act, \
                       float limit) {                                                             \
         int j = blockIdx.y;                                                                      \
-        qmv_lanes<BITS, 2>(lpr, qv_mats(jobs, j, 2, act, limit), jobs.x[2 * j], jobs.y[2 * j],   \
-                           rows, cols, group);                                                   \
+        QvMats mat = qv_mats(jobs, j, 2, act, limit);                                            \
+        mat.up_group = up_group;                                                                 \
+        qmv_lanes<BITS, 2>(lpr, mat, jobs.x[2 * j], jobs.y[2 * j], rows, cols, group);           \
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(QV_WARPS * 32)                                  \
         qmv_ids##BITS(QIdJobs jobs, const u64* slots, const u32* ids, int rows, int cols,        \
@@ -485,10 +503,11 @@ struct QvRows {
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(QV_WARPS * 32)                                  \
         qmv_glu_ids##BITS(QIdJobs jobs, const u64* slots, const u32* ids, int rows, int cols,    \
-                          int group, int lpr, int act, float limit) {                            \
+                          int group, int up_group, int lpr, int act, float limit) {              \
         int j = blockIdx.y;                                                                      \
-        qmv_lanes<BITS, 2>(lpr, qv_id_mats(jobs, slots, ids, j, 2, act, limit), jobs.x[j],       \
-                           jobs.y[j], rows, cols, group);                                        \
+        QvMats mat = qv_id_mats(jobs, slots, ids, j, 2, act, limit);                             \
+        mat.up_group = up_group;                                                                 \
+        qmv_lanes<BITS, 2>(lpr, mat, jobs.x[j], jobs.y[j], rows, cols, group);                   \
     }
 
 QMV_KERNELS(2)

@@ -325,9 +325,12 @@ impl CudaBackend {
         for j in jobs {
             codes.push(j.buf + qref_offsets(op, j.w, j.len)?[0]);
         }
+        // Every gate of one shape, every up of one shape (a launch takes one group size of each).
         let fused = t_rows == 1
             && jobs.len().is_multiple_of(2)
-            && jobs.iter().all(|j| shape(j.w) == shape(jobs[0].w))
+            && jobs
+                .chunks(2)
+                .all(|p| shape(p[0].w) == shape(jobs[0].w) && shape(p[1].w) == shape(jobs[1].w))
             && jobs
                 .chunks(2)
                 .zip(codes.chunks(2))
@@ -336,12 +339,19 @@ impl CudaBackend {
             self.products(op, jobs, t_rows)?;
             return self.glu_act(op, act, g, u);
         }
-        let w = jobs[0].w;
+        let (w, up) = (jobs[0].w, jobs[1].w);
         check_qshape(op, w)?;
+        check_qshape(op, up)?;
         let (rows, cols, bits) = (w.rows, w.cols, w.bits as usize);
         let lanes = qmv_lanes(cols, bits);
         let (code, limit) = act_code(act);
-        let (ri, ci, gi, li) = (rows as i32, cols as i32, w.group_size as i32, lanes as i32);
+        let (ri, ci, gi, ui, li) = (
+            rows as i32,
+            cols as i32,
+            w.group_size as i32,
+            up.group_size as i32,
+            lanes as i32,
+        );
         for chunk in jobs.chunks(QM_JOBS) {
             let a = qjobs(op, chunk.iter())?;
             launch!(
@@ -353,6 +363,7 @@ impl CudaBackend {
                 &ri,
                 &ci,
                 &gi,
+                &ui,
                 &li,
                 &code,
                 &limit
@@ -400,16 +411,19 @@ impl CudaBackend {
         glu: Option<Act>,
     ) -> OpResult<()> {
         let w = mats[0];
+        // A gated pair may differ in group size (`up_group`); products by matrix may not.
+        let same_group = glu.is_some() || mats.iter().all(|m| m.group_size == w.group_size);
         check(
             op,
             jobs.len() <= QM_JOBS
                 && mats.len() <= 2
                 && w.cols.is_multiple_of(32)
                 && matches!(w.bits, 2 | 4 | 8)
-                && w.group_size.is_power_of_two()
                 && mats.iter().all(|m| {
-                    (m.rows, m.cols, m.bits, m.group_size) == (w.rows, w.cols, w.bits, w.group_size)
-                }),
+                    (m.rows, m.cols, m.bits) == (w.rows, w.cols, w.bits)
+                        && m.group_size.is_power_of_two()
+                })
+                && same_group,
             || {
                 format!(
                     "{} products of {} matrices of one shape",
@@ -452,6 +466,7 @@ impl CudaBackend {
             ),
             Some(act) => {
                 let (code, limit) = act_code(act);
+                let ui = mats[mats.len() - 1].group_size as i32;
                 launch!(
                     self,
                     op,
@@ -463,6 +478,7 @@ impl CudaBackend {
                     &ri,
                     &ci,
                     &gi,
+                    &ui,
                     &li,
                     &code,
                     &limit

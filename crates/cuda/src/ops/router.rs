@@ -5,9 +5,6 @@ use crate::*;
 impl CudaBackend {
     pub(crate) fn route(&self, logits: &CudaTensor, spec: &RouterSpec) -> OpResult<Routes> {
         let op = "route";
-        if let Scoring::SqrtSoftplus { .. } = spec.scoring {
-            return self.route_sqrt_softplus(logits, spec);
-        }
         let (t, n_exp, k) = (logits.rows, logits.cols, spec.top_k);
         self.route_args(op, spec, t, n_exp)?;
         // One readback: ids, then weight bits, then margin bits.
@@ -59,7 +56,7 @@ impl CudaBackend {
         margins_at: u64,
     ) -> OpResult<()> {
         let (t, n_exp, k) = (logits.rows, logits.cols, spec.top_k);
-        let (scoring, norm, pes_off, has_pes) = self.route_args(op, spec, t, n_exp)?;
+        let sc = self.route_args(op, spec, t, n_exp)?;
         let forced = match spec.forced {
             Some(f) => {
                 let v: Vec<u32> = f.iter().map(|&e| e as u32).collect();
@@ -82,11 +79,8 @@ impl CudaBackend {
                 &ti,
                 &ni,
                 &ki,
-                &scoring,
-                &norm,
+                &sc,
                 &self.resident,
-                &pes_off,
-                &has_pes,
                 &forced_at,
                 &has_forced,
                 &ids_at,
@@ -107,11 +101,8 @@ impl CudaBackend {
             &ti,
             &ni,
             &ki,
-            &scoring,
-            &norm,
+            &sc,
             &self.resident,
-            &pes_off,
-            &has_pes,
             &trace,
             &forced_at,
             &has_forced,
@@ -132,7 +123,7 @@ impl CudaBackend {
         wts: u64,
     ) -> OpResult<()> {
         let (n_exp, k) = (logits.cols, spec.top_k);
-        let (scoring, norm, pes_off, has_pes) = self.route_args(op, spec, 1, n_exp)?;
+        let sc = self.route_args(op, spec, 1, n_exp)?;
         check(op, n_exp <= ROUTE_ONE_MAX_N, || {
             format!("{n_exp} experts (the device-routed decode holds at most {ROUTE_ONE_MAX_N})")
         })?;
@@ -154,11 +145,8 @@ impl CudaBackend {
             &*logits.buf,
             &ni,
             &ki,
-            &scoring,
-            &norm,
+            &sc,
             &self.resident,
-            &pes_off,
-            &has_pes,
             &forced,
             &has_forced,
             &ids,
@@ -166,16 +154,16 @@ impl CudaBackend {
         )
     }
 
-    /// The `route` / `route_one` kernels' scoring code, renormalisation flag and per-expert
-    /// scale (offset, present) for `spec` over `n_exp` experts, after checking top-k and the
-    /// forced ids of `rows` rows.
+    /// The `route` / `route_one` kernels' scoring (`RouteScoring`) for `spec` over `n_exp`
+    /// experts, after checking top-k, the forced ids of `rows` rows and the resident offsets of
+    /// the per-expert scale and the correction bias.
     pub(crate) fn route_args(
         &self,
         op: &'static str,
         spec: &RouterSpec,
         rows: usize,
         n_exp: usize,
-    ) -> OpResult<(i32, i32, u64, i32)> {
+    ) -> OpResult<RouteScoring> {
         let k = spec.top_k;
         check(op, k > 0 && k <= n_exp && k <= ROUTE_MAX_K, || {
             format!("top-{k} of {n_exp} experts (at most {ROUTE_MAX_K})")
@@ -185,11 +173,65 @@ impl CudaBackend {
             None => None,
         };
         check_forced(op, spec, rows, n_exp)?;
-        let (scoring, norm) = match spec.scoring {
-            Scoring::SoftmaxOfTopK => (0i32, 0i32),
-            Scoring::TopKOfSoftmax { norm_topk_prob } => (1, norm_topk_prob as i32),
-            Scoring::SqrtSoftplus { .. } => return Err(self.missing("route (sqrt-softplus)")),
+        let mut sc = RouteScoring {
+            pes_off: pes.unwrap_or(0),
+            has_pes: pes.is_some() as i32,
+            ..RouteScoring::default()
         };
-        Ok((scoring, norm, pes.unwrap_or(0), pes.is_some() as i32))
+        match spec.scoring {
+            Scoring::SoftmaxOfTopK => {}
+            Scoring::TopKOfSoftmax { norm_topk_prob } => {
+                sc.scoring = 1;
+                sc.norm = norm_topk_prob as i32;
+            }
+            Scoring::SqrtSoftplus {
+                routed_scaling_factor,
+                correction_bias,
+            } => {
+                sc.scoring = 2;
+                sc.rsf = routed_scaling_factor;
+                if let Some(b) = correction_bias {
+                    let off = b.offset();
+                    check(
+                        op,
+                        b.len == n_exp
+                            && off.is_multiple_of(4)
+                            && off + 4 * n_exp <= self.resident.len(),
+                        || {
+                            format!(
+                                "a correction bias of {} values at byte {off} for {n_exp} experts \
+                                 (4-byte aligned, inside the {} resident bytes)",
+                                b.len,
+                                self.resident.len()
+                            )
+                        },
+                    )?;
+                    sc.has_bias = 1;
+                    sc.bias_off = off as u64;
+                }
+            }
+        }
+        Ok(sc)
     }
 }
+
+/// How the router kernels score a row's experts (`struct RouteScoring` in ops/router.cu):
+/// scoring 0 (softmax of the top-k logits), 1 (top-k of the softmax, renormalised when `norm`),
+/// 2 (sqrt-softplus, top-k of the score plus the f32 correction bias at `bias_off` when
+/// `has_bias`, weights renormalised times `rsf`); the BF16 per-expert scale at `pes_off` when
+/// `has_pes`.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub(crate) struct RouteScoring {
+    scoring: i32,
+    norm: i32,
+    has_pes: i32,
+    has_bias: i32,
+    pes_off: u64,
+    bias_off: u64,
+    rsf: f32,
+}
+
+// SAFETY: a plain `repr(C)` struct of ints and a float, laid out as `struct RouteScoring` in
+// ops/router.cu.
+unsafe impl cudarc::driver::DeviceRepr for RouteScoring {}

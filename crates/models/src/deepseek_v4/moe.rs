@@ -71,14 +71,83 @@ pub(super) fn sparse_moe<B: Backend>(
     engine: &Engine,
     (li, pos0): (usize, usize),
 ) -> Result<B::Tensor, ModelError> {
-    let routes = route(cfg, be, layer, u, tokens, engine, (li, pos0))?;
+    let router = Router::new(cfg, be, layer, u, tokens, engine, (li, pos0))?;
     let act = Act::SiluClamped(cfg.swiglu_limit);
-    let ((), moe_out) =
-        moe::routed_experts(be, streamer, &layer.switch_mlp, act, u, &routes, || {
+    let ((), moe_out, _) = moe::route_and_run(
+        be,
+        streamer,
+        &layer.switch_mlp,
+        act,
+        u,
+        &router.logits,
+        &router.spec(cfg),
+        || {
             let shared = be.glu_mlp(&layer.shared_experts, act, Resident, u)?;
             Ok::<_, ModelError>(((), shared))
-        })?;
+        },
+    )?;
     Ok(moe_out)
+}
+
+/// Layer `li`'s router over the rows of `u`: its logits and what picks the experts (the hash
+/// layer's `tid2eid` rows, or a replayed trace's, and the correction bias).
+struct Router<T> {
+    logits: T,
+    forced: Option<Vec<usize>>,
+    bias: Option<FRef>,
+}
+
+impl<T> Router<T> {
+    fn new<B: Backend<Tensor = T>>(
+        cfg: &Config,
+        be: &B,
+        layer: &Layer<B>,
+        u: &T,
+        tokens: &[u32],
+        engine: &Engine,
+        (li, pos0): (usize, usize),
+    ) -> Result<Self, ModelError>
+    where
+        T: Tensor,
+    {
+        let k = cfg.num_experts_per_tok;
+        let logits = be.linear(u, &layer.gate)?; // [T, num_experts]
+        let (bias, hashed) = match &layer.routing {
+            Gate::Hash(table) => (
+                None,
+                Some(
+                    tokens
+                        .iter()
+                        .flat_map(|&id| {
+                            table[id as usize * k..(id as usize + 1) * k]
+                                .iter()
+                                .copied()
+                        })
+                        .collect::<Vec<_>>(),
+                ),
+            ),
+            Gate::Learned(b) => (Some(*b), None),
+        };
+        let forced = hashed.or_else(|| engine.forced_routes(li, pos0, u.rows()));
+        Ok(Self {
+            logits,
+            forced,
+            bias,
+        })
+    }
+
+    fn spec(&self, cfg: &Config) -> RouterSpec<'_> {
+        RouterSpec {
+            scoring: Scoring::SqrtSoftplus {
+                routed_scaling_factor: cfg.routed_scaling_factor,
+                correction_bias: self.bias,
+            },
+            top_k: cfg.num_experts_per_tok,
+            per_expert_scale: None,
+            trace: false,
+            forced: self.forced.as_deref(),
+        }
+    }
 }
 
 /// Layer `li`'s router over the rows of `u`: the expert ids and weights.
@@ -89,39 +158,8 @@ pub(super) fn route<B: Backend>(
     u: &B::Tensor,
     tokens: &[u32],
     engine: &Engine,
-    (li, pos0): (usize, usize),
+    at: (usize, usize),
 ) -> Result<Routes, ModelError> {
-    let k = cfg.num_experts_per_tok;
-    let router_logits = be.linear(u, &layer.gate)?; // [T, num_experts]
-    let (bias, hashed) = match &layer.routing {
-        Gate::Hash(table) => (
-            None,
-            Some(
-                tokens
-                    .iter()
-                    .flat_map(|&id| {
-                        table[id as usize * k..(id as usize + 1) * k]
-                            .iter()
-                            .copied()
-                    })
-                    .collect::<Vec<_>>(),
-            ),
-        ),
-        Gate::Learned(b) => (Some(*b), None),
-    };
-    let forced = hashed.or_else(|| engine.forced_routes(li, pos0, u.rows()));
-    let routes = be.route(
-        &router_logits,
-        &RouterSpec {
-            scoring: Scoring::SqrtSoftplus {
-                routed_scaling_factor: cfg.routed_scaling_factor,
-                correction_bias: bias,
-            },
-            top_k: k,
-            per_expert_scale: None,
-            trace: false,
-            forced: forced.as_deref(),
-        },
-    )?;
-    Ok(routes)
+    let router = Router::new(cfg, be, layer, u, tokens, engine, at)?;
+    Ok(be.route(&router.logits, &router.spec(cfg))?)
 }
