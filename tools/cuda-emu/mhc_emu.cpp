@@ -55,7 +55,7 @@ int main() {
         auto base = vec(m, 0.5f), scale = vec(m == n ? 1 : 3, 1.0f);
         std::vector<float> parts((size_t)t * splits * (m + 1)), col((size_t)t * d), post(t * n), comb(t * n * n);
         launch({(unsigned)splits, (unsigned)t, 1}, 256, [&] { hc_mix_parts(x.data(), cols, f.data(), m, parts.data()); });
-        launch({(unsigned)t, 1, 1}, 256, [&] {
+        launch({(unsigned)t, (unsigned)((d + HC_COLS - 1) / HC_COLS), 1}, HC_COLS, [&] {
           hc_pre_row(x.data(), cols, n, parts.data(), splits, m, base.data(), scale.data(), hc_eps, norm_eps,
                      sinkhorn, col.data(), post.data(), comb.data()); });
         // The reference (f64): reference::hc_pre.

@@ -62,6 +62,8 @@ pub(crate) const ROUTE_MAX_K: usize = 64;
 pub(crate) const ROUTE_ONE_MAX_N: usize = 1024;
 /// Columns of an mHC row per `hc_mix_parts` block (ops/deepseek_v4.cu `HC_SPLIT`).
 pub(crate) const HC_SPLIT: usize = 256;
+/// Columns of `col` per `hc_pre_row` block, one per thread (ops/deepseek_v4.cu `HC_COLS`).
+pub(crate) const HC_COLS: usize = 256;
 /// Small constant vectors kept on the device (RoPE frequencies, attention sinks).
 pub(crate) const CONSTS_KEPT: usize = 64;
 

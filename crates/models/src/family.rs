@@ -56,9 +56,6 @@ macro_rules! family_parts {
 /// A family's math and accessors; [`Model`] follows by the blanket impl below.
 pub trait FamilyModel: Send + 'static {
     type Backend: Backend;
-    /// Whether the load fills the backend's own expert cache where it holds every expert of a
-    /// layer ([`Model::preload_device_experts`]); families not yet run that way leave it off.
-    const PRELOADS_DEVICE_EXPERTS: bool = false;
 
     /// Runs `tokens` (one chunk, at most the prefill chunk) at the next positions.
     fn forward_chunk(&mut self, tokens: &[u32], want: ChunkWant) -> Result<Logits, ModelError>;
@@ -129,9 +126,6 @@ impl<F: FamilyModel> Model for F {
     }
 
     fn preload_device_experts(&mut self) -> Result<(), ModelError> {
-        if !F::PRELOADS_DEVICE_EXPERTS {
-            return Ok(());
-        }
         let p = self.parts_mut();
         p.streamers.preload(p.be, p.engine)
     }

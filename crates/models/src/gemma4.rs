@@ -302,7 +302,6 @@ impl<B: Backend> Gemma4<B> {
 
 impl<B: Backend + 'static> FamilyModel for Gemma4<B> {
     type Backend = B;
-    const PRELOADS_DEVICE_EXPERTS: bool = true;
 
     /// Runs `tokens` (one chunk, at most the prefill chunk) at positions `kv.len ..`.
     fn forward_chunk(&mut self, tokens: &[u32], want: ChunkWant) -> Result<Logits, ModelError> {

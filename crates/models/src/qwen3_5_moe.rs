@@ -240,7 +240,6 @@ impl<B: Backend> Qwen35Moe<B> {
 
 impl<B: Backend + 'static> FamilyModel for Qwen35Moe<B> {
     type Backend = B;
-    const PRELOADS_DEVICE_EXPERTS: bool = true;
 
     /// Runs `tokens` (one chunk, at most the prefill chunk) at positions `kv.len ..`; see [`crate::Want`].
     fn forward_chunk(&mut self, tokens: &[u32], want: ChunkWant) -> Result<Logits, ModelError> {

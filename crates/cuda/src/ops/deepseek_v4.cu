@@ -56,15 +56,20 @@ extern "C" __global__ void hc_mix_parts(const float* x, int cols, const float* f
     }
 }
 
-// The mHC entry of one row of x ([T, n * d]) per block, from hc_mix_parts' sums (`splits` parts
-// per row): r = 1 / sqrt(mean(x^2) + norm_eps); mix[i] = r * sum_c f[i, c] x[c] for the m rows
-// of f; pre_j = sigmoid(mix[j] * scale[0] + base[j]) + hc_eps and col = sum_j pre_j x_j
-// ([T, d]). With m = (2 + n) * n also post_j = 2 sigmoid(mix[n + j] * scale[1] + base[n + j])
-// ([T, n]) and the comb matrix ([T, n * n], row j = softmax_k(mix[2n + j n + k] * scale[2] +
-// base[..]) + hc_eps, columns normalised, then sinkhorn - 1 rounds of rows then columns, every
-// denominator + hc_eps), as the CPU's hc_weights in f32. Thread e < n * n holds comb entry e
-// (j = e / n, k = e % n) and reads its row's or column's entries from shared memory, in the
-// order of the sequential rule, so each entry's bits are those of one thread doing it all.
+// Columns of col per hc_pre_row block (one per thread).
+#define HC_COLS 256
+
+// The mHC entry of row blockIdx.x of x ([T, n * d]) from hc_mix_parts' sums (`splits` parts per
+// row): r = 1 / sqrt(mean(x^2) + norm_eps); mix[i] = r * sum_c f[i, c] x[c] for the m rows of f;
+// pre_j = sigmoid(mix[j] * scale[0] + base[j]) + hc_eps and col = sum_j pre_j x_j ([T, d]),
+// HC_COLS columns of it per block (blockIdx.y). With m = (2 + n) * n the first block of a row also
+// writes post_j = 2 sigmoid(mix[n + j] * scale[1] + base[n + j]) ([T, n]) and the comb matrix
+// ([T, n * n], row j = softmax_k(mix[2n + j n + k] * scale[2] + base[..]) + hc_eps, columns
+// normalised, then sinkhorn - 1 rounds of rows then columns, every denominator + hc_eps), as the
+// CPU's hc_weights in f32. Every block sums the parts (warp w takes mixes w, w + 8, ..; lanes
+// the splits; the same order in every block), then thread e < n * n holds comb entry e (j = e /
+// n, k = e % n) and reads its row's or column's entries from shared memory in the order of the
+// sequential rule, so each entry's bits are those of one thread doing it all.
 extern "C" __global__ void hc_pre_row(const float* x, int cols, int n, const float* parts,
                                       int splits, int m, const float* base, const float* scale,
                                       float hc_eps, float norm_eps, int sinkhorn, float* col,
@@ -73,19 +78,23 @@ extern "C" __global__ void hc_pre_row(const float* x, int cols, int n, const flo
     __shared__ float pre[8];
     __shared__ float cs[2][HC_MAX_MIX];
     int row = blockIdx.x, d = cols / n, t = threadIdx.x, nn = n * n;
+    int lane = t & 31, w = t >> 5;
     const float* xr = x + (u64)row * cols;
     const float* pr = parts + (u64)row * splits * (m + 1);
-    if (t <= m) {
+    // Every warp runs the same number of rounds (the CPU emulation's shuffles are block-wide).
+    for (int i0 = 0; i0 <= m; i0 += 8) {
+        int i = i0 + w;
         float a = 0.0f;
-        for (int s = 0; s < splits; ++s) a += pr[s * (m + 1) + t];
-        mix[t] = a;
+        if (i <= m)
+            for (int s = lane; s < splits; s += 32) a += pr[s * (m + 1) + i];
+        a = warp_sum(a);
+        if (lane == 0 && i <= m) mix[i] = a;
     }
     __syncthreads();
     float r = 1.0f / sqrtf(mix[m] / (float)cols + norm_eps);
     if (t < n) pre[t] = sigmoid_f(mix[t] * r * scale[0] + base[t]) + hc_eps;
-    bool full = m != n;
-    if (full && t < n) post[(u64)row * n + t] = 2.0f * sigmoid_f(mix[n + t] * r * scale[1] + base[n + t]);
-    if (full) {
+    if (blockIdx.y == 0 && m != n) {
+        if (t < n) post[(u64)row * n + t] = 2.0f * sigmoid_f(mix[n + t] * r * scale[1] + base[n + t]);
         int j = t / n, k = t % n;
         float v = 0.0f;
         if (t < nn) {
@@ -132,7 +141,7 @@ extern "C" __global__ void hc_pre_row(const float* x, int cols, int n, const flo
         if (t < nn) comb[(u64)row * nn + t] = v;
     }
     __syncthreads();
-    for (int i = t; i < d; i += blockDim.x) {
+    for (int i = blockIdx.y * HC_COLS + t; i < min(d, (int)(blockIdx.y + 1) * HC_COLS); i += blockDim.x) {
         float a = 0.0f;
         for (int q = 0; q < n; ++q) a += pre[q] * xr[q * d + i];
         col[(u64)row * d + i] = a;

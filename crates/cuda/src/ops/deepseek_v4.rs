@@ -88,8 +88,8 @@ impl DeepSeekV4Ops for CudaBackend {
         let mut post = self.uninit_tensor(op, x.rows, if full { n } else { 1 })?;
         let mut comb = self.uninit_tensor(op, x.rows, if full { n * n } else { 1 })?;
         let (base, scale) = (self.constant(op, base)?, self.constant(op, scale)?);
-        // The products split over the columns (a block per HC_SPLIT of them and row), then a
-        // block per row for the rest.
+        // The products split over the columns (a block per HC_SPLIT of them and row), then the
+        // rest, a block per HC_COLS columns of col and row.
         let splits = x.cols.div_ceil(HC_SPLIT);
         let parts = self.uninit_tensor(op, x.rows * splits, m + 1)?;
         let (ci, ni, mi, si, iters) = (
@@ -118,7 +118,11 @@ impl DeepSeekV4Ops for CudaBackend {
             self,
             op,
             "hc_pre_row",
-            blocks(x.rows, 256),
+            LaunchConfig {
+                grid_dim: (x.rows as u32, d.div_ceil(HC_COLS) as u32, 1),
+                block_dim: (HC_COLS as u32, 1, 1),
+                shared_mem_bytes: 0,
+            },
             &*x.buf,
             &ci,
             &ni,
