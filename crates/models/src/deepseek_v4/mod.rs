@@ -327,8 +327,13 @@ impl<B: Backend + 'static> FamilyModel for DeepseekV4<B> {
             )?;
             x = be.hc_post(&x, &moe_out, &post, &comb)?;
             // Shadow prefetch (decode): the next layer's router on this layer's FFN input; its
-            // reads overlap the next layer's attention.
-            if let (true, 1, Some(next)) = (self.shadow_prefetch, t, self.layers.get(li + 1)) {
+            // reads overlap the next layer's attention. Not for a layer the backend holds whole
+            // (nothing to read, and the routes would cost a readback).
+            let prefetch = self.shadow_prefetch
+                && t == 1
+                && li + 1 < self.layers.len()
+                && !be.routes_on_device(li + 1, cfg.num_experts_per_tok)?;
+            if let (true, Some(next)) = (prefetch, self.layers.get(li + 1)) {
                 let routes = route(cfg, be, next, &u, tokens, &self.engine, (li + 1, pos0))?;
                 let mut guess: Vec<(usize, f32)> = routes
                     .experts
