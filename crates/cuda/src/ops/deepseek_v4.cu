@@ -65,11 +65,12 @@ extern "C" __global__ void hc_mix_parts(const float* x, int cols, const float* f
 // HC_COLS columns of it per block (blockIdx.y). With m = (2 + n) * n the first block of a row also
 // writes post_j = 2 sigmoid(mix[n + j] * scale[1] + base[n + j]) ([T, n]) and the comb matrix
 // ([T, n * n], row j = softmax_k(mix[2n + j n + k] * scale[2] + base[..]) + hc_eps, columns
-// normalised, then sinkhorn - 1 rounds of rows then columns, every denominator + hc_eps), as the
-// CPU's hc_weights in f32. Every block sums the parts (warp w takes mixes w, w + 8, ..; lanes
-// the splits; the same order in every block), then thread e < n * n holds comb entry e (j = e /
-// n, k = e % n) and reads its row's or column's entries from shared memory in the order of the
-// sequential rule, so each entry's bits are those of one thread doing it all.
+// normalised, then sinkhorn - 1 rounds of rows then columns, every denominator + hc_eps: the
+// f32 twin of the CPU's hc_weights, whose sums add hc_eps last where these start from it).
+// Every block sums the parts (warp w takes mixes w, w + 8, ..; lanes the splits; the same order
+// in every block), then thread e < n * n holds comb entry e (j = e / n, k = e % n) and reads its
+// row's or column's entries from shared memory in the order of the sequential rule, so each
+// entry's bits are those of one thread doing it all.
 extern "C" __global__ void hc_pre_row(const float* x, int cols, int n, const float* parts,
                                       int splits, int m, const float* base, const float* scale,
                                       float hc_eps, float norm_eps, int sinkhorn, float* col,
@@ -94,7 +95,8 @@ extern "C" __global__ void hc_pre_row(const float* x, int cols, int n, const flo
     float r = 1.0f / sqrtf(mix[m] / (float)cols + norm_eps);
     if (t < n) pre[t] = sigmoid_f(mix[t] * r * scale[0] + base[t]) + hc_eps;
     if (blockIdx.y == 0 && m != n) {
-        if (t < n) post[(u64)row * n + t] = 2.0f * sigmoid_f(mix[n + t] * r * scale[1] + base[n + t]);
+        if (t < n)
+            post[(u64)row * n + t] = 2.0f * sigmoid_f(mix[n + t] * r * scale[1] + base[n + t]);
         int j = t / n, k = t % n;
         float v = 0.0f;
         if (t < nn) {
@@ -141,7 +143,8 @@ extern "C" __global__ void hc_pre_row(const float* x, int cols, int n, const flo
         if (t < nn) comb[(u64)row * nn + t] = v;
     }
     __syncthreads();
-    for (int i = blockIdx.y * HC_COLS + t; i < min(d, (int)(blockIdx.y + 1) * HC_COLS); i += blockDim.x) {
+    int end = min(d, (int)(blockIdx.y + 1) * HC_COLS);
+    for (int i = blockIdx.y * HC_COLS + t; i < end; i += blockDim.x) {
         float a = 0.0f;
         for (int q = 0; q < n; ++q) a += pre[q] * xr[q * d + i];
         col[(u64)row * d + i] = a;

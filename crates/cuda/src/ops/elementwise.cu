@@ -153,10 +153,15 @@ extern "C" __global__ void matmul_bf16(const float* x, u64 t, u64 rows, u64 cols
                     if (cc >= n8) break;
                     uint4 wv = w8[cc];
                     float4 lo = x4[2 * cc], hi = x4[2 * cc + 1];
-                    float4 wl = make_float4(__uint_as_float(wv.x << 16), __uint_as_float(wv.x & 0xffff0000u),
-                                            __uint_as_float(wv.y << 16), __uint_as_float(wv.y & 0xffff0000u));
-                    float4 wh = make_float4(__uint_as_float(wv.z << 16), __uint_as_float(wv.z & 0xffff0000u),
-                                            __uint_as_float(wv.w << 16), __uint_as_float(wv.w & 0xffff0000u));
+                    // Weight 2i is word i's low half, 2i + 1 its high half.
+                    float4 wl = make_float4(__uint_as_float(wv.x << 16),
+                                            __uint_as_float(wv.x & 0xffff0000u),
+                                            __uint_as_float(wv.y << 16),
+                                            __uint_as_float(wv.y & 0xffff0000u));
+                    float4 wh = make_float4(__uint_as_float(wv.z << 16),
+                                            __uint_as_float(wv.z & 0xffff0000u),
+                                            __uint_as_float(wv.w << 16),
+                                            __uint_as_float(wv.w & 0xffff0000u));
                     a[k] += dot4(lo, wl) + dot4(hi, wh);
                 }
             }

@@ -17,9 +17,9 @@ __device__ __forceinline__ bool before(int ka, int ia, int kb, int ib) {
 // How a row's experts are scored (`RouteScoring` in router.rs). scoring 0: top-k of the raw
 // logits, softmax over the k chosen (Gemma 4). 1: softmax over all, top-k of the probabilities,
 // divided by their sum when norm (Qwen 3.6). 2: DeepSeek-V4's sqrt(softplus(logit)), top-k of the
-// score plus the f32 correction bias at bias_off of the resident buffer when has_bias, each
-// chosen score over their sum (+ 1e-20) times rsf (routed_scaling_factor). With has_pes each
-// weight is then multiplied by the BF16 per-expert scale at pes_off.
+// score plus the f32 correction bias at bias_off (2-byte aligned) of the resident buffer when
+// has_bias, each chosen score over their sum (+ 1e-20) times rsf (routed_scaling_factor). With
+// has_pes each weight is then multiplied by the BF16 per-expert scale at pes_off.
 struct RouteScoring {
     int scoring, norm, has_pes, has_bias;
     u64 pes_off, bias_off;
@@ -32,10 +32,13 @@ __device__ __forceinline__ float sqrt_softplus_f(float x) {
     return sqrtf(fmaxf(x, 0.0f) + log1pf(expf(-fabsf(x))));
 }
 
-// The key expert e is chosen by under scoring 2: its score plus the correction bias.
+// The key expert e is chosen by under scoring 2: its score plus the correction bias (f32 read as
+// two 16-bit halves: the resident buffer's tensors are only 2-byte aligned).
 __device__ __forceinline__ float biased_score(float p, int e, const RouteScoring& sc,
                                               const unsigned char* base) {
-    return sc.has_bias ? p + ((const float*)(base + sc.bias_off))[e] : p;
+    if (!sc.has_bias) return p;
+    const u16* h = (const u16*)(base + sc.bias_off) + 2 * e;
+    return p + __uint_as_float((u32)h[0] | ((u32)h[1] << 16));
 }
 
 // One candidate e of pick j of a row's top-k search: its key (the raw logit for scoring 0, its
@@ -86,9 +89,10 @@ __device__ void route_write(const float* lg, int k, const RouteScoring& sc, floa
     }
 }
 
-// One row's routing, lg its n logits, scored as `sc` says (RouteScoring). *margin = (k-th largest raw logit) - (k+1-th) when trace. With has_forced, the
-// ids are forced[0 .. k) (a replayed routing trace) instead of the top-k, weighted by the same
-// scoring. Writes ids[0 .. k) and weights[0 .. k).
+// One row's routing, lg its n logits, scored as `sc` says (RouteScoring). *margin = (k-th
+// largest raw logit) - (k+1-th) when trace. With has_forced, the ids are forced[0 .. k) (a
+// replayed routing trace) instead of the top-k, weighted by the same scoring. Writes ids[0 .. k)
+// and weights[0 .. k).
 __device__ void route_row(const float* lg, int n, int k, const RouteScoring& sc,
                           const unsigned char* base, int trace, const u32* forced, int has_forced,
                           u32* ids, float* weights, float* margin) {
@@ -148,10 +152,10 @@ extern "C" __global__ void route(const float* logits, int t_rows, int n, int k, 
 // route_row (no trace) by the 32 lanes of one warp: the logits are copied to shared memory in one
 // pass; with scoring 1, lane 0 takes their maximum and the softmax denominator serially (each
 // exp computed by the lanes first, with route_row's arithmetic), so m and z are route_row's bits.
-// Each expert's key (its raw logit, exp(lg[e] - m) / z, or its biased score) is computed once; each round's largest
-// remaining key is found by the lanes over their experts and a shuffle reduction (the order is
-// total: the same pick as the serial search), and the weights are route_row's arithmetic, so the
-// results are route_row's bits.
+// Each expert's key (its raw logit, exp(lg[e] - m) / z, or its biased score) is computed once; each
+// round's largest remaining key is found by the lanes over their experts and a shuffle reduction
+// (the order is total: the same pick as the serial search), and the weights are route_row's
+// arithmetic, so the results are route_row's bits.
 __device__ void route_row_warp(const float* lg_in, int n, int k, const RouteScoring& sc,
                                const unsigned char* base, const u32* forced, int has_forced,
                                u32* ids, float* weights) {

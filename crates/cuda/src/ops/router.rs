@@ -195,12 +195,12 @@ impl CudaBackend {
                     check(
                         op,
                         b.len == n_exp
-                            && off.is_multiple_of(4)
+                            && off.is_multiple_of(2)
                             && off + 4 * n_exp <= self.resident.len(),
                         || {
                             format!(
                                 "a correction bias of {} values at byte {off} for {n_exp} experts \
-                                 (4-byte aligned, inside the {} resident bytes)",
+                                 (2-byte aligned, inside the {} resident bytes)",
                                 b.len,
                                 self.resident.len()
                             )
