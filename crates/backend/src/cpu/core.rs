@@ -376,7 +376,7 @@ impl CoreOps for CpuBackend {
         pos0: usize,
         s: &AttnShape,
     ) -> OpResult<CpuTensor> {
-        self.attend("attention", q, kv, pos0, s, None)
+        self.attend("attention", q, kv, pos0, s, None, None)
     }
 
     fn linear(&self, x: &CpuTensor, w: &CpuTensor) -> OpResult<CpuTensor> {

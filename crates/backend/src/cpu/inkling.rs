@@ -18,7 +18,7 @@ impl InklingOps for CpuBackend {
         s: &AttnShape,
         bias: &RelBias<CpuTensor>,
     ) -> OpResult<CpuTensor> {
-        self.attend("attention_rel", q, kv, pos0, s, Some(bias))
+        self.attend("attention_rel", q, kv, pos0, s, Some(bias), None)
     }
 
     fn route_sinks(

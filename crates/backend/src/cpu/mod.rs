@@ -277,7 +277,9 @@ fn same_shape(op: &'static str, a: &CpuTensor, b: &CpuTensor) -> OpResult<()> {
 impl crate::DeviceExpertOps for CpuBackend {}
 
 impl CpuBackend {
-    /// [`CoreOps::attention`], with `bias` [`InklingOps::attention_rel`].
+    /// [`CoreOps::attention`], with `bias` [`InklingOps::attention_rel`], with `entries` (the
+    /// rows and each query row's selection) [`DeepSeekV4Ops::attention_sparse`].
+    #[allow(clippy::too_many_arguments)]
     fn attend(
         &self,
         op: &'static str,
@@ -286,6 +288,7 @@ impl CpuBackend {
         pos0: usize,
         s: &AttnShape,
         bias: Option<&RelBias<CpuTensor>>,
+        entries: Option<(&CpuTensor, &[Vec<usize>])>,
     ) -> OpResult<CpuTensor> {
         let d_rel = bias.map_or(0, |b| b.proj.rows());
         check(
@@ -295,14 +298,22 @@ impl CpuBackend {
                 && s.n_heads.is_multiple_of(s.n_kv_heads)
                 && kv.row_stride() == s.n_kv_heads * s.head_dim
                 && s.sinks.as_ref().is_none_or(|v| v.len() == s.n_heads)
-                && bias.is_none_or(|b| b.rel.rows() == q.rows() && b.rel.cols == s.n_heads * d_rel),
+                && bias.is_none_or(|b| b.rel.rows() == q.rows() && b.rel.cols == s.n_heads * d_rel)
+                && entries.is_none_or(|(e, visible)| {
+                    e.cols == kv.row_stride()
+                        && visible.len() == q.rows()
+                        && visible.iter().flatten().all(|&i| i < e.rows())
+                }),
             || {
                 format!(
-                    "q rows of {} for {} heads of {} (rel rows of {:?}, d_rel {d_rel})",
+                    "q rows of {} for {} heads of {} (rel rows of {:?}, d_rel {d_rel}; entries \
+                     [{:?}, {:?}])",
                     q.cols,
                     s.n_heads,
                     s.head_dim,
-                    bias.map(|b| b.rel.cols)
+                    bias.map(|b| b.rel.cols),
+                    entries.map(|(e, _)| e.rows()),
+                    entries.map(|(e, _)| e.cols),
                 )
             },
         )?;
@@ -313,6 +324,10 @@ impl CpuBackend {
             extent: b.proj.cols,
             log_scaling: b.log_scaling,
         });
+        let entries = entries.map(|(e, visible)| ops::Entries {
+            rows: &e.data,
+            visible,
+        });
         let mut out = vec![0.0f32; q.data.len()];
         ops::attention(
             &self.pool,
@@ -322,6 +337,7 @@ impl CpuBackend {
             pos0,
             s,
             slices.as_ref(),
+            entries.as_ref(),
             &mut out,
         );
         Ok(CpuTensor::new(out, q.cols))

@@ -165,9 +165,19 @@ pub(crate) fn par_items<S: Default>(
     });
 }
 
+/// Rows attended beside the cache (DeepSeek-V4's compressed entries,
+/// [`crate::DeepSeekV4Ops::attention_sparse`]): query row `r` also attends rows `visible[r]` of
+/// `rows` (`[N, n_kv_heads·head_dim]`, each both key and value), after its cache positions and in
+/// the same softmax.
+pub struct Entries<'a> {
+    pub rows: &'a [f32],
+    pub visible: &'a [Vec<usize>],
+}
+
 /// Causal attention for `t` query rows at positions `pos0..pos0+t` against the cache (which already
 /// holds those rows): `out[t, n_heads·head_dim] = softmax(q·kᵀ·scale) v`, GQA by `n_heads / n_kv_heads`;
-/// with `rel`, the logits are `τ_p · (q·kᵀ·scale + bias)` ([`crate::InklingOps::attention_rel`]).
+/// with `rel`, the cache positions' logits are `τ_p · (q·kᵀ·scale + bias)`
+/// ([`crate::InklingOps::attention_rel`]); with `entries`, each row's entries join the softmax.
 ///
 /// Work items are (row, KV head) pairs, so the query heads that share a KV head read (and convert)
 /// its rows once ([`Kernels::dots_f16_group`], [`Kernels::wsum_f16_group`]); per head the result
@@ -181,10 +191,12 @@ pub fn attention(
     pos0: usize,
     s: &AttnShape,
     rel: Option<&RelSlices>,
+    entries: Option<&Entries>,
     out: &mut [f32],
 ) {
     let d = s.head_dim;
     let group = s.n_heads / s.n_kv_heads;
+    let ew = s.n_kv_heads * d;
     // Items are (row, KV head) pairs.
     par_items(pool, out, group * d, |scores: &mut Vec<f32>, item, o| {
         let (row, kvh) = (item / s.n_kv_heads, item % s.n_kv_heads);
@@ -192,7 +204,10 @@ pub fn attention(
         let first = row * s.n_heads + kvh * group;
         let p = pos0 + row;
         let lo = s.window.map_or(0, |w| (p + 1).saturating_sub(w));
-        let n = p + 1 - lo;
+        let sel: &[usize] = entries.map_or(&[], |e| &e.visible[row]);
+        let entry = |e: usize| &entries.expect("selected").rows[e * ew + kvh * d..][..d];
+        // Cache positions, then the row's entries: head h's scores at h · n ..
+        let (n_kv, n) = (p + 1 - lo, p + 1 - lo + sel.len());
         let qg = &q[first * d..(first + group) * d];
         // q·K over the positions, run by run: scores[h · n + i] for head h of the group.
         let stride = kv.row_stride();
@@ -216,10 +231,16 @@ pub fn attention(
             }
             i0 += count;
         }
+        for h in 0..group {
+            let qh = &qg[h * d..(h + 1) * d];
+            for (j, &e) in sel.iter().enumerate() {
+                scores[h * n + n_kv + j] = k.dot_f32(qh, entry(e));
+            }
+        }
         for (h, sc) in scores.chunks_exact_mut(n).enumerate() {
             sc.iter_mut().for_each(|x| *x *= s.scale);
             if let Some(rb) = rel {
-                add_rel_bias(sc, rb, first + h, p);
+                add_rel_bias(&mut sc[..n_kv], rb, first + h, p);
             }
             match &s.sinks {
                 None => softmax(sc),
@@ -242,6 +263,11 @@ pub fn attention(
                 }
             }
             i0 += count;
+        }
+        for (h, oh) in o.chunks_exact_mut(d).enumerate() {
+            for (j, &e) in sel.iter().enumerate() {
+                k.axpy(scores[h * n + n_kv + j], entry(e), oh);
+            }
         }
     });
 }

@@ -1,12 +1,11 @@
 //! CPU bodies of DeepSeek-V4's ops (`DeepSeekV4Ops::{hc_pre, hc_post, compress_pool,
-//! attention_sparse, index_top_k}`): plain f32 loops over host slices, the dot products through the
-//! kernel table, (row, head) items spread over the worker pool where the work is per query.
+//! index_top_k}`): plain f32 loops over host slices, the indexer's dot products through the kernel
+//! table. `attention_sparse` is the CPU attention with entries (`cpu::ops::attention`).
 
-use mference_kernels::{Kernels, ThreadPool};
-use mference_runtime::{KvLayer, KvRow};
+use mference_kernels::Kernels;
 
-use crate::cpu::ops::{par_items, sigmoid, softmax};
-use crate::{AttnShape, HcSpec};
+use crate::cpu::ops::{sigmoid, softmax};
+use crate::HcSpec;
 
 /// `pre`, and `(post, comb)` for a site that mixes the streams.
 type HcWeights = (Vec<f32>, Option<(Vec<f32>, Vec<f32>)>);
@@ -97,64 +96,6 @@ pub fn compress_pool(
         }
     }
     out
-}
-
-/// Sliding-window attention over `kv` plus the `visible` rows of `entries`, one softmax.
-#[allow(clippy::too_many_arguments)]
-pub fn attention_sparse(
-    pool: &ThreadPool,
-    k: &Kernels,
-    q: &[f32],
-    kv: &KvLayer,
-    pos0: usize,
-    s: &AttnShape,
-    entries: &[f32],
-    visible: &[Vec<usize>],
-    out: &mut [f32],
-) {
-    let d = s.head_dim;
-    let group = s.n_heads / s.n_kv_heads;
-    let ew = s.n_kv_heads * d;
-    // Items are (row, head) pairs.
-    par_items(pool, out, d, |scores: &mut Vec<f32>, item, o| {
-        let mut one = [0.0f32];
-        let (row, head) = (item / s.n_heads, item % s.n_heads);
-        let kvh = head / group;
-        let p = pos0 + row;
-        let lo = s.window.map_or(0, |w| (p + 1).saturating_sub(w));
-        let qh = &q[item * d..(item + 1) * d];
-        scores.clear();
-        for pos in lo..=p {
-            scores.push(match kv.k(pos, kvh) {
-                KvRow::F32(r) => k.dot_f32(qh, &r[..d]),
-                KvRow::F16(r) => {
-                    k.dots_f16(qh, r, d, &mut one);
-                    one[0]
-                }
-            });
-        }
-        let sel = &visible[row];
-        for &e in sel {
-            scores.push(k.dot_f32(qh, &entries[e * ew + kvh * d..e * ew + (kvh + 1) * d]));
-        }
-        scores.iter_mut().for_each(|x| *x *= s.scale);
-        match &s.sinks {
-            None => softmax(scores),
-            Some(sinks) => crate::cpu::ops::softmax_with_sink(scores, sinks[head]),
-        }
-        o.fill(0.0);
-        for (i, pos) in (lo..=p).enumerate() {
-            match kv.v(pos, kvh) {
-                KvRow::F32(r) => k.axpy(scores[i], &r[..d], o),
-                KvRow::F16(r) => k.axpy_f16(scores[i], &r[..d], o),
-            }
-        }
-        let n_win = p + 1 - lo;
-        for (i, &e) in sel.iter().enumerate() {
-            let r = &entries[e * ew + kvh * d..e * ew + (kvh + 1) * d];
-            k.axpy(scores[n_win + i], r, o);
-        }
-    });
 }
 
 /// The indexer's top-k per row (see `Backend::index_top_k`).

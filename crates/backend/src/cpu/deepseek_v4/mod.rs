@@ -161,40 +161,8 @@ impl DeepSeekV4Ops for CpuBackend {
         entries: &CpuTensor,
         visible: &[Vec<usize>],
     ) -> OpResult<CpuTensor> {
-        check(
-            "attention_sparse",
-            q.cols == s.n_heads * s.head_dim
-                && s.n_kv_heads > 0
-                && s.n_heads.is_multiple_of(s.n_kv_heads)
-                && kv.row_stride() == s.n_kv_heads * s.head_dim
-                && entries.cols == kv.row_stride()
-                && visible.len() == q.rows()
-                && visible.iter().flatten().all(|&e| e < entries.rows())
-                && s.sinks.as_ref().is_none_or(|v| v.len() == s.n_heads),
-            || {
-                format!(
-                    "q rows of {} for {} heads of {}, {} entries of {}",
-                    q.cols,
-                    s.n_heads,
-                    s.head_dim,
-                    entries.rows(),
-                    entries.cols
-                )
-            },
-        )?;
-        let mut out = vec![0.0f32; q.data.len()];
-        loops::attention_sparse(
-            &self.pool,
-            self.kernels,
-            &q.data,
-            kv,
-            pos0,
-            s,
-            &entries.data,
-            visible,
-            &mut out,
-        );
-        Ok(CpuTensor::new(out, q.cols))
+        let entries = Some((entries, visible));
+        self.attend("attention_sparse", q, kv, pos0, s, None, entries)
     }
 
     fn index_top_k(
