@@ -118,22 +118,16 @@ extern "C" __global__ void hc_pre_row(const float* x, int cols, int n, const flo
             cs[0][t] = v;
         }
         __syncthreads();
-        // Each half-round reads buffer b and writes the other: one barrier per half-round.
+        // Half-rounds: the columns, then (rows, columns) sinkhorn - 1 times. Each reads buffer b
+        // and writes the other: one barrier per half-round.
         int b = 0;
-        for (int it = 0; it < max(sinkhorn, 1); ++it) {
-            if (it > 0) {
-                if (t < nn) {
-                    float z = hc_eps;
-                    for (int q = 0; q < n; ++q) z += cs[b][j * n + q];
-                    v /= z;
-                    cs[b ^ 1][t] = v;
-                }
-                b ^= 1;
-                __syncthreads();
-            }
+        for (int h = 0; h < 2 * max(sinkhorn, 1) - 1; ++h) {
             if (t < nn) {
+                bool rows = h & 1;
+                const float* line = rows ? &cs[b][j * n] : &cs[b][k];
+                int step = rows ? 1 : n;
                 float z = hc_eps;
-                for (int q = 0; q < n; ++q) z += cs[b][q * n + k];
+                for (int q = 0; q < n; ++q) z += line[q * step];
                 v /= z;
                 cs[b ^ 1][t] = v;
             }
