@@ -2,16 +2,24 @@
 // width, group size and lane count, each alignment of the codes modulo 8, one-matrix (qmv) and gated
 // (qmv_glu) lane groups (also with the up matrix in other groups than the gate), and the gated
 // output bit-equal to glu_f of the two one-matrix products.
-// Build: g++ -std=c++20 -O1 -pthread -I crates/cuda/src/ops [-DQV_R=N] tools/cuda-emu/qmv_emu.cpp
-// Prints one line per case; exits non-zero when any case fails.
+// Build: g++ -std=c++20 -O1 -pthread -I crates/cuda/src/ops [-DQV_R=N] [-DQV_U=N] [-DQV_STAGE=0|1]
+//   [-DQV_P=N] tools/cuda-emu/qmv_emu.cpp
+// Prints one line per case and a digest of every output's bits (the same at every QV_R, QV_U,
+// QV_STAGE and QV_P); exits non-zero when any case fails.
 #include "emu.h"
+// A block's shared memory is shared by its threads (emu.h keeps it per thread); blocks run one
+// after the other, so one static copy is a block's, the dynamic one included.
+#undef __shared__
+#define __shared__ static
+#define QV_SMEM_EMULATED
+inline float4* qv_smem() { static float4 buf[49152 / 16]; return buf; }
 #include "quant.cu"
 #include <cstdio>
 #include <random>
 static u16 bf16(float f) { u32 u; memcpy(&u, &f, 4); return (u16)((u + 0x7fff + ((u >> 16) & 1)) >> 16); }
 int lanes_for(int cols, int bits) { int words = cols * bits / 64, l = 32; while (l > 4 && words < 4 * l) l /= 2; return l; }
 template <int BITS, int NM> void launch(QJobs a, int rows, int cols, int group, int lpr, int jobs, int act, int up_group = 0) {
-  int rpb = QV_WARPS * 32 / lpr * (QV_R / NM); int bx = (rows + rpb - 1) / rpb;
+  int rpb = QV_WARPS * 32 / lpr * (QV_R / NM) * QV_P; int bx = (rows + rpb - 1) / rpb;
   for (int j = 0; j < jobs; ++j) for (int b = 0; b < bx; ++b) {
     std::barrier<> br(QV_WARPS * 32); bar = &br; std::vector<std::thread> ts;
     for (int t = 0; t < QV_WARPS * 32; ++t) ts.emplace_back([&, t] { threadIdx = {(unsigned)t, 0, 0}; blockIdx = {(unsigned)b, (unsigned)j, 0};
@@ -23,6 +31,8 @@ template <int BITS, int NM> void launch(QJobs a, int rows, int cols, int group, 
 int main() {
   std::mt19937 rng(7); std::uniform_real_distribution<float> U(-1, 1);
   int fails = 0;
+  u64 digest = 1469598103934665603ull;  // FNV-1a over the output bits
+  auto mix = [&](const std::vector<float>& v) { for (float f : v) { u32 u; memcpy(&u, &f, 4); digest = (digest ^ u) * 1099511628211ull; } };
   // ug: the up (second) matrix's group when it differs (DeepSeek-V4's gate in 32s, up in 64s).
   struct C { int rows, cols, bits, group, ug; } cs[] = {{37,256,4,64,0},{37,256,2,32,0},{37,256,8,128,0},{19,704,4,64,0},{9,2816,4,64,0},{13,2048,2,128,0},{11,1536,8,32,0},{5,32,2,32,0},{70,512,4,32,0},{3,2816,8,64,0},{37,256,2,32,64},{13,2048,2,32,64},{19,704,4,64,32}};
   for (auto c : cs) for (int mis = 0; mis < 8; mis += 2) {
@@ -51,6 +61,7 @@ int main() {
     std::vector<float> g1(c.rows, -999.f);
     QJobs a2{}; a2.w[0] = a.w[0]; a2.s[0] = a.s[0]; a2.b[0] = a.b[0]; a2.x[0] = a.x[0]; a2.y[0] = (u64)g1.data();
     if (c.bits == 2) launch<2, 1>(a2, c.rows, c.cols, c.group, lpr, 1, 0); else if (c.bits == 4) launch<4, 1>(a2, c.rows, c.cols, c.group, lpr, 1, 0); else launch<8, 1>(a2, c.rows, c.cols, c.group, lpr, 1, 0);
+    mix(y); mix(yg); mix(g1);
     int nonident = 0;
     for (int r = 0; r < c.rows; ++r) { float e = glu_f(g1[r], y[r], act, 7.0f); if (memcmp(&e, &yg[r], 4)) ++nonident; }
     if (nonident) { printf("NOT BIT-IDENTICAL %d rows\n", nonident); fails++; }
@@ -65,5 +76,5 @@ int main() {
     fails += bad;
     printf("%s rows %d cols %d bits %d g %d up g %d mis %d lpr %d worst rel %.3g\n", bad ? "FAIL" : "ok  ", c.rows, c.cols, c.bits, c.group, gsz[1], mis, lpr, worst);
   }
-  printf("fails %d\n", fails); return fails != 0;
+  printf("digest %016llx\nfails %d\n", digest, fails); return fails != 0;
 }

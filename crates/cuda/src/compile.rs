@@ -43,7 +43,13 @@ const MAGIC: &[u8; 8] = b"MFCUBIN1";
 /// lane of `qmatmul` loads per step) ahead of the sources, `QV_R` is [`qv_rows`] and `QV_U`
 /// [`qv_unroll`], so the cache keeps one entry per value.
 pub(crate) fn source() -> String {
-    let mut s = format!("#define QV_R {}\n#define QV_U {}\n", qv_rows(), qv_unroll());
+    let mut s = format!(
+        "#define QV_R {}\n#define QV_U {}\n#define QV_STAGE {}\n#define QV_P {}\n",
+        qv_rows(),
+        qv_unroll(),
+        u8::from(qv_stage()),
+        qv_passes()
+    );
     if let Some(n) = std::env::var("MFERENCE_CUDA_QM_UNROLL")
         .ok()
         .and_then(|v| v.parse::<u32>().ok())
@@ -59,19 +65,30 @@ pub(crate) fn source() -> String {
     s
 }
 
+/// A kernel knob from the environment variable `var` (one of `allowed`), else `default`; read
+/// once per process into `cell`.
+fn knob(
+    cell: &'static std::sync::OnceLock<usize>,
+    var: &str,
+    allowed: &[usize],
+    default: usize,
+) -> usize {
+    *cell.get_or_init(|| {
+        std::env::var(var)
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|n| allowed.contains(n))
+            .unwrap_or(default)
+    })
+}
+
 /// Rows a `qmv` lane group multiplies by one load of x (ops/quant.cu `QV_R`; a gated pair takes
 /// half of them each): 2 (measured on an H200, full-size Gemma 4 decode: 132.6 tok/s at 2, 125.5
 /// at 4, 107.4 at 8), or `MFERENCE_CUDA_QV_ROWS` (2, 4 or 8; for measurements). The launch's grid
 /// uses the same value.
 pub(crate) fn qv_rows() -> usize {
     static ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *ROWS.get_or_init(|| {
-        std::env::var("MFERENCE_CUDA_QV_ROWS")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-            .filter(|n| [2, 4, 8].contains(n))
-            .unwrap_or(2)
-    })
+    knob(&ROWS, "MFERENCE_CUDA_QV_ROWS", &[2, 4, 8], 2)
 }
 
 /// Words a `qmv` lane loads for each of its rows before multiplying them (ops/quant.cu `QV_U`;
@@ -79,13 +96,22 @@ pub(crate) fn qv_rows() -> usize {
 /// for measurements).
 pub(crate) fn qv_unroll() -> usize {
     static UNROLL: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *UNROLL.get_or_init(|| {
-        std::env::var("MFERENCE_CUDA_QV_UNROLL")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-            .filter(|n| [1, 2, 4, 8].contains(n))
-            .unwrap_or(2)
-    })
+    knob(&UNROLL, "MFERENCE_CUDA_QV_UNROLL", &[1, 2, 4, 8], 2)
+}
+
+/// Whether `qmv` stages x in shared memory (ops/quant.cu `QV_STAGE`; the same bits either way):
+/// only with `MFERENCE_CUDA_QV_STAGE=1` until it is measured on a GPU.
+pub(crate) fn qv_stage() -> bool {
+    static STAGE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    knob(&STAGE, "MFERENCE_CUDA_QV_STAGE", &[0, 1], 0) == 1
+}
+
+/// Passes of a `qmv` block over its lane groups' rows (ops/quant.cu `QV_P`; the same bits at
+/// every value): 1, or `MFERENCE_CUDA_QV_PASSES` (1, 2, 4 or 8; for measurements). The launch's
+/// grid uses the same value.
+pub(crate) fn qv_passes() -> usize {
+    static PASSES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    knob(&PASSES, "MFERENCE_CUDA_QV_PASSES", &[1, 2, 4, 8], 1)
 }
 
 /// What determines a compiled image.

@@ -312,14 +312,36 @@ pub(crate) fn act_code(act: Act) -> (i32, f32) {
     }
 }
 
+/// The most dynamic shared memory a `qmv` launch stages x in (ops/quant.cu `QV_SMEM_MAX`).
+const QV_SMEM_MAX: usize = 49152;
+
+/// Shared memory bytes of a `qmv` launch of `cols` columns at `bits` bits (ops/quant.cu
+/// `qv_stage_bytes`: x staged for the words a row can touch, `16 / bits` chunks of 4 floats and
+/// one of piece sums each), 0 when x is read from global memory.
+pub(crate) fn qv_stage_bytes(cols: usize, bits: usize) -> usize {
+    let bytes = (cols * bits / 64 + 1) * (16 / bits + 1) * 16;
+    if compile::qv_stage() && bytes <= QV_SMEM_MAX {
+        bytes
+    } else {
+        0
+    }
+}
+
 /// The grid of a `qmv` launch over `jobs` products (`nm = 1`) or gated pairs (`nm = 2`) of
-/// `rows` rows, `lanes` lanes per row.
-pub(crate) fn qmv_grid(rows: usize, lanes: usize, jobs: usize, nm: usize) -> LaunchConfig {
-    let rows_per_block = QV_WARPS * 32 / lanes * (compile::qv_rows() / nm);
+/// `rows` rows and `cols` columns at `bits` bits, `lanes` lanes per row.
+pub(crate) fn qmv_grid(
+    rows: usize,
+    cols: usize,
+    bits: usize,
+    lanes: usize,
+    jobs: usize,
+    nm: usize,
+) -> LaunchConfig {
+    let rows_per_block = QV_WARPS * 32 / lanes * (compile::qv_rows() / nm) * compile::qv_passes();
     LaunchConfig {
         grid_dim: (rows.div_ceil(rows_per_block) as u32, jobs as u32, 1),
         block_dim: (32 * QV_WARPS as u32, 1, 1),
-        shared_mem_bytes: 0,
+        shared_mem_bytes: qv_stage_bytes(cols, bits) as u32,
     }
 }
 

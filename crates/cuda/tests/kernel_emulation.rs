@@ -24,7 +24,7 @@ fn compiler(what: &str) -> Option<String> {
 
 /// Builds tools/cuda-emu/`src` with `defines` into `exe`, runs it, and returns its stdout once
 /// it exits with success and prints `cases` lines starting with "ok".
-fn build_and_run(cxx: &str, src: &str, defines: &[String], exe: &Path, cases: usize) {
+fn build_and_run(cxx: &str, src: &str, defines: &[String], exe: &Path, cases: usize) -> String {
     let built = Command::new(cxx)
         .args(["-std=c++20", "-O1", "-pthread"])
         .args(defines)
@@ -47,18 +47,48 @@ fn build_and_run(cxx: &str, src: &str, defines: &[String], exe: &Path, cases: us
         out.status.success() && ok == cases,
         "{src} {defines:?}: {ok} of {cases} cases passed:\n{text}"
     );
+    text.into_owned()
 }
 
 #[test]
 fn qmv_kernels_match_a_double_precision_product_on_the_cpu() {
     let Some(cxx) = compiler("qmv") else { return };
     let dir = tempfile::tempdir().expect("tempdir");
-    // (QV_R, QV_U): every row count, and every unroll at the default rows.
-    for (rows, unroll) in [(2, 1), (2, 2), (2, 4), (2, 8), (4, 2), (8, 2)] {
-        let exe = dir.path().join(format!("qmv_emu_{rows}_{unroll}"));
-        let defines = [format!("-DQV_R={rows}"), format!("-DQV_U={unroll}")];
-        build_and_run(&cxx, "qmv_emu.cpp", &defines, &exe, 52);
+    // (QV_R, QV_U, QV_STAGE, QV_P): every row count, every unroll at the default rows, x read
+    // from global memory and staged in shared memory, several passes per block. Every build
+    // writes the same bits (the digest line).
+    let mut digests = Vec::new();
+    for (rows, unroll, stage, passes) in [
+        (2, 1, 1, 1),
+        (2, 2, 1, 1),
+        (2, 4, 1, 1),
+        (2, 8, 1, 1),
+        (4, 2, 1, 1),
+        (8, 2, 1, 1),
+        (2, 2, 0, 1),
+        (2, 2, 1, 4),
+        (4, 2, 0, 2),
+    ] {
+        let exe = dir
+            .path()
+            .join(format!("qmv_emu_{rows}_{unroll}_{stage}_{passes}"));
+        let defines = [
+            format!("-DQV_R={rows}"),
+            format!("-DQV_U={unroll}"),
+            format!("-DQV_STAGE={stage}"),
+            format!("-DQV_P={passes}"),
+        ];
+        let out = build_and_run(&cxx, "qmv_emu.cpp", &defines, &exe, 52);
+        let digest = out
+            .lines()
+            .find(|l| l.starts_with("digest"))
+            .map(str::to_owned);
+        digests.push((defines, digest.expect("the emulation prints a digest")));
     }
+    assert!(
+        digests.iter().all(|(_, d)| *d == digests[0].1),
+        "the builds wrote different bits: {digests:#?}"
+    );
 }
 
 /// ops/recurrent.cu's `gated_delta_rule` (one warp per state row) on the CPU through the same

@@ -54,7 +54,8 @@ __device__ void down_combine(const QJobs& jobs, const DcWeights& cw, const QIdJo
         u64 x = BY_ID ? id_jobs.x[ee] : jobs.x[ee];
         int r0 = row0 + (live ? p : 0) * QV_R;
         float s[QV_R];
-        qmv_sums<BITS, LPR, 1>(m, (const float*)x, r0, live ? rows : 0, cols, group, sl, s);
+        qmv_sums<BITS, LPR, 1, false>(m, (const float*)x, nullptr, r0, live ? rows : 0, cols, group,
+                                     sl, s);
         if (live && sl == 0) {
 #pragma unroll
             for (int rr = 0; rr < QV_R; ++rr) ys[e][p * QV_R + rr] = s[rr];

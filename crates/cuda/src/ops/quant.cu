@@ -240,6 +240,16 @@ extern "C" __global__ void argmax(const u32* parts, int nparts, u32* out) {
 // Short rows (the down product's, a few hundred bytes) are split over LPR < 32 lanes, so that
 // every lane has several words; the LPR lanes of a row are added by shuffles in a fixed order, so
 // a result depends only on the bytes, their alignment modulo 8 and the shape.
+//
+// x staged in shared memory (QV_STAGE, when the block's x fits: qv_stage_bytes): a lane needs the
+// 4 * PER columns of x under each word it holds (128 bytes of f32 at 2 bits), so a warp's load of
+// x from global memory touches 32 different 128-byte lines, one L1 wavefront each, for 16 bytes
+// of every line: at 2 bits the L1 delivered ~2 bytes of codes per cycle per SM (DeepSeek-V4's
+// experts ran at ~0.37 TB/s). Staged, the block first writes its x once, already scaled and with
+// each piece's sum (the same operations in the same order as the per-lane loads, so the same
+// bits), as chunks of 4 floats laid chunk-major over the words (chunk c of word k at c * W + k):
+// the lanes of a warp read consecutive 16-byte chunks, 4 wavefronts per 512 bytes. The block
+// then takes QV_P passes over its lane groups' rows, so the staging is shared by more rows.
 
 // Warps per block and rows per lane group per pass (the launch in launch.rs uses the same numbers;
 // compile.rs defines QV_R).
@@ -252,6 +262,33 @@ extern "C" __global__ void argmax(const u32* parts, int nparts, u32* out) {
 // in the same order, so the result does not depend on QV_U (compile.rs defines it).
 #ifndef QV_U
 #define QV_U 2
+#endif
+// x staged in shared memory (1) or read from global memory by every lane (0), and the passes of
+// a block over its lane groups' rows (compile.rs defines both; the launch uses the same numbers).
+#ifndef QV_STAGE
+#define QV_STAGE 1
+#endif
+#ifndef QV_P
+#define QV_P 1
+#endif
+// The most dynamic shared memory a staged launch takes (without the opt-in attribute).
+#define QV_SMEM_MAX 49152
+
+// Bytes of shared memory to stage x of `cols` columns at BITS bits (words a row can touch, each
+// PER chunks of x and one of piece sums), 0 when it does not fit (x read from global memory).
+// launch.rs `qv_stage_bytes` computes the same.
+__device__ __forceinline__ int qv_stage_bytes(int cols, int bits) {
+    int words = cols * bits / 64 + 1;
+    int bytes = words * (16 / bits + 1) * 16;
+    return QV_STAGE && bytes <= QV_SMEM_MAX ? bytes : 0;
+}
+
+// The block's dynamic shared memory (the launch sizes it).
+#ifndef QV_SMEM_EMULATED
+__device__ __forceinline__ float4* qv_smem() {
+    extern __shared__ float4 qv_dyn[];
+    return qv_dyn;
+}
 #endif
 
 // q . x' over one piece: u holds the piece in its low 16 bits, xs[e] = x[e] * 2^-(BITS * e).
@@ -277,13 +314,57 @@ struct QvMats {
     int up_group;  // matrix 1's group when > 0 (DeepSeek-V4's gate in 32s, up in 64s), else `group`
 };
 
+// The columns of x under word k of a row whose word 0 holds m pieces before the row (n16 pieces):
+// xv[p] = piece 4k + p - m's PER values (zero outside the row) scaled by 2^-(BITS * e), xsum[p]
+// their sum before the scaling, added in order from 0.
+template <int BITS>
+__device__ __forceinline__ void qv_word_x(const float* x, int k, int m, int n16,
+                                          float (*xv)[16 / BITS], float* xsum) {
+    const int PER = 16 / BITS;
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+        int i = 4 * k + p - m;
+        if (i >= 0 && i < n16) {
+            load_x<PER>(x + (u64)i * PER, xv[p]);
+        } else {
+#pragma unroll
+            for (int e = 0; e < PER; ++e) xv[p][e] = 0.0f;
+        }
+        float sum = 0.0f;
+#pragma unroll
+        for (int e = 0; e < PER; ++e) sum += xv[p][e];
+        xsum[p] = sum;
+#pragma unroll
+        for (int e = 0; e < PER; ++e) xv[p][e] *= __int_as_float((127 - BITS * e) << 23);
+    }
+}
+
+// Stages x for rows laid as above (words per row) in xs, by every thread of the block (a
+// __syncthreads must follow): the 4 * PER scaled values of word k as PER chunks at
+// xs[c * words + k], its 4 piece sums at xs[PER * words + k].
+template <int BITS>
+__device__ void qv_stage(const float* x, int m, int n16, int words, float4* xs) {
+    const int PER = 16 / BITS;
+    for (int k = threadIdx.x; k < words; k += QV_WARPS * 32) {
+        float xv[4][PER], xsum[4];
+        qv_word_x<BITS>(x, k, m, n16, xv, xsum);
+        const float* f = &xv[0][0];
+#pragma unroll
+        for (int c = 0; c < PER; ++c)
+            xs[c * words + k] = make_float4(f[4 * c], f[4 * c + 1], f[4 * c + 2], f[4 * c + 3]);
+        xs[PER * words + k] = make_float4(xsum[0], xsum[1], xsum[2], xsum[3]);
+    }
+}
+
 // The sums of rows r0 .. r0 + QV_R / NM (those below `rows`) of each of the NM matrices, by the
 // LPR lanes of a lane group (sl = lane within the group), into acc (matrix mi's row r0 + rr at
 // acc[mi * QV_R / NM + rr], every lane of the group gets them). Every lane of the warp runs the
-// reduction, whatever its rows (rows <= r0: none, nothing of the matrices is read; x is).
-template <int BITS, int LPR, int NM>
-__device__ __forceinline__ void qmv_sums(const QvMats& mat, const float* x, int r0, int rows,
-                                         int cols, int group, int sl, float* acc) {
+// reduction, whatever its rows (rows <= r0: none, nothing of the matrices is read; x is). x comes
+// from xs as qv_stage left it (STAGED) or from global memory.
+template <int BITS, int LPR, int NM, bool STAGED>
+__device__ __forceinline__ void qmv_sums(const QvMats& mat, const float* x, const float4* xs,
+                                         int r0, int rows, int cols, int group, int sl,
+                                         float* acc) {
     const int PER = 16 / BITS;
     const int RG = QV_R / NM;         // rows of each matrix
     int n16 = cols / PER;             // pieces per row
@@ -322,6 +403,18 @@ __device__ __forceinline__ void qmv_sums(const QvMats& mat, const float* x, int 
             // The word's columns of x (zero for pieces outside the row), their sums, scaled copies;
             // each matrix's groups of its first and last piece (a word spans at most two).
             float xv[4][PER], xsum[4];
+            if (STAGED) {
+                float* f = &xv[0][0];
+#pragma unroll
+                for (int c = 0; c < PER; ++c) {
+                    float4 a = xs[c * words + k];
+                    f[4 * c] = a.x; f[4 * c + 1] = a.y; f[4 * c + 2] = a.z; f[4 * c + 3] = a.w;
+                }
+                float4 ps = xs[PER * words + k];
+                xsum[0] = ps.x; xsum[1] = ps.y; xsum[2] = ps.z; xsum[3] = ps.w;
+            } else {
+                qv_word_x<BITS>(x, k, m, n16, xv, xsum);
+            }
             bool hi[NM][4];
             int i0 = max(4 * k - m, 0), i3 = min(4 * k + 3 - m, n16 - 1);
             int g0[NM], g3[NM];
@@ -333,18 +426,6 @@ __device__ __forceinline__ void qmv_sums(const QvMats& mat, const float* x, int 
 #pragma unroll
             for (int p = 0; p < 4; ++p) {
                 int i = 4 * k + p - m;
-                if (i >= 0 && i < n16) {
-                    load_x<PER>(x + (u64)i * PER, xv[p]);
-                } else {
-#pragma unroll
-                    for (int e = 0; e < PER; ++e) xv[p][e] = 0.0f;
-                }
-                float sum = 0.0f;
-#pragma unroll
-                for (int e = 0; e < PER; ++e) sum += xv[p][e];
-                xsum[p] = sum;
-#pragma unroll
-                for (int e = 0; e < PER; ++e) xv[p][e] *= __int_as_float((127 - BITS * e) << 23);
 #pragma unroll
                 for (int mi = 0; mi < NM; ++mi)
                     hi[mi][p] = ((max(i, 0) * PER) >> gshift[mi]) != g0[mi];
@@ -380,13 +461,13 @@ __device__ __forceinline__ void qmv_sums(const QvMats& mat, const float* x, int 
 
 // Rows r0 .. r0 + QV_R / NM (those below `rows`) by a lane group (qmv_sums): y[r] = the row's
 // product (NM = 1) or glu_f(gate row, up row) (NM = 2).
-template <int BITS, int LPR, int NM>
-__device__ void qmv_rows(const QvMats& mat, const float* x, float* y, int r0, int rows, int cols,
-                         int group, int sl) {
+template <int BITS, int LPR, int NM, bool STAGED>
+__device__ void qmv_rows(const QvMats& mat, const float* x, const float4* xs, float* y, int r0,
+                         int rows, int cols, int group, int sl) {
     const int RG = QV_R / NM;
     int nr = min(RG, rows - r0);
     float acc[QV_R];
-    qmv_sums<BITS, LPR, NM>(mat, x, r0, rows, cols, group, sl, acc);
+    qmv_sums<BITS, LPR, NM, STAGED>(mat, x, xs, r0, rows, cols, group, sl, acc);
     if (sl != 0) return;
 #pragma unroll
     for (int rr = 0; rr < RG; ++rr) {
@@ -395,14 +476,30 @@ __device__ void qmv_rows(const QvMats& mat, const float* x, float* y, int r0, in
     }
 }
 
-// The block's share of one product (or gated pair): lane group threadIdx.x / LPR takes
-// QV_R / NM rows.
+// The block's share of one product (or gated pair): QV_P passes in which lane group
+// threadIdx.x / LPR takes QV_R / NM rows, x staged once for them where it fits.
 template <int BITS, int LPR, int NM>
 __device__ __forceinline__ void qmv_block(const QvMats& mat, u64 x, u64 y, int rows, int cols,
                                           int group) {
+    const int G = QV_WARPS * 32 / LPR, RG = QV_R / NM;
     int sub = threadIdx.x / LPR, sl = threadIdx.x % LPR;
-    int r0 = (blockIdx.x * (QV_WARPS * 32 / LPR) + sub) * (QV_R / NM);
-    qmv_rows<BITS, LPR, NM>(mat, (const float*)x, (float*)y, r0, rows, cols, group, sl);
+    const float* xf = (const float*)x;
+    if (qv_stage_bytes(cols, BITS) > 0) {
+        int n16 = cols / (16 / BITS), m = (int)(mat.w[0] & 7) / 2;
+        float4* xs = qv_smem();
+        qv_stage<BITS>(xf, m, n16, (m + n16 + 3) / 4, xs);
+        __syncthreads();
+        for (int pass = 0; pass < QV_P; ++pass) {
+            int r0 = ((blockIdx.x * QV_P + pass) * G + sub) * RG;
+            qmv_rows<BITS, LPR, NM, true>(mat, xf, xs, (float*)y, r0, rows, cols, group, sl);
+        }
+    } else {
+        for (int pass = 0; pass < QV_P; ++pass) {
+            int r0 = ((blockIdx.x * QV_P + pass) * G + sub) * RG;
+            qmv_rows<BITS, LPR, NM, false>(mat, xf, nullptr, (float*)y, r0, rows, cols, group,
+                                           sl);
+        }
+    }
 }
 
 template <int BITS, int NM>
@@ -482,7 +579,7 @@ struct QvRows {
     extern "C" __global__ void __launch_bounds__(QV_WARPS * 32)                                  \
         qmv##BITS(QJobs jobs, QvRows jr, int cols, int group, int lpr) {                         \
         int j = blockIdx.y, rows = jr.rows[j];                                                   \
-        if ((int)blockIdx.x * (QV_WARPS * 32 / lpr) * QV_R >= rows) return;                      \
+        if ((int)blockIdx.x * QV_P * (QV_WARPS * 32 / lpr) * QV_R >= rows) return;               \
         qmv_lanes<BITS, 1>(lpr, qv_mats(jobs, j, 1, 0, 0.0f), jobs.x[j], jobs.y[j], rows, cols,  \
                            group);                                                               \
     }                                                                                            \
