@@ -117,6 +117,7 @@ pub(super) fn attention<B: Backend>(
             // Entry w covers positions rate·w .. rate·w + rate − 1: visible from position p iff
             // w < (p + 1) / rate.
             let n_vis: Vec<usize> = (0..t).map(|r| (pos0 + r + 1) / c.rate).collect();
+            let every = || n_vis.iter().map(|&n| (0..n).collect()).collect();
             let visible: Vec<Vec<usize>> = match (&at.indexer, is) {
                 (Some(ix), Some(ist)) => {
                     compress(
@@ -128,15 +129,21 @@ pub(super) fn attention<B: Backend>(
                         cfg.index_head_dim,
                         a,
                     )?;
-                    let (ni, id) = (cfg.index_n_heads, cfg.index_head_dim);
-                    let mut iq = one(be.matmul(&[&ix.wq_b], Resident, &q_residual)?); // [T, ni·id]
-                    be.rope(&mut iq, &ropes.index, id, pos0)?;
-                    let mut w = one(be.matmul(&[&ix.weights_proj], Resident, a)?); // [T, ni]
-                    let scale = (ni as f32).powf(-0.5) * (id as f32).powf(-0.5);
-                    be.unary(&mut w, Unary::Scale(scale))?;
-                    be.index_top_k(&iq, &ist.entries, &w, ni, &n_vis, cfg.index_topk)?
+                    // The top index_topk of no more entries than that are all of them, whatever
+                    // their scores: the indexer scores only when some row sees more.
+                    if n_vis.iter().all(|&n| n <= cfg.index_topk) {
+                        every()
+                    } else {
+                        let (ni, id) = (cfg.index_n_heads, cfg.index_head_dim);
+                        let mut iq = one(be.matmul(&[&ix.wq_b], Resident, &q_residual)?); // [T, ni·id]
+                        be.rope(&mut iq, &ropes.index, id, pos0)?;
+                        let mut w = one(be.matmul(&[&ix.weights_proj], Resident, a)?); // [T, ni]
+                        let scale = (ni as f32).powf(-0.5) * (id as f32).powf(-0.5);
+                        be.unary(&mut w, Unary::Scale(scale))?;
+                        be.index_top_k(&iq, &ist.entries, &w, ni, &n_vis, cfg.index_topk)?
+                    }
                 }
-                _ => n_vis.iter().map(|&n| (0..n).collect()).collect(),
+                _ => every(),
             };
             be.attention_sparse(&q, kv, pos0, &shape, &st.entries, &visible)?
         }
