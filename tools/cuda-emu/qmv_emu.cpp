@@ -14,6 +14,10 @@
 #define QV_SMEM_EMULATED
 inline float4* qv_smem() { static float4 buf[49152 / 16]; return buf; }
 #include "quant.cu"
+// Passes of a block over its lane groups' rows (the launch's `passes`).
+#ifndef QV_P
+#define QV_P 1
+#endif
 #include <cstdio>
 #include <random>
 static u16 bf16(float f) { u32 u; memcpy(&u, &f, 4); return (u16)((u + 0x7fff + ((u >> 16) & 1)) >> 16); }
@@ -24,7 +28,7 @@ template <int BITS, int NM> void launch(QJobs a, int rows, int cols, int group, 
     std::barrier<> br(QV_WARPS * 32); bar = &br; std::vector<std::thread> ts;
     for (int t = 0; t < QV_WARPS * 32; ++t) ts.emplace_back([&, t] { threadIdx = {(unsigned)t, 0, 0}; blockIdx = {(unsigned)b, (unsigned)j, 0};
       int jj = blockIdx.y; QvMats m = qv_mats(a, jj, NM, act, 7.0f); m.up_group = up_group;
-      qmv_lanes<BITS, NM>(lpr, m, a.x[NM * jj], a.y[NM * jj], rows, cols, group); });
+      qmv_lanes<BITS, NM, QV_P>(lpr, m, a.x[NM * jj], a.y[NM * jj], rows, cols, group); });
     for (auto& t : ts) t.join();
   }
 }

@@ -44,11 +44,11 @@ const MAGIC: &[u8; 8] = b"MFCUBIN1";
 /// [`qv_unroll`], so the cache keeps one entry per value.
 pub(crate) fn source() -> String {
     let mut s = format!(
-        "#define QV_R {}\n#define QV_U {}\n#define QV_STAGE {}\n#define QV_P {}\n",
+        "#define QV_R {}\n#define QV_U {}\n#define QV_STAGE {}\n#define DC_R2 {}\n",
         qv_rows(),
         qv_unroll(),
-        u8::from(qv_stage()),
-        qv_passes()
+        qv_stage(),
+        dc_rows(2)
     );
     if let Some(n) = std::env::var("MFERENCE_CUDA_QM_UNROLL")
         .ok()
@@ -99,19 +99,34 @@ pub(crate) fn qv_unroll() -> usize {
     knob(&UNROLL, "MFERENCE_CUDA_QV_UNROLL", &[1, 2, 4, 8], 2)
 }
 
-/// Whether `qmv` stages x in shared memory (ops/quant.cu `QV_STAGE`; the same bits either way):
-/// only with `MFERENCE_CUDA_QV_STAGE=1` until it is measured on a GPU.
-pub(crate) fn qv_stage() -> bool {
+/// The widest products whose `qmv` stages x in shared memory (ops/quant.cu `QV_STAGE`; the same
+/// bits either way): 2 (DeepSeek-V4's 2-bit experts: +3.5% decode on a 6-layer cut, H100; Gemma
+/// 4 26B's 4-bit products measured no faster), or `MFERENCE_CUDA_QV_STAGE` (0 = none, 2, 4 or 8;
+/// for measurements).
+pub(crate) fn qv_stage() -> usize {
     static STAGE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    knob(&STAGE, "MFERENCE_CUDA_QV_STAGE", &[0, 1], 0) == 1
+    knob(&STAGE, "MFERENCE_CUDA_QV_STAGE", &[0, 2, 4, 8], 2)
 }
 
-/// Passes of a `qmv` block over its lane groups' rows (ops/quant.cu `QV_P`; the same bits at
-/// every value): 1, or `MFERENCE_CUDA_QV_PASSES` (1, 2, 4 or 8; for measurements). The launch's
-/// grid uses the same value.
+/// The most passes a staged `qmv` block takes over its lane groups' rows (launch.rs `qmv_grid`
+/// chooses per launch; the same bits at every value): 4, or `MFERENCE_CUDA_QV_PASSES` (1 or 4;
+/// for measurements).
 pub(crate) fn qv_passes() -> usize {
     static PASSES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    knob(&PASSES, "MFERENCE_CUDA_QV_PASSES", &[1, 2, 4, 8], 1)
+    knob(&PASSES, "MFERENCE_CUDA_QV_PASSES", &[1, 4], 4)
+}
+
+/// Rows of a `qmv_down_combine` row group at `bits` bits (ops/moe.cu: `DC_R2` at 2 bits, else
+/// `QV_R`; the same bits at every value): [`qv_rows`], and at 2 bits 4 (DeepSeek-V4's experts:
+/// +3.5% decode on a 6-layer cut, H100) or `MFERENCE_CUDA_DC_ROWS` (2, 4 or 8; for
+/// measurements). The launch's grid uses the same value.
+pub(crate) fn dc_rows(bits: usize) -> usize {
+    static ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    if bits == 2 {
+        knob(&ROWS, "MFERENCE_CUDA_DC_ROWS", &[2, 4, 8], 4)
+    } else {
+        qv_rows()
+    }
 }
 
 /// What determines a compiled image.

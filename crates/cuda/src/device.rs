@@ -4,7 +4,7 @@
 use crate::*;
 
 /// Every kernel of `ops/`, loaded at startup (a missing one fails [`CudaBackend::new`]).
-pub(crate) const KERNELS: [&str; 73] = [
+pub(crate) const KERNELS: [&str; 85] = [
     "all_finite",
     "matmul_bf16",
     "linear",
@@ -40,6 +40,18 @@ pub(crate) const KERNELS: [&str; 73] = [
     "qmv_glu_ids2",
     "qmv_glu_ids4",
     "qmv_glu_ids8",
+    "qmv2_p",
+    "qmv4_p",
+    "qmv8_p",
+    "qmv_ids2_p",
+    "qmv_ids4_p",
+    "qmv_ids8_p",
+    "qmv_glu2_p",
+    "qmv_glu4_p",
+    "qmv_glu8_p",
+    "qmv_glu_ids2_p",
+    "qmv_glu_ids4_p",
+    "qmv_glu_ids8_p",
     "qgemm",
     "qgemm_tc",
     "qgemm_sum",

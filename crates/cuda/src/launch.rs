@@ -317,18 +317,28 @@ const QV_SMEM_MAX: usize = 49152;
 
 /// Shared memory bytes of a `qmv` launch of `cols` columns at `bits` bits (ops/quant.cu
 /// `qv_stage_bytes`: x staged for the words a row can touch, `16 / bits` chunks of 4 floats and
-/// one of piece sums each), 0 when x is read from global memory.
+/// one of piece sums each, at [`compile::qv_stage`] bits or fewer), 0 when x is read from global
+/// memory.
 pub(crate) fn qv_stage_bytes(cols: usize, bits: usize) -> usize {
     let bytes = (cols * bits / 64 + 1) * (16 / bits + 1) * 16;
-    if compile::qv_stage() && bytes <= QV_SMEM_MAX {
+    if bits <= compile::qv_stage() && bytes <= QV_SMEM_MAX {
         bytes
     } else {
         0
     }
 }
 
+/// Blocks a staged `qmv` launch keeps when it gives each block several passes (~8 per SM of
+/// an H100 / H200, so that the SMs stay full).
+const QV_MIN_BLOCKS: usize = 1024;
+
+/// Passes of a `_p` qmv kernel (ops/quant.cu `QV_PASSES`).
+const QV_PASSES: usize = 4;
+
 /// The grid of a `qmv` launch over `jobs` products (`nm = 1`) or gated pairs (`nm = 2`) of
-/// `rows` rows and `cols` columns at `bits` bits, `lanes` lanes per row.
+/// `rows` rows and `cols` columns at `bits` bits, `lanes` lanes per row, and its passes per
+/// block: [`QV_PASSES`] (the `_p` kernels, [`qmv_kernel`]) where x is staged, passes are allowed
+/// ([`compile::qv_passes`]) and [`QV_MIN_BLOCKS`] blocks remain, else 1.
 pub(crate) fn qmv_grid(
     rows: usize,
     cols: usize,
@@ -336,12 +346,37 @@ pub(crate) fn qmv_grid(
     lanes: usize,
     jobs: usize,
     nm: usize,
-) -> LaunchConfig {
-    let rows_per_block = QV_WARPS * 32 / lanes * (compile::qv_rows() / nm) * compile::qv_passes();
-    LaunchConfig {
-        grid_dim: (rows.div_ceil(rows_per_block) as u32, jobs as u32, 1),
+) -> (LaunchConfig, usize) {
+    let rows_per_pass = QV_WARPS * 32 / lanes * (compile::qv_rows() / nm);
+    let smem = qv_stage_bytes(cols, bits);
+    let passes = if smem > 0
+        && compile::qv_passes() >= QV_PASSES
+        && rows.div_ceil(rows_per_pass * QV_PASSES) * jobs >= QV_MIN_BLOCKS
+    {
+        QV_PASSES
+    } else {
+        1
+    };
+    let cfg = LaunchConfig {
+        grid_dim: (rows.div_ceil(rows_per_pass * passes) as u32, jobs as u32, 1),
         block_dim: (32 * QV_WARPS as u32, 1, 1),
-        shared_mem_bytes: qv_stage_bytes(cols, bits) as u32,
+        shared_mem_bytes: smem as u32,
+    };
+    (cfg, passes)
+}
+
+/// The kernel of a `qmv` launch at `bits` bits: `one[bits / 4]`, or `multi[bits / 4]` for
+/// [`QV_PASSES`] passes.
+pub(crate) fn qmv_kernel(
+    one: [&'static str; 3],
+    multi: [&'static str; 3],
+    bits: usize,
+    passes: usize,
+) -> &'static str {
+    if passes > 1 {
+        multi[bits / 4]
+    } else {
+        one[bits / 4]
     }
 }
 

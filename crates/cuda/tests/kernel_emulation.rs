@@ -54,20 +54,22 @@ fn build_and_run(cxx: &str, src: &str, defines: &[String], exe: &Path, cases: us
 fn qmv_kernels_match_a_double_precision_product_on_the_cpu() {
     let Some(cxx) = compiler("qmv") else { return };
     let dir = tempfile::tempdir().expect("tempdir");
-    // (QV_R, QV_U, QV_STAGE, QV_P): every row count, every unroll at the default rows, x read
-    // from global memory and staged in shared memory, several passes per block. Every build
+    // (QV_R, QV_U, QV_STAGE, passes): every row count, every unroll at the default rows, x read
+    // from global memory (0), staged at every bit width (8) and at 2 bits only (2), the `_p`
+    // kernels' passes per block over a staged x. Every build
     // writes the same bits (the digest line).
     let mut digests = Vec::new();
     for (rows, unroll, stage, passes) in [
-        (2, 1, 1, 1),
-        (2, 2, 1, 1),
-        (2, 4, 1, 1),
-        (2, 8, 1, 1),
-        (4, 2, 1, 1),
-        (8, 2, 1, 1),
+        (2, 1, 8, 1),
+        (2, 2, 8, 1),
+        (2, 4, 8, 1),
+        (2, 8, 8, 1),
+        (4, 2, 8, 1),
+        (8, 2, 8, 1),
         (2, 2, 0, 1),
-        (2, 2, 1, 4),
-        (4, 2, 0, 2),
+        (2, 2, 8, 4),
+        (4, 2, 8, 4),
+        (2, 2, 2, 1),
     ] {
         let exe = dir
             .path()

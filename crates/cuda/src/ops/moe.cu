@@ -10,11 +10,17 @@
 // Block layout: the G = QV_WARPS * 32 / LPR lane groups of a block are split into P = max(1, G / k)
 // row groups of KK = G / P lane groups; lane group g takes row group g / KK and experts
 // g % KK, g % KK + KK, ... (every lane group of the block runs the same number of passes, an idle
-// one over no rows, so the warp's shuffles stay converged). Each row group has QV_R rows, so a
-// block covers P * QV_R rows of every expert; the sums go to shared memory, then one thread per
+// one over no rows, so the warp's shuffles stay converged). Each row group has DC_R rows (DC_R2
+// at 2 bits, else QV_R), so a block covers P * DC_R rows of every expert; the sums go to shared
+// memory, then one thread per
 // row adds them into acc in expert order.
 
 #define DC_MAX_K 16
+// Rows of a 2-bit down_combine row group (compile.rs defines it; QV_R at 4 and 8 bits): each
+// lane's loads of x serve that many rows (the sums are qmv's whatever the count).
+#ifndef DC_R2
+#define DC_R2 QV_R
+#endif
 
 // The weights of the by-address variant, passed by value, in the order of the jobs (ascending
 // expert id).
@@ -22,17 +28,17 @@ struct DcWeights {
     float w[DC_MAX_K];
 };
 
-template <int BITS, int LPR, bool BY_ID>
+template <int BITS, int LPR, bool BY_ID, int DC_R = BITS == 2 ? DC_R2 : QV_R>
 __device__ void down_combine(const QJobs& jobs, const DcWeights& cw, const QIdJobs& id_jobs,
                              const u64* slots, const u32* ids, const float* wts, int k,
                              float* acc, int rows, int cols, int group) {
     const int G = QV_WARPS * 32 / LPR;
-    __shared__ float ys[DC_MAX_K][QV_WARPS * 32 / 4 * QV_R];
+    __shared__ float ys[DC_MAX_K][QV_WARPS * 32 / 4 * DC_R];
     __shared__ int order[DC_MAX_K];
     int P = max(1, G / k), KK = G / P;
     int g = threadIdx.x / LPR, sl = threadIdx.x % LPR;
     int p = g / KK, e0 = g % KK;
-    int row0 = blockIdx.x * P * QV_R;
+    int row0 = blockIdx.x * P * DC_R;
     if (threadIdx.x < k) {
         int i = threadIdx.x;
         if (BY_ID) {
@@ -52,18 +58,18 @@ __device__ void down_combine(const QJobs& jobs, const DcWeights& cw, const QIdJo
         QvMats m = BY_ID ? qv_id_mats(id_jobs, slots, ids, ee, 1, 0, 0.0f)
                          : qv_mats(jobs, ee, 1, 0, 0.0f);
         u64 x = BY_ID ? id_jobs.x[ee] : jobs.x[ee];
-        int r0 = row0 + (live ? p : 0) * QV_R;
-        float s[QV_R];
-        qmv_sums<BITS, LPR, 1, false>(m, (const float*)x, nullptr, r0, live ? rows : 0, cols, group,
+        int r0 = row0 + (live ? p : 0) * DC_R;
+        float s[DC_R];
+        qmv_sums<BITS, LPR, 1, false, DC_R>(m, (const float*)x, nullptr, r0, live ? rows : 0, cols, group,
                                      sl, s);
         if (live && sl == 0) {
 #pragma unroll
-            for (int rr = 0; rr < QV_R; ++rr) ys[e][p * QV_R + rr] = s[rr];
+            for (int rr = 0; rr < DC_R; ++rr) ys[e][p * DC_R + rr] = s[rr];
         }
     }
     __syncthreads();
     int t = threadIdx.x;
-    if (t < P * QV_R && row0 + t < rows) {
+    if (t < P * DC_R && row0 + t < rows) {
         float a = acc[row0 + t];
         for (int j = 0; j < k; ++j) {
             int i = order[j];
@@ -103,7 +109,7 @@ __device__ __forceinline__ void down_combine_lanes(int lpr, const QJobs& jobs,
 // down matrix and its GLU row x[j]; y unused), weights cw.w[j].
 // qmv_down_combine_ids<BITS>: the QIdJobs jobs 0 .. k (pick[j] = j, mat[j] = 0) of the experts at
 // ids[0 .. k) (any order; added in ascending id), weights wts[0 .. k) on the device.
-// Grid: rows / (P * QV_R) blocks of QV_WARPS warps; lpr as qmv's.
+// Grid: rows / (P * DC_R) blocks of QV_WARPS warps; lpr as qmv's.
 #define DOWN_COMBINE_KERNELS(BITS)                                                               \
     extern "C" __global__ void __launch_bounds__(QV_WARPS * 32)                                  \
         qmv_down_combine##BITS(QJobs jobs, DcWeights cw, int k, float* acc, int rows, int cols,  \

@@ -18,11 +18,11 @@ pub(crate) struct DcWeights {
 unsafe impl cudarc::driver::DeviceRepr for DcWeights {}
 
 /// The grid of a down-combine launch of down matrix `w` over `k` experts (ops/moe.cu: a block
-/// covers `P · QV_R` rows of every expert) and its `int` arguments k, rows, cols, group, lanes.
+/// covers `P · DC_R` rows of every expert, [`compile::dc_rows`]) and its `int` arguments k, rows, cols, group, lanes.
 fn dc_launch(w: &QRef, k: usize) -> (LaunchConfig, [i32; 5]) {
     let lanes = qmv_lanes(w.cols, w.bits as usize);
     let groups = QV_WARPS * 32 / lanes;
-    let per_block = (groups / k).max(1) * compile::qv_rows();
+    let per_block = (groups / k).max(1) * compile::dc_rows(w.bits as usize);
     let cfg = LaunchConfig {
         grid_dim: (w.rows.div_ceil(per_block) as u32, 1, 1),
         block_dim: (32 * QV_WARPS as u32, 1, 1),

@@ -241,7 +241,8 @@ extern "C" __global__ void argmax(const u32* parts, int nparts, u32* out) {
 // every lane has several words; the LPR lanes of a row are added by shuffles in a fixed order, so
 // a result depends only on the bytes, their alignment modulo 8 and the shape.
 //
-// x staged in shared memory (QV_STAGE, when the block's x fits: qv_stage_bytes): a lane needs the
+// x staged in shared memory (QV_STAGE bits or fewer, when the block's x fits: qv_stage_bytes): a
+// lane needs the
 // 4 * PER columns of x under each word it holds (128 bytes of f32 at 2 bits), so a warp's load of
 // x from global memory touches 32 different 128-byte lines, one L1 wavefront each, for 16 bytes
 // of every line: at 2 bits the L1 delivered ~2 bytes of codes per cycle per SM (DeepSeek-V4's
@@ -249,7 +250,8 @@ extern "C" __global__ void argmax(const u32* parts, int nparts, u32* out) {
 // each piece's sum (the same operations in the same order as the per-lane loads, so the same
 // bits), as chunks of 4 floats laid chunk-major over the words (chunk c of word k at c * W + k):
 // the lanes of a warp read consecutive 16-byte chunks, 4 wavefronts per 512 bytes. The block
-// then takes QV_P passes over its lane groups' rows, so the staging is shared by more rows.
+// then takes one or more passes over its lane groups' rows (the launch's `passes`), so the
+// staging is shared by more rows.
 
 // Warps per block and rows per lane group per pass (the launch in launch.rs uses the same numbers;
 // compile.rs defines QV_R).
@@ -263,13 +265,11 @@ extern "C" __global__ void argmax(const u32* parts, int nparts, u32* out) {
 #ifndef QV_U
 #define QV_U 2
 #endif
-// x staged in shared memory (1) or read from global memory by every lane (0), and the passes of
-// a block over its lane groups' rows (compile.rs defines both; the launch uses the same numbers).
+// x staged in shared memory for products of at most QV_STAGE bits (2: DeepSeek-V4's 2-bit
+// experts, where it measured faster; 0: none, 8: all), else read from global memory by every
+// lane (compile.rs defines it, the launch sizes the shared memory by the same rule).
 #ifndef QV_STAGE
-#define QV_STAGE 1
-#endif
-#ifndef QV_P
-#define QV_P 1
+#define QV_STAGE 8
 #endif
 // The most dynamic shared memory a staged launch takes (without the opt-in attribute).
 #define QV_SMEM_MAX 49152
@@ -280,7 +280,7 @@ extern "C" __global__ void argmax(const u32* parts, int nparts, u32* out) {
 __device__ __forceinline__ int qv_stage_bytes(int cols, int bits) {
     int words = cols * bits / 64 + 1;
     int bytes = words * (16 / bits + 1) * 16;
-    return QV_STAGE && bytes <= QV_SMEM_MAX ? bytes : 0;
+    return bits <= QV_STAGE && bytes <= QV_SMEM_MAX ? bytes : 0;
 }
 
 // The block's dynamic shared memory (the launch sizes it).
@@ -356,17 +356,17 @@ __device__ void qv_stage(const float* x, int m, int n16, int words, float4* xs) 
     }
 }
 
-// The sums of rows r0 .. r0 + QV_R / NM (those below `rows`) of each of the NM matrices, by the
+// The sums of rows r0 .. r0 + R / NM (those below `rows`) of each of the NM matrices, by the
 // LPR lanes of a lane group (sl = lane within the group), into acc (matrix mi's row r0 + rr at
-// acc[mi * QV_R / NM + rr], every lane of the group gets them). Every lane of the warp runs the
-// reduction, whatever its rows (rows <= r0: none, nothing of the matrices is read; x is). x comes
-// from xs as qv_stage left it (STAGED) or from global memory.
-template <int BITS, int LPR, int NM, bool STAGED>
+// acc[mi * R / NM + rr], every lane of the group gets them; R is QV_R but in down_combine). Every
+// lane of the warp runs the reduction, whatever its rows (rows <= r0: none, nothing of the
+// matrices is read; x is). x comes from xs as qv_stage left it (STAGED) or from global memory.
+template <int BITS, int LPR, int NM, bool STAGED, int R = QV_R>
 __device__ __forceinline__ void qmv_sums(const QvMats& mat, const float* x, const float4* xs,
                                          int r0, int rows, int cols, int group, int sl,
                                          float* acc) {
     const int PER = 16 / BITS;
-    const int RG = QV_R / NM;         // rows of each matrix
+    const int RG = R / NM;            // rows of each matrix
     int n16 = cols / PER;             // pieces per row
     int gshift[NM], groups[NM];       // each matrix's group: a power of two (checked by the launch)
 #pragma unroll
@@ -382,14 +382,14 @@ __device__ __forceinline__ void qmv_sums(const QvMats& mat, const float* x, cons
     u64 row_bytes = (u64)n16 * 2;     // a multiple of 8
     int nr = min(RG, rows - r0);      // rows of this group (none past the end)
 #pragma unroll
-    for (int rr = 0; rr < QV_R; ++rr) acc[rr] = 0.0f;
+    for (int rr = 0; rr < R; ++rr) acc[rr] = 0.0f;
     for (int k0 = sl; k0 < words; k0 += LPR * QV_U) {
-        uint2 vu[QV_U][QV_R];
+        uint2 vu[QV_U][R];
 #pragma unroll
         for (int u = 0; u < QV_U; ++u) {
             int k = k0 + u * LPR;
 #pragma unroll
-            for (int rr = 0; rr < QV_R; ++rr)
+            for (int rr = 0; rr < R; ++rr)
                 vu[u][rr] = k < words && rr % RG < nr
                                 ? *(const uint2*)(a0[rr / RG] + (u64)(r0 + rr % RG) * row_bytes +
                                                   8 * (u64)k)
@@ -431,7 +431,7 @@ __device__ __forceinline__ void qmv_sums(const QvMats& mat, const float* x, cons
                     hi[mi][p] = ((max(i, 0) * PER) >> gshift[mi]) != g0[mi];
             }
 #pragma unroll
-            for (int rr = 0; rr < QV_R; ++rr) {
+            for (int rr = 0; rr < R; ++rr) {
                 if (rr % RG >= nr) continue;
                 const int mi = rr / RG;
                 const u16* sc = (const u16*)mat.s[mi];
@@ -453,7 +453,7 @@ __device__ __forceinline__ void qmv_sums(const QvMats& mat, const float* x, cons
         }
     }
 #pragma unroll
-    for (int rr = 0; rr < QV_R; ++rr) {
+    for (int rr = 0; rr < R; ++rr) {
 #pragma unroll
         for (int o = LPR / 2; o > 0; o >>= 1) acc[rr] += __shfl_xor_sync(0xffffffffu, acc[rr], o);
     }
@@ -476,9 +476,9 @@ __device__ void qmv_rows(const QvMats& mat, const float* x, const float4* xs, fl
     }
 }
 
-// The block's share of one product (or gated pair): QV_P passes in which lane group
-// threadIdx.x / LPR takes QV_R / NM rows, x staged once for them where it fits.
-template <int BITS, int LPR, int NM>
+// The block's share of one product (or gated pair): P passes in which lane group
+// threadIdx.x / LPR takes QV_R / NM rows, x staged once for them where it fits (P > 1 only then).
+template <int BITS, int LPR, int NM, int P>
 __device__ __forceinline__ void qmv_block(const QvMats& mat, u64 x, u64 y, int rows, int cols,
                                           int group) {
     const int G = QV_WARPS * 32 / LPR, RG = QV_R / NM;
@@ -489,27 +489,26 @@ __device__ __forceinline__ void qmv_block(const QvMats& mat, u64 x, u64 y, int r
         float4* xs = qv_smem();
         qv_stage<BITS>(xf, m, n16, (m + n16 + 3) / 4, xs);
         __syncthreads();
-        for (int pass = 0; pass < QV_P; ++pass) {
-            int r0 = ((blockIdx.x * QV_P + pass) * G + sub) * RG;
+#pragma unroll 1
+        for (int pass = 0; pass < P; ++pass) {
+            int r0 = ((blockIdx.x * P + pass) * G + sub) * RG;
             qmv_rows<BITS, LPR, NM, true>(mat, xf, xs, (float*)y, r0, rows, cols, group, sl);
         }
-    } else {
-        for (int pass = 0; pass < QV_P; ++pass) {
-            int r0 = ((blockIdx.x * QV_P + pass) * G + sub) * RG;
-            qmv_rows<BITS, LPR, NM, false>(mat, xf, nullptr, (float*)y, r0, rows, cols, group,
-                                           sl);
-        }
+    } else if (P == 1) {
+        int r0 = (blockIdx.x * G + sub) * RG;
+        qmv_rows<BITS, LPR, NM, false>(mat, xf, nullptr, (float*)y, r0, rows, cols, group, sl);
     }
 }
 
-template <int BITS, int NM>
+// qmv_block for lpr lanes per row (4, 8, 16 or 32) and P passes.
+template <int BITS, int NM, int P>
 __device__ __forceinline__ void qmv_lanes(int lpr, const QvMats& mat, u64 x, u64 y, int rows,
                                           int cols, int group) {
     switch (lpr) {
-        case 32: qmv_block<BITS, 32, NM>(mat, x, y, rows, cols, group); break;
-        case 16: qmv_block<BITS, 16, NM>(mat, x, y, rows, cols, group); break;
-        case 8: qmv_block<BITS, 8, NM>(mat, x, y, rows, cols, group); break;
-        default: qmv_block<BITS, 4, NM>(mat, x, y, rows, cols, group); break;
+        case 32: qmv_block<BITS, 32, NM, P>(mat, x, y, rows, cols, group); break;
+        case 16: qmv_block<BITS, 16, NM, P>(mat, x, y, rows, cols, group); break;
+        case 8: qmv_block<BITS, 8, NM, P>(mat, x, y, rows, cols, group); break;
+        default: qmv_block<BITS, 4, NM, P>(mat, x, y, rows, cols, group); break;
     }
 }
 
@@ -564,9 +563,9 @@ struct QvRows {
     int rows[QM_JOBS];
 };
 
-// One kernel per bit width (fewer registers than one dispatching on it), blockIdx.y = job,
-// blockIdx.x = the block's QV_WARPS * 32 / lpr lane groups; lpr (lanes per row) is 4, 8, 16 or
-// 32, cols a multiple of 32 and of group.
+// One kernel per bit width and pass count (fewer registers than one dispatching on them),
+// blockIdx.y = job, blockIdx.x = the block's QV_WARPS * 32 / lpr lane groups (times P passes);
+// lpr (lanes per row) is 4, 8, 16 or 32, cols a multiple of 32 and of group.
 // - qmv<BITS>: up to QM_JOBS products of one row of x each (the QJobs of qmatmul) with the same
 //   columns, bits and group, rows per job in jr;
 // - qmv_glu<BITS>: QM_JOBS / 2 gated pairs, jobs 2j (gate, in groups of `group`) and 2j + 1 (up,
@@ -575,37 +574,41 @@ struct QvRows {
 // - qmv_ids<BITS> / qmv_glu_ids<BITS>: the same for experts named by device-side ids (decode's
 //   routed experts without a readback), from the same bytes at the same addresses as a launch
 //   on the readback path, so bit-identical results.
-#define QMV_KERNELS(BITS)                                                                        \
+// The `_p` kernels take QV_PASSES passes per block over a staged x (launch.rs `qmv_grid` picks).
+#define QV_PASSES 4
+#define QMV_KERNELS_P(BITS, SUF, P)                                                              \
     extern "C" __global__ void __launch_bounds__(QV_WARPS * 32)                                  \
-        qmv##BITS(QJobs jobs, QvRows jr, int cols, int group, int lpr) {                         \
+        qmv##BITS##SUF(QJobs jobs, QvRows jr, int cols, int group, int lpr) {                    \
         int j = blockIdx.y, rows = jr.rows[j];                                                   \
-        if ((int)blockIdx.x * QV_P * (QV_WARPS * 32 / lpr) * QV_R >= rows) return;               \
-        qmv_lanes<BITS, 1>(lpr, qv_mats(jobs, j, 1, 0, 0.0f), jobs.x[j], jobs.y[j], rows, cols,  \
-                           group);                                                               \
+        if ((int)blockIdx.x * P * (QV_WARPS * 32 / lpr) * QV_R >= rows) return;                 \
+        qmv_lanes<BITS, 1, P>(lpr, qv_mats(jobs, j, 1, 0, 0.0f), jobs.x[j], jobs.y[j], rows,     \
+                              cols, group);                                                      \
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(QV_WARPS * 32)                                  \
-        qmv_glu##BITS(QJobs jobs, int rows, int cols, int group, int up_group, int lpr, int act, \
-                      float limit) {                                                             \
+        qmv_glu##BITS##SUF(QJobs jobs, int rows, int cols, int group, int up_group, int lpr,     \
+                           int act, float limit) {                                               \
         int j = blockIdx.y;                                                                      \
         QvMats mat = qv_mats(jobs, j, 2, act, limit);                                            \
         mat.up_group = up_group;                                                                 \
-        qmv_lanes<BITS, 2>(lpr, mat, jobs.x[2 * j], jobs.y[2 * j], rows, cols, group);           \
+        qmv_lanes<BITS, 2, P>(lpr, mat, jobs.x[2 * j], jobs.y[2 * j], rows, cols, group);        \
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(QV_WARPS * 32)                                  \
-        qmv_ids##BITS(QIdJobs jobs, const u64* slots, const u32* ids, int rows, int cols,        \
-                      int group, int lpr) {                                                      \
+        qmv_ids##BITS##SUF(QIdJobs jobs, const u64* slots, const u32* ids, int rows, int cols,   \
+                           int group, int lpr) {                                                 \
         int j = blockIdx.y;                                                                      \
-        qmv_lanes<BITS, 1>(lpr, qv_id_mats(jobs, slots, ids, j, 1, 0, 0.0f), jobs.x[j],          \
-                           jobs.y[j], rows, cols, group);                                        \
+        qmv_lanes<BITS, 1, P>(lpr, qv_id_mats(jobs, slots, ids, j, 1, 0, 0.0f), jobs.x[j],       \
+                              jobs.y[j], rows, cols, group);                                     \
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(QV_WARPS * 32)                                  \
-        qmv_glu_ids##BITS(QIdJobs jobs, const u64* slots, const u32* ids, int rows, int cols,    \
-                          int group, int up_group, int lpr, int act, float limit) {              \
+        qmv_glu_ids##BITS##SUF(QIdJobs jobs, const u64* slots, const u32* ids, int rows,         \
+                               int cols, int group, int up_group, int lpr, int act,              \
+                               float limit) {                                                    \
         int j = blockIdx.y;                                                                      \
         QvMats mat = qv_id_mats(jobs, slots, ids, j, 2, act, limit);                             \
         mat.up_group = up_group;                                                                 \
-        qmv_lanes<BITS, 2>(lpr, mat, jobs.x[j], jobs.y[j], rows, cols, group);                   \
+        qmv_lanes<BITS, 2, P>(lpr, mat, jobs.x[j], jobs.y[j], rows, cols, group);                \
     }
+#define QMV_KERNELS(BITS) QMV_KERNELS_P(BITS, , 1) QMV_KERNELS_P(BITS, _p, QV_PASSES)
 
 QMV_KERNELS(2)
 QMV_KERNELS(4)

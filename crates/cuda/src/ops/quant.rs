@@ -266,11 +266,17 @@ impl CudaBackend {
                         *r = j.w.rows as i32;
                     }
                     let most = chunk.iter().map(|j| j.w.rows).max().unwrap_or(0);
+                    let (cfg, passes) = qmv_grid(most, cols, bits, lanes, chunk.len(), 1);
                     launch!(
                         self,
                         op,
-                        ["qmv2", "qmv4", "qmv8"][bits / 4],
-                        qmv_grid(most, cols, bits, lanes, chunk.len(), 1),
+                        qmv_kernel(
+                            ["qmv2", "qmv4", "qmv8"],
+                            ["qmv2_p", "qmv4_p", "qmv8_p"],
+                            bits,
+                            passes
+                        ),
+                        cfg,
                         &a,
                         &jr,
                         &ci,
@@ -354,11 +360,17 @@ impl CudaBackend {
         );
         for chunk in jobs.chunks(QM_JOBS) {
             let a = qjobs(op, chunk.iter())?;
+            let (cfg, passes) = qmv_grid(rows, cols, bits, lanes, chunk.len() / 2, 2);
             launch!(
                 self,
                 op,
-                ["qmv_glu2", "qmv_glu4", "qmv_glu8"][bits / 4],
-                qmv_grid(rows, cols, bits, lanes, chunk.len() / 2, 2),
+                qmv_kernel(
+                    ["qmv_glu2", "qmv_glu4", "qmv_glu8"],
+                    ["qmv_glu2_p", "qmv_glu4_p", "qmv_glu8_p"],
+                    bits,
+                    passes
+                ),
+                cfg,
                 &a,
                 &ri,
                 &ci,
@@ -449,13 +461,19 @@ impl CudaBackend {
             w.group_size as i32,
             lanes as i32,
         );
-        let bits = w.bits as usize / 4;
+        let nm = if glu.is_some() { 2 } else { 1 };
+        let (cfg, passes) = qmv_grid(w.rows, w.cols, w.bits as usize, lanes, jobs.len(), nm);
         match glu {
             None => launch!(
                 self,
                 op,
-                ["qmv_ids2", "qmv_ids4", "qmv_ids8"][bits],
-                qmv_grid(w.rows, w.cols, w.bits as usize, lanes, jobs.len(), 1),
+                qmv_kernel(
+                    ["qmv_ids2", "qmv_ids4", "qmv_ids8"],
+                    ["qmv_ids2_p", "qmv_ids4_p", "qmv_ids8_p"],
+                    w.bits as usize,
+                    passes
+                ),
+                cfg,
                 &a,
                 &slots,
                 &ids,
@@ -470,8 +488,13 @@ impl CudaBackend {
                 launch!(
                     self,
                     op,
-                    ["qmv_glu_ids2", "qmv_glu_ids4", "qmv_glu_ids8"][bits],
-                    qmv_grid(w.rows, w.cols, w.bits as usize, lanes, jobs.len(), 2),
+                    qmv_kernel(
+                        ["qmv_glu_ids2", "qmv_glu_ids4", "qmv_glu_ids8"],
+                        ["qmv_glu_ids2_p", "qmv_glu_ids4_p", "qmv_glu_ids8_p"],
+                        w.bits as usize,
+                        passes
+                    ),
+                    cfg,
                     &a,
                     &slots,
                     &ids,
