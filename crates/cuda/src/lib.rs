@@ -20,7 +20,8 @@
 //!   `--gpu-expert-budget`, LFU as on the CPU, misses copied in from the page-locked host slots
 //!   on a copy stream ordered by events); without it, a [`Weights::Blob`] is copied to a device
 //!   staging buffer on every call.
-//! - Quantized products: `qmv` / `qmatmul` (ops/quant.cu) for decode's one row, `qgemm_tc`
+//! - Quantized products: `qmv` / `qmatmul` (ops/quant.cu) for decode's one row (2-bit `qmv`
+//!   stages x in shared memory, laid out for the lanes' loads), `qgemm_tc`
 //!   (ops/gemm.cu, `ops/gemm.rs`: a tensor-core GEMM, `mma.sync` on BF16 codes and a three-term
 //!   BF16 x, f32 accumulation) from 2 rows of x on; the prefill experts a layer's GPU slots hold
 //!   run together ([`CoreOps::glu_mlp_experts`]). Prefill attention is `attention_tiled`
