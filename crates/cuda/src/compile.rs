@@ -44,11 +44,12 @@ const MAGIC: &[u8; 8] = b"MFCUBIN1";
 /// [`qv_unroll`], so the cache keeps one entry per value.
 pub(crate) fn source() -> String {
     let mut s = format!(
-        "#define QV_R {}\n#define QV_U {}\n#define QV_STAGE {}\n#define DC_R2 {}\n",
+        "#define QV_R {}\n#define QV_U {}\n#define QV_STAGE {}\n#define DC_R2 {}\n#define QT_TERMS {}\n",
         qv_rows(),
         qv_unroll(),
         qv_stage(),
-        dc_rows(2)
+        dc_rows(2),
+        qt_terms()
     );
     if let Some(n) = std::env::var("MFERENCE_CUDA_QM_UNROLL")
         .ok()
@@ -127,6 +128,26 @@ pub(crate) fn dc_rows(bits: usize) -> usize {
     } else {
         qv_rows()
     }
+}
+
+/// BF16 terms of x in the tensor-core prefill products (ops/gemm.cu `QT_TERMS`): 3 (x to ~24
+/// significant bits, within the op harness's f32 budget), or `MFERENCE_CUDA_QT_TERMS` (1, 2 or
+/// 3; for measurements).
+/// Fewer than 3 rounds x beyond the f32 budget, so it is said on stderr (once).
+pub(crate) fn qt_terms() -> usize {
+    static TERMS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    static SAID: std::sync::Once = std::sync::Once::new();
+    let n = knob(&TERMS, "MFERENCE_CUDA_QT_TERMS", &[1, 2, 3], 3);
+    if n < 3 {
+        SAID.call_once(|| {
+            eprintln!(
+                "mference: MFERENCE_CUDA_QT_TERMS={n}: prompt products on CUDA round x to ~{} \
+                 bits (not f32-exact; for measurements)",
+                8 * n
+            )
+        });
+    }
+    n
 }
 
 /// What determines a compiled image.

@@ -259,6 +259,12 @@ extern "C" __global__ void qgemm_sum(QGSums sums, int splits) {
 #define QT_BK 32
 #define QT_LD 40
 #define QT_THREADS 128
+// BF16 terms of x (compile.rs defines it from `MFERENCE_CUDA_QT_TERMS`): 3 keeps ~24 significant
+// bits of x (the f32 budget above), 2 ~16 and 1 ~8 (x rounded once to BF16, as a BF16 model's
+// activations are): fewer terms, fewer mma and shared-memory reads per step.
+#ifndef QT_TERMS
+#define QT_TERMS 3
+#endif
 
 __device__ __forceinline__ u32 smem_addr(const void* p) {
     u32 a;
@@ -289,7 +295,7 @@ __device__ __forceinline__ u32 f32_to_bf16_rn(float f) {
 // The shared buffers of one step.
 struct QtStage {
     u16 a[QT_BM * QT_LD];   // codes of the block's w rows, BF16, k contiguous
-    u16 x3[3][QT_BT * QT_LD];  // x rows as three BF16 terms (hi, mid, lo)
+    u16 x3[QT_TERMS][QT_BT * QT_LD];  // x rows as QT_TERMS BF16 terms (hi, mid, lo)
     float xs[QT_BT];        // sum of each x row over the step's columns
 };
 
@@ -348,19 +354,19 @@ __device__ __forceinline__ void qgemm_tc_tile(QtStage* st, const QJobs& q, int j
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             float v[4] = {xv[h].x, xv[h].y, xv[h].z, xv[h].w};
-            u32 tb[3][4];
+            u32 tb[QT_TERMS][4];
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 float rest = v[e];
 #pragma unroll
-                for (int k = 0; k < 3; ++k) {
+                for (int k = 0; k < QT_TERMS; ++k) {
                     tb[k][e] = f32_to_bf16_rn(rest);
                     rest -= __uint_as_float(tb[k][e] << 16);
                 }
             }
             int t = xn + 16 * h;
 #pragma unroll
-            for (int k = 0; k < 3; ++k)
+            for (int k = 0; k < QT_TERMS; ++k)
                 *(uint2*)(s->x3[k] + t * QT_LD + 4 * xq) =
                     make_uint2(tb[k][0] | (tb[k][1] << 16), tb[k][2] | (tb[k][3] << 16));
             float sum = ((v[0] + v[1]) + v[2]) + v[3];
@@ -415,7 +421,7 @@ __device__ __forceinline__ void qgemm_tc_tile(QtStage* st, const QJobs& q, int j
                     ldsm_x4(smem_addr(p), af[i][0], af[i][1], af[i][2], af[i][3]);
                 }
 #pragma unroll
-                for (int term = 0; term < 3; ++term) {
+                for (int term = 0; term < QT_TERMS; ++term) {
                     const u16* xb = s->x3[term];
                     u32 bf[4][2];
 #pragma unroll
