@@ -48,14 +48,15 @@ pub struct ModelArgs {
     /// KV cache element type: f16 (half the memory) or f32 (K and V kept exactly).
     #[arg(long, value_enum, default_value_t = KvCache::F16, hide_possible_values = true)]
     pub kv_cache: KvCache,
-    /// Kernel table: auto (Gemma 4 and Qwen 3.6: amx, else avx512i16, where this CPU has them;
-    /// otherwise and for the other families the fastest exact one), scalar, avx2, avx512 (the
+    /// Kernel table: auto (Gemma 4 and Qwen 3.6: amx, else avx512i16, else avx2i16, where this CPU
+    /// has them; otherwise and for the other families the fastest exact one), scalar, avx2, avx512 (the
     /// exact f32 tables), avx512i16 (int16 activations in every 4-bit product: ~2x the prompt
     /// products and ~13% faster decode products than avx512, perplexity within 0.01% of it on
     /// the bundled models, but off mlx-lm by up to 0.8 of max|logit| on random-weight Gemma
     /// checkpoints), amx
     /// (avx512i16's bits with its prompt products on AMX tiles, Intel Xeon from Sapphire Rapids
-    /// on), or avx512vnni (int8 activations in
+    /// on), avx2i16 (avx512i16's rounding on AVX2 CPUs: prompts 1.3-2.2x and decode 0.96-1.25x
+    /// the avx2 table's on an AMD Zen 3, perplexity within 0.006% of it), or avx512vnni (int8 activations in
     /// prefill: 1.5-2.2x the prompt speed on Gemma 26B, perplexity +0.1-0.4% on the bundled models; a
     /// prompt row's logits then depend on the chunk, so a seeded reply can change with the prompt
     /// cache). The rounded ones only for Gemma 4 and Qwen 3.6.
@@ -208,7 +209,7 @@ pub struct KernelTable(pub Option<&'static str>);
 
 impl KernelTable {
     /// Parses `auto` or the name of a kernel table this CPU runs (`scalar`, `avx2`, `avx512`,
-    /// `avx512i16`, `amx`, `avx512vnni`); the error lists the ones it does.
+    /// `avx2i16`, `avx512i16`, `amx`, `avx512vnni`); the error lists the ones it does.
     pub fn parse(name: &str) -> Result<Self, String> {
         if name == "auto" {
             return Ok(Self(None));

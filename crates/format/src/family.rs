@@ -58,7 +58,7 @@ pub struct FamilySpec {
     /// The release name users know, as messages and docs write it ("Qwen 3.6").
     pub display_name: &'static str,
     /// Whether the kernel tables that round activations are allowed (`--kernels avx512vnni`, int8
-    /// prefill; `avx512i16` and `amx`, int16).
+    /// prefill; `avx512i16`, `amx` and `avx2i16`, int16).
     /// Its error is measured only on these families (README); elsewhere it was found far off the
     /// reference, so the loader refuses it.
     pub int8_prefill: bool,

@@ -5,7 +5,8 @@
 //!   The byte slices may be only 2-byte aligned (they point into a mapped file); nothing here assumes more.
 //! - [`Kernels`]: a table of function pointers (scalar reference, AVX2+FMA, AVX-512, and opt-in
 //!   AVX-512 VNNI variants: int16 activations in every 4-bit product (`avx512i16`, and `amx`, the
-//!   same bits with its prompt GEMM on AMX tiles), int8 in the prefill GEMM)
+//!   same bits with its prompt GEMM on AMX tiles), int8 in the prefill GEMM; and `avx2i16`, int16
+//!   activations on AVX2)
 //!   chosen once at startup with [`Kernels::detect`]. Every SIMD kernel has a scalar
 //!   twin it is tested against (`tests/quant_kernels.rs`, `tests/f32_f16_kernels.rs`).
 //! - [`PreparedX`]: activations reordered once per product for the chosen table (plus per-group sums for the

@@ -26,7 +26,8 @@ pub(crate) enum XLayout {
     /// int16 activations for `vpdpwssd`, 16 tokens per register (4-bit only, the GEMM's layout): per
     /// block of 16 tokens and per 2 columns, 64 bytes `[token][2 columns]` of int16 codes (tokens
     /// past `n` are zero), quantized as [`XLayout::Q16EvenOdd64`]; `qd` and `sums` are
-    /// `[block][group][16 tokens]`. Only for at least `Q16_MIN_ROWS` tokens.
+    /// `[block][group][16 tokens]`. Only from the table's `q16_lanes` tokens (`Q16_MIN_ROWS` on
+    /// AVX-512).
     Q16Lanes16,
     /// int16 activations for the AMX GEMM (`amx` table, 4-bit only, from `AMX_MIN_ROWS` tokens):
     /// the codes of [`XLayout::Q16EvenOdd64`] split exactly as `c = 256 · hi + lo` (`hi = c >> 8`

@@ -189,7 +189,7 @@ fn scalar_and_simd_match_f64_reference_on_fixed_shapes() {
         (29, 2048, 2, 128), // Maple ternary projections
     ] {
         for &offset in &[0usize, 2, 6, 1] {
-            for &n in &[1usize, 3, 8] {
+            for &n in &[1usize, 3, 6, 8] {
                 check(
                     &Case {
                         seed,

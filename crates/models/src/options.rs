@@ -72,7 +72,7 @@ pub struct LoadOptions {
     /// predicted experts that are not cached ([`mference_backend::moe::prefetch_predicted`]);
     /// 0 = off. Results are identical either way; other families ignore it.
     pub router_lookahead: usize,
-    /// Force a kernel table by name (`scalar`, `avx2`, `avx512`, `avx512i16`, `amx`, `avx512vnni`); `None` =
+    /// Force a kernel table by name (`scalar`, `avx2`, `avx2i16`, `avx512`, `avx512i16`, `amx`, `avx512vnni`); `None` =
     /// auto: `Kernels::detect_int16` for the families checked with int16 activations (Gemma 4,
     /// Qwen 3.6), else the fastest exact table.
     pub kernels: Option<String>,

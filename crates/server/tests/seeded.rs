@@ -134,6 +134,18 @@ fn int16_kernels_same_seed_same_tokens() {
     same_seed_same_tokens("qwen3_6-tiny", "qwen-tiny", Some("avx512i16"));
 }
 
+/// `--kernels avx2i16` (int16 activations on AVX2, `auto`'s table for these families on CPUs
+/// without AVX-512 VNNI): its GEMM is passes of its GEMV, the same f32 sequence per token.
+#[test]
+fn avx2_int16_kernels_same_seed_same_tokens() {
+    if mference_kernels::Kernels::by_name("avx2i16").is_none() {
+        eprintln!("skipped: this CPU has no AVX2");
+        return;
+    }
+    same_seed_same_tokens("gemma4-tiny", "gemma-tiny", Some("avx2i16"));
+    same_seed_same_tokens("qwen3_6-tiny", "qwen-tiny", Some("avx2i16"));
+}
+
 /// `--kernels amx` (the int16 table with its prompt GEMM on AMX tiles) gives the same integer sums
 /// in the same f32 order as its GEMV, so it is batch-invariant too.
 #[test]

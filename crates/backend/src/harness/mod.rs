@@ -42,7 +42,7 @@ pub const Q8_REL: f64 = 3e-2;
 /// A GLU MLP on that table chains two rounded products (gate/up, then down on their product), and
 /// a clamped gate concentrates the output in a few large terms; observed up to 8.6e-2.
 pub const Q8_GLU_REL: f64 = 1.5e-1;
-/// The int16 table (`avx512i16`) rounds the activations of every 4-bit product to 32767 levels of
+/// The int16 tables (`avx512i16`, `amx`, `avx2i16`) round the activations of every 4-bit product to 32767 levels of
 /// the group's max|x|; observed ≤ 5e-5 for one product.
 pub const Q16_REL: f64 = 5e-4;
 /// A GLU MLP on that table (two rounded products, see [`Q8_GLU_REL`]); observed up to 1.7e-4.
@@ -55,7 +55,7 @@ pub enum Numerics {
     Exact,
     /// Prefill (4+ rows) activations of 4-bit products rounded to int8 (`avx512vnni`).
     Int8Prefill,
-    /// Every 4-bit product's activations rounded to int16 (`avx512i16`).
+    /// Every 4-bit product's activations rounded to int16 (`avx512i16`, `amx`, `avx2i16`).
     Int16,
 }
 

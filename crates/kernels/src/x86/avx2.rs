@@ -24,6 +24,7 @@ pub(super) static TABLE: Kernels = Kernels {
     layout2: XLayout::Mod4x32,
     q8: false,
     q16: false,
+    q16_lanes: None,
     amx: false,
     rounding: None,
     gemv,
@@ -43,13 +44,13 @@ pub(super) static TABLE: Kernels = Kernels {
 // The safe wrappers below are only reachable through `TABLE`, which `super::available` hands out only after
 // `supported()` returned true.
 
-fn gemv(m: &QMatrix, p: &PreparedX, y: &mut [f32], r0: usize, r1: usize) {
+pub(super) fn gemv(m: &QMatrix, p: &PreparedX, y: &mut [f32], r0: usize, r1: usize) {
     p.check(m, TABLE.layout_for(m.bits, m.group_size, p.n));
     // SAFETY: AVX2, FMA and F16C are present (see above); shapes were checked by the caller.
     unsafe { gemv_impl(m, p, y, r0, r1) }
 }
 
-fn gemm(m: &QMatrix, p: &PreparedX, y: &mut [f32], r0: usize, r1: usize) {
+pub(super) fn gemm(m: &QMatrix, p: &PreparedX, y: &mut [f32], r0: usize, r1: usize) {
     p.check(m, TABLE.layout_for(m.bits, m.group_size, p.n));
     // SAFETY: as for `gemv`.
     unsafe { gemm_impl(m, p, y, r0, r1) }

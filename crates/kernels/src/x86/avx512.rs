@@ -33,6 +33,7 @@ pub(super) const EXACT: Kernels = Kernels {
     layout2: XLayout::Mod4x32,
     q8: false,
     q16: false,
+    q16_lanes: None,
     amx: false,
     rounding: None,
     gemv,

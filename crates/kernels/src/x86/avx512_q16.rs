@@ -27,6 +27,7 @@ pub(super) fn supported() -> bool {
 pub(super) static TABLE: Kernels = Kernels {
     name: "avx512i16",
     q16: true,
+    q16_lanes: Some(crate::prepared::Q16_MIN_ROWS),
     rounding: Some("int16 activations"),
     gemv,
     gemm,

@@ -51,6 +51,7 @@ macro_rules! define_gemv {
 
 mod amx;
 mod avx2;
+mod avx2_q16;
 mod avx512;
 mod avx512_q16;
 mod avx512_vec;
@@ -61,6 +62,9 @@ pub(crate) fn available() -> Vec<&'static Kernels> {
     let mut v = Vec::new();
     if avx2::supported() {
         v.push(&avx2::TABLE);
+    }
+    if avx2_q16::supported() {
+        v.push(&avx2_q16::TABLE);
     }
     if avx512::supported() {
         v.push(&avx512::TABLE);
