@@ -113,17 +113,34 @@ impl Kernels {
     /// benchmarks); an unknown or unsupported value falls back to detection.
     pub fn detect() -> &'static Kernels {
         static PICK: OnceLock<&'static Kernels> = OnceLock::new();
-        PICK.get_or_init(|| {
-            if let Ok(want) = std::env::var("MFERENCE_KERNELS") {
-                if let Some(k) = Self::by_name(want.trim()) {
-                    return k;
-                }
-            }
-            Self::available()
-                .into_iter()
-                .rfind(|k| k.is_exact())
-                .unwrap_or(&SCALAR)
-        })
+        PICK.get_or_init(|| Self::forced_by_env().unwrap_or_else(Self::best_exact))
+    }
+
+    /// The fastest exact (f32) table this CPU runs, whatever `MFERENCE_KERNELS` says.
+    pub fn best_exact() -> &'static Kernels {
+        Self::available()
+            .into_iter()
+            .rfind(|k| k.is_exact())
+            .unwrap_or(&SCALAR)
+    }
+
+    /// The table `MFERENCE_KERNELS` names, if it names one this CPU runs; a value that does not
+    /// is said on stderr (once) and ignored.
+    fn forced_by_env() -> Option<&'static Kernels> {
+        static SAID: std::sync::Once = std::sync::Once::new();
+        let want = std::env::var("MFERENCE_KERNELS").ok()?;
+        let k = Self::by_name(want.trim());
+        if k.is_none() {
+            SAID.call_once(|| {
+                let here: Vec<&str> = Self::available().iter().map(|k| k.name()).collect();
+                eprintln!(
+                    "mference: MFERENCE_KERNELS='{want}' is not a kernel table this CPU runs \
+                     ({}); ignored",
+                    here.join(", ")
+                )
+            });
+        }
+        k
     }
 
     /// The table `auto` takes for a model whose family was checked with int16 activations (Gemma 4
@@ -134,8 +151,7 @@ impl Kernels {
     /// and decode 0.96-1.25x `avx2`'s on an AMD Zen 3), else [`Kernels::detect`]'s exact table. `MFERENCE_KERNELS` naming a table this CPU runs
     /// overrides it as it does `detect` (an unknown or unsupported value is ignored by both).
     pub fn detect_int16() -> &'static Kernels {
-        let forced = std::env::var("MFERENCE_KERNELS").ok();
-        if forced.is_some_and(|want| Self::by_name(want.trim()).is_some()) {
+        if Self::forced_by_env().is_some() {
             return Self::detect();
         }
         Self::by_name("amx")

@@ -136,11 +136,12 @@ pub fn check_kernels(kernels: Option<&str>, family: Family) -> Result<(), ModelE
     match table {
         Some(t) if !t.is_exact() && !family.int8_prefill() => Err(ModelError::Config(format!(
             "{from}{}{} (rounded activations) is checked only for {}; on {} it is not checked \
-             against the reference: use --kernels avx512 (or auto)",
+             against the reference: use --kernels {} (or auto)",
             if from == "--kernels" { " " } else { "" },
             t.name(),
             Family::display_names_where(Family::int8_prefill, " and "),
             family.display_name(),
+            Kernels::best_exact().name(),
         ))),
         _ => Ok(()),
     }
