@@ -110,7 +110,7 @@ impl Kernels {
     /// Only exact (pure f32) tables are picked here ([`Kernels::detect_int16`] is the int16 choice
     /// for the families checked with it). The environment variable `MFERENCE_KERNELS`
     /// (`scalar`, `avx2`, `avx512`, `avx512vnni`) forces a table if the CPU supports it (for debugging and A/B
-    /// benchmarks); an unknown or unsupported value falls back to detection.
+    /// benchmarks); an unknown or unsupported value is said on stderr and falls back to detection.
     pub fn detect() -> &'static Kernels {
         static PICK: OnceLock<&'static Kernels> = OnceLock::new();
         PICK.get_or_init(|| Self::forced_by_env().unwrap_or_else(Self::best_exact))
@@ -147,9 +147,10 @@ impl Kernels {
     /// and Qwen 3.6): `amx` where this CPU has AMX-INT8, else `avx512i16` where it has AVX-512
     /// VNNI (int16 activations in every 4-bit product: perplexity within 0.002% of the exact
     /// table's on the bundled models, faster prompts and decode, batch-invariant), else `avx2i16`
-    /// where it has AVX2 (the same rounding, within 0.006% of `avx2`'s perplexity; prompts 1.3-2.2x
-    /// and decode 0.96-1.25x `avx2`'s on an AMD Zen 3), else [`Kernels::detect`]'s exact table. `MFERENCE_KERNELS` naming a table this CPU runs
-    /// overrides it as it does `detect` (an unknown or unsupported value is ignored by both).
+    /// where it has AVX2 (the same rounding, within 0.006% of `avx2`'s perplexity; prompts
+    /// 1.3-2.2x and decode 0.96-1.25x `avx2`'s on an AMD Zen 3), else [`Kernels::detect`]'s exact
+    /// table. `MFERENCE_KERNELS` naming a table this CPU runs overrides it as it does `detect` (an
+    /// unknown or unsupported value is said on stderr and ignored by both).
     pub fn detect_int16() -> &'static Kernels {
         if Self::forced_by_env().is_some() {
             return Self::detect();
@@ -180,14 +181,14 @@ impl Kernels {
         v
     }
 
-    /// The table called `name` (`"scalar"`, `"avx2"`, `"avx2i16"`, `"avx512"`, `"avx512i16"`, `"amx"`,
-    /// `"avx512vnni"`), if this CPU supports it.
+    /// The table called `name` (`"scalar"`, `"avx2"`, `"avx2i16"`, `"avx512"`, `"avx512i16"`,
+    /// `"amx"`, `"avx512vnni"`), if this CPU supports it.
     pub fn by_name(name: &str) -> Option<&'static Kernels> {
         Self::available().into_iter().find(|k| k.name == name)
     }
 
-    /// Short name of this table: `"scalar"`, `"avx2"`, `"avx2i16"`, `"avx512"`, `"avx512i16"`, `"amx"` or
-    /// `"avx512vnni"`.
+    /// Short name of this table: `"scalar"`, `"avx2"`, `"avx2i16"`, `"avx512"`, `"avx512i16"`,
+    /// `"amx"` or `"avx512vnni"`.
     pub fn name(&self) -> &'static str {
         self.name
     }

@@ -122,38 +122,34 @@ fn qwen_same_seed_same_tokens_cold_warm_and_streamed() {
     same_seed_same_tokens("qwen3_6-tiny", "qwen-tiny", None);
 }
 
+/// Both bundled models with `--kernels table`, or a skip message naming what this CPU lacks.
+fn table_same_seed_same_tokens(table: &str, lacking: &str) {
+    if mference_kernels::Kernels::by_name(table).is_none() {
+        eprintln!("skipped: this CPU has no {lacking}");
+        return;
+    }
+    same_seed_same_tokens("gemma4-tiny", "gemma-tiny", Some(table));
+    same_seed_same_tokens("qwen3_6-tiny", "qwen-tiny", Some(table));
+}
+
 /// The int16-activation table (`--kernels avx512i16`) is batch-invariant too: its GEMV and its
 /// 16-tokens-per-register GEMM add the same exact integer sums in the same f32 order.
 #[test]
 fn int16_kernels_same_seed_same_tokens() {
-    if mference_kernels::Kernels::by_name("avx512i16").is_none() {
-        eprintln!("skipped: this CPU has no AVX-512 VNNI");
-        return;
-    }
-    same_seed_same_tokens("gemma4-tiny", "gemma-tiny", Some("avx512i16"));
-    same_seed_same_tokens("qwen3_6-tiny", "qwen-tiny", Some("avx512i16"));
+    table_same_seed_same_tokens("avx512i16", "AVX-512 VNNI");
 }
 
 /// `--kernels avx2i16` (int16 activations on AVX2, `auto`'s table for these families on CPUs
-/// without AVX-512 VNNI): its GEMM is passes of its GEMV, the same f32 sequence per token.
+/// without AVX-512 VNNI): its GEMV and its 8-tokens-per-register GEMM take the same f32 steps per
+/// token.
 #[test]
 fn avx2_int16_kernels_same_seed_same_tokens() {
-    if mference_kernels::Kernels::by_name("avx2i16").is_none() {
-        eprintln!("skipped: this CPU has no AVX2");
-        return;
-    }
-    same_seed_same_tokens("gemma4-tiny", "gemma-tiny", Some("avx2i16"));
-    same_seed_same_tokens("qwen3_6-tiny", "qwen-tiny", Some("avx2i16"));
+    table_same_seed_same_tokens("avx2i16", "AVX2");
 }
 
 /// `--kernels amx` (the int16 table with its prompt GEMM on AMX tiles) gives the same integer sums
 /// in the same f32 order as its GEMV, so it is batch-invariant too.
 #[test]
 fn amx_kernels_same_seed_same_tokens() {
-    if mference_kernels::Kernels::by_name("amx").is_none() {
-        eprintln!("skipped: this CPU (or OS) has no AMX-INT8");
-        return;
-    }
-    same_seed_same_tokens("gemma4-tiny", "gemma-tiny", Some("amx"));
-    same_seed_same_tokens("qwen3_6-tiny", "qwen-tiny", Some("amx"));
+    table_same_seed_same_tokens("amx", "AMX-INT8 (or its OS does not grant it)");
 }

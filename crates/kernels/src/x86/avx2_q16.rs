@@ -16,6 +16,7 @@
 
 use std::arch::x86_64::*;
 
+use super::avx512_q16::group_step;
 use super::{avx2, with_wtile};
 use crate::dispatch::Kernels;
 use crate::prepared::{PreparedX, XLayout};
@@ -79,13 +80,6 @@ fn gemm(m: &QMatrix, p: &PreparedX, y: &mut [f32], r0: usize, r1: usize) {
         }
         t += k;
     }
-}
-
-/// The f32 side of one group for one (row, token), as `avx512i16`'s.
-#[inline(always)]
-fn group_step(acc: f32, isum: i32, (scale, bias): (f32, f32), (d, sum): (f32, f32)) -> f32 {
-    let acc = (isum as f32).mul_add(scale * d, acc);
-    bias.mul_add(sum, acc)
 }
 
 /// Rows `[r0, r1)` of `W x` for tokens `t0..t0+T` into `y` (token `t` at `t · ldy`).

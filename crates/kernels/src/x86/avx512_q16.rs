@@ -69,9 +69,15 @@ pub(super) fn gemm(m: &QMatrix, p: &PreparedX, y: &mut [f32], r0: usize, r1: usi
 const PF_ROWS: usize = 8;
 
 /// The f32 side of one group for one (row, token): `acc = fma(isum, scale · d, acc)`, then
-/// `acc = fma(bias, sum, acc)` (the GEMM's lanes do the same, lane by lane).
+/// `acc = fma(bias, sum, acc)` (the GEMM's lanes do the same, lane by lane). `avx2i16` takes this
+/// step too, so the int16 tables share their f32 numerics.
 #[inline(always)]
-fn group_step(acc: f32, isum: i32, (scale, bias): (f32, f32), (d, sum): (f32, f32)) -> f32 {
+pub(super) fn group_step(
+    acc: f32,
+    isum: i32,
+    (scale, bias): (f32, f32),
+    (d, sum): (f32, f32),
+) -> f32 {
     let acc = (isum as f32).mul_add(scale * d, acc);
     bias.mul_add(sum, acc)
 }
