@@ -165,45 +165,97 @@ fn cuda_greedy_64_matches_mlx_lm_at_every_gpu_budget() {
     }
 }
 
+/// The reference's prompt and greedy ids of `model` as a `--ids` file in `work`.
+fn ids_file(work: &Path, model: &str) -> std::path::PathBuf {
+    let r = &reference(model)["greedy64_raw_prompt"];
+    let mut all = ids(&r["prompt_ids"]);
+    all.extend(ids(&r["generated_ids"]));
+    let idf = work.join(format!("{model}.json"));
+    std::fs::write(&idf, serde_json::to_string(&all).unwrap()).unwrap();
+    idf
+}
+
+/// The bytes of the logits `mference logits --device cuda --mode <mode>` writes for the ids in
+/// `idf` on `inst`, with `extra` arguments and `env` set.
+fn cuda_logits(
+    inst: &Path,
+    mode: &str,
+    idf: &Path,
+    out: &Path,
+    extra: &[String],
+    env: &[(&str, &str)],
+) -> Vec<u8> {
+    let mut cmd = std::process::Command::new(BIN);
+    cmd.args(["logits", "--device", "cuda", "--mode", mode, "--model"])
+        .arg(inst)
+        .arg("--ids")
+        .arg(idf)
+        .arg("--out")
+        .arg(out)
+        .args(extra)
+        .envs(env.iter().copied());
+    output_ok(&mut cmd);
+    std::fs::read(out).unwrap()
+}
+
+/// `f(model, install, mode, ids file, work dir)` for each model and the modes `chunk:16` and
+/// `decode`.
+fn each_model_and_mode(mut f: impl FnMut(&str, &Path, &str, &Path, &Path)) {
+    let work = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    for model in models() {
+        let inst = installed_asset(&model);
+        let idf = ids_file(work.path(), &model);
+        for mode in ["chunk:16", "decode"] {
+            f(&model, inst, mode, &idf, work.path());
+        }
+    }
+}
+
 #[test]
 fn cuda_logits_are_bit_identical_across_gpu_budgets() {
     if !cuda() {
         return;
     }
-    let work = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    for model in models() {
-        let model = model.as_str();
-        let inst = installed_asset(model);
-        let r = &reference(model)["greedy64_raw_prompt"];
-        let mut all = ids(&r["prompt_ids"]);
-        all.extend(ids(&r["generated_ids"]));
-        let idf = work.path().join(format!("{model}.json"));
-        std::fs::write(&idf, serde_json::to_string(&all).unwrap()).unwrap();
-        for mode in ["chunk:16", "decode"] {
-            let mut first: Option<(String, Vec<u8>)> = None;
-            for (i, (name, extra)) in settings(inst).into_iter().enumerate() {
-                let out = work.path().join(format!("{model}-{i}.npy"));
-                let mut cmd = std::process::Command::new(BIN);
-                cmd.args(["logits", "--device", "cuda", "--mode", mode, "--model"])
-                    .arg(inst)
-                    .arg("--ids")
-                    .arg(&idf)
-                    .arg("--out")
-                    .arg(&out)
-                    .args(&extra);
-                output_ok(&mut cmd);
-                let bytes = std::fs::read(&out).unwrap();
-                match &first {
-                    None => first = Some((name, bytes)),
-                    Some((n0, b0)) => assert!(
-                        *b0 == bytes,
-                        "{model} {mode}: logits with {name} differ from those with {n0}"
-                    ),
-                }
+    each_model_and_mode(|model, inst, mode, idf, work| {
+        let mut first: Option<(String, Vec<u8>)> = None;
+        for (i, (name, extra)) in settings(inst).into_iter().enumerate() {
+            let out = work.join(format!("{model}-{i}.npy"));
+            let bytes = cuda_logits(inst, mode, idf, &out, &extra, &[]);
+            match &first {
+                None => first = Some((name, bytes)),
+                Some((n0, b0)) => assert!(
+                    *b0 == bytes,
+                    "{model} {mode}: logits with {name} differ from those with {n0}"
+                ),
             }
-            eprintln!("{model} {mode}: logits bit-identical over every GPU budget and host tier");
         }
+        eprintln!("{model} {mode}: logits bit-identical over every GPU budget and host tier");
+    });
+}
+
+/// Programmatic dependent launch (each kernel started while the previous one runs, waiting in
+/// the kernel for its completion) and the weight prefetch it allows change when work runs, never
+/// a value: the logits with both off equal those with the defaults, bit for bit. A kernel that
+/// touched memory before its wait would race its predecessor and could show here.
+#[test]
+fn cuda_logits_do_not_depend_on_dependent_launch() {
+    if !cuda() {
+        return;
     }
+    each_model_and_mode(|model, inst, mode, idf, work| {
+        let on = work.join(format!("{model}-on.npy"));
+        let off = work.join(format!("{model}-off.npy"));
+        let pdl_off = [
+            ("MFERENCE_CUDA_PDL", "0"),
+            ("MFERENCE_CUDA_QV_PREFETCH", "0"),
+        ];
+        assert!(
+            cuda_logits(inst, mode, idf, &on, &[], &[])
+                == cuda_logits(inst, mode, idf, &off, &[], &pdl_off),
+            "{model} {mode}: logits with dependent launch differ from those without"
+        );
+        eprintln!("{model} {mode}: logits bit-identical with and without dependent launch");
+    });
 }
 
 #[test]

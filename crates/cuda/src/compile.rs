@@ -44,12 +44,13 @@ const MAGIC: &[u8; 8] = b"MFCUBIN1";
 /// [`qv_unroll`], so the cache keeps one entry per value.
 pub(crate) fn source() -> String {
     let mut s = format!(
-        "#define QV_R {}\n#define QV_U {}\n#define QV_STAGE {}\n#define DC_R2 {}\n#define QT_TERMS {}\n",
+        "#define QV_R {}\n#define QV_U {}\n#define QV_STAGE {}\n#define DC_R2 {}\n#define QT_TERMS {}\n#define QV_PF {}\n",
         qv_rows(),
         qv_unroll(),
         qv_stage(),
         dc_rows(2),
-        qt_terms()
+        qt_terms(),
+        qv_prefetch()
     );
     if let Some(n) = std::env::var("MFERENCE_CUDA_QM_UNROLL")
         .ok()
@@ -115,6 +116,14 @@ pub(crate) fn qv_stage() -> usize {
 pub(crate) fn qv_passes() -> usize {
     static PASSES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     knob(&PASSES, "MFERENCE_CUDA_QV_PASSES", &[1, 4], 4)
+}
+
+/// Whether the resident one-row products prefetch their block's rows into L2 before waiting for
+/// the previous kernel (ops/quant.cu `QV_PF`; the same bits either way): 1, or
+/// `MFERENCE_CUDA_QV_PREFETCH=0` (for measurements).
+pub(crate) fn qv_prefetch() -> usize {
+    static PF: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    knob(&PF, "MFERENCE_CUDA_QV_PREFETCH", &[0, 1], 1)
 }
 
 /// Rows of a `qmv_down_combine` row group at `bits` bits (ops/moe.cu: `DC_R2` at 2 bits, else

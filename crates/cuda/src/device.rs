@@ -125,6 +125,10 @@ pub struct CudaBackend {
     pub(crate) reuse: Arc<Reuse>,
     /// Kernel launches since load (every op, counted by `launch!`).
     pub(crate) launches: std::sync::atomic::AtomicU64,
+    /// Programmatic dependent launch: each kernel may start (and wait in `grid_dep_wait`) while
+    /// the previous one runs. On for compute capability 9.0 and later unless
+    /// `MFERENCE_CUDA_PDL=0`.
+    pub(crate) pdl: bool,
 }
 
 /// (op, kernel) → (launches, time from launch to its end).
@@ -223,6 +227,7 @@ impl CudaBackend {
                 .map(|v| (v != "host", Mutex::new(BTreeMap::new()))),
             reuse: Arc::default(),
             launches: Default::default(),
+            pdl: major >= 9 && std::env::var_os("MFERENCE_CUDA_PDL").is_none_or(|v| v != "0"),
         })
     }
 

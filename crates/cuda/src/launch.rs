@@ -5,6 +5,9 @@ use crate::*;
 
 /// Launches kernel `$k` for op `$op` with `$cfg` and the arguments (references to locals or
 /// device buffers, in the order of the kernel's parameters); an empty grid launches nothing.
+/// With [`CudaBackend::pdl`] on, the launch lets the kernel start while the stream's previous
+/// kernel runs (programmatic dependent launch): every kernel waits for its predecessor's
+/// completion with `grid_dep_wait` (ops/common.cuh) before it reads or writes memory.
 macro_rules! launch {
     ($be:expr, $op:expr, $k:expr, $cfg:expr, $($arg:expr),+ $(,)?) => {{
         let cfg: LaunchConfig = $cfg;
@@ -14,17 +17,126 @@ macro_rules! launch {
             let kernel: &'static str = $k;
             $be.launches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let t0 = $be.profile_start();
-            let mut b = $be.stream.launch_builder(&$be.funcs[kernel]);
-            $( b.arg($arg); )+
+            let args = [$( $crate::launch::KernelArg::addr($arg, &$be.stream) ),+];
             // SAFETY: the arguments follow the kernel's parameter list in ops/*.cu (device
             // buffers, or their `u64` addresses, as pointers; `i32` as int, `u64` as u64, `f32`
             // as float; `QJobs` / `Pairs` by value), and the op checked that every buffer holds
             // what the launch's shape reads or writes.
-            let r = unsafe { b.launch(cfg) }.map(|_| ()).map_err(|e| $be.dev($op, e));
+            let r = unsafe {
+                $crate::launch::launch_kernel(&$be.stream, &$be.funcs[kernel], cfg, $be.pdl, &args)
+            }
+            .map_err(|e| $be.dev($op, e));
             $be.profile_end($op, kernel, t0);
             r
         }
     }};
+}
+
+/// Where `cuLaunchKernelEx` finds one kernel argument: the address of a host value (a scalar
+/// or a by-value struct, borrowed for the launch) or a device buffer's address, copied.
+#[derive(Clone, Copy)]
+pub(crate) enum ArgAddr {
+    At(*const std::ffi::c_void),
+    Device(u64),
+}
+
+/// A value a kernel takes by value (the `repr(C)` twins of the `.cu` structs, and scalars).
+///
+/// # Safety
+/// The type's bytes are what the kernel's parameter of that type reads: the same size and
+/// layout, no padding the kernel reads, no pointers to host memory.
+pub(crate) unsafe trait Scalar {}
+
+/// One argument of [`launch!`]: a reference to a [`Scalar`] or to a device buffer.
+pub(crate) trait KernelArg {
+    fn addr(self, stream: &CudaStream) -> ArgAddr;
+}
+
+impl<T: Scalar> KernelArg for &T {
+    fn addr(self, _: &CudaStream) -> ArgAddr {
+        ArgAddr::At(self as *const T as *const std::ffi::c_void)
+    }
+}
+
+impl<T> KernelArg for &CudaSlice<T> {
+    fn addr(self, stream: &CudaStream) -> ArgAddr {
+        ArgAddr::Device(self.device_ptr(stream).0)
+    }
+}
+
+impl<T> KernelArg for &mut CudaSlice<T> {
+    fn addr(self, stream: &CudaStream) -> ArgAddr {
+        ArgAddr::Device(self.device_ptr_mut(stream).0)
+    }
+}
+
+// SAFETY: C's int, unsigned, unsigned long long and float.
+unsafe impl Scalar for i32 {}
+unsafe impl Scalar for u32 {}
+unsafe impl Scalar for u64 {}
+unsafe impl Scalar for f32 {}
+
+/// Most arguments of one kernel.
+const MAX_ARGS: usize = 24;
+
+/// Launches `f` on `stream` with `cfg` and `args` through `cuLaunchKernelEx`, with the
+/// programmatic stream serialization attribute when `pdl`.
+///
+/// # Safety
+/// `args` match `f`'s parameters in number, order and type, and the buffers they name hold
+/// what the kernel reads and writes; every host value `args` points at lives until this returns.
+pub(crate) unsafe fn launch_kernel(
+    stream: &CudaStream,
+    f: &CudaFunction,
+    cfg: LaunchConfig,
+    pdl: bool,
+    args: &[ArgAddr],
+) -> Result<(), DriverError> {
+    use cudarc::driver::sys;
+    assert!(
+        args.len() <= MAX_ARGS,
+        "a kernel of more than {MAX_ARGS} arguments"
+    );
+    stream.context().bind_to_thread()?;
+    let mut dev = [0u64; MAX_ARGS];
+    for (d, a) in dev.iter_mut().zip(args) {
+        if let ArgAddr::Device(p) = *a {
+            *d = p;
+        }
+    }
+    let mut ptrs: [*mut std::ffi::c_void; MAX_ARGS] = [std::ptr::null_mut(); MAX_ARGS];
+    for (i, a) in args.iter().enumerate() {
+        ptrs[i] = match *a {
+            ArgAddr::At(p) => p as *mut _,
+            ArgAddr::Device(_) => &mut dev[i] as *mut u64 as *mut _,
+        };
+    }
+    // SAFETY: a zeroed attribute is a valid "ignore" entry; its id and value are set below.
+    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    let config = sys::CUlaunchConfig {
+        gridDimX: cfg.grid_dim.0,
+        gridDimY: cfg.grid_dim.1,
+        gridDimZ: cfg.grid_dim.2,
+        blockDimX: cfg.block_dim.0,
+        blockDimY: cfg.block_dim.1,
+        blockDimZ: cfg.block_dim.2,
+        sharedMemBytes: cfg.shared_mem_bytes,
+        hStream: stream.cu_stream(),
+        attrs: &mut attr,
+        numAttrs: pdl as u32,
+    };
+    // SAFETY: the caller's contract; `ptrs` and `dev` outlive the call, which copies the values.
+    unsafe {
+        sys::cuLaunchKernelEx(
+            &config,
+            f.cu_function(),
+            ptrs.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    }
+    .result()
 }
 
 /// `qmatmul` (ops/quant.cu): output rows per block (a warp each), products per launch, rows
@@ -80,7 +192,7 @@ pub(crate) struct QJobs {
 }
 
 // SAFETY: plain `repr(C)` u64 arrays, laid out as `struct QJobs` in ops/quant.cu.
-unsafe impl cudarc::driver::DeviceRepr for QJobs {}
+unsafe impl Scalar for QJobs {}
 
 /// The `QvRows` argument of `qmv`: each job's output rows.
 #[repr(C)]
@@ -90,7 +202,7 @@ pub(crate) struct QvRows {
 }
 
 // SAFETY: a plain `repr(C)` i32 array, laid out as `struct QvRows` in ops/quant.cu.
-unsafe impl cudarc::driver::DeviceRepr for QvRows {}
+unsafe impl Scalar for QvRows {}
 
 /// The `QIdJobs` argument of `qmv_ids`: byte offsets of up to two matrices in an expert
 /// blob, and per product the input and output rows, the place of its expert among the device-side
@@ -108,7 +220,7 @@ pub(crate) struct QIdJobs {
 }
 
 // SAFETY: plain `repr(C)` arrays of u64 and i32, laid out as `struct QIdJobs` in ops/quant.cu.
-unsafe impl cudarc::driver::DeviceRepr for QIdJobs {}
+unsafe impl Scalar for QIdJobs {}
 
 /// The `ForcedIds` argument of `route_one`.
 #[repr(C)]
@@ -118,7 +230,7 @@ pub(crate) struct ForcedIds {
 }
 
 // SAFETY: a plain `repr(C)` u32 array, laid out as `struct ForcedIds` in ops/router.cu.
-unsafe impl cudarc::driver::DeviceRepr for ForcedIds {}
+unsafe impl Scalar for ForcedIds {}
 
 /// The `RelArgs` argument of the attention kernels (ops/attention.cu): Inkling's relative-position
 /// bias, `rel` = 0 for plain attention.
@@ -137,7 +249,7 @@ pub(crate) struct RelArgs {
 }
 
 // SAFETY: `repr(C)` u64, u64, i32, i32, f32, f32, laid out as `struct RelArgs` in ops/attention.cu.
-unsafe impl cudarc::driver::DeviceRepr for RelArgs {}
+unsafe impl Scalar for RelArgs {}
 
 /// The `SparseArgs` argument of the split attention kernel (ops/attention.cu): DeepSeek-V4's
 /// compressed entries and each row's visible ones, `ent` = 0 for plain attention.
@@ -152,7 +264,7 @@ pub(crate) struct SparseArgs {
 }
 
 // SAFETY: `repr(C)` u64 x 3, laid out as `struct SparseArgs` in ops/attention.cu.
-unsafe impl cudarc::driver::DeviceRepr for SparseArgs {}
+unsafe impl Scalar for SparseArgs {}
 
 /// Parts one `split_parts` launch writes (ops/elementwise.cu `SPLIT_PARTS`).
 pub(crate) const SPLIT_PARTS: usize = 4;
@@ -170,7 +282,7 @@ pub(crate) struct SplitParts {
 
 // SAFETY: plain `repr(C)` arrays and an i32, laid out as `struct SplitParts` in
 // ops/elementwise.cu.
-unsafe impl cudarc::driver::DeviceRepr for SplitParts {}
+unsafe impl Scalar for SplitParts {}
 
 /// Pre-norms one `rms_norm_add_pre` launch writes (ops/norm.cu `PRE_NORMS`).
 pub(crate) const PRE_NORMS: usize = 4;
@@ -192,7 +304,7 @@ pub(crate) struct PreNorms {
 
 // SAFETY: plain `repr(C)` arrays of u64, f32 and i32 and an i32, laid out as `struct PreNorms` in
 // ops/norm.cu.
-unsafe impl cudarc::driver::DeviceRepr for PreNorms {}
+unsafe impl Scalar for PreNorms {}
 
 /// The `QkvNorms` argument of `rms_norm_rope_kv_*` (ops/norm.cu): the mode, weight offset and
 /// constant of q's, k's and v's per-head norms (v's mode -1: none).
@@ -206,7 +318,7 @@ pub(crate) struct QkvNorms {
 
 // SAFETY: plain `repr(C)` arrays of u64, f32 and i32, laid out as `struct QkvNorms` in
 // ops/norm.cu.
-unsafe impl cudarc::driver::DeviceRepr for QkvNorms {}
+unsafe impl Scalar for QkvNorms {}
 
 /// The `Pairs` argument of `scatter_add`.
 #[repr(C)]
@@ -217,7 +329,7 @@ pub(crate) struct Pairs {
 }
 
 // SAFETY: plain `repr(C)` arrays of u32 and f32, laid out as `struct Pairs` in the kernel.
-unsafe impl cudarc::driver::DeviceRepr for Pairs {}
+unsafe impl Scalar for Pairs {}
 
 /// One product of a `qmatmul` launch: matrix `w` in the bytes at device address `buf` (`len` of
 /// them valid), the rows of x at device address `x`, the output rows at `y`.

@@ -24,6 +24,7 @@ __device__ __forceinline__ void rope_pair(const float* src, float* dst, int i, i
 extern "C" __global__ void rope(float* x, u64 t_rows, int cols, int head_dim, int rotated,
                                 int style, const float* inv_freq, int pos0,
                                 const int* positions, float mscale) {
+    grid_dep_wait();
     int half = rotated / 2;
     int heads = cols / head_dim;
     FOR_EACH(idx, t_rows * (u64)heads * half) {
@@ -56,11 +57,13 @@ struct ToF32 { __device__ float operator()(float x) const { return x; } };
 
 extern "C" __global__ void kv_write_f16(u16* ks, u16* vs, const float* k, const float* v,
                                         int t_rows, int width, int rows, int ring, int pos0) {
+    grid_dep_wait();
     kv_write_impl(ks, vs, k, v, t_rows, width, rows, ring, pos0, ToF16());
 }
 
 extern "C" __global__ void kv_write_f32(float* ks, float* vs, const float* k, const float* v,
                                         int t_rows, int width, int rows, int ring, int pos0) {
+    grid_dep_wait();
     kv_write_impl(ks, vs, k, v, t_rows, width, rows, ring, pos0, ToF32());
 }
 
@@ -231,6 +234,7 @@ __device__ void attention_impl(const float* q, const S* ks, const S* vs, int t_r
 extern "C" __global__ void attention_merge(const float* part_m, const float* part_l,
                                            const float* part_o, int items, int nh, int d,
                                            int splits, const float* sinks, float* out) {
+    grid_dep_wait();
     int item = blockIdx.x;
     if (item >= items) return;
     int h = item % nh;
@@ -256,6 +260,7 @@ extern "C" __global__ void attention_f16(const float* q, const u16* ks, const u1
                                          int pos0, int window, float scale, int splits,
                                          RelArgs ra, SparseArgs sa, float* part_m,
                                          float* part_l, float* part_o) {
+    grid_dep_wait();
     attention_impl(q, ks, vs, t_rows, nh, nkv, d, rows, ring, pos0, window, scale, splits, ra,
                    sa, part_m, part_l, part_o);
 }
@@ -265,6 +270,7 @@ extern "C" __global__ void attention_f32(const float* q, const float* ks, const 
                                          int pos0, int window, float scale, int splits,
                                          RelArgs ra, SparseArgs sa, float* part_m,
                                          float* part_l, float* part_o) {
+    grid_dep_wait();
     attention_impl(q, ks, vs, t_rows, nh, nkv, d, rows, ring, pos0, window, scale, splits, ra,
                    sa, part_m, part_l, part_o);
 }
@@ -454,7 +460,7 @@ __device__ void attention_tiled_impl(float (*kt)[32 * DK], float (*vt)[32 * DK],
     extern "C" __global__ void __launch_bounds__(AT_WARPS * 32)                                 \
         NAME(const float* q, const S* ks, const S* vs, int t_rows, int nh, int nkv, int d,      \
              int rows, int ring, int pos0, int window, float scale, const float* sinks,        \
-             RelArgs ra, float* out) {                                                          \
+             RelArgs ra, float* out) { grid_dep_wait();                                         \
         __shared__ __align__(16) float kt[AT_POS][32 * DK];                                     \
         __shared__ __align__(16) float vt[AT_POS][32 * DK];                                     \
         attention_tiled_impl<S, DK>(kt, vt, q, ks, vs, t_rows, nh, nkv, d, rows, ring, pos0,    \

@@ -10,6 +10,24 @@ typedef unsigned short u16;
 
 #define F32_INF __int_as_float(0x7f800000)
 
+// Device bytes [lo, hi) into L2, a 128-byte line per thread of the block per step (a hint: no
+// value changes).
+__device__ __forceinline__ void prefetch_l2(u64 lo, u64 hi) {
+    for (u64 a = (lo & ~(u64)127) + 128 * (u64)threadIdx.x; a < hi; a += 128 * (u64)blockDim.x)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
+}
+
+// Programmatic dependent launch (launch.rs `launch_kernel`): a kernel may be started while the
+// stream's previous kernel still runs. Every kernel calls this first: it waits until that kernel
+// has completed and its writes are visible, then lets the stream's next kernel be started in turn
+// (which waits here the same way). A no-op before sm_90 and for a launch without the attribute.
+__device__ __forceinline__ void grid_dep_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float bf16_to_f32(u16 h) { return __uint_as_float(((u32)h) << 16); }
 
 // Round to nearest even, as half::f16::from_f32 on the host.

@@ -6,6 +6,7 @@
 // dst[t, col0 + c] = src[t, c] for src [t_rows, c_src] and dst rows of c_dst.
 extern "C" __global__ void place_cols(const float* src, u64 t_rows, int c_src, float* dst,
                                       int c_dst, int col0) {
+    grid_dep_wait();
     FOR_EACH(i, t_rows * (u64)c_src) {
         u64 t = i / c_src, c = i % c_src;
         dst[t * c_dst + col0 + c] = src[i];
@@ -24,6 +25,7 @@ extern "C" __global__ void place_cols(const float* src, u64 t_rows, int c_src, f
 // a lane's 8 columns (8 loads in flight per mix), then a warp sum.
 extern "C" __global__ void hc_mix_parts(const float* x, int cols, const float* f, int m,
                                         float* parts) {
+    grid_dep_wait();
     int s = blockIdx.x, row = blockIdx.y, splits = gridDim.x;
     int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     const float* xr = x + (u64)row * cols;
@@ -75,6 +77,7 @@ extern "C" __global__ void hc_pre_row(const float* x, int cols, int n, const flo
                                       int splits, int m, const float* base, const float* scale,
                                       float hc_eps, float norm_eps, int sinkhorn, float* col,
                                       float* post, float* comb) {
+    grid_dep_wait();
     __shared__ float mix[HC_MAX_MIX + 1];
     __shared__ float pre[8];
     __shared__ float cs[2][HC_MAX_MIX];
@@ -149,6 +152,7 @@ extern "C" __global__ void hc_pre_row(const float* x, int cols, int n, const flo
 // [T, n * d], out [T, d], post [T, n], comb [T, n * n].
 extern "C" __global__ void hc_post(const float* x, const float* out, const float* post,
                                    const float* comb, u64 t_rows, int n, int d, float* y) {
+    grid_dep_wait();
     FOR_EACH(idx, t_rows * (u64)n * d) {
         int i = (int)(idx % d);
         u64 rk = idx / d;
@@ -196,6 +200,7 @@ __device__ __forceinline__ bool pool_slot(const float* kv, const float* gate, co
 extern "C" __global__ void compress_pool(const float* kv, const float* gate, const float* ape,
                                          int rate, int width, int overlap, const float* pk,
                                          const float* pg, u64 n_win, float* out) {
+    grid_dep_wait();
     int d = overlap ? width / 2 : width;
     int slots = overlap ? 2 * rate : rate;
     FOR_EACH(idx, n_win * (u64)d) {
@@ -221,6 +226,7 @@ extern "C" __global__ void compress_pool(const float* kv, const float* gate, con
 extern "C" __global__ void index_scores(const float* q, const float* keys, const float* weights,
                                         int t_rows, int nh, int d, int n_keys,
                                         const int* visible, float* scores) {
+    grid_dep_wait();
     u64 warps = ((u64)gridDim.x * blockDim.x) >> 5;
     u64 first = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     int lane = threadIdx.x & 31;

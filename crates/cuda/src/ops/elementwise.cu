@@ -3,6 +3,7 @@
 
 // flag <- 1 if any of x[0..n) is NaN or infinite (flag starts at 0; every writer writes 1).
 extern "C" __global__ void all_finite(const float* x, u64 n, int* flag) {
+    grid_dep_wait();
     FOR_EACH(i, n) {
         if (!finite_f32(x[i])) *flag = 1;
     }
@@ -11,6 +12,7 @@ extern "C" __global__ void all_finite(const float* x, u64 n, int* flag) {
 // out[j, :] = x[rows[j], :].
 extern "C" __global__ void gather_rows(const float* x, u64 cols, const u32* rows, u64 n_rows,
                                        float* out) {
+    grid_dep_wait();
     FOR_EACH(i, n_rows * cols) {
         u64 j = i / cols, c = i % cols;
         out[i] = x[(u64)rows[j] * cols + c];
@@ -20,6 +22,7 @@ extern "C" __global__ void gather_rows(const float* x, u64 cols, const u32* rows
 // gather_rows for many outputs in one launch: row j of the stacked rows (n_rows of them) is x's
 // row tab[n_rows + j], written to the row at device address tab[j].
 extern "C" __global__ void gather_rows_many(const float* x, u64 cols, const u64* tab, u64 n_rows) {
+    grid_dep_wait();
     FOR_EACH(i, n_rows * cols) {
         u64 j = i / cols, c = i % cols;
         ((float*)tab[j])[c] = x[tab[n_rows + j] * cols + c];
@@ -37,6 +40,7 @@ struct SplitParts {
     int n;
 };
 extern "C" __global__ void split_parts(const float* x, u64 n_groups, int group, SplitParts sp) {
+    grid_dep_wait();
     FOR_EACH(i, n_groups * (u64)group) {
         u64 g = i / group;
         int c = (int)(i % group);
@@ -51,6 +55,7 @@ extern "C" __global__ void split_parts(const float* x, u64 n_groups, int group, 
 
 // x <- op(x): 0 scale(a), 1 softcap(a), 2 clamp(a, b), 3 silu, 4 gelu-tanh, 5 sigmoid.
 extern "C" __global__ void unary(float* x, u64 n, int op, float a, float b) {
+    grid_dep_wait();
     FOR_EACH(i, n) {
         float v = x[i];
         switch (op) {
@@ -68,6 +73,7 @@ extern "C" __global__ void unary(float* x, u64 n, int op, float a, float b) {
 // x[r, i] <- x[r, i] * (w[i] * c), w BF16 at byte offset w_off of the resident buffer.
 extern "C" __global__ void mul_cols(float* x, u64 n, u64 cols, const unsigned char* base,
                                     u64 w_off, float c) {
+    grid_dep_wait();
     const u16* w = (const u16*)(base + w_off);
     FOR_EACH(i, n) { x[i] *= bf16_to_f32(w[i % cols]) * c; }
 }
@@ -98,6 +104,7 @@ __device__ __forceinline__ float block_dot_sum(float a) {
 // are added by block_dot_sum.
 extern "C" __global__ void linear(const float* x, const float* w, u64 t, u64 rows, u64 cols,
                                   float* y) {
+    grid_dep_wait();
     int th = threadIdx.x;
     for (u64 i = blockIdx.x; i < t * rows; i += gridDim.x) {
         const float* xr = x + (i / rows) * cols;
@@ -134,6 +141,7 @@ extern "C" __global__ void linear(const float* x, const float* w, u64 t, u64 row
 // 8 weights (16 bytes) and their 8 columns of x per step, two steps in flight.
 extern "C" __global__ void matmul_bf16(const float* x, u64 t, u64 rows, u64 cols,
                                        const unsigned char* base, u64 w_off, float* y) {
+    grid_dep_wait();
     const u16* w = (const u16*)(base + w_off);
     int th = threadIdx.x;
     bool wide = (cols & 7) == 0 && (w_off & 15) == 0;
@@ -176,21 +184,25 @@ extern "C" __global__ void matmul_bf16(const float* x, u64 t, u64 rows, u64 cols
 
 // x <- x * sigmoid(g).
 extern "C" __global__ void mul_sigmoid(float* x, const float* g, u64 n) {
+    grid_dep_wait();
     FOR_EACH(i, n) { x[i] *= sigmoid_f(g[i]); }
 }
 
 // x <- x * silu(z) (the gate of a gated RMSNorm).
 extern "C" __global__ void mul_silu(float* x, const float* z, u64 n) {
+    grid_dep_wait();
     FOR_EACH(i, n) { x[i] *= silu_f(z[i]); }
 }
 
 // x[r, :] <- x[r, :] * sigmoid(g[r]).
 extern "C" __global__ void mul_rows_sigmoid(float* x, const float* g, u64 n, u64 cols) {
+    grid_dep_wait();
     FOR_EACH(i, n) { x[i] *= sigmoid_f(g[i / cols]); }
 }
 
 // x <- (x + y) * s.
 extern "C" __global__ void add_scaled(float* x, const float* y, u64 n, float s) {
+    grid_dep_wait();
     FOR_EACH(i, n) { x[i] = (x[i] + y[i]) * s; }
 }
 
@@ -205,6 +217,7 @@ struct Pairs {
 // routed to twice accumulate in the caller's order, as the CPU does).
 extern "C" __global__ void scatter_add(float* acc, const float* y, Pairs p, int n_pairs,
                                        u64 cols) {
+    grid_dep_wait();
     FOR_EACH(c, cols) {
         for (int j = 0; j < n_pairs; ++j) {
             u64 o = (u64)p.rows[j] * cols + c;
@@ -219,6 +232,7 @@ extern "C" __global__ void scatter_add(float* acc, const float* y, Pairs p, int 
 // scatter_add's, so the result is the scatter_adds' in the terms' order.
 extern "C" __global__ void scatter_add_many(float* acc, u64 n, u64 cols, const u64* tab,
                                             u64 n_terms) {
+    grid_dep_wait();
     const u64* at = tab + n + 1;
     const u64* wb = at + n_terms;
     FOR_EACH(i, n * cols) {
@@ -231,5 +245,6 @@ extern "C" __global__ void scatter_add_many(float* acc, u64 n, u64 cols, const u
 
 // g <- act(g) * u: 0 GeGLU, 1 SwiGLU, 2 SwiGLU with gate <= limit and up in [-limit, limit].
 extern "C" __global__ void glu_act(float* g, const float* u, u64 n, int act, float limit) {
+    grid_dep_wait();
     FOR_EACH(i, n) g[i] = glu_f(g[i], u[i], act, limit);
 }

@@ -190,6 +190,7 @@ __device__ __forceinline__ void qgemm_bits(float* sm, const QJobs& q, int job, i
 // min((s + 1) * per, cols / QG_BK).
 extern "C" __global__ void __launch_bounds__(4 * QG_BN_MAX)
     qgemm(QGJobs jobs, int rows, int cols, int bits, int group, int bn, int splits, int per) {
+    grid_dep_wait();
     __shared__ __align__(16) float sm[2 * (QG_BM + QG_BN_MAX) * QG_LD];
     int j = blockIdx.y;
     int t_rows = jobs.t_rows[j];
@@ -216,6 +217,7 @@ struct QGSums {
 };
 
 extern "C" __global__ void qgemm_sum(QGSums sums, int splits) {
+    grid_dep_wait();
     int j = blockIdx.y;
     const float* part = (const float*)sums.part[j];
     float* y = (float*)sums.y[j];
@@ -494,6 +496,7 @@ __device__ __forceinline__ void qgemm_tc_bits(QtStage* st, const QJobs& q, int j
 // multiple of QT_BK; group a power of two, at least QT_BK.
 extern "C" __global__ void __launch_bounds__(QT_THREADS)
     qgemm_tc(QGJobs jobs, int rows, int cols, int bits, int group, int splits, int per) {
+    grid_dep_wait();
     __shared__ __align__(16) QtStage st[2];
     int j = blockIdx.y;
     int t_rows = jobs.t_rows[j];

@@ -8,10 +8,10 @@
 
 use std::sync::OnceLock;
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 use mference_backend::{check, check_mlp, Act, Mlp, OpResult, QRef, Weights};
 
-use crate::{qref_offsets, CudaBackend, CudaTensor, QJob, QJobs, QM_BLOCKS, QM_JOBS};
+use crate::{qref_offsets, CudaBackend, CudaTensor, QJob, QJobs, Scalar, QM_BLOCKS, QM_JOBS};
 
 /// Rows of x from which a product runs on a GEMM kernel (unless `MFERENCE_CUDA_QG_MIN_ROWS`
 /// says otherwise: [`min_rows`]): 2 for `qgemm_tc` (a tile of 32 rows of x costs the tensor
@@ -74,7 +74,7 @@ struct QGJobs {
 
 // SAFETY: a `repr(C)` `QJobs` (u64 arrays) and an i32 array, laid out as `struct QGJobs` in
 // ops/gemm.cu.
-unsafe impl cudarc::driver::DeviceRepr for QGJobs {}
+unsafe impl Scalar for QGJobs {}
 
 /// The `QGSums` argument of `qgemm_sum`: per product its split sums, its output, and the floats
 /// of one split.
@@ -87,7 +87,7 @@ struct QGSums {
 }
 
 // SAFETY: plain `repr(C)` u64 arrays, laid out as `struct QGSums` in ops/gemm.cu.
-unsafe impl cudarc::driver::DeviceRepr for QGSums {}
+unsafe impl Scalar for QGSums {}
 
 /// Rows of x from which a product runs on a GEMM kernel: [`QT_MIN_ROWS`] (`qgemm_tc`) or
 /// [`QG_MIN_ROWS`] (`qgemm`), or `MFERENCE_CUDA_QG_MIN_ROWS` (2 to 4096; decode's one row

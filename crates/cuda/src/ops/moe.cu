@@ -113,7 +113,7 @@ __device__ __forceinline__ void down_combine_lanes(int lpr, const QJobs& jobs,
 #define DOWN_COMBINE_KERNELS(BITS)                                                               \
     extern "C" __global__ void __launch_bounds__(QV_WARPS * 32)                                  \
         qmv_down_combine##BITS(QJobs jobs, DcWeights cw, int k, float* acc, int rows, int cols,  \
-                               int group, int lpr) {                                             \
+                               int group, int lpr) { grid_dep_wait();                            \
         QIdJobs none;                                                                            \
         down_combine_lanes<BITS, false>(lpr, jobs, cw, none, nullptr, nullptr, nullptr, k, acc,  \
                                         rows, cols, group);                                      \
@@ -121,7 +121,7 @@ __device__ __forceinline__ void down_combine_lanes(int lpr, const QJobs& jobs,
     extern "C" __global__ void __launch_bounds__(QV_WARPS * 32)                                  \
         qmv_down_combine_ids##BITS(QIdJobs jobs, const u64* slots, const u32* ids,               \
                                    const float* wts, int k, float* acc, int rows, int cols,      \
-                                   int group, int lpr) {                                         \
+                                   int group, int lpr) { grid_dep_wait();                        \
         QJobs none;                                                                              \
         DcWeights nw;                                                                            \
         down_combine_lanes<BITS, true>(lpr, none, nw, jobs, slots, ids, wts, k, acc, rows, cols, \

@@ -15,7 +15,7 @@ pub(crate) struct DcWeights {
 }
 
 // SAFETY: a plain `repr(C)` f32 array, laid out as `struct DcWeights` in ops/moe.cu.
-unsafe impl cudarc::driver::DeviceRepr for DcWeights {}
+unsafe impl Scalar for DcWeights {}
 
 /// The grid of a down-combine launch of down matrix `w` over `k` experts (ops/moe.cu: a block
 /// covers `P · DC_R` rows of every expert, [`compile::dc_rows`]) and its `int` arguments k, rows, cols, group, lanes.

@@ -70,6 +70,7 @@ __device__ __forceinline__ void norm_store(float* p, int dim, const float* v) {
 
 extern "C" __global__ void rms_norm(const float* src, float* x, int dim, int mode,
                                     const unsigned char* base, u64 w_off, float c, float eps) {
+    grid_dep_wait();
     float v[NORM_J], s[NORM_J];
     norm_load(src + (u64)blockIdx.x * dim, dim, v);
     norm_scales(base, w_off, mode, dim, s);
@@ -84,6 +85,7 @@ extern "C" __global__ void rms_norm(const float* src, float* x, int dim, int mod
 extern "C" __global__ void rms_norm_add(const float* src, float* x, int dim, int mode,
                                         const unsigned char* base, u64 w_off, float c, float eps,
                                         float s) {
+    grid_dep_wait();
     float q[NORM_J], p[NORM_J], w[NORM_J];
     float* at = x + (u64)blockIdx.x * dim;
     norm_load(src + (u64)blockIdx.x * dim, dim, q);
@@ -157,6 +159,7 @@ __device__ __forceinline__ void add_pre_piece(const float* q, const float* w, fl
 extern "C" __global__ void rms_norm_add_pre(const float* src, float* x, int dim, int mode,
                                             const unsigned char* base, u64 w_off, float c,
                                             float eps, float s, u64 cols, PreNorms pre) {
+    grid_dep_wait();
     u64 b = blockIdx.x;
     float q[NORM_J], p[NORM_J], w[NORM_J];
     norm_load(src + b * dim, dim, q);
@@ -174,6 +177,7 @@ extern "C" __global__ void rms_norm2_add_pre(float* a, const float* b, float* x,
                                              u64 b_off, float b_c, int mode,
                                              const unsigned char* base, u64 w_off, float c,
                                              float eps, float s, u64 cols, PreNorms pre) {
+    grid_dep_wait();
     u64 blk = blockIdx.x;
     float av[NORM_J], bv[NORM_J], p[NORM_J], as[NORM_J], bs[NORM_J], w[NORM_J];
     norm_load(a + blk * dim, dim, av);
@@ -220,6 +224,7 @@ extern "C" __global__ void rms_norm_rope(float* x, int dim, int mode, const unsi
                                          u64 w_off, float c, float eps, int heads, int rotated,
                                          int style, const float* inv_freq, int pos0,
                                          float mscale) {
+    grid_dep_wait();
     __shared__ float v[512];
     norm_rope_head(x + (u64)blockIdx.x * dim, v, dim, mode, base, w_off, c, eps, rotated, style,
                    inv_freq, pos0 + blockIdx.x / heads, mscale);
@@ -276,6 +281,7 @@ __device__ void norm_rope_kv(float* q, float* k, float* v, int dim, int hq, int 
                                     QkvNorms n, const unsigned char* base, float eps,            \
                                     int rotated, int style, const float* inv_freq, int pos0,     \
                                     float mscale, S* ks, S* vs, int t_rows, int rows, int ring) { \
+        grid_dep_wait();                                                                         \
         norm_rope_kv(q, k, v, dim, hq, hk, n, base, eps, rotated, style, inv_freq, pos0, mscale, \
                      ks, vs, t_rows, rows, ring, CONV());                                        \
     }

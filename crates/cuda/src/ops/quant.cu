@@ -141,6 +141,7 @@ __device__ __forceinline__ void qmatmul_any(u64 w, u64 s, u64 b, u64 x, u64 y, i
 // blockIdx.z = share of the x rows (tiles of QM_TT). bits 2, 4 or 8; cols a multiple of group.
 extern "C" __global__ void qmatmul(QJobs jobs, int rows, int cols, int bits, int group,
                                    int t_rows) {
+    grid_dep_wait();
     int r = blockIdx.x * QM_ROWS + (threadIdx.x >> 5);
     if (r >= rows) return;
     int lane = threadIdx.x & 31, j = blockIdx.y;
@@ -152,6 +153,7 @@ extern "C" __global__ void qmatmul(QJobs jobs, int rows, int cols, int bits, int
 extern "C" __global__ void qembed(const unsigned char* base, u64 w_off, u64 s_off, u64 b_off,
                                   int cols, int bits, int group, const u32* ids, u64 n_ids,
                                   float scale, float* out) {
+    grid_dep_wait();
     const unsigned char* w = base + w_off;
     const u16* sc = (const u16*)(base + s_off);
     const u16* bi = (const u16*)(base + b_off);
@@ -201,6 +203,7 @@ __device__ void argmax_block(float best, u32 id, u32* out) {
 // (id = 0xffffffff when every value is NaN). Each stage keeps the lower index of equal values, so
 // the result is the one-pass argmax's.
 extern "C" __global__ void argmax_parts(const float* v, int n, int chunk, u32* parts) {
+    grid_dep_wait();
     float best = 0.0f;
     u32 id = 0xffffffffu;
     int lo = blockIdx.x * chunk, hi = min(n, lo + chunk);
@@ -213,6 +216,7 @@ extern "C" __global__ void argmax_parts(const float* v, int n, int chunk, u32* p
 }
 
 extern "C" __global__ void argmax(const u32* parts, int nparts, u32* out) {
+    grid_dep_wait();
     float best = 0.0f;
     u32 id = 0xffffffffu;
     for (int p = threadIdx.x; p < nparts; p += blockDim.x) {
@@ -273,6 +277,11 @@ extern "C" __global__ void argmax(const u32* parts, int nparts, u32* out) {
 #endif
 // The most dynamic shared memory a staged launch takes (without the opt-in attribute).
 #define QV_SMEM_MAX 49152
+// Whether the resident one-row products prefetch their rows before grid_dep_wait (qv_prefetch;
+// compile.rs defines it).
+#ifndef QV_PF
+#define QV_PF 1
+#endif
 
 // Bytes of shared memory to stage x of `cols` columns at BITS bits (words a row can touch, each
 // PER chunks of x and one of piece sums), 0 when it does not fit (x read from global memory).
@@ -563,6 +572,27 @@ struct QvRows {
     int rows[QM_JOBS];
 };
 
+// The block's rows of each matrix of a resident product (codes, scales, biases) into L2, issued
+// before grid_dep_wait: the previous kernel is still running then, and nothing a kernel writes is
+// a resident weight, so this reads nothing the wait guards (a prefetch changes no value anyway).
+// QV_PF = 0 (compile.rs) leaves it out.
+template <int BITS, int NM, int P>
+__device__ __forceinline__ void qv_prefetch(const QvMats& mat, int lpr, int rows, int cols,
+                                            int group) {
+    if (!QV_PF) return;
+    int per_block = P * (QV_WARPS * 32 / lpr) * (QV_R / NM);
+    int r0 = blockIdx.x * per_block, r1 = min(rows, r0 + per_block);
+    if (r0 >= r1) return;
+    u64 row_bytes = (u64)cols * BITS / 8;
+#pragma unroll
+    for (int mi = 0; mi < NM; ++mi) {
+        u64 gb = (u64)(cols / (mi == 1 && mat.up_group > 0 ? mat.up_group : group)) * 2;
+        prefetch_l2(mat.w[mi] + r0 * row_bytes, mat.w[mi] + r1 * row_bytes);
+        prefetch_l2(mat.s[mi] + r0 * gb, mat.s[mi] + r1 * gb);
+        prefetch_l2(mat.b[mi] + r0 * gb, mat.b[mi] + r1 * gb);
+    }
+}
+
 // One kernel per bit width and pass count (fewer registers than one dispatching on them),
 // blockIdx.y = job, blockIdx.x = the block's QV_WARPS * 32 / lpr lane groups (times P passes);
 // lpr (lanes per row) is 4, 8, 16 or 32, cols a multiple of 32 and of group.
@@ -581,8 +611,10 @@ struct QvRows {
         qmv##BITS##SUF(QJobs jobs, QvRows jr, int cols, int group, int lpr) {                    \
         int j = blockIdx.y, rows = jr.rows[j];                                                   \
         if ((int)blockIdx.x * P * (QV_WARPS * 32 / lpr) * QV_R >= rows) return;                 \
-        qmv_lanes<BITS, 1, P>(lpr, qv_mats(jobs, j, 1, 0, 0.0f), jobs.x[j], jobs.y[j], rows,     \
-                              cols, group);                                                      \
+        QvMats mat = qv_mats(jobs, j, 1, 0, 0.0f);                                               \
+        qv_prefetch<BITS, 1, P>(mat, lpr, rows, cols, group);                                    \
+        grid_dep_wait();                                                                         \
+        qmv_lanes<BITS, 1, P>(lpr, mat, jobs.x[j], jobs.y[j], rows, cols, group);                \
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(QV_WARPS * 32)                                  \
         qmv_glu##BITS##SUF(QJobs jobs, int rows, int cols, int group, int up_group, int lpr,     \
@@ -590,11 +622,13 @@ struct QvRows {
         int j = blockIdx.y;                                                                      \
         QvMats mat = qv_mats(jobs, j, 2, act, limit);                                            \
         mat.up_group = up_group;                                                                 \
+        qv_prefetch<BITS, 2, P>(mat, lpr, rows, cols, group);                                    \
+        grid_dep_wait();                                                                         \
         qmv_lanes<BITS, 2, P>(lpr, mat, jobs.x[2 * j], jobs.y[2 * j], rows, cols, group);        \
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(QV_WARPS * 32)                                  \
         qmv_ids##BITS##SUF(QIdJobs jobs, const u64* slots, const u32* ids, int rows, int cols,   \
-                           int group, int lpr) {                                                 \
+                           int group, int lpr) { grid_dep_wait();                                \
         int j = blockIdx.y;                                                                      \
         qmv_lanes<BITS, 1, P>(lpr, qv_id_mats(jobs, slots, ids, j, 1, 0, 0.0f), jobs.x[j],       \
                               jobs.y[j], rows, cols, group);                                     \
@@ -602,7 +636,7 @@ struct QvRows {
     extern "C" __global__ void __launch_bounds__(QV_WARPS * 32)                                  \
         qmv_glu_ids##BITS##SUF(QIdJobs jobs, const u64* slots, const u32* ids, int rows,         \
                                int cols, int group, int up_group, int lpr, int act,              \
-                               float limit) {                                                    \
+                               float limit) { grid_dep_wait();                                   \
         int j = blockIdx.y;                                                                      \
         QvMats mat = qv_id_mats(jobs, slots, ids, j, 2, act, limit);                             \
         mat.up_group = up_group;                                                                 \

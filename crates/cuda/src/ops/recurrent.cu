@@ -34,6 +34,7 @@ __device__ __forceinline__ void conv_keep(const float* x, float* state, int t_ro
 extern "C" __global__ void conv1d_causal(const float* x, float* state, const float* w,
                                          int t_rows, int channels, int kernel, int silu,
                                          float* out) {
+    grid_dep_wait();
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= channels) return;
     for (int r = 0; r < t_rows; ++r)
@@ -46,6 +47,7 @@ extern "C" __global__ void conv1d_causal(const float* x, float* state, const flo
 extern "C" __global__ void conv1d_causal_rows(const float* x, const float* state,
                                               const float* w, int t_rows, int channels,
                                               int kernel, int silu, float* out) {
+    grid_dep_wait();
     FOR_EACH(i, (u64)t_rows * channels) {
         int r = (int)(i / channels), c = (int)(i % channels);
         out[i] = conv_out(x, state, w, r, c, channels, kernel, silu);
@@ -54,6 +56,7 @@ extern "C" __global__ void conv1d_causal_rows(const float* x, const float* state
 
 extern "C" __global__ void conv1d_keep(const float* x, float* state, int t_rows, int channels,
                                        int kernel) {
+    grid_dep_wait();
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= channels) return;
     conv_keep(x, state, t_rows, c, channels, kernel);
@@ -63,6 +66,7 @@ extern "C" __global__ void conv1d_keep(const float* x, float* state, int t_rows,
 extern "C" __global__ void delta_gates(const float* b, const float* alpha, const float* a,
                                        const float* dt_bias, u64 n, int nv, float* beta,
                                        float* decay) {
+    grid_dep_wait();
     FOR_EACH(i, n) {
         int h = (int)(i % nv);
         beta[i] = sigmoid_f(b[i]);
@@ -154,6 +158,7 @@ extern "C" __global__ void __launch_bounds__(GDR_WARPS * 32)
     gated_delta_rule(const float* q, const float* k, const float* v, const float* g,
                      const float* beta, float* state, int t_rows, int nk, int nv, int dk, int dv,
                      float* out) {
+    grid_dep_wait();
     int w = blockIdx.x * GDR_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (w >= nv * dv) return;
     int cols = (dk + 31) / 32;

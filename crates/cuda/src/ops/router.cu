@@ -139,6 +139,7 @@ __device__ void route_row(const float* lg, int n, int k, const RouteScoring& sc,
 extern "C" __global__ void route(const float* logits, int t_rows, int n, int k, RouteScoring sc,
                                  const unsigned char* base, int trace, const u32* forced,
                                  int has_forced, u32* ids, float* weights, float* margins) {
+    grid_dep_wait();
     int row = blockIdx.x * blockDim.x + threadIdx.x;
     if (row >= t_rows) return;
     u64 at = (u64)row * k;
@@ -227,6 +228,7 @@ struct ForcedIds {
 extern "C" __global__ void route_one(const float* logits, int n, int k, RouteScoring sc,
                                      const unsigned char* base, ForcedIds forced, int has_forced,
                                      u32* ids, float* weights) {
+    grid_dep_wait();
     if (blockIdx.x != 0 || threadIdx.x >= 32) return;
     route_row_warp(logits, n, k, sc, base, forced.ids, has_forced, ids, weights);
 }
@@ -238,6 +240,7 @@ extern "C" __global__ void route_warps(const float* logits, int t_rows, int n, i
                                        RouteScoring sc, const unsigned char* base,
                                        const u32* forced, int has_forced, u32* ids,
                                        float* weights) {
+    grid_dep_wait();
     int row = blockIdx.x;
     if (row >= t_rows || threadIdx.x >= 32) return;
     u64 at = (u64)row * k;

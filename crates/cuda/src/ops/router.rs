@@ -234,4 +234,4 @@ pub(crate) struct RouteScoring {
 
 // SAFETY: a plain `repr(C)` struct of ints and a float, laid out as `struct RouteScoring` in
 // ops/router.cu.
-unsafe impl cudarc::driver::DeviceRepr for RouteScoring {}
+unsafe impl Scalar for RouteScoring {}
