@@ -36,13 +36,16 @@ pub struct Kernels {
     /// 4-bit GEMM with group size 64/128 and at least `Q8_MIN_ROWS` rows uses int8-quantized
     /// activations (`XLayout::Q8Lanes16`).
     pub(crate) q8: bool,
-    /// 4-bit products with group size 64/128 take int16 activations (`XLayout::Q16EvenOdd64`, and
+    /// 4-bit products with group size 64/128 take int16 activations (`q16_gemv`, and
     /// `XLayout::Q16Lanes16` from `q16_lanes` tokens), GEMV and GEMM alike.
     pub(crate) q16: bool,
     /// With `q16`: from this many tokens the GEMM takes `XLayout::Q16Lanes16` (16 tokens a block;
     /// `Q16_MIN_ROWS` for AVX-512, fewer for AVX2's 8-token registers); `None`: every batch stays
     /// `XLayout::Q16EvenOdd64`.
     pub(crate) q16_lanes: Option<usize>,
+    /// With `q16`: the layout of the int16 GEMV's activations (below `q16_lanes` tokens):
+    /// `XLayout::Q16EvenOdd64`, or `XLayout::Q16Nib64` (`avx2i16`).
+    pub(crate) q16_gemv: XLayout,
     /// With `q16`: the GEMM from `Q16_MIN_ROWS` tokens runs on AMX tiles (`XLayout::Q16Amx`), with
     /// the same bits as the int16 GEMV.
     pub(crate) amx: bool,
@@ -76,6 +79,7 @@ static SCALAR: Kernels = Kernels {
     q8: false,
     q16: false,
     q16_lanes: None,
+    q16_gemv: XLayout::Q16EvenOdd64,
     amx: false,
     rounding: None,
     gemv: scalar::gemv,
@@ -203,7 +207,7 @@ impl Kernels {
             {
                 XLayout::Q16Lanes16
             }
-            4 if self.q16 && group_size.is_multiple_of(64) => XLayout::Q16EvenOdd64,
+            4 if self.q16 && group_size.is_multiple_of(64) => self.q16_gemv,
             4 => self.layout4,
             2 => self.layout2,
             _ => XLayout::Natural,

@@ -23,6 +23,12 @@ pub(crate) enum XLayout {
     /// with their low nibbles and the odd half with their high nibbles); `qd` and the exact f32
     /// group sums `sums` are `[n, groups]`.
     Q16EvenOdd64,
+    /// int16 activations one token after another as [`XLayout::Q16EvenOdd64`] (the same codes,
+    /// `qd` and `sums`), each run of 64 columns stored as its 16 columns `≡ 0 (mod 4)`, then those
+    /// `≡ 1`, `≡ 2` and `≡ 3`: two packed bytes, read as one 16-bit lane, hold columns 4j..4j+3 at
+    /// bits 0, 4, 8, 12, so 32 bytes shifted by 4k and masked meet the k-th run of 16 with no
+    /// widening (the `avx2i16` GEMV).
+    Q16Nib64,
     /// int16 activations for `vpdpwssd`, 16 tokens per register (4-bit only, the GEMM's layout): per
     /// block of 16 tokens and per 2 columns, 64 bytes `[token][2 columns]` of int16 codes (tokens
     /// past `n` are zero), quantized as [`XLayout::Q16EvenOdd64`]; `qd` and `sums` are
@@ -218,7 +224,7 @@ impl PreparedX {
         }
         if matches!(
             layout,
-            XLayout::Q16EvenOdd64 | XLayout::Q16Lanes16 | XLayout::Q16Amx
+            XLayout::Q16EvenOdd64 | XLayout::Q16Nib64 | XLayout::Q16Lanes16 | XLayout::Q16Amx
         ) {
             self.fill_q16(x, layout);
             return;
@@ -232,6 +238,7 @@ impl PreparedX {
                 XLayout::Natural => dst.copy_from_slice(src),
                 XLayout::Q8Lanes16
                 | XLayout::Q16EvenOdd64
+                | XLayout::Q16Nib64
                 | XLayout::Q16Lanes16
                 | XLayout::Q16Amx => {
                     unreachable!("filled above")
@@ -264,7 +271,8 @@ impl PreparedX {
         }
     }
 
-    /// [`XLayout::Q16EvenOdd64`], [`XLayout::Q16Lanes16`] or [`XLayout::Q16Amx`]: quantizes every
+    /// [`XLayout::Q16EvenOdd64`], [`XLayout::Q16Nib64`], [`XLayout::Q16Lanes16`] or
+    /// [`XLayout::Q16Amx`]: quantizes every
     /// token's weight groups to int16 (the same codes for all three) and places them (see there).
     fn fill_q16(&mut self, x: &[f32], layout: XLayout) {
         let (n, cols, gs) = (self.n, self.cols, self.group_size);
@@ -273,7 +281,7 @@ impl PreparedX {
             "int16 activations need groups of 64 or 128, got {gs}"
         );
         let gpr = cols / gs;
-        let lanes = layout != XLayout::Q16EvenOdd64;
+        let lanes = !matches!(layout, XLayout::Q16EvenOdd64 | XLayout::Q16Nib64);
         let rows = if lanes { n.div_ceil(16) * 16 } else { n };
         self.q16.clear();
         if layout == XLayout::Q16Amx {
@@ -321,6 +329,16 @@ impl PreparedX {
                             let at = (g * gs / 2 + k) * 32 + (t % 16) * 2;
                             block[at] = codes[2 * k];
                             block[at + 1] = codes[2 * k + 1];
+                        }
+                    }
+                    XLayout::Q16Nib64 => {
+                        let row = &mut self.q16[t * cols + g * gs..t * cols + (g + 1) * gs];
+                        for (d, s) in row.chunks_exact_mut(64).zip(codes.chunks_exact(64)) {
+                            for j in 0..16 {
+                                for k in 0..4 {
+                                    d[16 * k + j] = s[4 * j + k];
+                                }
+                            }
                         }
                     }
                     _ => {

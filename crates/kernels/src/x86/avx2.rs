@@ -25,6 +25,7 @@ pub(super) static TABLE: Kernels = Kernels {
     q8: false,
     q16: false,
     q16_lanes: None,
+    q16_gemv: XLayout::Q16EvenOdd64,
     amx: false,
     rounding: None,
     gemv,

@@ -7,8 +7,8 @@
 //! `avx512i16`'s bits by construction; not yet compared on a CPU that runs both). 2- and 8-bit
 //! matrices, and groups of 32, use the exact AVX2 kernels.
 //!
-//! Fewer than [`LANES_FROM`] tokens ([`XLayout::Q16EvenOdd64`]) go through the GEMV, two tokens
-//! per pass over the rows (each row's codes widened once for both); more
+//! Fewer than [`LANES_FROM`] tokens ([`XLayout::Q16Nib64`]) go through the GEMV, two tokens
+//! per pass over the rows (each row's codes unpacked once for both); more
 //! ([`XLayout::Q16Lanes16`]) through a GEMM with 8 tokens per register, each row's codes widened
 //! once to int16 pairs and broadcast against every block of 16 tokens (a block of 8 or fewer
 //! skips its upper register). Both take the same f32 steps
@@ -31,6 +31,7 @@ pub(super) static TABLE: Kernels = Kernels {
     name: "avx2i16",
     q16: true,
     q16_lanes: Some(LANES_FROM),
+    q16_gemv: XLayout::Q16Nib64,
     rounding: Some("int16 activations"),
     gemv: gemm,
     gemm,
@@ -54,7 +55,7 @@ const LANE_ROWS: usize = 4;
 
 fn gemm(m: &QMatrix, p: &PreparedX, y: &mut [f32], r0: usize, r1: usize) {
     let layout = TABLE.layout_for(m.bits, m.group_size, p.n);
-    if !matches!(layout, XLayout::Q16EvenOdd64 | XLayout::Q16Lanes16) {
+    if !matches!(layout, XLayout::Q16Nib64 | XLayout::Q16Lanes16) {
         return if p.n == 1 {
             avx2::gemv(m, p, y, r0, r1)
         } else {
@@ -105,11 +106,11 @@ unsafe fn gemv_tokens<const T: usize>(
     }
 }
 
-/// Rows `r..r+R` for tokens `t0..t0+T` of a [`XLayout::Q16EvenOdd64`] activation: per 64 columns
-/// and row, 16 packed bytes at a time widened to 16-bit lanes, their low nibbles against 16 of the
-/// even columns of x and their high nibbles against 16 of the odd ones, by `vpmaddwd` into the
-/// (token, row) integer sum of the group; then [`group_step`]. Token `t`'s row `r + i` goes to
-/// `y[t · ldy + at + i]`.
+/// Rows `r..r+R` for tokens `t0..t0+T` of a [`XLayout::Q16Nib64`] activation: per 64 columns
+/// and row, 32 packed bytes read as 16-bit lanes (columns 4j..4j+3 of lane j at bits 0, 4, 8, 12),
+/// shifted by 4k and masked to the codes of columns `≡ k (mod 4)`, each against the k-th run of 16
+/// int16 of x by `vpmaddwd` into the (token, row) integer sum of the group; then [`group_step`].
+/// Token `t`'s row `r + i` goes to `y[t · ldy + at + i]`.
 #[target_feature(enable = "avx2,fma")]
 #[inline]
 #[allow(clippy::too_many_arguments)]
@@ -147,25 +148,30 @@ unsafe fn rows_dot<const R: usize, const T: usize>(
             let col = g * gs + c * 64;
             for i in 0..R {
                 _mm_prefetch::<_MM_HINT_T1>(w.wrapping_add(pf + i * rb + col / 2) as *const i8);
-                for h in 0..2 {
-                    // SAFETY: col + 64 <= cols: bytes col/2 + 16h.. + 16 of row r + i; 16 int16 of
-                    // each x at col + 16h (even half) and col + 32 + 16h (odd half).
-                    unsafe {
-                        let v = _mm256_cvtepu8_epi16(_mm_loadu_si128(
-                            w.add(i * rb + col / 2 + 16 * h) as *const __m128i,
-                        ));
-                        let e = _mm256_and_si256(v, low);
-                        let o = _mm256_srli_epi16::<4>(v);
-                        for k in 0..T {
-                            let xe = _mm256_loadu_si256(x[k].add(col + 16 * h) as *const __m256i);
-                            let xo =
-                                _mm256_loadu_si256(x[k].add(col + 32 + 16 * h) as *const __m256i);
-                            let s = _mm256_add_epi32(
-                                _mm256_madd_epi16(e, xe),
-                                _mm256_madd_epi16(o, xo),
-                            );
-                            isum[k][i] = _mm256_add_epi32(isum[k][i], s);
-                        }
+                // SAFETY: col + 64 <= cols: bytes col/2.. + 32 of row r + i; 64 int16 of each x
+                // at col.
+                unsafe {
+                    let v = _mm256_loadu_si256(w.add(i * rb + col / 2) as *const __m256i);
+                    let a = [
+                        _mm256_and_si256(v, low),
+                        _mm256_and_si256(_mm256_srli_epi16::<4>(v), low),
+                        _mm256_and_si256(_mm256_srli_epi16::<8>(v), low),
+                        _mm256_srli_epi16::<12>(v),
+                    ];
+                    for k in 0..T {
+                        let xk =
+                            |j: usize| _mm256_loadu_si256(x[k].add(col + 16 * j) as *const __m256i);
+                        let s = _mm256_add_epi32(
+                            _mm256_add_epi32(
+                                _mm256_madd_epi16(a[0], xk(0)),
+                                _mm256_madd_epi16(a[1], xk(1)),
+                            ),
+                            _mm256_add_epi32(
+                                _mm256_madd_epi16(a[2], xk(2)),
+                                _mm256_madd_epi16(a[3], xk(3)),
+                            ),
+                        );
+                        isum[k][i] = _mm256_add_epi32(isum[k][i], s);
                     }
                 }
             }
