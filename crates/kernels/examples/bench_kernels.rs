@@ -270,7 +270,10 @@ fn main() {
     }
 
     // Prefill GEMM on one expert's gate projection.
-    for &n in [2usize, 4, 8, 32, 128].iter().filter(|_| want("gemm")) {
+    for &n in [2usize, 4, 5, 6, 7, 8, 32, 128]
+        .iter()
+        .filter(|_| want("gemm"))
+    {
         let x: Vec<f32> = (0..n * hidden)
             .map(|i| ((i * 31 % 113) as f32 - 56.0) / 56.0)
             .collect();

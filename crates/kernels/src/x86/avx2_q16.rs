@@ -39,9 +39,9 @@ pub(super) static TABLE: Kernels = Kernels {
 };
 
 /// Fewest tokens for the lane GEMM (fewer take the GEMV, two tokens a pass). One thread of an AMD
-/// Zen 3, 1,408 x 2,816 codes, GFLOP/s of the lane GEMM against two-token GEMV passes: 4 tokens
-/// 35 vs 43, 5 44 vs 42, 6 53 vs 43, 8 67, 16 92, 64 101.
-const LANES_FROM: usize = 5;
+/// Zen 3, 704 x 2,816 codes (`bench_kernels only=gemm`), GFLOP/s of the GEMV's two-token passes
+/// against the lane GEMM: 5 tokens 53 vs 42, 6 56 vs 50, 7 54 vs 57, 8 55 vs 65.
+const LANES_FROM: usize = 7;
 
 /// Tokens per pass of the GEMV over the rows (four rows x two tokens: 8 integer accumulators of
 /// the 16 registers).
