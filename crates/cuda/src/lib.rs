@@ -5,10 +5,11 @@
 //!
 //! Modules: `device` (probe, context, kernel loading, [`CudaBackend`]) and `compile` (NVRTC and
 //! its on-disk cache); `pool` (tensors, KV, state, the activation reuse pool); `launch` (the
-//! `launch!` macro, argument structs, grids); `weights` (where a product's bytes are); `ops/`,
-//! one module per op group beside its `.cu` (elementwise, quant, gemm, norm, attention, recurrent,
-//! router); `experts` and `device_experts` (the GPU expert cache and its hooks); `backend` (the
-//! op-layer traits, delegating to `ops/`).
+//! `launch!` macro: `cuLaunchKernelEx` with programmatic dependent launch on sm_90+, every
+//! kernel waiting for its predecessor in `grid_dep_wait`; argument structs, grids); `weights`
+//! (where a product's bytes are); `ops/`, one module per op group beside its `.cu` (elementwise,
+//! quant, gemm, norm, attention, recurrent, router); `experts` and `device_experts` (the GPU
+//! expert cache and its hooks); `backend` (the op-layer traits, delegating to `ops/`).
 //!
 //! - Kernels: the `.cu` sources of `ops/` (one translation unit), compiled at startup by
 //!   NVRTC into a cubin for the device's compute capability and cached on disk (`compile.rs`).
