@@ -215,9 +215,13 @@ impl KernelTable {
             return Ok(Self(None));
         }
         let here: Vec<&'static str> = Kernels::available().iter().map(|k| k.name()).collect();
-        match here.iter().find(|&&k| k == name) {
-            Some(&k) => Ok(Self(Some(k))),
-            None => Err(format!(
+        match (here.iter().find(|&&k| k == name), Kernels::needs(name)) {
+            (Some(&k), _) => Ok(Self(Some(k))),
+            (None, Some(needs)) => Err(format!(
+                "--kernels {name} needs {needs}, which this CPU lacks (this CPU runs auto, {})",
+                here.join(", ")
+            )),
+            (None, None) => Err(format!(
                 "invalid --kernels '{name}': this CPU runs auto, {}",
                 here.join(", ")
             )),
@@ -414,5 +418,28 @@ mod tests {
             e.starts_with("error: invalid --kernels 'avx9000': this CPU runs auto, scalar"),
             "{e}"
         );
+    }
+
+    /// Every table name parses where this CPU runs it; elsewhere the error says what it needs.
+    #[test]
+    fn a_table_this_cpu_lacks_is_refused_with_what_it_needs() {
+        for name in [
+            "scalar",
+            "avx2",
+            "avx2i16",
+            "avx512",
+            "avx512i16",
+            "avx512vnni",
+            "amx",
+        ] {
+            match KernelTable::parse(name) {
+                Ok(t) => assert_eq!(t.0, Some(name)),
+                Err(e) => assert!(
+                    e.starts_with(&format!("--kernels {name} needs "))
+                        && e.contains("which this CPU lacks (this CPU runs auto, scalar"),
+                    "{e}"
+                ),
+            }
+        }
     }
 }

@@ -156,5 +156,20 @@ fn inkling_refuses_a_context_beyond_its_limit_and_the_int8_prefill() {
         err.contains("is checked only for Gemma 4 and Qwen 3.6") || err.contains("this CPU runs"),
         "{err}"
     );
+    // A rounded table from MFERENCE_KERNELS (read by `auto`, every x86-64 CPU with AVX2 runs
+    // avx2i16): the advice is an explicit exact table or unsetting the variable, not `auto`.
+    let o = std::process::Command::new(BIN)
+        .args(base)
+        .env("MFERENCE_KERNELS", "avx2i16")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{err}");
+    assert!(
+        err.contains("MFERENCE_KERNELS=avx2i16 (rounded activations)")
+            && err.contains("or unset MFERENCE_KERNELS")
+            && !err.contains("(or auto)"),
+        "{err}"
+    );
     assert!(!out.exists());
 }

@@ -24,7 +24,7 @@ pub(crate) type WsumGroupFn = fn(&[f32], usize, usize, &[f16], usize, &mut [f32]
 
 /// Kernel table picked once at startup (scalar / avx2 / avx512), function pointers.
 ///
-/// Obtain with [`Kernels::detect`] (best available, overridable with `MFERENCE_KERNELS=scalar|avx2|avx512`),
+/// Obtain with [`Kernels::detect`] (best available, overridable with `MFERENCE_KERNELS=<table>`),
 /// [`Kernels::scalar`] (the reference), or [`Kernels::by_name`]. All methods panic on shape mismatches
 /// (programming errors), never on data values.
 pub struct Kernels {
@@ -189,6 +189,19 @@ impl Kernels {
     /// `"amx"`, `"avx512vnni"`), if this CPU supports it.
     pub fn by_name(name: &str) -> Option<&'static Kernels> {
         Self::available().into_iter().find(|k| k.name == name)
+    }
+
+    /// What the table called `name` needs of the CPU, in words (`None` for a name that is no
+    /// table): for saying why a table this CPU lacks is refused.
+    pub fn needs(name: &str) -> Option<&'static str> {
+        Some(match name {
+            "scalar" => "nothing",
+            "avx2" | "avx2i16" => "AVX2, FMA and F16C",
+            "avx512" => "AVX-512 F/BW/VL",
+            "avx512i16" | "avx512vnni" => "AVX-512 F/BW/VL and VNNI",
+            "amx" => "AVX-512 VNNI and AMX-INT8 (Intel Xeon from Sapphire Rapids on)",
+            _ => return None,
+        })
     }
 
     /// Short name of this table: `"scalar"`, `"avx2"`, `"avx2i16"`, `"avx512"`, `"avx512i16"`,

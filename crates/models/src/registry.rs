@@ -136,12 +136,18 @@ pub fn check_kernels(kernels: Option<&str>, family: Family) -> Result<(), ModelE
     match table {
         Some(t) if !t.is_exact() && !family.int8_prefill() => Err(ModelError::Config(format!(
             "{from}{}{} (rounded activations) is checked only for {}; on {} it is not checked \
-             against the reference: use --kernels {} (or auto)",
+             against the reference: use --kernels {}{}",
             if from == "--kernels" { " " } else { "" },
             t.name(),
             Family::display_names_where(Family::int8_prefill, " and "),
             family.display_name(),
             Kernels::best_exact().name(),
+            // `auto` is what reads MFERENCE_KERNELS, so it is advice only for the flag.
+            if from == "--kernels" {
+                " (or auto)"
+            } else {
+                ", or unset MFERENCE_KERNELS"
+            },
         ))),
         _ => Ok(()),
     }
