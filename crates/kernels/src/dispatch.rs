@@ -129,10 +129,12 @@ impl Kernels {
     }
 
     /// The table `MFERENCE_KERNELS` names, if it names one this CPU runs; a value that does not
-    /// is said on stderr (once) and ignored.
+    /// is said on stderr (once) and ignored; an empty value is no value.
     fn forced_by_env() -> Option<&'static Kernels> {
         static SAID: std::sync::Once = std::sync::Once::new();
-        let want = std::env::var("MFERENCE_KERNELS").ok()?;
+        let want = std::env::var("MFERENCE_KERNELS")
+            .ok()
+            .filter(|v| !v.trim().is_empty())?;
         let k = Self::by_name(want.trim());
         if k.is_none() {
             SAID.call_once(|| {
