@@ -115,3 +115,22 @@ fn an_unknown_kernel_table_is_refused_with_the_choices() {
         "{err}"
     );
 }
+
+/// An explicit `--kernels` wins over `MFERENCE_KERNELS` (which `auto` reads), and says so.
+#[test]
+fn an_explicit_kernel_table_wins_over_the_variable_and_says_so() {
+    let out = std::process::Command::new(BIN)
+        .args(["run", "--model"])
+        .arg(demo_install())
+        .args(["--prompt", "x", "--max-new", "1", "--kernels", "scalar"])
+        .env("MFERENCE_KERNELS", "avx2")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("--kernels scalar is used, not MFERENCE_KERNELS=avx2")
+            && err.contains("device cpu scalar"),
+        "{err}"
+    );
+}

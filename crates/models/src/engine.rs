@@ -171,11 +171,23 @@ impl Engine {
         })?;
         let index = ResidentIndex::parse(&map)?;
         let kernels = match &opts.kernels {
-            Some(name) => Kernels::by_name(name).ok_or_else(|| {
-                ModelError::Config(format!(
-                    "kernel variant '{name}' is not available on this CPU"
-                ))
-            })?,
+            Some(name) => {
+                // MFERENCE_KERNELS applies to `auto` only: say so where it is set and passed over.
+                if let Some(env) = std::env::var("MFERENCE_KERNELS")
+                    .ok()
+                    .filter(|v| !v.trim().is_empty() && v.trim() != name)
+                {
+                    eprintln!(
+                        "mference: --kernels {name} is used, not MFERENCE_KERNELS={env} (which \
+                         applies to --kernels auto)"
+                    );
+                }
+                Kernels::by_name(name).ok_or_else(|| {
+                    ModelError::Config(format!(
+                        "kernel variant '{name}' is not available on this CPU"
+                    ))
+                })?
+            }
             None => Kernels::detect(),
         };
         const MAX_CONTEXT: usize = 1 << 24;
