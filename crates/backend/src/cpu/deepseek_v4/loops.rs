@@ -1,8 +1,7 @@
 //! CPU bodies of DeepSeek-V4's ops (`DeepSeekV4Ops::{hc_pre, hc_post, compress_pool,
-//! index_top_k}`): plain f32 loops over host slices, the indexer's dot products through the kernel
-//! table. `attention_sparse` is the CPU attention with entries (`cpu::ops::attention`).
-
-use mference_kernels::Kernels;
+//! index_top_k}`): plain f32 loops over host slices (the indexer's dot products come from the
+//! backend's `linear`). `attention_sparse` is the CPU attention with entries
+//! (`cpu::ops::attention`).
 
 use crate::cpu::ops::{sigmoid, softmax};
 use crate::HcSpec;
@@ -98,15 +97,14 @@ pub fn compress_pool(
     out
 }
 
-/// The indexer's top-k per row (see `Backend::index_top_k`).
-#[allow(clippy::too_many_arguments)]
+/// The indexer's top-k per row (see `Backend::index_top_k`) from `dots` (`[rows · n_heads, n_keys]`:
+/// each head's query against every key, the backend's `linear`): a key's score is the sum over
+/// heads of `weights · max(dot, 0)`, over the row's visible keys.
 pub fn index_top_k(
-    k: &Kernels,
-    q: &[f32],
-    keys: &[f32],
+    dots: &[f32],
+    n_keys: usize,
     weights: &[f32],
     n_heads: usize,
-    d: usize,
     visible: &[usize],
     top_k: usize,
 ) -> Vec<Vec<usize>> {
@@ -114,13 +112,11 @@ pub fn index_top_k(
         .iter()
         .enumerate()
         .map(|(r, &n)| {
-            let qr = &q[r * n_heads * d..(r + 1) * n_heads * d];
             let wr = &weights[r * n_heads..(r + 1) * n_heads];
             let scores: Vec<f32> = (0..n)
                 .map(|e| {
-                    let key = &keys[e * d..(e + 1) * d];
                     (0..n_heads)
-                        .map(|h| wr[h] * k.dot_f32(&qr[h * d..(h + 1) * d], key).max(0.0))
+                        .map(|h| wr[h] * dots[(r * n_heads + h) * n_keys + e].max(0.0))
                         .sum()
                 })
                 .collect();

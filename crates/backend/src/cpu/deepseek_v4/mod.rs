@@ -184,13 +184,18 @@ impl DeepSeekV4Ops for CpuBackend {
                 && visible.iter().all(|&n| n <= keys.rows()),
             || format!("{n_heads} heads of {d} over {} keys", keys.rows()),
         )?;
+        // Every head's query against every key on the pool, one `dot_f32` per pair (`linear`
+        // needs a key and a column; with none every dot is 0).
+        let dots = if keys.rows() == 0 || d == 0 {
+            vec![0.0; q.rows() * n_heads * keys.rows()]
+        } else {
+            super::ops::linear(&self.pool, self.kernels, &q.data, &keys.data, d)
+        };
         Ok(loops::index_top_k(
-            self.kernels,
-            &q.data,
-            &keys.data,
+            &dots,
+            keys.rows(),
             &weights.data,
             n_heads,
-            d,
             visible,
             top_k,
         ))
