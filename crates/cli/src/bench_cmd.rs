@@ -20,7 +20,7 @@ use serde_json::{json, Value};
 use mference_models::{Logits, Want};
 use mference_runtime::StreamerStats;
 
-use crate::flags::ModelArgs;
+use crate::flags::{count, ModelArgs};
 use crate::load_options::load_options;
 
 /// Named prompt lengths (tokens): about the original's community prompts (61 / 430 / 3,015),
@@ -38,19 +38,19 @@ pub struct BenchArgs {
     #[command(flatten)]
     pub model: ModelArgs,
     /// Prefill chunk rows: 32 … 4096, or auto (the prompt length rounded up to an allowed chunk, at most 512).
-    #[arg(long, default_value = "auto")]
+    #[arg(long, default_value = "auto", value_parser = crate::run_cmd::prefill_chunk_flag())]
     pub prefill_chunk: String,
     /// Positions the KV cache holds.
-    #[arg(long, default_value_t = 4096)]
+    #[arg(long, default_value_t = 4096, value_parser = count(1, usize::MAX))]
     pub max_context: usize,
-    /// Tokens to decode after each prompt.
-    #[arg(long, default_value_t = 64)]
+    /// Tokens to decode after each prompt (at least 1).
+    #[arg(long, default_value_t = 64, value_parser = count(1, usize::MAX))]
     pub gen: usize,
     /// Comma-separated prompts: short (64), medium (512), long (2048), or token counts.
     #[arg(long, default_value = "short,medium,long")]
     pub prompts: String,
     /// Measured runs per prompt (each a fresh process); the table shows medians.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = count(1, usize::MAX))]
     pub repeats: usize,
     /// Discarded runs per prompt before the measured ones.
     #[arg(long, default_value_t = 0)]
@@ -163,19 +163,7 @@ fn validate(a: &BenchArgs) -> Result<()> {
             a.decode
         );
     }
-    if a.repeats == 0 {
-        bail!("--repeats must be at least 1");
-    }
-    for (flag, v) in [("--gen", a.gen), ("--max-context", a.max_context)] {
-        if v == 0 {
-            bail!("{flag} must be positive (got 0)");
-        }
-    }
-    if a.prefill_chunk != "auto" {
-        crate::run_cmd::parse_prefill_chunk(&a.prefill_chunk, None)?;
-    }
-    // The value syntax of every model flag is checked by clap; what it cannot check is here.
-    crate::flags::threads_flag(a.model.threads)?;
+    // Each flag's own value is checked by clap; what it cannot check alone is here.
     crate::load_options::device_flags(&a.model)?;
     for (_, n) in parse_prompts(&a.prompts)? {
         if n + a.gen > a.max_context {

@@ -42,8 +42,8 @@ pub struct ModelArgs {
     /// Read experts with O_DIRECT (no second copy in the page cache).
     #[arg(long)]
     pub direct_io: bool,
-    /// Kernel worker threads (default: all cores).
-    #[arg(long)]
+    /// Kernel worker threads, 1 up to 4x the cores (default: all cores).
+    #[arg(long, value_parser = typed(threads))]
     pub threads: Option<usize>,
     /// KV cache element type: f16 (half the memory) or f32 (K and V kept exactly).
     #[arg(long, value_enum, default_value_t = KvCache::F16, hide_possible_values = true)]
@@ -278,8 +278,11 @@ pub(crate) fn seed_flag() -> Typed<u64> {
 }
 
 /// A value parser from `parse`, whose error clap prints as it is (`error: invalid --kernels
-/// 'x': ...`), not inside its own "invalid value for" sentence.
-fn typed<T: Clone + Send + Sync + 'static>(parse: fn(&str) -> Result<T, String>) -> Typed<T> {
+/// 'x': ...`), not inside its own "invalid value for" sentence; the exit status is 2, as for
+/// every flag error clap finds.
+pub(crate) fn typed<T: Clone + Send + Sync + 'static>(
+    parse: fn(&str) -> Result<T, String>,
+) -> Typed<T> {
     Typed(parse)
 }
 
@@ -301,18 +304,62 @@ impl<T: Clone + Send + Sync + 'static> TypedValueParser for Typed<T> {
     }
 }
 
-/// Checks `--threads`: 1 up to 4x the cores this process may run on (more only adds overhead).
-pub(crate) fn threads_flag(t: Option<usize>) -> anyhow::Result<()> {
+/// `--threads`: 1 up to 4x the cores this process may run on (more only adds overhead).
+fn threads(s: &str) -> Result<usize, String> {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    match t {
-        Some(0) => anyhow::bail!("--threads must be at least 1"),
-        Some(n) if n > 4 * cores => {
-            anyhow::bail!(
-                "--threads {n} is more than 4x the {cores} cores here; use at most {}",
-                4 * cores
-            )
+    match s.trim().parse::<usize>() {
+        Ok(0) => Err("invalid --threads '0': at least 1 thread is needed".into()),
+        Ok(n) if n > 4 * cores => Err(format!(
+            "--threads {n} is more than 4x the {cores} cores here; use at most {}",
+            4 * cores
+        )),
+        Ok(n) => Ok(n),
+        Err(_) => Err(format!(
+            "invalid --threads '{s}': expected a whole number from 1 to {}",
+            4 * cores
+        )),
+    }
+}
+
+/// A whole-number flag from `min` to `max` (`--max-new`, `--max-context`, `--top-k`, ...): clap
+/// refuses any other value (`error: invalid --max-new '0': expected a whole number, at least 1`)
+/// and exits 2, before anything is read, as it does a value that is not a number.
+pub(crate) fn count(min: usize, max: usize) -> Count {
+    Count { min, max }
+}
+
+/// See [`count`].
+#[derive(Clone, Copy)]
+pub struct Count {
+    min: usize,
+    max: usize,
+}
+
+impl TypedValueParser for Count {
+    type Value = usize;
+
+    fn parse_ref(
+        &self,
+        cmd: &clap::Command,
+        arg: Option<&clap::Arg>,
+        value: &OsStr,
+    ) -> Result<usize, clap::Error> {
+        let text = clap::builder::StringValueParser::new().parse_ref(cmd, arg, value)?;
+        match text.trim().parse::<usize>() {
+            Ok(n) if (self.min..=self.max).contains(&n) => Ok(n),
+            _ => {
+                let flag = arg.and_then(|a| a.get_long()).unwrap_or("value");
+                let range = if self.max == usize::MAX {
+                    format!("at least {}", self.min)
+                } else {
+                    format!("from {} to {}", self.min, self.max)
+                };
+                Err(clap::Error::raw(
+                    ErrorKind::ValueValidation,
+                    format!("invalid --{flag} '{text}': expected a whole number, {range}\n"),
+                ))
+            }
         }
-        _ => Ok(()),
     }
 }
 

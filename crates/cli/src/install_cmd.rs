@@ -7,9 +7,9 @@ use clap::Args;
 use mference_install::checkpoint::Pin;
 use mference_install::source::http::{HttpConfig, HttpSource};
 use mference_install::{
-    presets, state, InstallOptions, InstallReport, LocalSource, ProgressMode, Source,
+    presets, state, InstallError, InstallOptions, InstallReport, LocalSource, ProgressMode, Source,
 };
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 #[derive(Args)]
 pub struct InstallArgs {
@@ -144,9 +144,37 @@ pub fn install(a: InstallArgs) -> anyhow::Result<()> {
         };
         Box::new(HttpSource::new(cfg)?)
     };
-    let report = mference_install::install(source.as_ref(), &a.output, &opts)?;
+    let report =
+        mference_install::install(source.as_ref(), &a.output, &opts).map_err(|e| {
+            match (&e, a.source.as_deref().map(nested_checkpoints)) {
+                (InstallError::SourceInvalid { .. }, Some(found)) if !found.is_empty() => {
+                    let dir = a.source.as_deref().unwrap_or(Path::new("")).display();
+                    let names: Vec<String> =
+                        found.iter().map(|p| p.display().to_string()).collect();
+                    anyhow::anyhow!("{e} in {dir}; did you mean {}?", names.join(" or "))
+                }
+                _ => e.into(),
+            }
+        })?;
     print_report(&report);
     Ok(())
+}
+
+/// Where `dir` has no `config.json`, its subdirectories that have one (a fixture's
+/// `assets/fixtures/deepseek_v4/A` given for `A/checkpoint`), sorted; otherwise none.
+fn nested_checkpoints(dir: &Path) -> Vec<PathBuf> {
+    if dir.join("config.json").exists() {
+        return Vec::new();
+    }
+    let mut found: Vec<PathBuf> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| dir.join(e.file_name()))
+        .filter(|p| p.join("config.json").is_file())
+        .collect();
+    found.sort();
+    found
 }
 
 fn print_report(r: &InstallReport) {

@@ -301,9 +301,6 @@ fn options_for(
         ..Default::default()
     };
     if let Some(t) = m.threads {
-        if t == 0 {
-            bail!("--threads must be at least 1");
-        }
         o.threads = t;
     }
     Ok(o)

@@ -11,7 +11,7 @@ use clap::Args;
 
 use mference_models::{Logits, Want};
 
-use crate::flags::{threads_flag, ModelArgs};
+use crate::flags::{count, ModelArgs};
 use crate::load_options::load_options;
 use crate::run_cmd::{check_install_dir, max_positions, read_json_array};
 
@@ -31,7 +31,7 @@ pub struct LogitsArgs {
     #[arg(long, default_value = "prefill")]
     pub mode: String,
     /// Positions the KV cache holds (at least the number of ids).
-    #[arg(long, default_value_t = 4096)]
+    #[arg(long, default_value_t = 4096, value_parser = count(1, usize::MAX))]
     pub max_context: usize,
 }
 
@@ -101,11 +101,7 @@ fn npy_bytes(rows: usize, cols: usize, data: &[f32]) -> Vec<u8> {
 /// `mference logits`: loads the install, runs the ids in the chosen mode and writes `[T, vocab]`.
 pub fn logits(a: LogitsArgs) -> Result<()> {
     let t0 = Instant::now();
-    threads_flag(a.model.threads)?;
     let mode = Mode::parse(&a.mode)?;
-    if a.max_context == 0 {
-        bail!("--max-context must be positive");
-    }
     let dir = &a.model.model;
     check_install_dir(dir)?;
     let ids = read_ids(&a.ids)?;

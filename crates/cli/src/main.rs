@@ -3,7 +3,7 @@
 #![recursion_limit = "256"]
 
 use crate::notes::say;
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
 mod bench_cmd;
 mod chat;
@@ -56,8 +56,26 @@ enum Command {
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+/// The command line, each subcommand's usage line fixed to the one its `--help` prints. Left to
+/// itself, clap's usage under an error lists every flag given as if it were required (`mference
+/// run --model <MODEL> --prompt <PROMPT> --max-new <MAX_NEW>` for a missing --model).
+fn command() -> clap::Command {
+    let mut cmd = Cli::command();
+    cmd.build();
+    cmd.mut_subcommands(|mut sub| {
+        // "Usage: LINE" with its styles; the title ends at the first space.
+        let usage = sub.render_usage().ansi().to_string();
+        match usage.split_once(' ') {
+            Some((_, line)) => sub.override_usage(line.to_string()),
+            None => sub,
+        }
+    })
+}
+
 fn main() -> std::process::ExitCode {
-    let cli = Cli::parse();
+    let mut cmd = command();
+    let cli =
+        Cli::from_arg_matches(&cmd.get_matches_mut()).unwrap_or_else(|e| e.format(&mut cmd).exit());
     let result = match cli.command {
         Command::Install(a) => install_cmd::install(a),
         Command::Verify(a) => install_cmd::verify(a),

@@ -9,7 +9,7 @@ use clap::Args;
 
 use mference_models::{Logits, Want};
 
-use crate::flags::{threads_flag, ModelArgs};
+use crate::flags::{count, ModelArgs};
 use crate::load_options::load_options;
 use crate::run_cmd::{load_text, lookahead_note};
 
@@ -21,11 +21,11 @@ pub struct PerplexityArgs {
     /// UTF-8 text file to score.
     #[arg(long)]
     pub file: PathBuf,
-    /// Tokens per chunk (the first is replaced by BOS; the second half is scored).
-    #[arg(long, default_value_t = 512)]
+    /// Tokens per chunk, at least 4 (the first is replaced by BOS; the second half is scored).
+    #[arg(long, default_value_t = 512, value_parser = count(4, usize::MAX))]
     pub ctx: usize,
     /// Score only the first N tokens of the stream (BOS included).
-    #[arg(long)]
+    #[arg(long, value_parser = count(1, usize::MAX))]
     pub max_tokens: Option<usize>,
     /// Tokenize without a leading BOS (the stream llama-perplexity sees has one when the
     /// vocabulary adds BOS; chunk-initial BOS is set either way).
@@ -39,11 +39,7 @@ const SCORED_ROWS: usize = 256;
 /// `mference perplexity`: llama-perplexity's protocol — chunks of `ctx` tokens, the first token of
 /// each chunk replaced by BOS, the second half of each chunk scored.
 pub fn perplexity(a: PerplexityArgs) -> Result<()> {
-    threads_flag(a.model.threads)?;
     let text = load_text(&a.model.model)?;
-    if a.ctx < 4 {
-        bail!("--ctx must be at least 4");
-    }
     if let Some(m) = text.max_positions {
         if a.ctx > m {
             bail!(

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use clap::Args;
+use clap::{ArgGroup, Args};
 
 use mference_models::Model;
 use mference_runtime::SamplerConfig;
@@ -19,25 +19,29 @@ use mference_session::{
 };
 use mference_text::TokenizerCache;
 
-use crate::flags::{seed_flag, threads_flag, ModelArgs, Verify};
+use crate::flags::{count, seed_flag, typed, ModelArgs, Verify};
 use crate::load_options::{load_options_for, open_install};
 
-/// `mference run`.
+/// `mference run`: exactly one of --prompt, --messages-file and --chat, which clap enforces (and
+/// its usage line shows) like every flag value it can check alone.
 #[derive(Args, Debug)]
-#[command(allow_negative_numbers = true)]
+#[command(
+    allow_negative_numbers = true,
+    group(ArgGroup::new("mode").required(true).args(["prompt", "messages_file", "chat"])),
+)]
 pub struct RunArgs {
     #[command(flatten)]
     pub model: ModelArgs,
-    /// Raw completion of this text, no chat framing.
-    #[arg(long, group = "mode")]
+    /// Raw completion of this text (not empty), no chat framing.
+    #[arg(long, value_parser = typed(prompt_text))]
     pub prompt: Option<String>,
     /// A JSON array of chat messages ({role, content}, content a string or a list of text
     /// parts, as `serve` takes them) rendered through the model's chat template.
-    #[arg(long, group = "mode")]
+    #[arg(long)]
     pub messages_file: Option<PathBuf>,
     /// Interactive chat (/clear, /history, /think on|off, /quit). At a terminal: Alt-Enter or a
     /// """ block for several lines, pastes arrive whole, Up/Down recall earlier messages.
-    #[arg(long, group = "mode")]
+    #[arg(long)]
     pub chat: bool,
     /// Thinking for --chat and --messages-file: renders the chat template with
     /// `enable_thinking`; the reasoning is printed to stderr, the answer to stdout.
@@ -46,20 +50,23 @@ pub struct RunArgs {
     /// System message for --chat (repeatable; joined with newlines).
     #[arg(long)]
     pub system: Vec<String>,
-    #[arg(long, default_value_t = 1024)]
+    /// Tokens to generate at most (at least 1).
+    #[arg(long, default_value_t = 1024, value_parser = count(1, usize::MAX))]
     pub max_new: usize,
-    #[arg(long, default_value_t = 4096)]
+    /// Positions the KV cache holds (at least 1, at most the model's).
+    #[arg(long, default_value_t = 4096, value_parser = count(1, usize::MAX))]
     pub max_context: usize,
     /// 0 = greedy.
-    #[arg(long, default_value_t = 0.2)]
+    #[arg(long, default_value_t = 0.2, value_parser = typed(temperature))]
     pub temperature: f32,
     /// 0…256; 0 = off.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64, value_parser = count(0, 256))]
     pub top_k: usize,
     /// (0, 1].
-    #[arg(long, default_value_t = 0.95)]
+    #[arg(long, default_value_t = 0.95, value_parser = typed(top_p))]
     pub top_p: f32,
-    #[arg(long, default_value_t = 1.0)]
+    /// A finite number > 0 (1 = off).
+    #[arg(long, default_value_t = 1.0, value_parser = typed(repetition_penalty))]
     pub repetition_penalty: f32,
     /// Sampler seed, 0 to 18446744073709551615 (with --temperature above 0): the same seed, prompt
     /// and settings give the same reply, whether or not the prompt was cached (all kernel tables
@@ -70,7 +77,7 @@ pub struct RunArgs {
     #[arg(long)]
     pub stop: Vec<String>,
     /// Prefill chunk rows: 32, 64, 128, 256, 512, 1024, 2048, 4096 or auto.
-    #[arg(long, default_value = "auto")]
+    #[arg(long, default_value = "auto", value_parser = prefill_chunk_flag())]
     pub prefill_chunk: String,
     /// Print only the generated text (no footer).
     #[arg(long)]
@@ -144,30 +151,55 @@ pub(crate) fn cache_note(text: &TextSide) {
     }
 }
 
+/// `--prompt`: any text but none; an empty prompt gives the model no tokens to continue (or,
+/// where the tokenizer adds BOS, only BOS).
+fn prompt_text(s: &str) -> Result<String, String> {
+    if s.is_empty() {
+        return Err("invalid --prompt '': the prompt is empty; give the text to complete".into());
+    }
+    Ok(s.to_string())
+}
+
+/// `--temperature`: a finite number >= 0.
+fn temperature(s: &str) -> Result<f32, String> {
+    match s.trim().parse::<f32>() {
+        Ok(t) if t >= 0.0 && t.is_finite() => Ok(t),
+        _ => Err(format!("--temperature must be >= 0 (0 = greedy), got {s}")),
+    }
+}
+
+/// `--top-p`: in (0, 1].
+fn top_p(s: &str) -> Result<f32, String> {
+    match s.trim().parse::<f32>() {
+        Ok(p) if p > 0.0 && p <= 1.0 => Ok(p),
+        _ => Err(format!("--top-p must be in (0, 1], got {s}")),
+    }
+}
+
+/// `--repetition-penalty`: a finite number > 0.
+fn repetition_penalty(s: &str) -> Result<f32, String> {
+    match s.trim().parse::<f32>() {
+        Ok(r) if r > 0.0 && r.is_finite() => Ok(r),
+        _ => Err(format!(
+            "--repetition-penalty must be a finite number > 0, got {s}"
+        )),
+    }
+}
+
+/// `--prefill-chunk` (run, serve, bench): `auto` or an allowed chunk, checked by clap; the text
+/// is kept, since `auto` is resolved against the prompt ([`parse_prefill_chunk`]).
+pub(crate) fn prefill_chunk_flag() -> crate::flags::Typed<String> {
+    typed(|s| {
+        parse_prefill_chunk(s, None)
+            .map(|_| s.to_string())
+            .map_err(|e| e.to_string())
+    })
+}
+
+/// The checks between flags (each flag's own value is checked by clap).
 fn validate_sampling(a: &RunArgs) -> Result<()> {
-    if !(a.top_p > 0.0 && a.top_p <= 1.0) {
-        bail!("--top-p must be in (0, 1], got {}", a.top_p);
-    }
-    if a.top_k > 256 {
-        bail!(
-            "--top-k must be between 0 and 256 (0 = off), got {}",
-            a.top_k
-        );
-    }
-    if a.temperature < 0.0 || !a.temperature.is_finite() {
-        bail!(
-            "--temperature must be >= 0 (0 = greedy), got {}",
-            a.temperature
-        );
-    }
     if a.temperature > 0.0 && a.top_k == 0 && a.top_p < 1.0 {
         bail!("--top-p {} requires --top-k between 1 and 256; to turn both truncations off pass --top-k 0 --top-p 1", a.top_p);
-    }
-    if !(a.repetition_penalty > 0.0 && a.repetition_penalty.is_finite()) {
-        bail!(
-            "--repetition-penalty must be a finite number > 0, got {}",
-            a.repetition_penalty
-        );
     }
     if !a.system.is_empty() && !a.chat {
         bail!("--system requires --chat (put a system message in --messages-file instead)");
@@ -175,15 +207,7 @@ fn validate_sampling(a: &RunArgs) -> Result<()> {
     if a.think.is_some() && a.prompt.is_some() {
         bail!("--think needs a chat template: use it with --chat or --messages-file, not --prompt");
     }
-    for (flag, v) in [("--max-new", a.max_new), ("--max-context", a.max_context)] {
-        if v == 0 {
-            bail!("{flag} must be positive (got 0)");
-        }
-    }
-    if a.prefill_chunk != "auto" {
-        parse_prefill_chunk(&a.prefill_chunk, None)?;
-    }
-    threads_flag(a.model.threads)
+    Ok(())
 }
 
 /// `auto` is the smallest allowed chunk covering a one-shot prompt (the original's rule), capped at
@@ -459,7 +483,7 @@ pub fn run(a: RunArgs) -> Result<()> {
         }
         None
     } else {
-        bail!("give exactly one of --prompt, --messages-file or --chat");
+        unreachable!("clap requires one of --prompt, --messages-file and --chat")
     };
     if let Some((p, _)) = &prompt {
         if p.len() >= a.max_context {

@@ -9,7 +9,7 @@ use clap::Args;
 
 use mference_server::{BindMode, PromptCacheMode, ServerConfig};
 
-use crate::flags::ModelArgs;
+use crate::flags::{count, typed, ModelArgs};
 use crate::load_options::{load_options_for, open_install};
 
 /// Context sizes the server accepts, as the original (`ServerArguments.swift`).
@@ -27,42 +27,46 @@ pub struct ServeArgs {
     #[arg(long, default_value = "loopback")]
     pub bind: String,
     /// The id clients send as `model` (default: the family's id, e.g. gemma-4-26b-a4b-it).
-    #[arg(long)]
+    #[arg(long, value_parser = typed(model_id))]
     pub model_id: Option<String>,
     /// KV cache positions: 4096, 8192, 16384, 32768, 65536 or 128000 (default 16384, or the
     /// largest of these the model's max_position_embeddings allows).
-    #[arg(long)]
+    #[arg(long, value_parser = typed(context_size))]
     pub max_context: Option<usize>,
-    /// Requests that may wait behind the running one; more get 429.
-    #[arg(long, default_value_t = 4)]
+    /// Requests that may wait behind the running one (at least 1); more get 429.
+    #[arg(long, default_value_t = 4, value_parser = count(1, usize::MAX))]
     pub queue_limit: usize,
     /// off or single-prefix (reuse the KV of the previous prompt's shared prefix).
     #[arg(long, default_value = "single-prefix")]
     pub prompt_cache_mode: String,
     /// Prefill chunk rows: 32, 64, 128, 256, 512, 1024, 2048, 4096 or auto (128 here: request
     /// lengths are not known in advance).
-    #[arg(long, default_value = "auto")]
+    #[arg(long, default_value = "auto", value_parser = crate::run_cmd::prefill_chunk_flag())]
     pub prefill_chunk: String,
+}
+
+/// `--model-id`: any text but blank.
+fn model_id(s: &str) -> Result<String, String> {
+    if s.trim().is_empty() {
+        return Err("--model-id must not be empty (leave it out for the family's id)".into());
+    }
+    Ok(s.to_string())
+}
+
+/// `--max-context`: one of [`CONTEXTS`].
+fn context_size(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(c) if CONTEXTS.contains(&c) => Ok(c),
+        _ => Err(format!(
+            "invalid --max-context {s}: allowed values are 4096, 8192, 16384, 32768, 65536, 128000"
+        )),
+    }
 }
 
 /// `mference serve`: validate, load the model, then open the port and print the ready line; on
 /// SIGTERM or SIGINT shut down gracefully and exit 0.
 pub fn serve(a: ServeArgs) -> Result<()> {
-    if let Some(c) = a.max_context {
-        if !CONTEXTS.contains(&c) {
-            bail!(
-                "invalid --max-context {c}: allowed values are 4096, 8192, 16384, 32768, 65536, 128000"
-            );
-        }
-    }
-    if a.queue_limit == 0 {
-        bail!("--queue-limit must be at least 1");
-    }
     let prefill_chunk = crate::run_cmd::parse_prefill_chunk(&a.prefill_chunk, None)?;
-    if a.model_id.as_deref().is_some_and(|m| m.trim().is_empty()) {
-        bail!("--model-id must not be empty (leave it out for the family's id)");
-    }
-    crate::flags::threads_flag(a.model.threads)?;
     crate::run_cmd::check_install_dir(&a.model.model)?;
     let bind = BindMode::parse(&a.bind).map_err(anyhow::Error::msg)?;
     let cache = PromptCacheMode::parse(&a.prompt_cache_mode).map_err(anyhow::Error::msg)?;

@@ -129,17 +129,27 @@ fn refused(args: &[&str], msg: &str) {
     run_refused(BIN, args, msg);
 }
 
+/// `mference ARGS` must fail as clap fails on a bad flag, before anything is read: exit status 2
+/// (not the 1 of a failed command), with `msg` in its stderr.
+fn usage_error(args: &[&str], msg: &str) -> String {
+    let out = Command::new(BIN).args(args).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+    assert!(err.contains(msg), "{args:?}: expected {msg:?} in: {err}");
+    err
+}
+
 #[test]
 fn bad_flags_are_rejected_with_the_allowed_values() {
-    let cases: [(&[&str], &str); 8] = [
-        (&["--max-new", "0"], "--max-new must be positive (got 0)"),
+    // Each flag's own value is clap's to refuse (exit 2); a bad pair of flags is run's (exit 1).
+    let cases: [(&[&str], &str); 7] = [
         (
-            &["--max-context", "0"],
-            "--max-context must be positive (got 0)",
+            &["--max-new", "0"],
+            "invalid --max-new '0': expected a whole number, at least 1",
         ),
         (
-            &["--temperature", "0.5", "--top-k", "0", "--top-p", "0.9"],
-            "requires --top-k between 1 and 256",
+            &["--max-context", "0"],
+            "invalid --max-context '0': expected a whole number, at least 1",
         ),
         (
             &["--expert-cache-slots", "7"],
@@ -159,8 +169,24 @@ fn bad_flags_are_rejected_with_the_allowed_values() {
     for (flags, msg) in cases {
         let mut args = vec!["run", "--model", "/nonexistent.gturbo", "--prompt", "x"];
         args.extend_from_slice(flags);
-        refused(&args, msg);
+        usage_error(&args, msg);
     }
+    refused(
+        &[
+            "run",
+            "--model",
+            "/nonexistent.gturbo",
+            "--prompt",
+            "x",
+            "--temperature",
+            "0.5",
+            "--top-k",
+            "0",
+            "--top-p",
+            "0.9",
+        ],
+        "requires --top-k between 1 and 256",
+    );
     // Contexts beyond the model's positions are refused before anything is allocated
     // (perplexity used to size its logits by --ctx: tens of GB); serve's default is clamped.
     let (model, text) = (
@@ -185,7 +211,7 @@ fn bad_flags_are_rejected_with_the_allowed_values() {
     // Rough edges a new user hit (issue 16 item 8).
     let file = text.to_str().unwrap();
     for bad in ["nan", "inf"] {
-        refused(
+        usage_error(
             &[
                 "run",
                 "--model",
@@ -235,6 +261,180 @@ fn bad_flags_are_rejected_with_the_allowed_values() {
     for (args, msg) in cases {
         refused(args, msg);
     }
+}
+
+/// Numeric flags outside what they take exit 2 with clap's usage error, before anything is read,
+/// as a value that is not a number does (`--threads 0` and `--max-new 0` used to exit 1, after
+/// the argument parse); a 0 with a documented meaning (`--top-k 0` = off, `--router-lookahead 0`
+/// = off, `--warmup 0`) still parses.
+#[test]
+fn numeric_flags_out_of_range_exit_2_and_documented_zeros_parse() {
+    let m = "/nonexistent.gturbo";
+    let cases: [(&[&str], &str); 17] = [
+        (
+            &["run", "--threads", "0"],
+            "invalid --threads '0': at least 1 thread is needed",
+        ),
+        (&["run", "--threads", "1000000"], "more than 4x the"),
+        (&["run", "--threads", "x"], "invalid --threads 'x'"),
+        (&["run", "--max-new", "0"], "invalid --max-new '0'"),
+        (
+            &["run", "--top-k", "257"],
+            "invalid --top-k '257': expected a whole number, from 0 to 256",
+        ),
+        (
+            &["run", "--temperature", "-1"],
+            "--temperature must be >= 0",
+        ),
+        (
+            &["perplexity", "--file", "f", "--ctx", "3"],
+            "invalid --ctx '3': expected a whole number, at least 4",
+        ),
+        (
+            &["perplexity", "--file", "f", "--max-tokens", "0"],
+            "invalid --max-tokens '0'",
+        ),
+        (
+            &["logits", "--ids", "i", "--out", "o", "--max-context", "0"],
+            "invalid --max-context '0'",
+        ),
+        (&["bench", "--gen", "0"], "invalid --gen '0'"),
+        (&["bench", "--repeats", "0"], "invalid --repeats '0'"),
+        (
+            &["bench", "--max-context", "0"],
+            "invalid --max-context '0'",
+        ),
+        (&["bench", "--threads", "0"], "invalid --threads '0'"),
+        (
+            &["serve", "--queue-limit", "0"],
+            "invalid --queue-limit '0'",
+        ),
+        (
+            &["serve", "--max-context", "5000"],
+            "invalid --max-context 5000: allowed values are 4096",
+        ),
+        (
+            &["serve", "--model-id", " "],
+            "--model-id must not be empty",
+        ),
+        (&["serve", "--threads", "0"], "invalid --threads '0'"),
+    ];
+    for (args, msg) in cases {
+        let (cmd, flags) = args.split_first().unwrap();
+        let mut all = vec![*cmd, "--model", m];
+        if *cmd == "run" {
+            all.extend(["--prompt", "x"]);
+        }
+        all.extend_from_slice(flags);
+        usage_error(&all, msg);
+    }
+    // These get past the parse and fail on the missing install (exit 1).
+    for args in [
+        &[
+            "run", "--model", m, "--prompt", "x", "--top-k", "0", "--top-p", "1",
+        ][..],
+        &[
+            "run",
+            "--model",
+            m,
+            "--prompt",
+            "x",
+            "--router-lookahead",
+            "0",
+        ],
+        &["run", "--model", m, "--prompt", " "],
+        &["bench", "--model", m, "--warmup", "0"],
+    ] {
+        let out = Command::new(BIN).args(args).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(err.contains(m), "{args:?}: {err}");
+    }
+}
+
+/// Under an error clap's usage line is the one `--help` prints: it listed the flags given as if
+/// they were required (`mference run --model <MODEL> --prompt <PROMPT> --max-new <MAX_NEW>` for a
+/// missing --model); `run`'s names the one of --prompt, --messages-file and --chat it needs.
+#[test]
+fn usage_under_an_error_is_the_help_usage() {
+    let cases: [(&str, &[&str]); 6] = [
+        ("run", &["--prompt", "x", "--max-new", "3"]),
+        ("perplexity", &["--ctx", "8"]),
+        ("logits", &["--mode", "decode"]),
+        ("serve", &["--port", "1"]),
+        ("bench", &["--gen", "2"]),
+        ("install", &["--dry-run"]),
+    ];
+    for (cmd, given) in cases {
+        let help = String::from_utf8(run_ok(BIN, &[cmd, "--help"]).stdout).unwrap();
+        let usage = help
+            .lines()
+            .find(|l| l.starts_with("Usage: "))
+            .unwrap_or_else(|| panic!("{cmd} --help: {help}"));
+        let mut args = vec![cmd];
+        args.extend_from_slice(given);
+        let err = usage_error(&args, "the following required arguments were not provided");
+        assert!(
+            err.lines().any(|l| l == usage),
+            "{args:?}: {usage:?} not in {err}"
+        );
+    }
+    let help = String::from_utf8(run_ok(BIN, &["run", "--help"]).stdout).unwrap();
+    assert!(
+        help.lines().any(|l| l
+            == "Usage: mference run [OPTIONS] --model <MODEL> \
+                <--prompt <PROMPT>|--messages-file <MESSAGES_FILE>|--chat>"),
+        "{help}"
+    );
+    usage_error(
+        &["run", "--model", "/nonexistent.gturbo"],
+        "<--prompt <PROMPT>|--messages-file <MESSAGES_FILE>|--chat>",
+    );
+}
+
+/// `--prompt ""` gives the model nothing to continue (Qwen 3.6 got 0 tokens and failed after the
+/// load; Gemma 4 continued its BOS alone): clap refuses it, saying so.
+#[test]
+fn an_empty_prompt_is_refused() {
+    usage_error(
+        &["run", "--model", "/nonexistent.gturbo", "--prompt", ""],
+        "invalid --prompt '': the prompt is empty; give the text to complete",
+    );
+}
+
+/// `install` of a directory without config.json whose subdirectory has one (a fixture's
+/// `A/` for `A/checkpoint/`) names that subdirectory.
+#[test]
+fn install_of_a_checkpoint_parent_names_the_checkpoint() {
+    let work = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let parent = repo().join("assets/fixtures/deepseek_v4/A");
+    let out = work.path().join("x.gturbo");
+    let err = run_refused(
+        BIN,
+        &[
+            "install",
+            parent.to_str().unwrap(),
+            "--output",
+            out.to_str().unwrap(),
+            "--dry-run",
+        ],
+        "config.json is missing in ",
+    );
+    let want = format!("did you mean {}?", parent.join("checkpoint").display());
+    assert!(err.contains(&want), "expected {want:?} in: {err}");
+    // A directory with no checkpoint below it gets no hint.
+    let err = run_refused(
+        BIN,
+        &[
+            "install",
+            work.path().to_str().unwrap(),
+            "--output",
+            out.to_str().unwrap(),
+            "--dry-run",
+        ],
+        "config.json is missing",
+    );
+    assert!(!err.contains("did you mean"), "{err}");
 }
 
 /// `install --resume` where nothing was saved says so and installs from the start (a mistyped
