@@ -39,6 +39,10 @@ impl CoreOps for CudaBackend {
         self.read(x)
     }
 
+    fn read_many(&self, xs: &[&CudaTensor]) -> OpResult<Vec<Vec<f32>>> {
+        self.read_many(xs)
+    }
+
     fn all_finite(&self, x: &CudaTensor) -> OpResult<bool> {
         self.all_finite(x)
     }

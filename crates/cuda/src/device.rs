@@ -4,12 +4,13 @@
 use crate::*;
 
 /// Every kernel of `ops/`, loaded at startup (a missing one fails [`CudaBackend::new`]).
-pub(crate) const KERNELS: [&str; 85] = [
+pub(crate) const KERNELS: [&str; 86] = [
     "all_finite",
     "matmul_bf16",
     "linear",
     "gather_rows",
     "gather_rows_many",
+    "join_parts",
     "split_parts",
     "unary",
     "mul_cols",

@@ -329,8 +329,11 @@ impl FlashHead {
         mats.extend(self.forced.iter().map(|(_, q)| q));
         let ys = be.matmul(&mats, Resident, xf)?;
         let mut full = vec![f32::NEG_INFINITY; vocab];
-        for (i, y) in ys.iter().enumerate() {
-            let vals = be.read(y)?;
+        for (i, vals) in be
+            .read_many(&ys.iter().collect::<Vec<_>>())?
+            .into_iter()
+            .enumerate()
+        {
             let ids: &[u32] = match probed.get(i) {
                 Some(&c) => &self.token_map[c],
                 None => std::slice::from_ref(&self.forced[i - probed.len()].0),

@@ -62,6 +62,12 @@ pub trait CoreOps: Send + Sync + Sized {
     fn read(&self, x: &Self::Tensor) -> OpResult<Vec<f32>> {
         Err(self.missing("read"))
     }
+    /// [`CoreOps::read`] of each of `xs`, in one call so a backend can read them back with one
+    /// device synchronisation (Maple's FlashHead reads its 512 probed clusters' logits this way).
+    /// The default reads them one by one.
+    fn read_many(&self, xs: &[&Self::Tensor]) -> OpResult<Vec<Vec<f32>>> {
+        xs.iter().map(|x| self.read(x)).collect()
+    }
     /// Whether every element of `x` is finite (a one-bit readback: the families check the
     /// residual stream once per chunk, so a NaN never turns silently into text).
     fn all_finite(&self, x: &Self::Tensor) -> OpResult<bool> {

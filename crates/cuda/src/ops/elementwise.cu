@@ -29,6 +29,17 @@ extern "C" __global__ void gather_rows_many(const float* x, u64 cols, const u64*
     }
 }
 
+// Many buffers joined into one (for one readback): tab holds n device addresses, then n + 1
+// offsets into out; buffer b's tab[n + b + 1] - tab[n + b] floats go to out + tab[n + b].
+extern "C" __global__ void join_parts(const u64* tab, u64 n, float* out) {
+    grid_dep_wait();
+    for (u64 b = blockIdx.x; b < n; b += gridDim.x) {
+        const float* src = (const float*)tab[b];
+        u64 off = tab[n + b], len = tab[n + b + 1] - off;
+        for (u64 i = threadIdx.x; i < len; i += blockDim.x) out[off + i] = src[i];
+    }
+}
+
 // Up to SPLIT_PARTS parts of every group of `group` columns of x in one launch: part p (columns
 // off[p] .. off[p] + len[p] of each group) into out[p] (its groups one after another). One thread
 // per element of x.

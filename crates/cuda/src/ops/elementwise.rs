@@ -30,6 +30,41 @@ impl CudaBackend {
         self.to_host("read", &*x.buf)
     }
 
+    /// [`CoreOps::read_many`]: the tensors joined on the device by one `join_parts` launch, then
+    /// one readback.
+    pub(crate) fn read_many(&self, xs: &[&CudaTensor]) -> OpResult<Vec<Vec<f32>>> {
+        let op = "read_many";
+        if xs.len() < 2 {
+            return xs.iter().map(|x| self.read(x)).collect();
+        }
+        let mut tab: Vec<u64> = xs.iter().map(|x| self.addr(&*x.buf)).collect();
+        let mut off = 0u64;
+        tab.push(0);
+        for x in xs {
+            off += x.len() as u64;
+            tab.push(off);
+        }
+        if off == 0 {
+            return Ok(vec![Vec::new(); xs.len()]);
+        }
+        let mut out = self.uninit_tensor(op, 1, off as usize)?;
+        let (table, n) = (self.to_device(op, &tab)?, xs.len() as u64);
+        launch!(
+            self,
+            op,
+            "join_parts",
+            blocks(xs.len().min(1 << 16), 128),
+            &table,
+            &n,
+            &mut *out.buf
+        )?;
+        let joined = self.read(&out)?;
+        Ok(tab[xs.len()..]
+            .windows(2)
+            .map(|w| joined[w[0] as usize..w[1] as usize].to_vec())
+            .collect())
+    }
+
     pub(crate) fn all_finite(&self, x: &CudaTensor) -> OpResult<bool> {
         let op = "all_finite";
         let mut flag = self

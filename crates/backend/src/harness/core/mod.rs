@@ -51,6 +51,20 @@ pub(crate) fn data_ops<B: Backend>(h: &mut Harness<B>, rng: &mut Rng) {
             h.fail("copy", "copy differs".into());
         }
     }
+    // Several tensors of different shapes read back in one call: each one's `read`.
+    let parts: Vec<Vec<f32>> = vec![d[..12].to_vec(), d[12..15].to_vec(), d[..36].to_vec()];
+    let ups: Vec<_> = [(12, &parts[0]), (1, &parts[1]), (12, &parts[2])]
+        .into_iter()
+        .filter_map(|(cols, p)| h.up(p, cols))
+        .collect();
+    if ups.len() == parts.len() {
+        let r = h.be.read_many(&ups.iter().collect::<Vec<_>>());
+        if let Some(got) = h.ok("read_many", r) {
+            if got != parts {
+                h.fail("read_many", "a tensor read back differs".into());
+            }
+        }
+    }
     let rows = [4usize, 0, 4, 2];
     let r = h.be.gather_rows(&x, &rows);
     if let Some(g) = h.ok("gather_rows", r) {
