@@ -96,7 +96,7 @@ fn deepseek_v4_passes_the_capability_check_and_auto_takes_what_runs() {
         "a rounded table ran on DeepSeek-V4:\n{err}"
     );
     assert!(
-        err.contains("is checked only for Gemma 4 and Qwen 3.6") || err.contains("this CPU runs"),
+        err.contains("is for Gemma 4 and Qwen 3.6 only") || err.contains("this CPU runs"),
         "the refusal does not name the kernel table, or came after the weights were read:\n{err}"
     );
 }

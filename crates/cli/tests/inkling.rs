@@ -153,7 +153,7 @@ fn inkling_refuses_a_context_beyond_its_limit_and_the_int8_prefill() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success(), "{err}");
     assert!(
-        err.contains("is checked only for Gemma 4 and Qwen 3.6") || err.contains("this CPU runs"),
+        err.contains("is for Gemma 4 and Qwen 3.6 only") || err.contains("this CPU runs"),
         "{err}"
     );
     // A rounded table from MFERENCE_KERNELS (read by `auto`, every x86-64 CPU with AVX2 runs

@@ -58,7 +58,7 @@ pub fn load_install(install: Install, opts: &LoadOptions) -> Result<Box<dyn Mode
     let mut engine = Engine::new(install, opts)?;
     if opts.kernels.is_none() && !std::ptr::eq(int16, exact) {
         engine.kernels_note = Some(format!(
-            "exact: {} is checked only for {}",
+            "exact: {} is for {} only, it misses this family's golden fixtures",
             int16.name(),
             Family::display_names_where(Family::int8_prefill, " and ")
         ));
@@ -125,8 +125,8 @@ pub fn check_device(device: Device, family: Option<Family>) -> Result<Option<Str
 }
 
 /// Refuses a kernel table that rounds activations (`kernels`, `--kernels`; or, for `None`,
-/// what `MFERENCE_KERNELS` forces) for a family whose error with it was not measured against the
-/// reference ([`mference_format::FamilySpec::int8_prefill`]), rather than mislead. Cheap: the CLI
+/// what `MFERENCE_KERNELS` forces) for a family whose golden fixtures it misses
+/// ([`mference_format::FamilySpec::int8_prefill`]), rather than mislead. Cheap: the CLI
 /// calls it before anything is read, [`load`] again.
 pub fn check_kernels(kernels: Option<&str>, family: Family) -> Result<(), ModelError> {
     let (table, from) = match kernels {
@@ -135,8 +135,8 @@ pub fn check_kernels(kernels: Option<&str>, family: Family) -> Result<(), ModelE
     };
     match table {
         Some(t) if !t.is_exact() && !family.int8_prefill() => Err(ModelError::Config(format!(
-            "{from}{}{} (rounded activations) is checked only for {}; on {} it is not checked \
-             against the reference: use --kernels {}{}",
+            "{from}{}{} (rounded activations) is for {} only: on {} its logits miss the \
+             reference fixtures' tolerance (docs/BENCHMARKS.md): use --kernels {}{}",
             if from == "--kernels" { " " } else { "" },
             t.name(),
             Family::display_names_where(Family::int8_prefill, " and "),
