@@ -216,6 +216,21 @@ fn spawn_child(exe: &std::path::Path, a: &BenchArgs, n: usize) -> Result<Value> 
         arg.push(t);
         cmd.arg(arg);
     }
+    // The child dies with the parent (a killed bench leaves no measurement running).
+    let parent = std::process::id() as libc::pid_t;
+    // SAFETY: between fork and exec the closure calls only async-signal-safe functions
+    // (prctl, getppid, kill) and touches no memory of the parent.
+    unsafe {
+        use std::os::unix::process::CommandExt;
+        cmd.pre_exec(move || {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
+            // The parent may have died before the prctl took hold.
+            if libc::getppid() != parent {
+                libc::kill(libc::getpid(), libc::SIGTERM);
+            }
+            Ok(())
+        });
+    }
     let out = cmd
         .stderr(std::process::Stdio::inherit())
         .output()

@@ -283,6 +283,8 @@ fn options_for(
     prefill_chunk: usize,
     max_context: usize,
 ) -> Result<LoadOptions> {
+    // A chunk longer than the context is the whole prompt (which fits the context).
+    let prefill_chunk = prefill_chunk.min(max_context);
     let (slots, direct_io) = resolve_slots(m, man, prefill_chunk, max_context)?;
     let mut o = LoadOptions {
         slots,

@@ -205,3 +205,70 @@ fn bench_rejects_bad_flags_before_loading() {
         );
     }
 }
+
+/// A bench killed while its child measures takes the child with it (the child would otherwise
+/// run on, re-parented, until its prompt and generation finish).
+#[test]
+fn a_killed_bench_leaves_no_child_running() {
+    let inst = demo_install();
+    let mut parent = std::process::Command::new(env!("CARGO_BIN_EXE_mference"))
+        .args(["bench", "--model", inst.to_str().unwrap(), "--threads", "1"])
+        .args([
+            "--prompts",
+            "1000",
+            "--gen",
+            "3000",
+            "--max-context",
+            "4096",
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let child_of = |pid: u32| {
+        std::fs::read_dir("/proc").unwrap().flatten().find_map(|e| {
+            let stat = std::fs::read_to_string(e.path().join("stat")).ok()?;
+            // pid (comm) state ppid ...: the fields after the command's closing parenthesis.
+            let ppid: u32 = stat
+                .rsplit(')')
+                .next()?
+                .split_whitespace()
+                .nth(1)?
+                .parse()
+                .ok()?;
+            (ppid == pid).then(|| e.file_name().to_str()?.parse::<u32>().ok())?
+        })
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let child = loop {
+        if let Some(c) = child_of(parent.id()) {
+            break c;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "bench started no child"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    // SAFETY: a plain signal to a process this test started.
+    unsafe { libc::kill(parent.id() as libc::pid_t, libc::SIGKILL) };
+    parent.wait().unwrap();
+    let alive = |pid: u32| {
+        std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+            !matches!(
+                s.rsplit(')')
+                    .next()
+                    .and_then(|r| r.split_whitespace().next()),
+                Some("Z")
+            )
+        })
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while alive(child) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the bench child {child} still runs after its parent was killed"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}

@@ -17,8 +17,8 @@ use mference_backend::{
 use std::time::Instant;
 
 use crate::{
-    check_ids, next_pre, one, parse_config, text_config, unsupported, ChunkWant, Engine,
-    FamilyModel, LoadOptions, Logits, ModelError, SequenceState, StepTimes, Streamers,
+    check_ids, check_sizes, next_pre, one, parse_config, text_config, unsupported, ChunkWant,
+    Engine, FamilyModel, LoadOptions, Logits, ModelError, SequenceState, StepTimes, Streamers,
 };
 
 /// `text_config` of a Gemma 4 `config.json` (HF keys; defaults as mlx-lm's `ModelArgs`).
@@ -89,6 +89,26 @@ impl Config {
     /// does not implement (per-layer inputs, KV-shared layers, dense-only layers, untied head).
     pub fn from_config_json(v: &serde_json::Value) -> Result<Self, ModelError> {
         let c: Config = parse_config(text_config(v), "gemma4 text_config")?;
+        check_sizes(
+            "gemma4",
+            &[
+                ("hidden_size", c.hidden_size),
+                ("num_hidden_layers", c.num_hidden_layers),
+                ("num_attention_heads", c.num_attention_heads),
+                ("num_key_value_heads", c.num_key_value_heads),
+                ("head_dim", c.head_dim),
+                ("sliding_window", c.sliding_window),
+                ("vocab_size", c.vocab_size),
+                ("intermediate_size", c.intermediate_size),
+                ("num_experts", c.num_experts.unwrap_or(1)),
+                ("top_k_experts", c.top_k_experts.unwrap_or(1)),
+                (
+                    "moe_intermediate_size",
+                    c.moe_intermediate_size.unwrap_or(1),
+                ),
+            ],
+            (c.top_k_experts.unwrap_or(0), c.num_experts.unwrap_or(0)),
+        )?;
         let unsupported = |what: &str| unsupported("gemma4", what);
         if c.hidden_size_per_layer_input != 0 {
             return unsupported("per-layer inputs (hidden_size_per_layer_input > 0)");
@@ -267,7 +287,10 @@ impl<B: Backend> Gemma4<B> {
         }
         let norm = v(format!("{P}.norm.weight"), h)?;
         let embed_scale = half::bf16::from_f32((h as f32).sqrt()).to_f32();
-        let ring = (cfg.sliding_window + opts.prefill_chunk).min(opts.max_context);
+        let ring = cfg
+            .sliding_window
+            .saturating_add(opts.prefill_chunk)
+            .min(opts.max_context);
         let kv = layers
             .iter()
             .map(|l| {

@@ -273,7 +273,10 @@ impl<B: Backend> Inkling<B> {
     /// [`REWIND_REACH`] positions a checkpoint may lie behind the end (a server's reply); the whole
     /// context when that is not smaller.
     pub fn ring_rows(cfg: &Config, opts: &LoadOptions) -> usize {
-        (cfg.sliding_window_size + opts.prefill_chunk + REWIND_REACH).min(opts.max_context)
+        cfg.sliding_window_size
+            .saturating_add(opts.prefill_chunk)
+            .saturating_add(REWIND_REACH)
+            .min(opts.max_context)
     }
 
     /// The parsed `text_config`.

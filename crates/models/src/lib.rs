@@ -26,7 +26,7 @@ pub use family::{FamilyModel, Parts, PartsMut};
 pub(crate) use forward::{check_ids, into_residual, next_pre, one};
 pub use forward::{head, run_chunked, ChunkWant, Head, Logits, Want};
 pub(crate) use loading::{
-    check_dims, expert_linear, linear, parse_config, text_config, unsupported,
+    check_dims, check_sizes, expert_linear, linear, parse_config, text_config, unsupported,
 };
 pub use mference_backend::DeviceExpertStats;
 pub use mference_cuda::GpuExpertBudget;

@@ -22,6 +22,29 @@ pub(crate) fn parse_config<C: DeserializeOwned>(
     serde_json::from_value(v.clone()).map_err(|e| ModelError::Config(format!("{what}: {e}")))
 }
 
+/// Refuses a `config.json` whose sizes a forward pass divides or windows by when one is 0 (a head
+/// count, a width, a window, the routed top-k), or whose top-k exceeds the expert count, naming
+/// the key: such a checkpoint would otherwise install and then panic or compute garbage.
+///
+/// Errors: [`ModelError::Config`] naming the first bad key.
+pub(crate) fn check_sizes(
+    family: &str,
+    sizes: &[(&str, usize)],
+    (top_k, experts): (usize, usize),
+) -> Result<(), ModelError> {
+    if let Some((key, _)) = sizes.iter().find(|(_, v)| *v == 0) {
+        return Err(ModelError::Config(format!(
+            "{family}: config.json {key} is 0 (it must be at least 1)"
+        )));
+    }
+    if top_k > experts {
+        return Err(ModelError::Config(format!(
+            "{family}: config.json routes {top_k} experts per token of {experts}"
+        )));
+    }
+    Ok(())
+}
+
 /// The error for a config feature a family does not implement.
 pub(crate) fn unsupported<T>(family: &str, what: &str) -> Result<T, ModelError> {
     Err(ModelError::Config(format!(

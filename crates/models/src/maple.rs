@@ -19,8 +19,8 @@ use mference_backend::{
 };
 
 use crate::{
-    check_dims, check_ids, expert_linear, linear, one, parse_config, unsupported, ChunkWant,
-    Engine, FamilyModel, LoadOptions, Logits, ModelError, SequenceState, Streamers,
+    check_dims, check_ids, check_sizes, expert_linear, linear, one, parse_config, unsupported,
+    ChunkWant, Engine, FamilyModel, LoadOptions, Logits, ModelError, SequenceState, Streamers,
 };
 
 /// `maple.py`'s `MLP_CLAMP`: the experts' SwiGLU clamps the gate to `≤ 7` and up to `[-7, 7]`.
@@ -103,6 +103,22 @@ impl Config {
     /// layers, biases, RoPE scaling, no q/k norm, RoPE on the full layers, unknown layer types).
     pub fn from_config_json(v: &serde_json::Value) -> Result<Self, ModelError> {
         let c: Config = parse_config(v, "maple config.json")?;
+        check_sizes(
+            "maple",
+            &[
+                ("hidden_size", c.hidden_size),
+                ("num_hidden_layers", c.num_hidden_layers),
+                ("num_attention_heads", c.num_attention_heads),
+                ("num_key_value_heads", c.num_key_value_heads),
+                ("head_dim", c.head_dim),
+                ("sliding_window", c.sliding_window),
+                ("vocab_size", c.vocab_size),
+                ("num_experts", c.num_experts),
+                ("num_experts_per_tok", c.num_experts_per_tok),
+                ("moe_intermediate_size", c.moe_intermediate_size),
+            ],
+            (c.num_experts_per_tok, c.num_experts),
+        )?;
         let unsupported = |what: &str| unsupported("maple", what);
         if c.first_k_dense_replace != 0 {
             return unsupported("dense MLP layers (first_k_dense_replace > 0)");
@@ -407,7 +423,10 @@ impl<B: Backend> Maple<B> {
         };
         let norm = v("model.norm.weight".into(), h)?;
         // Sliding layers keep a ring of the window plus one prefill chunk; full layers everything.
-        let ring = (cfg.sliding_window + opts.prefill_chunk).min(opts.max_context);
+        let ring = cfg
+            .sliding_window
+            .saturating_add(opts.prefill_chunk)
+            .min(opts.max_context);
         let kv = layers
             .iter()
             .map(|l| {

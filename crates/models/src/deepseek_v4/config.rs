@@ -3,7 +3,7 @@
 use mference_backend::HcSpec;
 use serde::Deserialize;
 
-use crate::{parse_config, ModelError};
+use crate::{check_sizes, parse_config, ModelError};
 
 /// The flat `config.json` of a DeepSeek-V4 checkpoint (HF keys; the published legacy keys
 /// `compress_ratios`, `num_hash_layers`, `qk_rope_head_dim`, `rope_scaling` as written).
@@ -109,6 +109,28 @@ impl Config {
     /// Reads `config.json` and rejects what this runtime does not implement.
     pub fn from_config_json(v: &serde_json::Value) -> Result<Self, ModelError> {
         let c: Config = parse_config(v, "deepseek_v4 config")?;
+        check_sizes(
+            "deepseek_v4",
+            &[
+                ("hidden_size", c.hidden_size),
+                ("num_hidden_layers", c.num_hidden_layers),
+                ("num_attention_heads", c.num_attention_heads),
+                ("head_dim", c.head_dim),
+                ("sliding_window", c.sliding_window),
+                ("vocab_size", c.vocab_size),
+                ("n_routed_experts", c.n_routed_experts),
+                ("num_experts_per_tok", c.num_experts_per_tok),
+                ("moe_intermediate_size", c.moe_intermediate_size),
+                ("q_lora_rank", c.q_lora_rank),
+                ("o_lora_rank", c.o_lora_rank),
+                ("o_groups", c.o_groups),
+                ("hc_mult", c.hc_mult),
+                ("index_n_heads", c.index_n_heads),
+                ("index_head_dim", c.index_head_dim),
+                ("index_topk", c.index_topk),
+            ],
+            (c.num_experts_per_tok, c.n_routed_experts),
+        )?;
         let bad = |what: String| Err(ModelError::Config(format!("deepseek_v4: {what}")));
         if c.num_key_value_heads != 1 {
             return bad(format!(

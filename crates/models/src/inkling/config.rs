@@ -2,7 +2,7 @@
 
 use serde::Deserialize;
 
-use crate::{parse_config, text_config, unsupported, ModelError};
+use crate::{check_sizes, parse_config, text_config, unsupported, ModelError};
 
 /// `text_config` of an Inkling `config.json` as the checkpoint stores it (transformers
 /// `InklingTextConfig` keys before its `__post_init__`): `intermediate_size` is the expert width,
@@ -75,6 +75,24 @@ impl Config {
     /// Reads `text_config` of `config.json` and rejects what this runtime does not implement.
     pub fn from_config_json(v: &serde_json::Value) -> Result<Self, ModelError> {
         let c: Config = parse_config(text_config(v), "inkling text_config")?;
+        check_sizes(
+            "inkling",
+            &[
+                ("hidden_size", c.hidden_size),
+                ("num_hidden_layers", c.num_hidden_layers),
+                ("num_attention_heads", c.num_attention_heads),
+                ("num_key_value_heads", c.num_key_value_heads),
+                ("head_dim", c.head_dim),
+                ("sliding_window_size", c.sliding_window_size),
+                ("vocab_size", c.vocab_size),
+                ("n_routed_experts", c.n_routed_experts),
+                ("num_experts_per_tok", c.num_experts_per_tok),
+                ("intermediate_size", c.intermediate_size),
+                ("dense_intermediate_size", c.dense_intermediate_size),
+                ("sconv_kernel_size", c.sconv_kernel_size),
+            ],
+            (c.num_experts_per_tok, c.n_routed_experts),
+        )?;
         let unsupported = |what: &str| unsupported("inkling", what);
         if !c.use_sconv || !c.shared_expert_sink || c.hidden_act != "silu" {
             return unsupported("a model without short convolutions, sink shared experts or SiLU");

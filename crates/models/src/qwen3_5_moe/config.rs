@@ -2,7 +2,7 @@
 
 use serde::Deserialize;
 
-use crate::{parse_config, text_config, unsupported, ModelError};
+use crate::{check_sizes, parse_config, text_config, unsupported, ModelError};
 
 /// `text_config` of a Qwen 3.5/3.6 MoE `config.json` (HF keys; defaults as mlx-lm's
 /// `qwen3_5.TextModelArgs`).
@@ -81,6 +81,21 @@ impl Config {
     /// implement (dense MLP layers, attention biases, RoPE scaling).
     pub fn from_config_json(v: &serde_json::Value) -> Result<Self, ModelError> {
         let c: Config = parse_config(text_config(v), "qwen3_5_moe text_config")?;
+        check_sizes(
+            "qwen3_5_moe",
+            &[
+                ("hidden_size", c.hidden_size),
+                ("num_hidden_layers", c.num_hidden_layers),
+                ("num_attention_heads", c.num_attention_heads),
+                ("num_key_value_heads", c.num_key_value_heads),
+                ("head_dim", c.head_dim.unwrap_or(1)),
+                ("vocab_size", c.vocab_size),
+                ("linear_key_head_dim", c.linear_key_head_dim),
+                ("linear_value_head_dim", c.linear_value_head_dim),
+                ("linear_num_value_heads", c.linear_num_value_heads),
+            ],
+            (c.num_experts_per_tok, c.num_experts),
+        )?;
         let unsupported = |what: &str| unsupported("qwen3_5_moe", what);
         if c.num_experts == 0 || c.num_experts_per_tok == 0 || c.moe_intermediate_size == 0 {
             return unsupported("a model without the MoE block");
