@@ -65,7 +65,12 @@ fn zero_sizes_and_a_top_k_past_the_experts_are_refused() {
     let i = config("fixtures/inkling/A/checkpoint/config.json");
     assert!(inkling::Config::from_config_json(&i).is_ok());
     refused(
-        inkling::Config::from_config_json(&with(i, "num_experts_per_tok", 0)),
+        inkling::Config::from_config_json(&with(i.clone(), "num_experts_per_tok", 0)),
         "num_experts_per_tok is 0",
+    );
+    // The logits are divided by it: 0 gave infinite logits with exit 0.
+    refused(
+        inkling::Config::from_config_json(&with(i, "logits_mup_width_multiplier", 0)),
+        "logits_mup_width_multiplier 0",
     );
 }

@@ -112,6 +112,13 @@ impl Config {
                     .into(),
             ));
         }
+        let m = c.logits_mup_width_multiplier;
+        if !(m.is_normal() && m > 0.0) {
+            return Err(ModelError::Config(format!(
+                "inkling: logits_mup_width_multiplier {m} (the logits are divided by it: it must \
+                 be a positive normal number)"
+            )));
+        }
         Ok(c)
     }
 
