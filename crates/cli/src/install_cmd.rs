@@ -99,6 +99,18 @@ pub fn install(a: InstallArgs) -> anyhow::Result<()> {
         pin: None,
     };
     let source: Box<dyn Source> = if let Some(dir) = &a.source {
+        // The load's own check of the config, before any weight is copied (a config the runtime
+        // cannot run would otherwise fail only at the end, or at the first load).
+        if let Ok(bytes) = std::fs::read(dir.join("config.json")) {
+            if let Ok(v) = serde_json::from_slice::<serde_json::Value>(&bytes) {
+                if let Err(e) = mference_models::check_config(&v) {
+                    bail!(
+                        "{}: {e}; nothing was installed",
+                        dir.join("config.json").display()
+                    );
+                }
+            }
+        }
         Box::new(LocalSource::new(dir)?)
     } else {
         let (repo, revision) = if let Some(repo) = a.repo {

@@ -437,6 +437,43 @@ fn install_of_a_checkpoint_parent_names_the_checkpoint() {
     assert!(!err.contains("did you mean"), "{err}");
 }
 
+/// A checkpoint whose config.json the runtime would refuse at load (here a head_dim of 0) is
+/// refused before any weight is copied, naming the key, and nothing is left at --output (it
+/// used to copy every byte and fail on its own manifest, with a --resume that could not finish).
+#[test]
+fn install_refuses_a_config_the_load_would_refuse_before_copying() {
+    let work = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let src = work.path().join("src");
+    std::fs::create_dir(&src).unwrap();
+    let from = repo().join("assets/fixtures/maple/A/checkpoint");
+    for e in std::fs::read_dir(&from).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), src.join(e.file_name())).unwrap();
+    }
+    let cfg = src.join("config.json");
+    let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(&cfg).unwrap()).unwrap();
+    v["head_dim"] = 0.into();
+    std::fs::write(&cfg, serde_json::to_vec(&v).unwrap()).unwrap();
+    let out = work.path().join("x.gturbo");
+    let err = run_refused(
+        BIN,
+        &[
+            "install",
+            src.to_str().unwrap(),
+            "--output",
+            out.to_str().unwrap(),
+        ],
+        "head_dim is 0",
+    );
+    assert!(err.contains("nothing was installed"), "{err}");
+    let left: Vec<_> = std::fs::read_dir(work.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .filter(|n| n != "src")
+        .collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
+}
+
 /// `install --resume` where nothing was saved says so and installs from the start (a mistyped
 /// `--output` used to start over without a word).
 #[test]

@@ -33,6 +33,8 @@ pub use mference_cuda::GpuExpertBudget;
 pub use model::{Model, StepTimes};
 pub use options::{Device, LoadOptions};
 pub use prefix::PrefixCache;
-pub use registry::{check_device, check_kernels, load, load_install, probe_device, required_ops};
+pub use registry::{
+    check_config, check_device, check_kernels, load, load_install, probe_device, required_ops,
+};
 pub use state::{CompressedKv, LayerState, Rings, SequenceState};
 pub use streamers::Streamers;

@@ -91,6 +91,23 @@ pub fn load_install(install: Install, opts: &LoadOptions) -> Result<Box<dyn Mode
     }
 }
 
+/// Checks a checkpoint's `config.json` as the load will (its family, then the family's `Config`:
+/// features this runtime lacks, sizes of 0, a top-k past the experts), so an installer can refuse
+/// it before copying any weights.
+///
+/// Errors: [`ModelError::Config`] (or the family error) saying what is wrong.
+pub fn check_config(config: &serde_json::Value) -> Result<Family, ModelError> {
+    let family = Family::from_config(config)?;
+    match family {
+        Family::Gemma4 => gemma4::Config::from_config_json(config).map(drop),
+        Family::Qwen3_5Moe => qwen3_5_moe::Config::from_config_json(config).map(drop),
+        Family::DeepseekV4 => deepseek_v4::Config::from_config_json(config).map(drop),
+        Family::Maple => maple::Config::from_config_json(config).map(drop),
+        Family::Inkling => inkling::Config::from_config_json(config).map(drop),
+    }?;
+    Ok(family)
+}
+
 /// Refuses the options `family` does not take ([`mference_format::FamilySpec::flash_head`],
 /// [`mference_format::FamilySpec::router_lookahead`]); `model_type` is the install's, for the message.
 fn check_options(family: Family, model_type: &str, opts: &LoadOptions) -> Result<(), ModelError> {
