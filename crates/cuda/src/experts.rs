@@ -157,7 +157,11 @@ impl GpuExperts {
         free: usize,
         total: usize,
     ) -> Result<usize, String> {
-        let n_layers = g.layers.len().max(1);
+        if g.layers.is_empty() || g.stride == 0 {
+            // No layer has routed experts (a dense-only model or cut): nothing to hold.
+            return Ok(0);
+        }
+        let n_layers = g.layers.len();
         let per_slot_all_layers = g.stride * n_layers;
         // The automatic budget keeps 3 · top-k slots per layer; an explicit one may go down to
         // one token's experts (top-k), below which a decode step would evict its own experts.
@@ -563,5 +567,30 @@ mod tests {
         assert!(e.contains("top-k = 8"), "{e}");
         let e = GpuExperts::slots_for(&g, GpuExpertBudget::Resident, 64 * per, big).unwrap_err();
         assert!(e.contains("the device has"), "{e}");
+    }
+
+    /// A model whose layers are all dense (an Inkling-Small cut of its dense layers) has no
+    /// expert bytes: every budget gives 0 slots (the automatic one divided by 0 and panicked).
+    #[test]
+    fn a_model_without_expert_layers_needs_no_slots() {
+        let big = 80usize << 30;
+        for g in [
+            ExpertGeometry {
+                layers: Vec::new(),
+                ..geometry()
+            },
+            ExpertGeometry {
+                stride: 0,
+                ..geometry()
+            },
+        ] {
+            for b in [
+                GpuExpertBudget::Auto,
+                GpuExpertBudget::Resident,
+                GpuExpertBudget::Bytes(1 << 30),
+            ] {
+                assert_eq!(GpuExperts::slots_for(&g, b, big, big), Ok(0), "{b:?}");
+            }
+        }
     }
 }
