@@ -39,7 +39,15 @@ impl LocalSource {
                 detail: format!("file name \"{rel}\" escapes the checkpoint directory"),
             });
         }
-        let p = resolve_pointer(&self.dir.join(rel));
+        let p =
+            resolve_pointer(&self.dir.join(rel)).map_err(|target| InstallError::SourceInvalid {
+                detail: format!(
+                    "{rel} is a pointer file to {target}, which is not there (from {} or the \
+                     file it links to): a copy of a bundled model needs the files it points \
+                     at; install from its own folder",
+                    self.dir.display()
+                ),
+            })?;
         match std::fs::metadata(&p) {
             Ok(m) if !m.is_file() => Err(InstallError::SourceInvalid {
                 detail: format!(
@@ -53,26 +61,33 @@ impl LocalSource {
 
 /// Follow a "pointer file": a tiny file whose whole content is a relative path to a file
 /// with the same name (how a checkout without symlink support stores a symlink; the
-/// bundled tiny checkpoints point their tokenizer files at `assets/tokenizers/`).
-fn resolve_pointer(path: &Path) -> PathBuf {
+/// bundled tiny checkpoints point their tokenizer files at `assets/tokenizers/`), relative to
+/// the file's folder or, where the file is a symlink, to the folder of the file it links to.
+///
+/// Errors: the pointer's target, when it names one that exists at neither place.
+fn resolve_pointer(path: &Path) -> Result<PathBuf, String> {
     let small = std::fs::metadata(path)
         .map(|m| m.is_file() && m.len() < 1024)
         .unwrap_or(false);
     if !small {
-        return path.to_path_buf();
+        return Ok(path.to_path_buf());
     }
     let Ok(text) = std::fs::read_to_string(path) else {
-        return path.to_path_buf();
+        return Ok(path.to_path_buf());
     };
     let target = text.trim();
     let same_name = Path::new(target).file_name() == path.file_name();
     if same_name && !target.contains('\n') && !target.starts_with('/') {
-        let candidate = path.parent().unwrap_or(Path::new(".")).join(target);
-        if candidate.is_file() {
-            return candidate;
-        }
+        let real = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
+        let dirs = [path.parent(), real.parent()];
+        return dirs
+            .into_iter()
+            .flatten()
+            .map(|d| d.join(target))
+            .find(|c| c.is_file())
+            .ok_or_else(|| target.to_string());
     }
-    path.to_path_buf()
+    Ok(path.to_path_buf())
 }
 
 impl Source for LocalSource {
@@ -157,5 +172,45 @@ impl Source for LocalSource {
             .and_then(|n| n.to_str())
             .filter(|_| in_blobs)
             .and_then(|n| Published::parse(n, "the HF cache blob name")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A pointer file is read through to its target next to it, or next to the file a symlink to
+    /// it links to; one whose target is at neither place is an error naming the target (it used
+    /// to be read as the file itself: "tokenizer.json does not parse").
+    #[test]
+    fn pointer_files_resolve_beside_the_file_or_its_link_target_or_say_so() {
+        let d = tempfile::tempdir().unwrap();
+        let (model, shared, copy) = (d.path().join("m"), d.path().join("t"), d.path().join("c"));
+        for p in [&model, &shared, &copy] {
+            std::fs::create_dir(p).unwrap();
+        }
+        std::fs::write(shared.join("tokenizer.json"), b"{\"real\": 1}").unwrap();
+        std::fs::write(model.join("tokenizer.json"), b"../t/tokenizer.json\n").unwrap();
+        let src = LocalSource::new(&model).unwrap();
+        let got = src.read_small("tokenizer.json", 1 << 20).unwrap().unwrap();
+        assert_eq!(got, b"{\"real\": 1}");
+        // A symlink to the pointer, from a folder where ../t does not exist.
+        let deeper = copy.join("x");
+        std::fs::create_dir(&deeper).unwrap();
+        std::os::unix::fs::symlink(model.join("tokenizer.json"), deeper.join("tokenizer.json"))
+            .unwrap();
+        let src = LocalSource::new(&deeper).unwrap();
+        let got = src.read_small("tokenizer.json", 1 << 20).unwrap().unwrap();
+        assert_eq!(got, b"{\"real\": 1}");
+        // A copy of the pointer where its target is missing.
+        std::fs::copy(model.join("tokenizer.json"), deeper.join("t2")).unwrap();
+        std::fs::remove_file(deeper.join("tokenizer.json")).unwrap();
+        std::fs::rename(deeper.join("t2"), deeper.join("tokenizer.json")).unwrap();
+        let src = LocalSource::new(&deeper).unwrap();
+        let e = src
+            .read_small("tokenizer.json", 1 << 20)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("pointer file to ../t/tokenizer.json"), "{e}");
     }
 }
