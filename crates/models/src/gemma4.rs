@@ -108,6 +108,7 @@ impl Config {
                 ),
             ],
             (c.top_k_experts.unwrap_or(0), c.num_experts.unwrap_or(0)),
+            c.rms_norm_eps,
         )?;
         let unsupported = |what: &str| unsupported("gemma4", what);
         if c.hidden_size_per_layer_input != 0 {

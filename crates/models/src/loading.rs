@@ -23,15 +23,22 @@ pub(crate) fn parse_config<C: DeserializeOwned>(
 }
 
 /// Refuses a `config.json` whose sizes a forward pass divides or windows by when one is 0 (a head
-/// count, a width, a window, the routed top-k), or whose top-k exceeds the expert count, naming
-/// the key: such a checkpoint would otherwise install and then panic or compute garbage.
+/// count, a width, a window, the routed top-k), whose top-k exceeds the expert count, or whose
+/// RMSNorm epsilon is not in (0, 1), naming the key: such a checkpoint would otherwise install and then panic or compute garbage.
 ///
 /// Errors: [`ModelError::Config`] naming the first bad key.
 pub(crate) fn check_sizes(
     family: &str,
     sizes: &[(&str, usize)],
     (top_k, experts): (usize, usize),
+    rms_norm_eps: f32,
 ) -> Result<(), ModelError> {
+    // An epsilon of 1 or more swamps the mean square (every row normed to ~0).
+    if !(rms_norm_eps > 0.0 && rms_norm_eps < 1.0) {
+        return Err(ModelError::Config(format!(
+            "{family}: config.json rms_norm_eps {rms_norm_eps} (it must be above 0 and below 1)"
+        )));
+    }
     if let Some((key, _)) = sizes.iter().find(|(_, v)| *v == 0) {
         return Err(ModelError::Config(format!(
             "{family}: config.json {key} is 0 (it must be at least 1)"

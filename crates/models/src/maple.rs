@@ -118,6 +118,7 @@ impl Config {
                 ("moe_intermediate_size", c.moe_intermediate_size),
             ],
             (c.num_experts_per_tok, c.num_experts),
+            c.rms_norm_eps,
         )?;
         let unsupported = |what: &str| unsupported("maple", what);
         if c.first_k_dense_replace != 0 {

@@ -41,8 +41,16 @@ fn zero_sizes_and_a_top_k_past_the_experts_are_refused() {
         "sliding_window is 0",
     );
     refused(
-        gemma4::Config::from_config_json(&with(g, "top_k_experts", 1000)),
+        gemma4::Config::from_config_json(&with(g.clone(), "top_k_experts", 1000)),
         "routes 1000 experts per token",
+    );
+    // 1e300 (read as f32: infinity) generated token 0 forever.
+    let mut huge = g.clone();
+    huge["text_config"]["rms_norm_eps"] = serde_json::json!(1e300);
+    refused(gemma4::Config::from_config_json(&huge), "rms_norm_eps inf");
+    refused(
+        gemma4::Config::from_config_json(&with(g, "rms_norm_eps", 0)),
+        "rms_norm_eps 0",
     );
     let q = config("models/qwen3_6-tiny/config.json");
     assert!(qwen3_5_moe::Config::from_config_json(&q).is_ok());

@@ -130,6 +130,7 @@ impl Config {
                 ("index_topk", c.index_topk),
             ],
             (c.num_experts_per_tok, c.n_routed_experts),
+            c.rms_norm_eps,
         )?;
         let bad = |what: String| Err(ModelError::Config(format!("deepseek_v4: {what}")));
         if c.num_key_value_heads != 1 {

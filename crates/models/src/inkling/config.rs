@@ -92,6 +92,7 @@ impl Config {
                 ("sconv_kernel_size", c.sconv_kernel_size),
             ],
             (c.num_experts_per_tok, c.n_routed_experts),
+            c.rms_norm_eps,
         )?;
         let unsupported = |what: &str| unsupported("inkling", what);
         if !c.use_sconv || !c.shared_expert_sink || c.hidden_act != "silu" {

@@ -95,6 +95,7 @@ impl Config {
                 ("linear_num_value_heads", c.linear_num_value_heads),
             ],
             (c.num_experts_per_tok, c.num_experts),
+            c.rms_norm_eps,
         )?;
         let unsupported = |what: &str| unsupported("qwen3_5_moe", what);
         if c.num_experts == 0 || c.num_experts_per_tok == 0 || c.moe_intermediate_size == 0 {
