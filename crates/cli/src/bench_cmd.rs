@@ -179,7 +179,13 @@ fn validate(a: &BenchArgs) -> Result<()> {
 
 fn parse_prompts(s: &str) -> Result<Vec<(String, usize)>> {
     let mut out = Vec::new();
-    for p in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+    for p in s.split(',').map(str::trim) {
+        if p.is_empty() && !s.trim().is_empty() {
+            bail!("invalid --prompts '{s}': an empty entry between commas");
+        }
+        if p.is_empty() {
+            continue;
+        }
         let n = match NAMED.iter().find(|(k, _)| *k == p) {
             Some((_, n)) => *n,
             None => match p.parse::<usize>() {

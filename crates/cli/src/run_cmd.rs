@@ -74,7 +74,7 @@ pub struct RunArgs {
     #[arg(long, value_parser = seed_flag())]
     pub seed: Option<u64>,
     /// Stop string (repeatable); it is not printed.
-    #[arg(long)]
+    #[arg(long, value_parser = typed(stop_text))]
     pub stop: Vec<String>,
     /// Prefill chunk rows: 32, 64, 128, 256, 512, 1024, 2048, 4096 or auto.
     #[arg(long, default_value = "auto", value_parser = prefill_chunk_flag())]
@@ -156,6 +156,14 @@ pub(crate) fn cache_note(text: &TextSide) {
 fn prompt_text(s: &str) -> Result<String, String> {
     if s.is_empty() {
         return Err("invalid --prompt '': the prompt is empty; give the text to complete".into());
+    }
+    Ok(s.to_string())
+}
+
+/// `--stop`: any text but none (an empty stop string would end every reply at once).
+fn stop_text(s: &str) -> Result<String, String> {
+    if s.is_empty() {
+        return Err("invalid --stop '': a stop string must not be empty".into());
     }
     Ok(s.to_string())
 }

@@ -174,6 +174,10 @@ fn bench_rejects_bad_flags_before_loading() {
     for (args, msg) in [
         (vec!["--decode", "sampled"], "--decode"),
         (vec!["--prompts", "huge"], "--prompts"),
+        (
+            vec!["--prompts", "short,,long"],
+            "an empty entry between commas",
+        ),
         (vec!["--prompts", "4000", "--gen", "200"], "does not fit"),
         (vec!["--prefill-chunk", "100"], "--prefill-chunk"),
         (vec!["--repeats", "0"], "--repeats"),

@@ -400,6 +400,19 @@ fn an_empty_prompt_is_refused() {
         &["run", "--model", "/nonexistent.gturbo", "--prompt", ""],
         "invalid --prompt '': the prompt is empty; give the text to complete",
     );
+    // An empty stop string would end every reply at its first token.
+    usage_error(
+        &[
+            "run",
+            "--model",
+            "/nonexistent.gturbo",
+            "--prompt",
+            "a",
+            "--stop",
+            "",
+        ],
+        "invalid --stop '': a stop string must not be empty",
+    );
 }
 
 /// `install` of a directory without config.json whose subdirectory has one (a fixture's

@@ -133,4 +133,20 @@ fn an_explicit_kernel_table_wins_over_the_variable_and_says_so() {
             && err.contains("device cpu scalar"),
         "{err}"
     );
+    // A value this CPU does not run is said to be ignored, once; `auto` then picks, and no
+    // "--kernels ... is used" line claims a --kernels nobody passed.
+    let out = std::process::Command::new(BIN)
+        .args(["run", "--model"])
+        .arg(demo_install())
+        .args(["--prompt", "x", "--max-new", "1"])
+        .env("MFERENCE_KERNELS", "bogus")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("MFERENCE_KERNELS='bogus' is not a kernel table this CPU runs")
+            && !err.contains("is used, not MFERENCE_KERNELS"),
+        "{err}"
+    );
 }

@@ -175,7 +175,8 @@ impl Engine {
                 // MFERENCE_KERNELS applies to `auto` only: say so where it is set and passed over.
                 if let Some(env) = std::env::var("MFERENCE_KERNELS")
                     .ok()
-                    .filter(|v| !v.trim().is_empty() && v.trim() != name)
+                    // (A value this CPU does not run was already said to be ignored.)
+                    .filter(|v| v.trim() != name && Kernels::by_name(v.trim()).is_some())
                 {
                     eprintln!(
                         "mference: --kernels {name} is used, not MFERENCE_KERNELS={env} (which \
