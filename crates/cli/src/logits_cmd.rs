@@ -161,19 +161,23 @@ pub fn logits(a: LogitsArgs) -> Result<()> {
             );
         }
     }
-    // A temporary file of its own in the output's directory, made before any compute (so an
-    // unwritable directory fails now), removed if anything fails, renamed into place at the end.
-    let mut tmp = tempfile::Builder::new()
-        .prefix(".mference-logits-")
-        .suffix(".tmp")
-        .tempfile_in(&out_dir)
-        .map_err(|e| {
-            anyhow::anyhow!(
-                "--out {}: cannot write in {}: {e}",
-                a.out.display(),
-                dir.display()
-            )
-        })?;
+    // A temporary file of its own in the output's directory: one is made now and removed (so an
+    // unwritable directory fails before any compute), the one written is made once the logits
+    // exist (an interrupted run leaves nothing behind), renamed into place at the end.
+    let temp_file = || {
+        tempfile::Builder::new()
+            .prefix(".mference-logits-")
+            .suffix(".tmp")
+            .tempfile_in(&out_dir)
+            .map_err(|e| {
+                anyhow::anyhow!(
+                    "--out {}: cannot write in {}: {e}",
+                    a.out.display(),
+                    dir.display()
+                )
+            })
+    };
+    drop(temp_file()?);
     let chunk = match mode {
         Mode::Prefill => ids.len(),
         Mode::Decode => 1,
@@ -212,6 +216,7 @@ pub fn logits(a: LogitsArgs) -> Result<()> {
             ids.len()
         );
     }
+    let mut tmp = temp_file()?;
     {
         use std::io::Write;
         let f = tmp.as_file_mut();

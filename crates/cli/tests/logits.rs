@@ -367,3 +367,43 @@ fn the_device_flag_names_its_backend_and_never_falls_back_silently() {
         run_refused(BIN, &refs(&budget), "--device auto found no usable CUDA");
     }
 }
+
+/// A `logits` run killed while it computes leaves nothing in the output's folder (its temporary
+/// file used to be made before the compute and stayed behind).
+#[test]
+fn a_killed_logits_run_leaves_nothing_behind() {
+    use std::io::BufRead;
+    let work = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let out_dir = work.path().join("out");
+    std::fs::create_dir(&out_dir).unwrap();
+    let ids: Vec<u32> = (100..1100).collect();
+    let ids_file = write_ids(work.path(), &ids);
+    let mut child = std::process::Command::new(BIN)
+        .args([
+            "logits",
+            "--model",
+            demo_install().to_str().unwrap(),
+            "--ids",
+        ])
+        .arg(&ids_file)
+        .arg("--out")
+        .arg(out_dir.join("x.npy"))
+        .args(["--mode", "decode", "--max-context", "2048"])
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The load line comes before the compute; the temporary file used to exist by then.
+    let mut err = std::io::BufReader::new(child.stderr.take().unwrap());
+    let mut line = String::new();
+    while err.read_line(&mut line).unwrap() > 0 && !line.contains("expert cache") {
+        line.clear();
+    }
+    // SAFETY: a plain signal to a process this test started.
+    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+    let status = child.wait().unwrap();
+    let left: Vec<_> = std::fs::read_dir(&out_dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert!(left.is_empty(), "{status}: left behind: {left:?}");
+}
