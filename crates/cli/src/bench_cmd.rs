@@ -416,7 +416,8 @@ fn child(a: &BenchArgs, n: usize) -> Result<Value> {
         "prefill_tok_s": n as f64 / prefill_s,
         "ttft_s": prefill_s,
         "decode_s": decode_s,
-        "decode_tok_s": if decode_s > 0.0 { steps / decode_s } else { 0.0 },
+        // No decode step (--gen 1: the first token comes from the prompt): no rate, not 0.
+        "decode_tok_s": (steps > 0.0 && decode_s > 0.0).then(|| steps / decode_s),
         // Peak resident set (VmHWM), and what is resident at the end split into anonymous memory
         // (slots, KV cache, buffers) and mapped file pages (the resident weights: page cache the
         // kernel can drop and re-read, which macOS's footprint does not count).
@@ -539,7 +540,10 @@ fn median_row(name: &str, runs: &[Value]) -> Value {
         "prefill_s": m("prefill_s"),
         "prefill_tok_s": m("prefill_tok_s"),
         "ttft_s": m("ttft_s"),
-        "decode_tok_s": m("decode_tok_s"),
+        "decode_tok_s": mine
+            .iter()
+            .any(|r| r["decode_tok_s"].is_number())
+            .then(|| m("decode_tok_s")),
         "peak_rss_bytes": m("peak_rss_bytes"),
         "rss_anon_bytes": m("rss_anon_bytes"),
         "rss_file_bytes": m("rss_file_bytes"),
@@ -599,14 +603,17 @@ fn print_table(doc: &Value) {
     for r in doc["summary"].as_array().into_iter().flatten() {
         let f = |k: &str| r[k].as_f64().unwrap_or(0.0);
         println!(
-            "{:<8} {:>7} {:>9.3} {:>10.2} {:>8.3} {:>10.3} {:>9.0} {:>9.0} {:>9.0} {:>6.1} {:>9.1} {:>10.2} {:>10.2}{}",
+            "{:<8} {:>7} {:>9.3} {:>10.2} {:>8.3} {:>10} {:>9.0} {:>9.0} {:>9.0} {:>6.1} {:>9.1} {:>10.2} {:>10.2}{}",
             r["prompt"].as_str().unwrap_or(""),
             // A number, not a JSON value: a value's Display ignores the column width.
             r["prompt_tokens"].as_u64().unwrap_or(0),
             f("prefill_s"),
             f("prefill_tok_s"),
             f("ttft_s"),
-            f("decode_tok_s"),
+            match r["decode_tok_s"].as_f64() {
+                Some(v) => format!("{v:.3}"),
+                None => "n/a".into(),
+            },
             f("peak_rss_bytes") / 1048576.0,
             f("peak_rss_anon_bytes") / 1048576.0,
             f("peak_rss_file_bytes") / 1048576.0,

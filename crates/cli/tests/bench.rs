@@ -276,3 +276,31 @@ fn a_killed_bench_leaves_no_child_running() {
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
 }
+
+/// With `--gen 1` no token is decoded (the first comes from the prompt): the decode rate is
+/// null in the JSON and "n/a" in the table, not 0 tok/s.
+#[test]
+fn one_generated_token_has_no_decode_rate() {
+    let work = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let json_path = work.path().join("b.json");
+    let out = mference(&[
+        "bench",
+        "--model",
+        demo_install().to_str().unwrap(),
+        "--prompts",
+        "8",
+        "--gen",
+        "1",
+        "--threads",
+        "1",
+        "--json",
+        json_path.to_str().unwrap(),
+    ]);
+    let doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json_path).unwrap()).unwrap();
+    assert!(doc["runs"][0]["decode_tok_s"].is_null(), "{doc}");
+    assert!(doc["summary"][0]["decode_tok_s"].is_null(), "{doc}");
+    let table = String::from_utf8_lossy(&out.stdout);
+    let row = table.lines().find(|l| l.starts_with("8 ")).unwrap_or("");
+    assert!(row.contains("n/a"), "{table}");
+}
