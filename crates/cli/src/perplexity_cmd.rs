@@ -69,9 +69,10 @@ pub fn perplexity(a: PerplexityArgs) -> Result<()> {
     let chunks = ids.len() / a.ctx;
     if chunks == 0 {
         bail!(
-            "{} has {} tokens, fewer than one --ctx {} chunk",
+            "{} has {} token{}, fewer than one --ctx {} chunk",
             a.file.display(),
             ids.len(),
+            if ids.len() == 1 { "" } else { "s" },
             a.ctx
         );
     }
