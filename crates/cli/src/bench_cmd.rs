@@ -178,13 +178,13 @@ fn validate(a: &BenchArgs) -> Result<()> {
 }
 
 fn parse_prompts(s: &str) -> Result<Vec<(String, usize)>> {
+    if s.trim().is_empty() {
+        bail!("--prompts is empty");
+    }
     let mut out = Vec::new();
     for p in s.split(',').map(str::trim) {
-        if p.is_empty() && !s.trim().is_empty() {
-            bail!("invalid --prompts '{s}': an empty entry between commas");
-        }
         if p.is_empty() {
-            continue;
+            bail!("invalid --prompts '{s}': an empty entry between commas");
         }
         let n = match NAMED.iter().find(|(k, _)| *k == p) {
             Some((_, n)) => *n,
@@ -196,9 +196,6 @@ fn parse_prompts(s: &str) -> Result<Vec<(String, usize)>> {
             },
         };
         out.push((p.to_string(), n));
-    }
-    if out.is_empty() {
-        bail!("--prompts is empty");
     }
     Ok(out)
 }

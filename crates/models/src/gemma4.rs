@@ -288,10 +288,7 @@ impl<B: Backend> Gemma4<B> {
         }
         let norm = v(format!("{P}.norm.weight"), h)?;
         let embed_scale = half::bf16::from_f32((h as f32).sqrt()).to_f32();
-        let ring = cfg
-            .sliding_window
-            .saturating_add(opts.prefill_chunk)
-            .min(opts.max_context);
+        let ring = opts.sliding_rows(cfg.sliding_window);
         let kv = layers
             .iter()
             .map(|l| {

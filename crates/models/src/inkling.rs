@@ -273,10 +273,7 @@ impl<B: Backend> Inkling<B> {
     /// [`REWIND_REACH`] positions a checkpoint may lie behind the end (a server's reply); the whole
     /// context when that is not smaller.
     pub fn ring_rows(cfg: &Config, opts: &LoadOptions) -> usize {
-        cfg.sliding_window_size
-            .saturating_add(opts.prefill_chunk)
-            .saturating_add(REWIND_REACH)
-            .min(opts.max_context)
+        opts.sliding_rows(cfg.sliding_window_size.saturating_add(REWIND_REACH))
     }
 
     /// The parsed `text_config`.

@@ -424,10 +424,7 @@ impl<B: Backend> Maple<B> {
         };
         let norm = v("model.norm.weight".into(), h)?;
         // Sliding layers keep a ring of the window plus one prefill chunk; full layers everything.
-        let ring = cfg
-            .sliding_window
-            .saturating_add(opts.prefill_chunk)
-            .min(opts.max_context);
+        let ring = opts.sliding_rows(cfg.sliding_window);
         let kv = layers
             .iter()
             .map(|l| {

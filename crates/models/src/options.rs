@@ -81,6 +81,17 @@ pub struct LoadOptions {
     pub flash_head: bool,
 }
 
+impl LoadOptions {
+    /// Rows of a sliding-window layer's KV ring for a window of `window` positions: the window
+    /// and one prefill chunk written after it, or the whole context when that is not smaller
+    /// (saturating: a chunk past the context is the whole prompt, never a wrapped-around ring).
+    pub fn sliding_rows(&self, window: usize) -> usize {
+        window
+            .saturating_add(self.prefill_chunk)
+            .min(self.max_context)
+    }
+}
+
 impl Default for LoadOptions {
     fn default() -> Self {
         Self {

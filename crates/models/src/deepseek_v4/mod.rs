@@ -220,10 +220,7 @@ impl<B: Backend> DeepseekV4<B> {
             compress: (tail(&compress, hd, false), tail(&compress, hd, true)),
             index: tail(&compress, id, false),
         };
-        let ring = cfg
-            .sliding_window
-            .saturating_add(opts.prefill_chunk)
-            .min(opts.max_context);
+        let ring = opts.sliding_rows(cfg.sliding_window);
         let kv = (0..cfg.num_hidden_layers)
             .map(|_| be.new_kv(ring, true, 1, hd, opts.kv_dtype))
             .collect::<Result<_, _>>()?;

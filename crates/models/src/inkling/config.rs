@@ -98,17 +98,15 @@ impl Config {
         if !c.use_sconv || !c.shared_expert_sink || c.hidden_act != "silu" {
             return unsupported("a model without short convolutions, sink shared experts or SiLU");
         }
-        let top_k = c.num_experts_per_tok;
+        // (A top-k of 0 or past the routed experts is refused by `check_sizes` above.)
         if c.dense_mlp_idx > c.num_hidden_layers
             || c.n_shared_experts == 0
-            || top_k == 0
-            || top_k > c.n_routed_experts
             || c.sconv_kernel_size < 2
             || c.local_layer_ids.iter().any(|&l| l >= c.num_hidden_layers)
             || c.vocab_size() > c.vocab_size
         {
             return Err(ModelError::Config(
-                "inkling: dense_mlp_idx, experts, top-k, sconv kernel, local_layer_ids or \
+                "inkling: dense_mlp_idx, shared experts, sconv kernel, local_layer_ids or \
                  unpadded_vocab_size out of range"
                     .into(),
             ));
