@@ -102,6 +102,15 @@ pub struct DeviceExpertStats {
     pub device_routed: u64,
     /// Kernel launches of the backend since load, every op counted (not only the experts').
     pub launches: u64,
+    /// Misses computed on the host CPU instead of copied in
+    /// ([`DeviceExpertOps::glu_mlp_combine_split`]), and the host time they took (the read of
+    /// the row and the upload of the outputs included).
+    pub host_computed: u64,
+    pub host_time: std::time::Duration,
+    /// The share of each decode row's misses computed on the host, in percent (`None`: no
+    /// split), and, when it was calibrated, what one expert cost copied in and on the host.
+    pub host_share: Option<u32>,
+    pub host_calibration: Option<(std::time::Duration, std::time::Duration)>,
 }
 
 /// The scale of an RMSNorm `x · rsqrt(mean(x²) + eps) · s` (mlx `fast.rms_norm`).

@@ -4,7 +4,9 @@
 //! reads before computing this tile's misses, and combine in expert order, so the result never
 //! depends on which experts happened to be cached or on the slot count. A backend with its own
 //! expert cache (GPU slots) is asked first: experts it holds are computed before any host read,
-//! the others are copied in from the host slots as they land.
+//! the others are copied in from the host slots as they land, or, for the share of a decode row's
+//! misses the backend asks for (`DeviceExpertOps::host_misses`), computed on the host CPU from
+//! the host slots meanwhile (`DeviceExpertOps::glu_mlp_combine_split`).
 
 use mference_runtime::{ExpertStreamer, RuntimeError};
 
@@ -299,6 +301,10 @@ where
     } else {
         streamer.acquire(&ids)?
     };
+    // The misses the backend computes on the host CPU instead of copying them in: the last ones
+    // in expert order. The row goes down first, before the step queues more work behind it.
+    let n_host = be.host_misses(ids.len()).min(ids.len());
+    let x_host = if n_host > 0 { be.read(x)? } else { Vec::new() };
     let (carry, mut acc) = meanwhile()?;
     let weights: Vec<f32> = routed
         .iter()
@@ -311,17 +317,30 @@ where
         if !ids.is_empty() {
             streamer.wait()?;
         }
-        let mut from_host = needed.iter().zip(&slots);
+        let mut from_host = needed.iter().zip(&slots).enumerate();
         let mut srcs = Vec::with_capacity(routed.len());
-        for (&e, &h) in routed.iter().zip(&held) {
+        let mut on_host = vec![false; routed.len()];
+        for (j, (&e, &h)) in routed.iter().zip(&held).enumerate() {
             srcs.push(if h {
                 Weights::Held { layer, expert: e }
             } else {
-                let (_, &(slot, _)) = from_host.next().expect("one host slot per needed expert");
-                be.load_expert(layer, e, streamer.blob(slot))?
+                let (i, (_, &(slot, _))) =
+                    from_host.next().expect("one host slot per needed expert");
+                if i >= ids.len() - n_host {
+                    on_host[j] = true;
+                    Weights::Blob(streamer.blob(slot))
+                } else {
+                    be.load_expert(layer, e, streamer.blob(slot))?
+                }
             });
         }
-        be.glu_mlp_combine(experts, act, &srcs, &weights, x, &mut acc)?;
+        if n_host > 0 {
+            be.glu_mlp_combine_split(
+                experts, act, &srcs, &weights, &on_host, x, &x_host, &mut acc,
+            )?;
+        } else {
+            be.glu_mlp_combine(experts, act, &srcs, &weights, x, &mut acc)?;
+        }
         drop(srcs);
         if !ids.is_empty() {
             streamer.release(&ids);

@@ -402,6 +402,9 @@ fn child(a: &BenchArgs, n: usize) -> Result<Value> {
             "copy_wait_per_token_s": per((g.copy_wait - gpu_prefill.copy_wait).as_secs_f64()),
             "device_routed_layers_per_token": per((g.device_routed - gpu_prefill.device_routed) as f64),
             "launches_per_token": per((g.launches - gpu_prefill.launches) as f64),
+            "host_share_percent": g.host_share,
+            "host_experts_per_token": per((g.host_computed - gpu_prefill.host_computed) as f64),
+            "host_time_per_token_s": per((g.host_time - gpu_prefill.host_time).as_secs_f64()),
         })
     });
     Ok(json!({
@@ -525,6 +528,9 @@ fn median_row(name: &str, runs: &[Value]) -> Value {
             "copy_wait_per_token_s": g("copy_wait_per_token_s"),
             "device_routed_layers_per_token": g("device_routed_layers_per_token"),
             "launches_per_token": g("launches_per_token"),
+            "host_share_percent": mine[0]["gpu_expert_cache"]["host_share_percent"],
+            "host_experts_per_token": g("host_experts_per_token"),
+            "host_time_per_token_s": g("host_time_per_token_s"),
         })
     } else {
         Value::Null

@@ -16,7 +16,7 @@ use serde::{Serialize, Serializer};
 
 use mference_format::VerifyPolicy;
 use mference_kernels::Kernels;
-use mference_models::{Device, GpuExpertBudget};
+use mference_models::{Device, GpuExpertBudget, MissSplit};
 use mference_runtime::{CacheSlots, ExpertPolicy, KvDtype};
 
 /// Options shared by every command that loads a model. `bench` sets its own defaults for
@@ -81,6 +81,14 @@ pub struct ModelArgs {
     /// CUDA tests: count every expert use as a GPU miss and copy it in again.
     #[arg(long, hide = true)]
     pub gpu_force_miss: bool,
+    /// CUDA under a GPU expert budget: the share of each token's GPU misses computed on the
+    /// CPU from the host tier while the rest are copied in: off, auto (the balance of one
+    /// expert's copy and CPU time, measured at load and printed on the load line), or a
+    /// percentage (0 to 100) to reproduce a run. Not bit-identical to off (the CPU rounds
+    /// differently); the same setting gives the same tokens run to run.
+    #[arg(long, default_value = "off", value_parser = typed(gpu_miss_split))]
+    #[serde(serialize_with = "split_text")]
+    pub gpu_miss_split: MissSplit,
     /// Maple only: FlashHead in single-token decode (score the centroids, exact logits for the
     /// probed clusters and the forced tokens, the rest -inf; approximate). Prefill keeps the exact
     /// head.
@@ -238,6 +246,20 @@ impl Serialize for KernelTable {
 /// `--gpu-expert-budget`: [`GpuExpertBudget::parse`], its error prefixed with the flag.
 fn gpu_expert_budget(s: &str) -> Result<GpuExpertBudget, String> {
     GpuExpertBudget::parse(s).map_err(|e| format!("--gpu-expert-budget: {e}"))
+}
+
+/// `--gpu-miss-split` as [`MissSplit::parse`] reads it.
+fn gpu_miss_split(s: &str) -> Result<MissSplit, String> {
+    MissSplit::parse(s).map_err(|e| format!("--gpu-miss-split: {e}"))
+}
+
+/// `--gpu-miss-split` as [`MissSplit::parse`] reads it back.
+fn split_text<S: Serializer>(m: &MissSplit, s: S) -> Result<S::Ok, S::Error> {
+    match m {
+        MissSplit::Off => s.serialize_str("off"),
+        MissSplit::Auto => s.serialize_str("auto"),
+        MissSplit::Percent(p) => s.serialize_u32(*p),
+    }
 }
 
 /// `--host-expert-cache BYTES` ([`mference_runtime::parse_bytes`]).

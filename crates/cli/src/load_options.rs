@@ -5,7 +5,7 @@
 use anyhow::{bail, Result};
 
 use mference_format::{Install, Manifest};
-use mference_models::{Device, GpuExpertBudget, LoadOptions};
+use mference_models::{Device, GpuExpertBudget, LoadOptions, MissSplit};
 use mference_runtime::CacheSlots;
 
 use crate::flags::{KvCache, ModelArgs, Slots};
@@ -25,9 +25,15 @@ pub fn device_flags(m: &ModelArgs) -> Result<()> {
 /// [`device_flags`] with the install's manifest already read (`None`: not an install, which the
 /// load reports).
 fn device_flags_for(m: &ModelArgs, man: Option<&Manifest>) -> Result<()> {
-    if m.device == Device::Cpu && (m.gpu_expert_budget != GpuExpertBudget::Auto || m.gpu_force_miss)
+    if m.device == Device::Cpu
+        && (m.gpu_expert_budget != GpuExpertBudget::Auto
+            || m.gpu_force_miss
+            || m.gpu_miss_split != MissSplit::Off)
     {
-        bail!("--gpu-expert-budget and --gpu-force-miss apply on CUDA: add --device cuda");
+        bail!(
+            "--gpu-expert-budget, --gpu-miss-split and --gpu-force-miss apply on CUDA: add \
+             --device cuda"
+        );
     }
     // `--device cuda` without CUDA, or without a kernel for an op the install's family needs,
     // fails here, before the model is sized or read (the family from its manifest, when there
@@ -298,6 +304,7 @@ fn options_for(
         device: m.device,
         gpu_expert_budget: m.gpu_expert_budget,
         gpu_force_miss: m.gpu_force_miss,
+        gpu_miss_split: m.gpu_miss_split,
         flash_head: m.flash_head,
         router_lookahead: m.router_lookahead,
         ..Default::default()

@@ -109,6 +109,34 @@ fn settings(install: &Path) -> Vec<(String, Vec<String>)> {
     ]
 }
 
+/// `run --device cuda` greedy on the reference's prompt `r` for as many tokens as it has, with
+/// `extra` arguments: the ids line and stderr.
+fn greedy(inst: &Path, r: &serde_json::Value, extra: &[String]) -> (serde_json::Value, String) {
+    let n = ids(&r["generated_ids"]).len().to_string();
+    let mut args = vec![
+        "run",
+        "--device",
+        "cuda",
+        "--model",
+        inst.to_str().unwrap(),
+        "--prompt",
+        r["text"].as_str().unwrap(),
+        "--temperature",
+        "0",
+        "--max-new",
+        &n,
+        "--show-ids",
+    ];
+    args.extend(extra.iter().map(String::as_str));
+    let out = run_ok(BIN, &args);
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    let line = err
+        .lines()
+        .find(|l| l.starts_with("{\""))
+        .expect("ids line");
+    (serde_json::from_str(line).unwrap(), err)
+}
+
 #[test]
 fn cuda_greedy_64_matches_mlx_lm_at_every_gpu_budget() {
     if !cuda() {
@@ -120,33 +148,11 @@ fn cuda_greedy_64_matches_mlx_lm_at_every_gpu_budget() {
         let r = &reference(model)["greedy64_raw_prompt"];
         let want = ids(&r["generated_ids"]);
         for (name, extra) in settings(inst) {
-            let n = want.len().to_string();
-            let mut args = vec![
-                "run",
-                "--device",
-                "cuda",
-                "--model",
-                inst.to_str().unwrap(),
-                "--prompt",
-                r["text"].as_str().unwrap(),
-                "--temperature",
-                "0",
-                "--max-new",
-                &n,
-                "--show-ids",
-            ];
-            args.extend(extra.iter().map(String::as_str));
-            let out = run_ok(BIN, &args);
-            let err = String::from_utf8_lossy(&out.stderr);
+            let (v, err) = greedy(inst, r, &extra);
             assert!(
                 err.contains("GPU experts: "),
                 "{model} {name}: load line\n{err}"
             );
-            let line = err
-                .lines()
-                .find(|l| l.starts_with("{\""))
-                .expect("ids line");
-            let v: serde_json::Value = serde_json::from_str(line).unwrap();
             assert_eq!(
                 ids(&v["prompt"]),
                 ids(&r["prompt_ids"]),
@@ -159,6 +165,53 @@ fn cuda_greedy_64_matches_mlx_lm_at_every_gpu_budget() {
             );
             eprintln!(
                 "{model} on CUDA, {name}: greedy {} ids equal mlx-lm's",
+                want.len()
+            );
+        }
+    }
+}
+
+/// Issue 29: a share of each decode token's GPU misses computed on the host CPU
+/// (`--gpu-miss-split`), at 3 x top-k slots per layer: half of them, every one, and the share
+/// calibrated at load (`auto`, named on the load line). Greedy 64 ids equal mlx-lm's in each, and
+/// decode logits are the same bits run to run.
+#[test]
+fn cuda_greedy_64_matches_mlx_lm_with_misses_on_the_cpu() {
+    if !cuda() {
+        return;
+    }
+    let work = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    for model in models() {
+        let model = model.as_str();
+        let inst = installed_asset(model);
+        let floor = floor_budget(inst);
+        let r = &reference(model)["greedy64_raw_prompt"];
+        let want = ids(&r["generated_ids"]);
+        for split in ["50", "100", "auto"] {
+            let extra = ["--gpu-expert-budget", &floor, "--gpu-miss-split", split]
+                .map(String::from)
+                .to_vec();
+            let (v, err) = greedy(inst, r, &extra);
+            assert!(
+                err.contains("% of each token's GPU misses on the CPU"),
+                "{model} --gpu-miss-split {split}: the load line names no share\n{err}"
+            );
+            assert_eq!(
+                ids(&v["generated"]),
+                want,
+                "{model} on CUDA, --gpu-miss-split {split}: greedy ids differ from mlx-lm"
+            );
+            let idf = ids_file(work.path(), model);
+            let a = work.path().join(format!("{model}-a.npy"));
+            let b = work.path().join(format!("{model}-b.npy"));
+            assert!(
+                cuda_logits(inst, "decode", &idf, &a, &extra, &[])
+                    == cuda_logits(inst, "decode", &idf, &b, &extra, &[]),
+                "{model} --gpu-miss-split {split}: decode logits differ run to run"
+            );
+            eprintln!(
+                "{model} on CUDA, --gpu-miss-split {split}: greedy {} ids equal mlx-lm's, logits \
+                 the same run to run",
                 want.len()
             );
         }

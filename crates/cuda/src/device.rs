@@ -130,6 +130,8 @@ pub struct CudaBackend {
     /// the previous one runs. On for compute capability 9.0 and later unless
     /// `MFERENCE_CUDA_PDL=0`.
     pub(crate) pdl: bool,
+    /// The share of decode misses computed on the host CPU (`--gpu-miss-split`), if any.
+    pub(crate) host: Option<crate::host_experts::HostExperts>,
 }
 
 /// (op, kernel) → (launches, time from launch to its end).
@@ -229,6 +231,7 @@ impl CudaBackend {
             reuse: Arc::default(),
             launches: Default::default(),
             pdl: major >= 9 && std::env::var_os("MFERENCE_CUDA_PDL").is_none_or(|v| v != "0"),
+            host: None,
         })
     }
 

@@ -48,10 +48,64 @@ impl DeviceExpertOps for CudaBackend {
 
     fn device_expert_stats(&self) -> Option<DeviceExpertStats> {
         let launches = self.launches.load(std::sync::atomic::Ordering::Relaxed);
+        let (host_share, host_calibration, host_computed, host_time) = self
+            .host
+            .as_ref()
+            .map_or((None, None, 0, Default::default()), |h| h.report());
         self.cache().map(|c| DeviceExpertStats {
             launches,
+            host_share,
+            host_calibration,
+            host_computed,
+            host_time,
             ..c.stats()
         })
+    }
+
+    fn host_misses(&self, misses: usize) -> usize {
+        self.host.as_ref().map_or(0, |h| h.host_misses(misses))
+    }
+
+    fn glu_mlp_combine_split(
+        &self,
+        mlp: &Mlp,
+        act: Act,
+        srcs: &[Weights],
+        weights: &[f32],
+        on_host: &[bool],
+        x: &CudaTensor,
+        x_host: &[f32],
+        acc: &mut CudaTensor,
+    ) -> OpResult<()> {
+        let op = "glu_mlp_combine_split";
+        check_glu_combine(op, mlp, srcs.len(), weights.len(), x, acc)?;
+        let host_blobs = srcs
+            .iter()
+            .zip(on_host)
+            .all(|(s, &h)| !h || matches!(s, Weights::Blob(_)));
+        check(
+            op,
+            on_host.len() == srcs.len() && x_host.len() == x.cols && host_blobs,
+            || {
+                format!(
+                    "{} host flags for {} experts, a host row of {} for {} columns; every host \
+                     expert a blob",
+                    on_host.len(),
+                    srcs.len(),
+                    x_host.len(),
+                    x.cols
+                )
+            },
+        )?;
+        let host = on_host.iter().any(|&h| h).then_some((on_host, x_host));
+        self.combine(op, mlp, act, srcs, weights, x, host, acc)
+    }
+
+    fn calibrate_host_misses(&self, mlp: &Mlp, blob: &[u8]) -> OpResult<()> {
+        match &self.host {
+            Some(h) => h.calibrate(self, mlp, blob),
+            None => Ok(()),
+        }
     }
 
     fn experts_to_complete(&self, layer: usize) -> OpResult<Vec<usize>> {

@@ -39,6 +39,7 @@ mod compile;
 mod device;
 mod device_experts;
 mod experts;
+mod host_experts;
 mod ops;
 mod pool;
 mod weights;
@@ -46,6 +47,7 @@ mod weights;
 pub use compile::default_cache_dir;
 pub use device::{CudaBackend, KernelOrigin};
 pub use experts::{auto_margin, ExpertCacheOptions, ExpertGeometry, GpuExpertBudget};
+pub use host_experts::MissSplit;
 pub use pool::{CudaKv, CudaState, CudaTensor};
 
 use launch::*;

@@ -1,6 +1,7 @@
 //! The CUDA backend's expert paths against the f64 reference and against each other, bit for
 //! bit: a decode step's experts routed on the device against the readback path, and prefill
-//! experts from a GPU slot, the staging buffer and a batch.
+//! experts from a GPU slot, the staging buffer and a batch; a decode row's misses split between
+//! the GPU and the host CPU.
 //!
 //! On a machine without the CUDA driver each test prints that it skipped the CUDA backend and
 //! passes.
@@ -14,7 +15,7 @@ use common::*;
 use mference_backend::harness::{Rng, EXACT_REL};
 use mference_backend::reference as refr;
 use mference_backend::{Act, CoreOps, DeviceExpertOps, Mlp, RouterSpec, Scoring, VRef, Weights};
-use mference_cuda::{ExpertCacheOptions, ExpertGeometry, GpuExpertBudget};
+use mference_cuda::{ExpertCacheOptions, ExpertGeometry, GpuExpertBudget, MissSplit};
 
 /// `routed_experts_held` (a decode step's experts from device-side router ids, no readback)
 /// against the f64-checked reference (route, each expert's GLU MLP from its blob, the weighted
@@ -335,6 +336,24 @@ fn prefill_experts_give_the_same_bits_from_a_slot_the_staging_buffer_and_a_batch
     );
 }
 
+/// Eight experts' blobs of one shape (4-bit gate and up in groups of 64, a `bits`-bit down in
+/// groups of 32, 16 spare bytes each) and the matrices' places in a blob.
+fn eight_experts(rng: &mut Rng, hidden: usize, inner: usize, bits: usize) -> (Mlp, Vec<Vec<u8>>) {
+    let mut blobs = Vec::new();
+    let mut mlp = None;
+    for _ in 0..8 {
+        let mut b = Vec::new();
+        mlp = Some(Mlp {
+            gate_proj: qmatrix(&mut b, rng, inner, hidden, 4, 64),
+            up_proj: qmatrix(&mut b, rng, inner, hidden, 4, 64),
+            down_proj: qmatrix(&mut b, rng, hidden, inner, bits, 32),
+        });
+        b.extend([0u8; 16]);
+        blobs.push(b);
+    }
+    (mlp.expect("experts"), blobs)
+}
+
 /// `glu_mlp_combine` of one decode row over distinct experts (staged blobs) where the down rows
 /// are long (2048 columns: 32 lanes per row, fewer lane groups in a block than experts) and short
 /// (96: 4 lanes), with 8 and 5 experts (5 does not divide a block's lane groups) and 2-, 4- and
@@ -345,19 +364,7 @@ fn decode_experts_combined_in_one_call_equal_the_stack_and_scatter() {
     let mut rng = Rng(4321);
     let mut fails = Vec::new();
     for (hidden, inner, bits) in [(256usize, 2048usize, 4usize), (512, 96, 2), (320, 512, 8)] {
-        let mut blobs = Vec::new();
-        let mut mlp = None;
-        for _ in 0..8 {
-            let mut b = Vec::new();
-            mlp = Some(Mlp {
-                gate_proj: qmatrix(&mut b, &mut rng, inner, hidden, 4, 64),
-                up_proj: qmatrix(&mut b, &mut rng, inner, hidden, 4, 64),
-                down_proj: qmatrix(&mut b, &mut rng, hidden, inner, bits, 32),
-            });
-            b.extend([0u8; 16]);
-            blobs.push(b);
-        }
-        let mlp = mlp.expect("experts");
+        let (mlp, blobs) = eight_experts(&mut rng, hidden, inner, bits);
         let Some(be) = start(&Arc::new(vec![0u8; 64])) else {
             return;
         };
@@ -394,6 +401,109 @@ fn decode_experts_combined_in_one_call_equal_the_stack_and_scatter() {
             }
         }
     }
+    assert!(
+        fails.is_empty(),
+        "{} failures:\n{}",
+        fails.len(),
+        fails.join("\n")
+    );
+}
+
+/// `glu_mlp_combine_split` (issue 29): a decode row whose experts are partly computed by the
+/// host CPU (the exact CPU table, from the blobs where they lie) and partly on the GPU, added in
+/// expert order on the GPU. For 8 and 5 experts, with none, every other, the last one and all of
+/// them on the host: within the f64 reference's budget; bit for bit `glu_mlp_combine` with none
+/// on the host; the same bits run to run; and the host counter counts what the host computed.
+#[test]
+fn decode_experts_split_with_the_host_cpu_stay_exact() {
+    let mut rng = Rng(2929);
+    let mut fails = Vec::new();
+    let mut on_host_total = 0u64;
+    let bytes = Arc::new(vec![0u8; 64]);
+    let Some(be) = start(&bytes) else {
+        return;
+    };
+    let cpu = mference_backend::cpu::CpuBackend::new(
+        mference_kernels::Kernels::detect(),
+        2,
+        bytes.clone(),
+    );
+    // A one-layer GPU cache only for its counters (the blobs here are staged, not held).
+    let opts = ExpertCacheOptions {
+        geometry: ExpertGeometry {
+            layers: vec![0],
+            experts: 8,
+            stride: 1,
+            top_k: 8,
+        },
+        budget: GpuExpertBudget::Bytes(8),
+        force_miss: false,
+    };
+    let be = be
+        .with_expert_cache(opts)
+        .expect("expert cache")
+        .with_host_experts(cpu, MissSplit::Percent(50));
+    for (hidden, inner, bits) in [(256usize, 2048usize, 4usize), (512, 96, 2), (320, 512, 8)] {
+        let (mlp, blobs) = eight_experts(&mut rng, hidden, inner, bits);
+        for k in [8usize, 5] {
+            let x = vals(&mut rng, hidden, 1.0);
+            let acc0 = vals(&mut rng, hidden, 0.5);
+            let weights = vals(&mut rng, k, 1.0);
+            let srcs: Vec<Weights> = blobs[..k].iter().map(|b| Weights::Blob(b)).collect();
+            let xt = be.upload(&x, hidden).expect("upload");
+            let mut want = acc0.clone();
+            for (b, &w) in blobs.iter().zip(&weights) {
+                let (g, u, d) = (&mlp.gate_proj, &mlp.up_proj, &mlp.down_proj);
+                let y = refr::glu_mlp(g, u, d, Act::GeluTanh, b, &x);
+                for (a, v) in want.iter_mut().zip(y) {
+                    *a += w * v;
+                }
+            }
+            let mut plain = be.upload(&acc0, hidden).expect("upload");
+            be.glu_mlp_combine(&mlp, Act::GeluTanh, &srcs, &weights, &xt, &mut plain)
+                .expect("glu_mlp_combine");
+            let plain = be.read(&plain).expect("read");
+            let patterns: [Vec<bool>; 4] = [
+                vec![false; k],
+                (0..k).map(|j| j % 2 == 1).collect(),
+                (0..k).map(|j| j == k - 1).collect(),
+                vec![true; k],
+            ];
+            for on_host in patterns {
+                let run = || {
+                    let mut acc = be.upload(&acc0, hidden).expect("upload");
+                    be.glu_mlp_combine_split(
+                        &mlp,
+                        Act::GeluTanh,
+                        &srcs,
+                        &weights,
+                        &on_host,
+                        &xt,
+                        &x,
+                        &mut acc,
+                    )
+                    .expect("glu_mlp_combine_split");
+                    be.read(&acc).expect("read")
+                };
+                let got = run();
+                let name = format!(
+                    "split {hidden}x{inner} {bits}-bit, {k} experts, on the host {on_host:?}"
+                );
+                expect(&mut fails, name.clone(), &got, &want, EXACT_REL);
+                if on_host.iter().all(|&h| !h) && bits_differ(&got, &plain) {
+                    fails.push(format!("{name}: not the bits of glu_mlp_combine"));
+                }
+                if bits_differ(&got, &run()) {
+                    fails.push(format!("{name}: differs run to run"));
+                }
+                on_host_total += 2 * on_host.iter().filter(|&&h| h).count() as u64;
+            }
+        }
+    }
+    let stats = be.device_expert_stats().expect("a GPU cache");
+    assert_eq!(stats.host_computed, on_host_total);
+    assert_eq!(stats.host_share, Some(50));
+    assert_eq!(be.host_misses(8), 4, "50% of 8 misses");
     assert!(
         fails.is_empty(),
         "{} failures:\n{}",

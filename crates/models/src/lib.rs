@@ -29,7 +29,7 @@ pub(crate) use loading::{
     check_dims, check_sizes, expert_linear, linear, parse_config, text_config, unsupported,
 };
 pub use mference_backend::DeviceExpertStats;
-pub use mference_cuda::GpuExpertBudget;
+pub use mference_cuda::{GpuExpertBudget, MissSplit};
 pub use model::{Model, StepTimes};
 pub use options::{Device, LoadOptions};
 pub use prefix::PrefixCache;

@@ -38,11 +38,23 @@ pub trait Model: Send {
     fn device(&self) -> String {
         let d = &self.engine().device;
         match self.device_expert_stats() {
-            Some(g) => format!(
-                "{d}, GPU experts: {} slots per layer, {:.2} GiB",
-                g.slots_per_layer,
-                g.slab_bytes as f64 / (1u64 << 30) as f64
-            ),
+            Some(g) => {
+                let split = match (g.host_share, g.host_calibration) {
+                    (Some(p), Some((copy, host))) => format!(
+                        ", {p}% of each token's GPU misses on the CPU (--gpu-miss-split auto: one \
+                         expert copied in {:.0} µs, on the CPU {:.0} µs)",
+                        copy.as_secs_f64() * 1e6,
+                        host.as_secs_f64() * 1e6
+                    ),
+                    (Some(p), None) => format!(", {p}% of each token's GPU misses on the CPU"),
+                    _ => String::new(),
+                };
+                format!(
+                    "{d}, GPU experts: {} slots per layer, {:.2} GiB{split}",
+                    g.slots_per_layer,
+                    g.slab_bytes as f64 / (1u64 << 30) as f64
+                )
+            }
             None => {
                 let e = self.engine();
                 let note = e.kernels_note.as_ref().map(|n| format!(" ({n})"));

@@ -11,7 +11,7 @@ use mference_format::{Family, Install};
 
 use crate::{
     deepseek_v4, gemma4, inkling, maple, qwen3_5_moe, Device, Engine, GpuExpertBudget, LoadOptions,
-    Model, ModelError,
+    MissSplit, Model, ModelError,
 };
 
 /// Opens the install at `dir` and loads its family.
@@ -32,12 +32,14 @@ pub fn load_install(install: Install, opts: &LoadOptions) -> Result<Box<dyn Mode
     check_options(family, &model_type, opts)?;
     // What CUDA lacks is named before the weights are read; `auto` decides here.
     let auto_cpu = check_device(opts.device, Some(family))?;
-    let gpu_only = opts.gpu_expert_budget != GpuExpertBudget::Auto || opts.gpu_force_miss;
+    let gpu_only = opts.gpu_expert_budget != GpuExpertBudget::Auto
+        || opts.gpu_force_miss
+        || opts.gpu_miss_split != MissSplit::Off;
     if let Some(why) = auto_cpu.as_ref().filter(|_| gpu_only) {
         // The GPU-only settings would be dropped without a word: refuse them instead.
         return Err(ModelError::Device(format!(
             "--device auto found no usable CUDA ({why}), and --gpu-expert-budget / \
-             --gpu-force-miss apply only on CUDA: drop them, or fix CUDA and use --device cuda"
+             --gpu-miss-split / --gpu-force-miss apply only on CUDA: drop them, or fix CUDA and use --device cuda"
         )));
     }
     check_kernels(opts.kernels.as_deref(), family)?;
@@ -45,6 +47,12 @@ pub fn load_install(install: Install, opts: &LoadOptions) -> Result<Box<dyn Mode
     // load line names the rounding); the other families keep the exact table, and where this CPU
     // has a faster int16 one the load line says why it was not taken.
     let (int16, exact) = (Kernels::detect_int16(), Kernels::detect());
+    // The host CPU's share of the GPU misses runs the exact table unless one was asked for: its
+    // products join the GPU's exact ones.
+    let host_kernels = match opts.kernels {
+        Some(_) => None,
+        None => Some(exact),
+    };
     let chosen;
     let opts = if opts.kernels.is_none() && family.int8_prefill() {
         chosen = LoadOptions {
@@ -64,8 +72,14 @@ pub fn load_install(install: Install, opts: &LoadOptions) -> Result<Box<dyn Mode
         ));
     }
     let cuda = |n: usize, engine: &Engine| {
+        let host = mference_backend::cpu::CpuBackend::new(
+            host_kernels.unwrap_or(engine.kernels),
+            engine.threads,
+            engine.map.clone(),
+        );
         mference_cuda::CudaBackend::new(n, engine.map.clone())
             .and_then(|be| be.with_expert_cache(gpu_expert_cache(engine, opts)))
+            .map(|be| be.with_host_experts(host, opts.gpu_miss_split))
             .map_err(|e| ModelError::Device(format!("cuda:{n}: {e}")))
     };
     match opts.device {

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use mference_backend::Backend;
+use mference_backend::{Backend, Mlp, QRef};
 use mference_runtime::{CachePlan, ExpertStreamer, StreamerStats};
 
 use crate::{Engine, ModelError};
@@ -61,12 +61,17 @@ impl Streamers {
     /// host-side experts from the start: the first prompt then streams them from pinned memory
     /// instead of reading and pinning them on the way. Other layers open their file (and check
     /// it) on first use as before.
+    ///
+    /// The first layer whose experts the backend does not hold for good also gives the backend
+    /// one of its experts to time ([`mference_backend::DeviceExpertOps::calibrate_host_misses`]:
+    /// `--gpu-miss-split auto` weighs a copy against the host CPU's product).
     pub fn preload<B: Backend>(&mut self, be: &B, engine: &Engine) -> Result<(), ModelError> {
         let experts = engine.install.layout.experts_per_layer;
+        let mut calibrated = false;
         for layer in 0..self.layers.len() {
-            if engine.install.layout.layers[layer].blob.is_none() {
+            let Some(blob) = &engine.install.layout.layers[layer].blob else {
                 continue;
-            }
+            };
             let missing = be.experts_to_complete(layer)?;
             if !missing.is_empty() {
                 mference_backend::moe::complete::<B, ModelError>(
@@ -78,6 +83,24 @@ impl Streamers {
                 let s = self.get(layer, engine)?;
                 if s.slots() >= experts && !s.slot_memory().is_empty() {
                     mference_backend::moe::fill_host::<B, ModelError>(be, s, experts)?;
+                }
+                if !calibrated {
+                    let stride = engine.install.layout.expert_stride as usize;
+                    let ex = |part: &str, t| {
+                        QRef::expert(&format!("layer {layer} experts' {part}"), t, stride)
+                            .map_err(ModelError::from)
+                    };
+                    let mlp = Mlp {
+                        gate_proj: ex("gate_proj", &blob.gate)?,
+                        up_proj: ex("up_proj", &blob.up)?,
+                        down_proj: ex("down_proj", &blob.down)?,
+                    };
+                    be.attach_host_slots(layer, s.slot_memory())?;
+                    let slots = s.acquire(&[0])?;
+                    s.wait()?;
+                    be.calibrate_host_misses(&mlp, s.blob(slots[0].0))?;
+                    s.release(&[0]);
+                    calibrated = true;
                 }
             }
         }

@@ -80,4 +80,43 @@ pub trait DeviceExpertOps: CoreOps {
     fn size_expert_cache(&self) -> OpResult<()> {
         Ok(())
     }
+    /// Of a decode row's `misses` (routed experts its own cache does not hold), how many the
+    /// backend would rather have computed on the host CPU, from their host slots, than copied in
+    /// ([`glu_mlp_combine_split`](DeviceExpertOps::glu_mlp_combine_split)): a function of
+    /// `misses` and of settings fixed at load, never of timing. Default: 0 (every miss copied).
+    fn host_misses(&self, misses: usize) -> usize {
+        0
+    }
+    /// [`CoreOps::glu_mlp_combine`] with the experts `on_host[j]` computed on the host CPU from
+    /// `srcs[j]` (a [`Weights::Blob`] in a host slot) on `x_host` (the one row of `x`, read
+    /// before the step's other work was queued), while the others are copied in and computed
+    /// by the backend; every output is added to `acc` in `j` order (ascending expert id) on the
+    /// backend. The host products round differently from the backend's, so the sum is within
+    /// the op tolerances of [`CoreOps::glu_mlp_combine`], not its bits. Default: refused unless
+    /// nothing is on the host.
+    #[allow(clippy::too_many_arguments)]
+    fn glu_mlp_combine_split(
+        &self,
+        mlp: &Mlp,
+        act: Act,
+        srcs: &[Weights],
+        weights: &[f32],
+        on_host: &[bool],
+        x: &Self::Tensor,
+        x_host: &[f32],
+        acc: &mut Self::Tensor,
+    ) -> OpResult<()> {
+        if on_host.iter().any(|&h| h) {
+            return Err(self.missing("glu_mlp_combine_split (no host experts)"));
+        }
+        self.glu_mlp_combine(mlp, act, srcs, weights, x, acc)
+    }
+    /// Measures, for [`host_misses`](DeviceExpertOps::host_misses) in its automatic setting, what
+    /// one expert costs copied in and computed on the host CPU: `blob` is one expert of the
+    /// model in a host slot (already shown with
+    /// [`attach_host_slots`](DeviceExpertOps::attach_host_slots)), `mlp` its matrices. Called once
+    /// at load; does nothing unless the backend splits its misses. Default: nothing.
+    fn calibrate_host_misses(&self, mlp: &Mlp, blob: &[u8]) -> OpResult<()> {
+        Ok(())
+    }
 }

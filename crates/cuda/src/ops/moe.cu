@@ -59,9 +59,17 @@ __device__ void down_combine(const QJobs& jobs, const DcWeights& cw, const QIdJo
                          : qv_mats(jobs, ee, 1, 0, 0.0f);
         u64 x = BY_ID ? id_jobs.x[ee] : jobs.x[ee];
         int r0 = row0 + (live ? p : 0) * DC_R;
+        // A job of the by-address variant with no codes (w = 0) is an expert computed on the
+        // host: its output rows are at y, nothing is read for it here (no rows, no columns).
+        bool host = !BY_ID && live && jobs.w[ee] == 0;
         float s[DC_R];
-        qmv_sums<BITS, LPR, 1, false, DC_R>(m, (const float*)x, nullptr, r0, live ? rows : 0, cols, group,
-                                     sl, s);
+        qmv_sums<BITS, LPR, 1, false, DC_R>(m, (const float*)x, nullptr, r0,
+                                            live && !host ? rows : 0, host ? 0 : cols, group, sl, s);
+        if (host) {
+#pragma unroll
+            for (int rr = 0; rr < DC_R; ++rr)
+                s[rr] = r0 + rr < rows ? ((const float*)jobs.y[ee])[r0 + rr] : 0.0f;
+        }
         if (live && sl == 0) {
 #pragma unroll
             for (int rr = 0; rr < DC_R; ++rr) ys[e][p * DC_R + rr] = s[rr];
@@ -106,7 +114,8 @@ __device__ __forceinline__ void down_combine_lanes(int lpr, const QJobs& jobs,
 }
 
 // qmv_down_combine<BITS>: jobs 0 .. k of a QJobs (one per expert, in ascending expert id: its
-// down matrix and its GLU row x[j]; y unused), weights cw.w[j].
+// down matrix and its GLU row x[j]; y unused), weights cw.w[j]; a job with w[j] = 0 is an expert
+// computed on the host, its output row (rows floats) at y[j].
 // qmv_down_combine_ids<BITS>: the QIdJobs jobs 0 .. k (pick[j] = j, mat[j] = 0) of the experts at
 // ids[0 .. k) (any order; added in ascending id), weights wts[0 .. k) on the device.
 // Grid: rows / (P * DC_R) blocks of QV_WARPS warps; lpr as qmv's.

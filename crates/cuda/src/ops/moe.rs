@@ -44,6 +44,26 @@ impl CudaBackend {
     ) -> OpResult<()> {
         let op = "glu_mlp_combine";
         check_glu_combine(op, mlp, srcs.len(), weights.len(), x, acc)?;
+        self.combine(op, mlp, act, srcs, weights, x, None, acc)
+    }
+
+    /// The body of both combines: `host` = (which experts the host computes, the row they take).
+    /// With host experts ([`DeviceExpertOps::glu_mlp_combine_split`]) the device experts' gate
+    /// and up are queued first (behind their copies), then the host CPU computes its experts
+    /// while those run, their outputs go up in one copy, and `qmv_down_combine` adds every
+    /// expert in order, taking a host expert's output where a device one's down product goes.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn combine(
+        &self,
+        op: &'static str,
+        mlp: &Mlp,
+        act: Act,
+        srcs: &[Weights],
+        weights: &[f32],
+        x: &CudaTensor,
+        host: Option<(&[bool], &[f32])>,
+        acc: &mut CudaTensor,
+    ) -> OpResult<()> {
         let k = srcs.len();
         if k == 0 {
             return Ok(());
@@ -51,26 +71,58 @@ impl CudaBackend {
         check(op, k <= DC_MAX_K, || {
             format!("{k} experts in one row (at most {DC_MAX_K})")
         })?;
-        let src = self.sources(op, srcs)?;
+        let on_host = |j: usize| host.is_some_and(|(h, _)| h[j]);
+        let dev_srcs: Vec<Weights> = (0..k).filter(|&j| !on_host(j)).map(|j| srcs[j]).collect();
+        let src = self.sources(op, &dev_srcs)?;
         let at = &src.at;
         let inner = mlp.gate_proj.rows;
-        let mut g = self.uninit_tensor(op, k, inner)?;
-        let u = self.uninit_tensor(op, k, inner)?;
+        // At least one row: a host expert's down job points its (unread) x at row 0.
+        let mut g = self.uninit_tensor(op, at.len().max(1), inner)?;
+        let u = self.uninit_tensor(op, at.len().max(1), inner)?;
         let (xa, ga, ua) = (self.addr(&*x.buf), self.addr(&*g.buf), self.addr(&*u.buf));
         let row = |base: u64, r: usize| base + (4 * r * inner) as u64;
         let job = |w, (buf, len): (u64, usize), x, y| QJob { w, buf, len, x, y };
-        let mut gate_up = Vec::with_capacity(2 * k);
-        for (j, &a) in at.iter().enumerate() {
-            gate_up.push(job(&mlp.gate_proj, a, xa, row(ga, j)));
-            gate_up.push(job(&mlp.up_proj, a, xa, row(ua, j)));
+        if !at.is_empty() {
+            let mut gate_up = Vec::with_capacity(2 * at.len());
+            for (j, &a) in at.iter().enumerate() {
+                gate_up.push(job(&mlp.gate_proj, a, xa, row(ga, j)));
+                gate_up.push(job(&mlp.up_proj, a, xa, row(ua, j)));
+            }
+            self.gated(op, act, &gate_up, 1, &mut g, &u)?;
         }
-        self.gated(op, act, &gate_up, 1, &mut g, &u)?;
         let down: Vec<QJob> = at
             .iter()
             .enumerate()
             .map(|(j, &a)| job(&mlp.down_proj, a, row(ga, j), 0))
             .collect();
-        let a = qjobs(op, down.iter())?;
+        let dev = qjobs(op, down.iter())?;
+        // The host's experts, computed while the device ones run, then uploaded in one copy.
+        let host_out = match host {
+            Some((flags, x_host)) => {
+                let blobs: Vec<Weights> = (0..k).filter(|&j| flags[j]).map(|j| srcs[j]).collect();
+                Some(self.host_experts(op, mlp, act, &blobs, x_host)?)
+            }
+            None => None,
+        };
+        let mut a = dev;
+        if let Some(out) = &host_out {
+            // Job order is expert order: device jobs keep theirs, host ones (w = 0) read their
+            // output row (y) instead of a down product.
+            let oa = self.addr(&*out.buf);
+            let (mut d, mut h) = (0, 0);
+            a = QJobs::default();
+            for j in 0..k {
+                if on_host(j) {
+                    (a.w[j], a.s[j], a.b[j], a.x[j]) = (0, 0, 0, ga);
+                    a.y[j] = oa + (4 * h * out.cols) as u64;
+                    h += 1;
+                } else {
+                    (a.w[j], a.s[j], a.b[j]) = (dev.w[d], dev.s[d], dev.b[d]);
+                    (a.x[j], a.y[j]) = (dev.x[d], dev.y[d]);
+                    d += 1;
+                }
+            }
+        }
         let mut cw = DcWeights { w: [0.0; DC_MAX_K] };
         cw.w[..k].copy_from_slice(weights);
         let w = &mlp.down_proj;
@@ -94,6 +146,7 @@ impl CudaBackend {
             &gi,
             &li
         )?;
+        drop(host_out);
         self.after_reads(op, src)
     }
 
