@@ -18,6 +18,8 @@ MF="${MF:-$REPO/target/release/mference}"
 M="${FAMILY:-gemma4-26b}"
 # Runs per measurement, both engines (REPEATS=1 when the device time is short).
 REPEATS="${REPEATS:-3}"
+# --gpu-miss-split settings measured under the 25% and 10% budgets (e.g. SPLITS="off auto").
+SPLITS="${SPLITS:-off}"
 case "$M" in
   gemma4-26b) TRACE="$REPO/assets/traces/gemma4-26b-a4b-routing.npy" ;;
   qwen36-35b) TRACE="$REPO/assets/traces/qwen3_6-35b-a3b-routing.npy" ;;
@@ -59,12 +61,16 @@ print(m['expertStride']*m['expertsPerLayer']*n, n)")
   echo "expert bytes: $EXPERT_BYTES over $LAYERS layers"
   for b in resident 25 10; do
     case $b in
-      resident) budget=resident ;;
-      *) budget=$((EXPERT_BYTES * b / 100)) ;;
+      resident) budget=resident; splits=off ;;
+      *) budget=$((EXPERT_BYTES * b / 100)); splits=$SPLITS ;;
     esac
-    "$MF" bench --device cuda --model "$I" --prompts 512 --gen 64 --repeats "$REPEATS" --decode forced \
-      --routing-trace "$TRACE" --gpu-expert-budget "$budget" --host-expert-cache "$EXPERT_BYTES" \
-      --json "$W/ours-$b.json" 2>&1 | tail -4
+    for split in $splits; do
+      tag=$b; [ "$split" = off ] || tag=$b-split-$split
+      "$MF" bench --device cuda --model "$I" --prompts 512 --gen 64 --repeats "$REPEATS" \
+        --decode forced --routing-trace "$TRACE" --gpu-expert-budget "$budget" \
+        --host-expert-cache "$EXPERT_BYTES" --gpu-miss-split "$split" --json "$W/ours-$tag.json" \
+        2>&1 | tail -4
+    done
   done
   LB="$W/llama-build/bin/llama-bench"
   # -ncmoe N keeps the experts of the first N layers in host memory: 0 = fully offloaded, 3/4 and
@@ -76,10 +82,11 @@ print(m['expertStride']*m['expertsPerLayer']*n, n)")
   "$LB" -m "$W/$M.gguf" -ngl 99 -ncmoe "$NC" -p 0 -n 64 -d 512 -r "$REPEATS" -t "$(nproc)" -o json \
     >"$W/llama-tg.json"
   python3 - "$W" <<'EOF'
-import json, sys
+import glob, json, os, sys
 w = sys.argv[1]
-for b in ("resident", "25", "10"):
-    d = json.load(open(f"{w}/ours-{b}.json"))
+for f in sorted(glob.glob(f"{w}/ours-*.json")):
+    b = os.path.basename(f)[5:-5]
+    d = json.load(open(f))
     for r in d["summary"]:
         print("ours", b, json.dumps({k: r[k] for k in ("prompt_tokens", "prefill_tok_s", "ttft_s",
               "decode_tok_s", "hit_rate", "bytes_per_token", "read_wait_per_token_s",

@@ -194,6 +194,12 @@ fn bench_rejects_bad_flags_before_loading() {
             vec!["--device", "cpu", "--gpu-expert-budget", "1G"],
             "apply on CUDA",
         ),
+        (vec!["--gpu-miss-split", "101"], "--gpu-miss-split"),
+        (vec!["--gpu-miss-split", "half"], "expected off, auto"),
+        (
+            vec!["--device", "cpu", "--gpu-miss-split", "auto"],
+            "apply on CUDA",
+        ),
     ] {
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_mference"))
             .args(["bench", "--model", "/nonexistent.gturbo"])
