@@ -301,9 +301,14 @@ where
     } else {
         streamer.acquire(&ids)?
     };
-    // The misses the backend computes on the host CPU instead of copying them in: the last ones
-    // in expert order. The row goes down first, before the step queues more work behind it.
-    let n_host = be.host_misses(ids.len()).min(ids.len());
+    // The misses the backend computes on the host CPU instead of copying them in. The row goes
+    // down first, before the step queues more work behind it.
+    let host_miss = if ids.is_empty() {
+        Vec::new()
+    } else {
+        be.host_misses(layer, &ids)?
+    };
+    let n_host = host_miss.iter().filter(|&&h| h).count();
     let x_host = if n_host > 0 { be.read(x)? } else { Vec::new() };
     let (carry, mut acc) = meanwhile()?;
     let weights: Vec<f32> = routed
@@ -326,7 +331,7 @@ where
             } else {
                 let (i, (_, &(slot, _))) =
                     from_host.next().expect("one host slot per needed expert");
-                if i >= ids.len() - n_host {
+                if host_miss[i] {
                     on_host[j] = true;
                     Weights::Blob(streamer.blob(slot))
                 } else {

@@ -62,8 +62,18 @@ impl DeviceExpertOps for CudaBackend {
         })
     }
 
-    fn host_misses(&self, misses: usize) -> usize {
-        self.host.as_ref().map_or(0, |h| h.host_misses(misses))
+    fn host_misses(&self, layer: usize, misses: &[usize]) -> OpResult<Vec<bool>> {
+        let n = self
+            .host
+            .as_ref()
+            .map_or(0, |h| h.host_misses(misses.len()));
+        if n == 0 {
+            return Ok(vec![false; misses.len()]);
+        }
+        match self.cache() {
+            Some(c) => Ok(c.least_used(layer, misses, n)),
+            None => Err(self.missing("host_misses (no GPU expert cache)")),
+        }
     }
 
     fn glu_mlp_combine_split(

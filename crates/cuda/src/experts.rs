@@ -430,6 +430,25 @@ impl GpuExperts {
         }
     }
 
+    /// Marks the `n` of `misses` of `layer` used least so far (the fewest uses, then the least
+    /// recently, then the highest id): the ones a copy would least likely serve again, which
+    /// `--gpu-miss-split` computes on the host instead.
+    pub(crate) fn least_used(&self, layer: usize, misses: &[usize], n: usize) -> Vec<bool> {
+        let mut out = vec![false; misses.len()];
+        let Some(l) = self.layers.get(&layer) else {
+            return out;
+        };
+        let mut order: Vec<usize> = (0..misses.len()).collect();
+        order.sort_by_key(|&i| {
+            let (uses, last) = l.table.uses(misses[i]);
+            (uses, last, std::cmp::Reverse(misses[i]))
+        });
+        for &i in order.iter().take(n) {
+            out[i] = true;
+        }
+        out
+    }
+
     /// Counts a decode step of `layer` routed on the device: `uses` hits.
     pub(crate) fn count_device_step(&mut self, uses: usize) {
         self.stats.hits += uses as u64;

@@ -1,6 +1,6 @@
 //! Misses computed on the host CPU (issue 29): of a decode row's routed experts that the GPU
-//! slots do not hold, a share is computed by the CPU backend's kernels straight from their host
-//! slots (the row goes down, one output row per expert comes back) while the others cross the
+//! slots do not hold, a share (the least used ones, `GpuExperts::least_used`) is computed by the
+//! CPU backend's kernels straight from their host slots (the row goes down, one output row per expert comes back) while the others cross the
 //! bus into GPU slots; the GPU adds every expert in expert order (`ops/moe.rs`, `combine`).
 //!
 //! The share is fixed at load, so the same request takes the same path run to run: a percentage

@@ -86,6 +86,11 @@ impl SlotTable {
         self.last_used[e] = self.clock;
     }
 
+    /// The uses of expert `e` counted so far (and when it was last used), as eviction ranks them.
+    pub fn uses(&self, e: usize) -> (u64, u64) {
+        (self.use_count[e], self.last_used[e])
+    }
+
     /// Whether `slot` may not be given up.
     pub fn is_pinned(&self, slot: usize) -> bool {
         self.pinned[slot]

@@ -80,12 +80,14 @@ pub trait DeviceExpertOps: CoreOps {
     fn size_expert_cache(&self) -> OpResult<()> {
         Ok(())
     }
-    /// Of a decode row's `misses` (routed experts its own cache does not hold), how many the
-    /// backend would rather have computed on the host CPU, from their host slots, than copied in
-    /// ([`glu_mlp_combine_split`](DeviceExpertOps::glu_mlp_combine_split)): a function of
-    /// `misses` and of settings fixed at load, never of timing. Default: 0 (every miss copied).
-    fn host_misses(&self, misses: usize) -> usize {
-        0
+    /// Which of a decode row's `misses` in MoE layer `layer` (routed experts its own cache does
+    /// not hold, ascending) the backend would rather have computed on the host CPU, from their
+    /// host slots, than copied in
+    /// ([`glu_mlp_combine_split`](DeviceExpertOps::glu_mlp_combine_split)): a function of the
+    /// routing so far and of settings fixed at load, never of timing. Default: none (every miss
+    /// copied).
+    fn host_misses(&self, layer: usize, misses: &[usize]) -> OpResult<Vec<bool>> {
+        Ok(vec![false; misses.len()])
     }
     /// [`CoreOps::glu_mlp_combine`] with the experts `on_host[j]` computed on the host CPU from
     /// `srcs[j]` (a [`Weights::Blob`] in a host slot) on `x_host` (the one row of `x`, read
