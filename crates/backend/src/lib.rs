@@ -111,6 +111,8 @@ pub struct DeviceExpertStats {
     /// split), and, when it was calibrated, what one expert cost copied in and on the host.
     pub host_share: Option<u32>,
     pub host_calibration: Option<(std::time::Duration, std::time::Duration)>,
+    /// Bytes of the prefill staging area (0: none; prefill copies go into the slots).
+    pub staging_bytes: u64,
 }
 
 /// The scale of an RMSNorm `x · rsqrt(mean(x²) + eps) · s` (mlx `fast.rms_norm`).

@@ -132,6 +132,8 @@ where
     let layer = streamer.layer();
     be.attach_host_slots(layer, streamer.slot_memory())?;
     let routed: Vec<usize> = routes.experts.keys().copied().collect();
+    // A backend with a staging area copies this step's misses there rather than into its slots.
+    let staging = be.begin_prefill_staging(layer)?;
     // Experts the backend holds in its own memory (GPU slots) never reach the host streamer.
     let held = be.held_experts(layer, &routed)?;
     let needed: Vec<usize> = routed
@@ -197,6 +199,9 @@ where
         // The host slots may be refilled once the copies out of them are done.
         be.expert_copies_done()?;
         streamer.release(tl);
+    }
+    if staging {
+        be.end_prefill_staging(layer)?;
     }
     let mut ys = Vec::with_capacity(routes.experts.len());
     let mut rows = Vec::with_capacity(routes.experts.len());

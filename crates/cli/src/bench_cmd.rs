@@ -395,6 +395,7 @@ fn child(a: &BenchArgs, n: usize) -> Result<Value> {
         json!({
             "slots_per_layer": g.slots_per_layer,
             "slab_bytes": g.slab_bytes,
+            "staging_bytes": g.staging_bytes,
             "prefill_hit_rate": rate(gpu_prefill.hits, gpu_prefill.misses),
             "prefill_h2d_bytes": gpu_prefill.h2d_bytes,
             "hit_rate": rate(g.hits - gpu_prefill.hits, g.misses - gpu_prefill.misses),

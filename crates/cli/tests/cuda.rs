@@ -311,6 +311,41 @@ fn cuda_logits_do_not_depend_on_dependent_launch() {
     });
 }
 
+/// Issue 28 item 2: below a whole layer of slots a prefill chunk's misses are copied into a
+/// staging area instead of the slots (`MFERENCE_CUDA_STAGING=0` turns it off). Same bytes, same
+/// kernels: the logits at 3 x top-k slots are the bits of those without it, and the load line
+/// names the area.
+#[test]
+fn cuda_logits_do_not_depend_on_prefill_staging() {
+    if !cuda() {
+        return;
+    }
+    each_model_and_mode(|model, inst, mode, idf, work| {
+        let floor = floor_budget(inst);
+        let extra = ["--gpu-expert-budget", &floor].map(String::from).to_vec();
+        let on = work.join(format!("{model}-staged.npy"));
+        let off = work.join(format!("{model}-slots.npy"));
+        assert!(
+            cuda_logits(inst, mode, idf, &on, &extra, &[])
+                == cuda_logits(
+                    inst,
+                    mode,
+                    idf,
+                    &off,
+                    &extra,
+                    &[("MFERENCE_CUDA_STAGING", "0")]
+                ),
+            "{model} {mode}: logits with prefill staging differ from those without"
+        );
+        eprintln!("{model} {mode}: logits bit-identical with and without prefill staging");
+    });
+    let inst = installed_asset(&models()[0]);
+    let r = &reference(&models()[0])["greedy64_raw_prompt"];
+    let floor = floor_budget(inst);
+    let (_, err) = greedy(inst, r, &["--gpu-expert-budget".into(), floor]);
+    assert!(err.contains("GiB prefill staging"), "load line:\n{err}");
+}
+
 #[test]
 fn cuda_perplexity_is_within_0_3_percent_of_mlx_lm() {
     if !cuda() {

@@ -111,6 +111,24 @@ impl DeviceExpertOps for CudaBackend {
         self.combine(op, mlp, act, srcs, weights, x, host, acc)
     }
 
+    fn begin_prefill_staging(&self, layer: usize) -> OpResult<bool> {
+        match self.cache() {
+            Some(mut c) => c
+                .begin_staging(&self.stream, layer)
+                .map_err(|e| self.cache_err("begin_prefill_staging", e)),
+            None => Ok(false),
+        }
+    }
+
+    fn end_prefill_staging(&self, layer: usize) -> OpResult<()> {
+        match self.cache() {
+            Some(mut c) => c
+                .end_staging(&self.stream, layer)
+                .map_err(|e| self.cache_err("end_prefill_staging", e)),
+            None => Ok(()),
+        }
+    }
+
     fn calibrate_host_misses(&self, mlp: &Mlp, blob: &[u8]) -> OpResult<()> {
         match &self.host {
             Some(h) => h.calibrate(self, mlp, blob),

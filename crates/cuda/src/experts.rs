@@ -107,14 +107,45 @@ struct LayerSlots {
     by_id: Option<CudaSlice<u64>>,
 }
 
+/// The slot index [`GpuExperts::slot_addr`] gives for an expert read from the prefill staging
+/// area ([`Staging`]) rather than a slot.
+pub(crate) const STAGED: usize = usize::MAX;
+
+/// The prefill staging area (issue 28 item 2): room for every expert of one layer. While a
+/// prefill chunk's MoE step runs ([`GpuExperts::begin_staging`] .. [`GpuExperts::end_staging`]),
+/// its misses are copied here instead of into the layer's slots, so no copy waits for a kernel
+/// still reading the slot it would refill (with a few slots, each tile's copies waited for the
+/// previous tile's products) and the copy stream runs back to back; afterwards the chunk's most
+/// used experts go into the slots device to device, as the tile path would have left them.
+struct Staging {
+    buf: CudaSlice<u8>,
+    /// Per index: recorded on the copy stream after the copy into it.
+    filled: Vec<CudaEvent>,
+    /// Recorded on the compute stream after the kernels reading the area so far.
+    read: CudaEvent,
+    /// The layer staged now, and where each of its experts is.
+    layer: Option<usize>,
+    at: HashMap<usize, usize>,
+    /// Whether the copy stream has waited for `read` since the layer began.
+    waited: bool,
+}
+
+/// A copy [`GpuExperts::copies_done`] waits for: into a slot (layer, slot) or a staging index.
+enum Copy {
+    Slot(usize, usize),
+    Staged(usize),
+}
+
 /// The cache state behind [`GpuExperts`]'s lock.
 pub(crate) struct GpuExperts {
     opts: ExpertCacheOptions,
     copy: Arc<CudaStream>,
     layers: HashMap<usize, LayerSlots>,
     sized: bool,
-    /// (layer, slot) copied into since the last [`copies_done`](Self::copies_done).
-    in_flight: Vec<(usize, usize)>,
+    /// Copies started since the last [`copies_done`](Self::copies_done).
+    in_flight: Vec<Copy>,
+    /// The prefill staging area, when the slots hold less than a layer and it fits.
+    staging: Option<Staging>,
     /// Host ranges page-locked by [`pin_host`](Self::pin_host), by layer.
     pinned: HashMap<usize, (usize, usize)>,
     stats: DeviceExpertStats,
@@ -131,6 +162,7 @@ impl GpuExperts {
             layers: HashMap::new(),
             sized: false,
             in_flight: Vec::new(),
+            staging: None,
             pinned: HashMap::new(),
             stats: DeviceExpertStats::default(),
         })
@@ -217,8 +249,15 @@ impl GpuExperts {
         let ctx = compute.context();
         let (free, total) = ctx.mem_get_info().map_err(driver("cuMemGetInfo"))?;
         let g = self.opts.geometry.clone();
-        let slots =
+        let mut slots =
             Self::slots_for(&g, self.opts.budget, free, total).map_err(CacheError::Refused)?;
+        if self.opts.budget == GpuExpertBudget::Auto && slots < g.experts {
+            // The automatic budget leaves room for the prefill staging area (one layer).
+            let rest = free.saturating_sub(g.experts * g.stride);
+            if let Ok(fewer) = Self::slots_for(&g, self.opts.budget, rest, total) {
+                slots = fewer;
+            }
+        }
         for &l in &g.layers {
             // SAFETY: a slot is read only after its copy (the `filled` event orders it).
             let slab = unsafe { compute.alloc::<u8>(slots * g.stride) }
@@ -248,7 +287,131 @@ impl GpuExperts {
         self.stats.slots_per_layer = slots;
         self.stats.slab_bytes = (slots * g.stride * g.layers.len()) as u64;
         self.sized = true;
+        self.size_staging(compute, slots)
+    }
+
+    /// The staging area, where the slots hold less than a layer and one layer's experts fit in
+    /// what is left with [`auto_margin`] to spare; otherwise prefill copies into the slots.
+    fn size_staging(&mut self, compute: &Arc<CudaStream>, slots: usize) -> Result<(), CacheError> {
+        let g = &self.opts.geometry;
+        if g.layers.is_empty()
+            || slots >= g.experts
+            || std::env::var_os("MFERENCE_CUDA_STAGING").is_some_and(|v| v == "0")
+        {
+            return Ok(());
+        }
+        let ctx = compute.context();
+        let (free, total) = ctx.mem_get_info().map_err(driver("cuMemGetInfo"))?;
+        let need = g.experts * g.stride;
+        if free < need + auto_margin(total) {
+            return Ok(());
+        }
+        // SAFETY: an index is read only after its copy (its `filled` event orders it).
+        let buf = unsafe { compute.alloc::<u8>(need) }
+            .map_err(driver("allocating the prefill staging area"))?;
+        let flags = Some(CUevent_flags::CU_EVENT_DISABLE_TIMING);
+        let filled = (0..g.experts)
+            .map(|_| ctx.new_event(flags))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(driver("cuEventCreate"))?;
+        let read = ctx.new_event(flags).map_err(driver("cuEventCreate"))?;
+        read.record(compute).map_err(driver("cuEventRecord"))?;
+        compute
+            .synchronize()
+            .map_err(driver("cuStreamSynchronize"))?;
+        self.staging = Some(Staging {
+            buf,
+            filled,
+            read,
+            layer: None,
+            at: HashMap::new(),
+            waited: false,
+        });
+        self.stats.staging_bytes = need as u64;
         Ok(())
+    }
+
+    /// Starts staging `layer`'s misses (a prefill chunk's MoE step); false without a staging
+    /// area.
+    pub(crate) fn begin_staging(
+        &mut self,
+        compute: &Arc<CudaStream>,
+        layer: usize,
+    ) -> Result<bool, CacheError> {
+        self.ensure_sized(compute)?;
+        if !self.layers.contains_key(&layer) {
+            return Ok(false);
+        }
+        let Some(st) = self.staging.as_mut() else {
+            return Ok(false);
+        };
+        st.layer = Some(layer);
+        st.at.clear();
+        st.waited = false;
+        Ok(true)
+    }
+
+    /// Ends `layer`'s staging once the kernels reading it are queued: the staged experts used
+    /// most so far go into the layer's slots (device to device, on the compute stream), each
+    /// into a free slot or in place of a less used expert, most used first, as the tile path's
+    /// copies would have left the slots.
+    pub(crate) fn end_staging(
+        &mut self,
+        compute: &Arc<CudaStream>,
+        layer: usize,
+    ) -> Result<(), CacheError> {
+        let stride = self.opts.geometry.stride;
+        let (Some(st), Some(l)) = (self.staging.as_mut(), self.layers.get_mut(&layer)) else {
+            return Ok(());
+        };
+        if st.layer != Some(layer) {
+            return Ok(());
+        }
+        st.layer = None;
+        let mut staged: Vec<(usize, usize)> = st.at.drain().collect();
+        staged.sort_by_key(|&(e, _)| {
+            let (uses, last) = l.table.uses(e);
+            (std::cmp::Reverse((uses, last)), e)
+        });
+        let (sbase, _sync) = st.buf.device_ptr(compute);
+        let (base, _sync) = l.slab.device_ptr(compute);
+        for (e, i) in staged {
+            if l.table.slot_of(e).is_some() {
+                continue;
+            }
+            let Some(s) = l.table.victim(|_| true) else {
+                break;
+            };
+            if let Some(old) = l.table.expert_in(s) {
+                if l.table.uses(old) >= l.table.uses(e) {
+                    break;
+                }
+            }
+            l.table.assign(s, e);
+            compute
+                .wait(&st.filled[i])
+                .map_err(driver("cuStreamWaitEvent"))?;
+            compute
+                .wait(&l.filled[s])
+                .map_err(driver("cuStreamWaitEvent"))?;
+            // SAFETY: both ranges lie in their buffers (`stride` bytes at index i / slot s); the
+            // copy is ordered on the compute stream after the kernels reading either.
+            unsafe {
+                cudarc::driver::result::memcpy_dtod_async(
+                    base + (s * stride) as u64,
+                    sbase + (i * stride) as u64,
+                    stride,
+                    compute.cu_stream(),
+                )
+            }
+            .map_err(driver("cuMemcpyDtoDAsync (staged expert into a slot)"))?;
+            // Later copies into the slot wait for this one; later readers follow it in order.
+            l.filled[s]
+                .record(compute)
+                .map_err(driver("cuEventRecord"))?;
+            l.read[s].record(compute).map_err(driver("cuEventRecord"))?;
+        }
+        st.read.record(compute).map_err(driver("cuEventRecord"))
     }
 
     /// [`DeviceExpertOps::held_experts`](mference_backend::DeviceExpertOps::held_experts): counts a use of each
@@ -310,6 +473,34 @@ impl GpuExperts {
                 "expert {e} of layer {layer}: the layer holds every expert, nothing is copied in"
             )));
         }
+        if let Some(st) = self.staging.as_mut().filter(|st| st.layer == Some(layer)) {
+            let n = st.at.len();
+            let i = *st.at.entry(e).or_insert(n);
+            if !st.waited {
+                // The area's last layer's kernels are done with it before it is refilled.
+                copy.wait(&st.read).map_err(driver("cuStreamWaitEvent"))?;
+                st.waited = true;
+            }
+            let (base, _sync) = st.buf.device_ptr(&copy);
+            // SAFETY: index i < experts lies in the area (`stride` bytes each, `blob.len()`
+            // checked equal); the source stays unchanged until `copies_done` has waited for this
+            // copy, and no kernel reads the index before `filled[i]`.
+            unsafe {
+                cudarc::driver::result::memcpy_htod_async(
+                    base + (i * stride) as u64,
+                    blob,
+                    copy.cu_stream(),
+                )
+            }
+            .map_err(driver("cuMemcpyHtoDAsync (prefill staging)"))?;
+            st.filled[i]
+                .record(&copy)
+                .map_err(driver("cuEventRecord"))?;
+            self.in_flight.push(Copy::Staged(i));
+            self.stats.misses += 1;
+            self.stats.h2d_bytes += stride as u64;
+            return Ok(());
+        }
         let s = match l.table.slot_of(e) {
             Some(s) => s, // forced miss: copy it again into its own slot
             None => {
@@ -337,7 +528,7 @@ impl GpuExperts {
         }
         .map_err(driver("cuMemcpyHtoDAsync (expert slot)"))?;
         l.filled[s].record(&copy).map_err(driver("cuEventRecord"))?;
-        self.in_flight.push((layer, s));
+        self.in_flight.push(Copy::Slot(layer, s));
         self.stats.misses += 1;
         self.stats.h2d_bytes += stride as u64;
         Ok(())
@@ -355,6 +546,15 @@ impl GpuExperts {
             .layers
             .get(&layer)
             .ok_or_else(|| CacheError::Refused(format!("layer {layer} has no GPU expert slots")))?;
+        if let Some(st) = self.staging.as_ref().filter(|st| st.layer == Some(layer)) {
+            if let Some(&i) = st.at.get(&e) {
+                compute
+                    .wait(&st.filled[i])
+                    .map_err(driver("cuStreamWaitEvent"))?;
+                let (base, _sync) = st.buf.device_ptr(compute);
+                return Ok((base + (i * self.opts.geometry.stride) as u64, STAGED));
+            }
+        }
         let s = l.table.slot_of(e).ok_or_else(|| {
             CacheError::Refused(format!("expert {e} of layer {layer} is not in a GPU slot"))
         })?;
@@ -463,6 +663,12 @@ impl GpuExperts {
         layer: usize,
         s: usize,
     ) -> Result<(), CacheError> {
+        if s == STAGED {
+            return match self.staging.as_ref() {
+                Some(st) => st.read.record(compute).map_err(driver("cuEventRecord")),
+                None => Ok(()),
+            };
+        }
         let l = self
             .layers
             .get_mut(&layer)
@@ -477,10 +683,15 @@ impl GpuExperts {
             return Ok(());
         }
         let t0 = Instant::now();
-        for (layer, s) in std::mem::take(&mut self.in_flight) {
-            self.layers[&layer].filled[s]
-                .synchronize()
-                .map_err(driver("cuEventSynchronize"))?;
+        for c in std::mem::take(&mut self.in_flight) {
+            let ev = match c {
+                Copy::Slot(layer, s) => &self.layers[&layer].filled[s],
+                Copy::Staged(i) => match self.staging.as_ref() {
+                    Some(st) => &st.filled[i],
+                    None => continue,
+                },
+            };
+            ev.synchronize().map_err(driver("cuEventSynchronize"))?;
         }
         self.stats.copy_wait += t0.elapsed();
         Ok(())

@@ -49,10 +49,15 @@ pub trait Model: Send {
                     (Some(p), None) => format!(", {p}% of each token's GPU misses on the CPU"),
                     _ => String::new(),
                 };
+                let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+                let staging = match g.staging_bytes {
+                    0 => String::new(),
+                    b => format!(" + {:.2} GiB prefill staging", gib(b)),
+                };
                 format!(
-                    "{d}, GPU experts: {} slots per layer, {:.2} GiB{split}",
+                    "{d}, GPU experts: {} slots per layer, {:.2} GiB{staging}{split}",
                     g.slots_per_layer,
-                    g.slab_bytes as f64 / (1u64 << 30) as f64
+                    gib(g.slab_bytes)
                 )
             }
             None => {

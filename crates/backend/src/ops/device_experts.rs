@@ -113,6 +113,20 @@ pub trait DeviceExpertOps: CoreOps {
         }
         self.glu_mlp_combine(mlp, act, srcs, weights, x, acc)
     }
+    /// Starts a prefill chunk's MoE step of `layer`: a backend with a staging area for a whole
+    /// layer copies the step's misses ([`load_expert`](DeviceExpertOps::load_expert)) there
+    /// instead of into its slots until
+    /// [`end_prefill_staging`](DeviceExpertOps::end_prefill_staging). Same bytes, same results.
+    /// Returns whether it does. Default: no.
+    fn begin_prefill_staging(&self, layer: usize) -> OpResult<bool> {
+        Ok(false)
+    }
+    /// Ends what [`begin_prefill_staging`](DeviceExpertOps::begin_prefill_staging) started, once
+    /// the step's kernels are queued: the staged experts used most go into the slots the tile
+    /// path would have put them in. Default: nothing.
+    fn end_prefill_staging(&self, layer: usize) -> OpResult<()> {
+        Ok(())
+    }
     /// Measures, for [`host_misses`](DeviceExpertOps::host_misses) in its automatic setting, what
     /// one expert costs copied in and computed on the host CPU: `blob` is one expert of the
     /// model in a host slot (already shown with
