@@ -82,11 +82,11 @@ pub struct ModelArgs {
     #[arg(long, hide = true)]
     pub gpu_force_miss: bool,
     /// CUDA under a GPU expert budget: the share of each token's GPU misses computed on the
-    /// CPU from the host tier while the rest are copied in: off, auto (the balance of one
-    /// expert's copy and CPU time, measured at load and printed on the load line), or a
-    /// percentage (0 to 100) to reproduce a run. Not bit-identical to off (the CPU rounds
+    /// CPU (--threads) from the host tier while the rest are copied in: auto (the balance of one
+    /// expert's copy and CPU time, measured at load and printed on the load line), a percentage
+    /// (0 to 100) to reproduce a run, or off. Not bit-identical to off (the CPU rounds
     /// differently); the same setting gives the same tokens run to run.
-    #[arg(long, default_value = "off", value_parser = typed(gpu_miss_split))]
+    #[arg(long, default_value = "auto", value_parser = typed(gpu_miss_split))]
     #[serde(serialize_with = "split_text")]
     pub gpu_miss_split: MissSplit,
     /// Maple only: FlashHead in single-token decode (score the centroids, exact logits for the

@@ -28,7 +28,7 @@ fn device_flags_for(m: &ModelArgs, man: Option<&Manifest>) -> Result<()> {
     if m.device == Device::Cpu
         && (m.gpu_expert_budget != GpuExpertBudget::Auto
             || m.gpu_force_miss
-            || m.gpu_miss_split != MissSplit::Off)
+            || m.gpu_miss_split != MissSplit::Auto)
     {
         bail!(
             "--gpu-expert-budget, --gpu-miss-split and --gpu-force-miss apply on CUDA: add \

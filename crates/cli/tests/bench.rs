@@ -197,7 +197,7 @@ fn bench_rejects_bad_flags_before_loading() {
         (vec!["--gpu-miss-split", "101"], "--gpu-miss-split"),
         (vec!["--gpu-miss-split", "half"], "expected off, auto"),
         (
-            vec!["--device", "cpu", "--gpu-miss-split", "auto"],
+            vec!["--device", "cpu", "--gpu-miss-split", "50"],
             "apply on CUDA",
         ),
     ] {

@@ -81,9 +81,14 @@ fn floor_budget(install: &Path) -> String {
     (3 * top_k * stride * layers).to_string()
 }
 
-/// The expert-cache settings every comparison covers: GPU budgets, and host tiers below them.
+/// The expert-cache settings every comparison covers: GPU budgets, and host tiers below them,
+/// every miss copied in (`--gpu-miss-split off`: the CPU's share rounds differently).
 fn settings(install: &Path) -> Vec<(String, Vec<String>)> {
-    let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+    let s = |v: &[&str]| {
+        let mut v: Vec<String> = v.iter().map(|x| x.to_string()).collect();
+        v.extend(["--gpu-miss-split".into(), "off".into()]);
+        v
+    };
     let floor = floor_budget(install);
     vec![
         ("resident".into(), s(&["--gpu-expert-budget", "resident"])),
@@ -322,7 +327,9 @@ fn cuda_logits_do_not_depend_on_prefill_staging() {
     }
     each_model_and_mode(|model, inst, mode, idf, work| {
         let floor = floor_budget(inst);
-        let extra = ["--gpu-expert-budget", &floor].map(String::from).to_vec();
+        let extra = ["--gpu-expert-budget", &floor, "--gpu-miss-split", "off"]
+            .map(String::from)
+            .to_vec();
         let on = work.join(format!("{model}-staged.npy"));
         let off = work.join(format!("{model}-slots.npy"));
         assert!(

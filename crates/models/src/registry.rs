@@ -34,7 +34,7 @@ pub fn load_install(install: Install, opts: &LoadOptions) -> Result<Box<dyn Mode
     let auto_cpu = check_device(opts.device, Some(family))?;
     let gpu_only = opts.gpu_expert_budget != GpuExpertBudget::Auto
         || opts.gpu_force_miss
-        || opts.gpu_miss_split != MissSplit::Off;
+        || opts.gpu_miss_split != MissSplit::Auto;
     if let Some(why) = auto_cpu.as_ref().filter(|_| gpu_only) {
         // The GPU-only settings would be dropped without a word: refuse them instead.
         return Err(ModelError::Device(format!(

@@ -106,6 +106,9 @@ pub fn opts(chunk: usize, max_context: usize) -> LoadOptions {
         threads: 2,
         kernels: Some(mference_kernels::Kernels::detect().name().to_string()),
         device: test_device(),
+        // Comparisons across expert settings are bit for bit: every GPU miss copied in (the
+        // CPU's share of them rounds differently).
+        gpu_miss_split: mference_cuda::MissSplit::Off,
         ..Default::default()
     }
 }
