@@ -103,8 +103,9 @@ impl HostExperts {
     }
 
     /// `auto`: times one expert copied from `blob` (page-locked host memory) into device memory
-    /// and computed by the CPU backend, the median of 5 after one warm-up each, and sets the share
-    /// to the copy's part of their sum. Other settings: nothing.
+    /// and computed by the CPU backend (a quarter of four computed together, as a decode row
+    /// sends several), the median of 5 after one warm-up each, and sets the share to the copy's
+    /// part of their sum. Other settings: nothing.
     pub(crate) fn calibrate(&self, be: &CudaBackend, mlp: &Mlp, blob: &[u8]) -> OpResult<()> {
         if self.split != MissSplit::Auto || self.state().calibration.is_some() {
             return Ok(());
@@ -127,16 +128,21 @@ impl HostExperts {
                 copy.push(t0.elapsed());
             }
         }
+        // A few experts at once, as a decode row sends them (one pass of the CPU's threads).
+        const N: usize = 4;
         let x = self
             .cpu
             .upload(&vec![0.0; mlp.gate_proj.cols], mlp.gate_proj.cols)?;
+        let mut out = self.cpu.zeros(N, mlp.down_proj.rows)?;
+        let rows: Vec<usize> = (0..N).collect();
         let mut host = Vec::new();
         for i in 0..6 {
             let t0 = Instant::now();
+            let srcs = [Weights::Blob(blob); N];
             self.cpu
-                .glu_mlp_experts(mlp, Act::Silu, &[Weights::Blob(blob)], &[&x])?;
+                .glu_mlp_rows(mlp, Act::Silu, &srcs, &x, &mut out, &rows)?;
             if i > 0 {
-                host.push(t0.elapsed());
+                host.push(t0.elapsed() / N as u32);
             }
         }
         let (c, h) = (median(copy), median(host));
@@ -159,10 +165,12 @@ impl HostExperts {
     ) -> OpResult<CudaTensor> {
         let t0 = Instant::now();
         let xc = self.cpu.upload(x, x.len())?;
-        let xs = vec![&xc; blobs.len()];
-        let ys = self.cpu.glu_mlp_experts(mlp, act, blobs, &xs)?;
-        let rows = self.cpu.read_many(&ys.iter().collect::<Vec<_>>())?;
-        let out = be.upload(&rows.concat(), mlp.down_proj.rows)?;
+        // Every expert in one pass of the CPU's threads (its decode path, `glu_mlp_rows`).
+        let mut ys = self.cpu.zeros(blobs.len(), mlp.down_proj.rows)?;
+        let rows: Vec<usize> = (0..blobs.len()).collect();
+        self.cpu
+            .glu_mlp_rows(mlp, act, blobs, &xc, &mut ys, &rows)?;
+        let out = be.upload(&self.cpu.read(&ys)?, mlp.down_proj.rows)?;
         let mut s = self.state();
         s.computed += blobs.len() as u64;
         s.time += t0.elapsed();
