@@ -46,8 +46,19 @@ where
         be.routed_experts_held(layer, experts, act, x, logits, spec, &mut acc)?;
         return Ok((carry, acc, Vec::new()));
     }
-    let routes = be.route(logits, spec)?;
-    let (carry, acc) = routed_experts(be, streamer, experts, act, x, &routes, meanwhile)?;
+    // A backend that computes some of a decode row's misses on the host reads the row back
+    // with the routing.
+    let (routes, x_host) = if x.rows() == 1 && be.splits_misses() {
+        let (routes, row) = be.route_and_read(logits, spec, x)?;
+        (routes, Some(row))
+    } else {
+        (be.route(logits, spec)?, None)
+    };
+    let (carry, acc) = if x.rows() == 1 {
+        one_row(be, streamer, experts, act, x, x_host, &routes, meanwhile)?
+    } else {
+        routed_experts(be, streamer, experts, act, x, &routes, meanwhile)?
+    };
     Ok((carry, acc, routes.margins))
 }
 
@@ -127,7 +138,7 @@ where
     E: From<OpError> + From<RuntimeError>,
 {
     if x.rows() == 1 {
-        return one_row(be, streamer, experts, act, x, routes, meanwhile);
+        return one_row(be, streamer, experts, act, x, None, routes, meanwhile);
     }
     let layer = streamer.layer();
     be.attach_host_slots(layer, streamer.slot_memory())?;
@@ -269,12 +280,14 @@ fn host_tile(slots: usize) -> usize {
 /// [`routed_experts`] for one row: every expert of the token in one tile, computed into row `j`
 /// of a stack (`j` = the expert's place in expert order), then added to the accumulator in that
 /// order, so the sum is the same whichever group an expert was computed in.
+#[allow(clippy::too_many_arguments)]
 fn one_row<B, S, E>(
     be: &B,
     streamer: &mut ExpertStreamer,
     experts: &Mlp,
     act: Act,
     x: &B::Tensor,
+    x_host: Option<Vec<f32>>,
     routes: &Routes,
     meanwhile: impl FnOnce() -> Result<(S, B::Tensor), E>,
 ) -> Result<(S, B::Tensor), E>
@@ -314,7 +327,11 @@ where
         be.host_misses(layer, &ids)?
     };
     let n_host = host_miss.iter().filter(|&&h| h).count();
-    let x_host = if n_host > 0 { be.read(x)? } else { Vec::new() };
+    let x_host = match x_host {
+        Some(row) => row,
+        None if n_host > 0 => be.read(x)?,
+        None => Vec::new(),
+    };
     let (carry, mut acc) = meanwhile()?;
     let weights: Vec<f32> = routed
         .iter()

@@ -62,6 +62,19 @@ impl DeviceExpertOps for CudaBackend {
         })
     }
 
+    fn splits_misses(&self) -> bool {
+        self.host.as_ref().is_some_and(|h| h.host_misses(100) > 0)
+    }
+
+    fn route_and_read(
+        &self,
+        logits: &CudaTensor,
+        spec: &RouterSpec,
+        x: &CudaTensor,
+    ) -> OpResult<(Routes, Vec<f32>)> {
+        self.route_reading("route_and_read", logits, spec, Some(x))
+    }
+
     fn host_misses(&self, layer: usize, misses: &[usize]) -> OpResult<Vec<bool>> {
         let n = self
             .host

@@ -2,7 +2,7 @@
 //! ([`crate::moe::routed_experts`]) calls; every default says "no cache of its own".
 
 use super::CoreOps;
-use crate::{Act, DeviceExpertStats, Mlp, OpResult, RouterSpec, Weights};
+use crate::{Act, DeviceExpertStats, Mlp, OpResult, RouterSpec, Routes, Weights};
 
 /// The backend's own expert cache (a GPU slot slab; `moe::routed_experts`). The defaults are a
 /// backend without one: nothing held, every expert computed from its host slot.
@@ -88,6 +88,22 @@ pub trait DeviceExpertOps: CoreOps {
     /// copied).
     fn host_misses(&self, layer: usize, misses: &[usize]) -> OpResult<Vec<bool>> {
         Ok(vec![false; misses.len()])
+    }
+    /// Whether [`host_misses`](DeviceExpertOps::host_misses) may name any miss (a split is on):
+    /// a decode step then reads its row back with the routing
+    /// ([`route_and_read`](DeviceExpertOps::route_and_read)). Default: no.
+    fn splits_misses(&self) -> bool {
+        false
+    }
+    /// [`CoreOps::route`] of `logits` and the values of `x`, in one readback where the backend
+    /// can (the decode step of a split needs both). Default: one after the other.
+    fn route_and_read(
+        &self,
+        logits: &Self::Tensor,
+        spec: &RouterSpec,
+        x: &Self::Tensor,
+    ) -> OpResult<(Routes, Vec<f32>)> {
+        Ok((self.route(logits, spec)?, self.read(x)?))
     }
     /// [`CoreOps::glu_mlp_combine`] with the experts `on_host[j]` computed on the host CPU from
     /// `srcs[j]` (a [`Weights::Blob`] in a host slot) on `x_host` (the one row of `x`, read

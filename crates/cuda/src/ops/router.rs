@@ -4,13 +4,25 @@ use crate::*;
 
 impl CudaBackend {
     pub(crate) fn route(&self, logits: &CudaTensor, spec: &RouterSpec) -> OpResult<Routes> {
-        let op = "route";
+        Ok(self.route_reading("route", logits, spec, None)?.0)
+    }
+
+    /// [`CudaBackend::route`], and with `row` its values too, in the same readback (after the
+    /// routing's words): a decode step that computes some experts on the host needs both.
+    pub(crate) fn route_reading(
+        &self,
+        op: &'static str,
+        logits: &CudaTensor,
+        spec: &RouterSpec,
+        row: Option<&CudaTensor>,
+    ) -> OpResult<(Routes, Vec<f32>)> {
         let (t, n_exp, k) = (logits.rows, logits.cols, spec.top_k);
         self.route_args(op, spec, t, n_exp)?;
-        // One readback: ids, then weight bits, then margin bits.
+        // One readback: ids, then weight bits, then margin bits, then the row's bits.
+        let extra = row.map_or(0, |r| r.len());
         let out = self
             .stream
-            .alloc_zeros::<u32>(2 * t * k + t.max(1))
+            .alloc_zeros::<u32>(2 * t * k + t.max(1) + extra)
             .map_err(|e| self.dev(op, e))?;
         let base = self.addr(&out);
         let (ids_at, wts_at, margins_at) =
@@ -22,8 +34,23 @@ impl CudaBackend {
         } else {
             self.route_rows(op, logits, spec, base, ids_at, wts_at, margins_at)?;
         }
+        if let Some(r) = row {
+            let at = base + (4 * (2 * t * k + t.max(1))) as u64;
+            // SAFETY: `extra` words at `at` lie in `out`; the copy reads `r` whole and is
+            // ordered on the stream after the kernels that wrote it.
+            unsafe {
+                cudarc::driver::result::memcpy_dtod_async(
+                    at,
+                    self.addr(&*r.buf),
+                    4 * extra,
+                    self.stream.cu_stream(),
+                )
+            }
+            .map_err(|e| self.dev(op, e))?;
+        }
         let back = self.to_host(op, &out)?;
-        let (ids, rest) = back.split_at(t * k);
+        let (routing, row_bits) = back.split_at(2 * t * k + t.max(1));
+        let (ids, rest) = routing.split_at(t * k);
         let (wts, margins) = rest.split_at(t * k);
         let wts: Vec<f32> = wts.iter().map(|&b| f32::from_bits(b)).collect();
         let mut experts: BTreeMap<usize, Vec<(usize, f32)>> = BTreeMap::new();
@@ -37,7 +64,8 @@ impl CudaBackend {
         } else {
             Vec::new()
         };
-        Ok(Routes { experts, margins })
+        let row = row_bits.iter().map(|&b| f32::from_bits(b)).collect();
+        Ok((Routes { experts, margins }, row))
     }
 
     /// The routing of `logits`' rows: ids, weight bits and margin bits at the device addresses
