@@ -104,13 +104,17 @@ impl HostExperts {
 
     /// `auto`: times one expert copied from `blob` (page-locked host memory) into device memory
     /// and computed by the CPU backend (a quarter of four computed together, as a decode row
-    /// sends several), the median of 5 after one warm-up each, and sets the share to the copy's
-    /// part of their sum. Other settings: nothing.
+    /// sends several), the median of 9 after 3 warm-up passes each, and sets the share to the
+    /// copy's part of their sum. Other settings: nothing.
     pub(crate) fn calibrate(&self, be: &CudaBackend, mlp: &Mlp, blob: &[u8]) -> OpResult<()> {
         if self.split != MissSplit::Auto || self.state().calibration.is_some() {
             return Ok(());
         }
         let op = "calibrate_host_misses";
+        // Passes run before the timed ones (the threads' first wake-up and page-ins), and the
+        // timed ones, of which the median counts (a few ms at load in all).
+        const WARM: usize = 3;
+        const TIMED: usize = 9;
         let median = |mut t: Vec<Duration>| {
             t.sort();
             t[t.len() / 2]
@@ -118,13 +122,13 @@ impl HostExperts {
         // SAFETY: the buffer is only written by the copies below and never read.
         let mut dst = unsafe { be.stream.alloc::<u8>(blob.len()) }.map_err(|e| be.dev(op, e))?;
         let mut copy = Vec::new();
-        for i in 0..6 {
+        for i in 0..WARM + TIMED {
             let t0 = Instant::now();
             be.stream
                 .memcpy_htod(blob, &mut dst)
                 .and_then(|_| be.stream.synchronize())
                 .map_err(|e| be.dev(op, e))?;
-            if i > 0 {
+            if i >= WARM {
                 copy.push(t0.elapsed());
             }
         }
@@ -136,12 +140,12 @@ impl HostExperts {
         let mut out = self.cpu.zeros(N, mlp.down_proj.rows)?;
         let rows: Vec<usize> = (0..N).collect();
         let mut host = Vec::new();
-        for i in 0..6 {
+        for i in 0..WARM + TIMED {
             let t0 = Instant::now();
             let srcs = [Weights::Blob(blob); N];
             self.cpu
                 .glu_mlp_rows(mlp, Act::Silu, &srcs, &x, &mut out, &rows)?;
-            if i > 0 {
+            if i >= WARM {
                 host.push(t0.elapsed() / N as u32);
             }
         }
