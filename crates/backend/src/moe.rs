@@ -142,9 +142,42 @@ where
     }
     let layer = streamer.layer();
     be.attach_host_slots(layer, streamer.slot_memory())?;
+    // A backend with a staging area copies this step's misses there rather than into its slots;
+    // the staging ends with the step, failed or not (a failed step keeps none of it).
+    if !be.begin_prefill_staging(layer)? {
+        return tiles(be, streamer, experts, act, x, routes, meanwhile);
+    }
+    let out = tiles(be, streamer, experts, act, x, routes, meanwhile);
+    let uses: Vec<(usize, u64)> = match &out {
+        Ok(_) => routes
+            .experts
+            .iter()
+            .map(|(&e, rows)| (e, rows.len() as u64))
+            .collect(),
+        Err(_) => Vec::new(),
+    };
+    let end = be.end_prefill_staging(layer, &uses);
+    let out = out?;
+    end?;
+    Ok(out)
+}
+
+/// [`routed_experts`] of several rows: the held experts, then the host streamer's tiles.
+fn tiles<B, S, E>(
+    be: &B,
+    streamer: &mut ExpertStreamer,
+    experts: &Mlp,
+    act: Act,
+    x: &B::Tensor,
+    routes: &Routes,
+    meanwhile: impl FnOnce() -> Result<(S, B::Tensor), E>,
+) -> Result<(S, B::Tensor), E>
+where
+    B: Backend,
+    E: From<OpError> + From<RuntimeError>,
+{
+    let layer = streamer.layer();
     let routed: Vec<usize> = routes.experts.keys().copied().collect();
-    // A backend with a staging area copies this step's misses there rather than into its slots.
-    let staging = be.begin_prefill_staging(layer)?;
     // Experts the backend holds in its own memory (GPU slots) never reach the host streamer.
     let held = be.held_experts(layer, &routed)?;
     let needed: Vec<usize> = routed
@@ -210,9 +243,6 @@ where
         // The host slots may be refilled once the copies out of them are done.
         be.expert_copies_done()?;
         streamer.release(tl);
-    }
-    if staging {
-        be.end_prefill_staging(layer)?;
     }
     let mut ys = Vec::with_capacity(routes.experts.len());
     let mut rows = Vec::with_capacity(routes.experts.len());

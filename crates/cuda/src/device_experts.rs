@@ -84,7 +84,11 @@ impl DeviceExpertOps for CudaBackend {
             return Ok(vec![false; misses.len()]);
         }
         match self.cache() {
-            Some(c) => Ok(c.least_used(layer, misses, n)),
+            Some(mut c) => {
+                let pick = c.least_used(layer, misses, n);
+                c.count_host_misses(pick.iter().filter(|&&h| h).count());
+                Ok(pick)
+            }
             None => Err(self.missing("host_misses (no GPU expert cache)")),
         }
     }
@@ -133,13 +137,17 @@ impl DeviceExpertOps for CudaBackend {
         }
     }
 
-    fn end_prefill_staging(&self, layer: usize) -> OpResult<()> {
+    fn end_prefill_staging(&self, layer: usize, uses: &[(usize, u64)]) -> OpResult<()> {
         match self.cache() {
             Some(mut c) => c
-                .end_staging(&self.stream, layer)
+                .end_staging(&self.stream, layer, uses)
                 .map_err(|e| self.cache_err("end_prefill_staging", e)),
             None => Ok(()),
         }
+    }
+
+    fn wants_host_calibration(&self) -> bool {
+        self.host.as_ref().is_some_and(|h| h.wants_calibration())
     }
 
     fn calibrate_host_misses(&self, mlp: &Mlp, blob: &[u8]) -> OpResult<()> {

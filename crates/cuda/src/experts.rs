@@ -136,6 +136,11 @@ enum Copy {
     Staged(usize),
 }
 
+/// Whether prefill staging is on: unless `MFERENCE_CUDA_STAGING=0` (for A/B measurements).
+fn staging_wanted() -> bool {
+    std::env::var_os("MFERENCE_CUDA_STAGING").is_none_or(|v| v != "0")
+}
+
 /// The cache state behind [`GpuExperts`]'s lock.
 pub(crate) struct GpuExperts {
     opts: ExpertCacheOptions,
@@ -251,7 +256,7 @@ impl GpuExperts {
         let g = self.opts.geometry.clone();
         let mut slots =
             Self::slots_for(&g, self.opts.budget, free, total).map_err(CacheError::Refused)?;
-        if self.opts.budget == GpuExpertBudget::Auto && slots < g.experts {
+        if self.opts.budget == GpuExpertBudget::Auto && slots < g.experts && staging_wanted() {
             // The automatic budget leaves room for the prefill staging area (one layer).
             let rest = free.saturating_sub(g.experts * g.stride);
             if let Ok(fewer) = Self::slots_for(&g, self.opts.budget, rest, total) {
@@ -294,10 +299,7 @@ impl GpuExperts {
     /// what is left with [`auto_margin`] to spare; otherwise prefill copies into the slots.
     fn size_staging(&mut self, compute: &Arc<CudaStream>, slots: usize) -> Result<(), CacheError> {
         let g = &self.opts.geometry;
-        if g.layers.is_empty()
-            || slots >= g.experts
-            || std::env::var_os("MFERENCE_CUDA_STAGING").is_some_and(|v| v == "0")
-        {
+        if g.layers.is_empty() || slots >= g.experts || !staging_wanted() {
             return Ok(());
         }
         let ctx = compute.context();
@@ -351,14 +353,17 @@ impl GpuExperts {
         Ok(true)
     }
 
-    /// Ends `layer`'s staging once the kernels reading it are queued: the staged experts used
-    /// most so far go into the layer's slots (device to device, on the compute stream), each
-    /// into a free slot or in place of a less used expert, most used first, as the tile path's
-    /// copies would have left the slots.
+    /// Ends `layer`'s staging once the kernels reading it are queued. `uses`: the step's routed
+    /// experts and their row counts (empty: keep nothing). The slots are left holding the step's
+    /// most used experts (the most rows, then the lower id), as many as there are slots, as the
+    /// tile path's copies (most used last) left them: each staged one among those goes device to
+    /// device (on the compute stream) into a free slot or the LFU victim among the slots not
+    /// holding one of them.
     pub(crate) fn end_staging(
         &mut self,
         compute: &Arc<CudaStream>,
         layer: usize,
+        uses: &[(usize, u64)],
     ) -> Result<(), CacheError> {
         let stride = self.opts.geometry.stride;
         let (Some(st), Some(l)) = (self.staging.as_mut(), self.layers.get_mut(&layer)) else {
@@ -368,25 +373,26 @@ impl GpuExperts {
             return Ok(());
         }
         st.layer = None;
-        let mut staged: Vec<(usize, usize)> = st.at.drain().collect();
-        staged.sort_by_key(|&(e, _)| {
-            let (uses, last) = l.table.uses(e);
-            (std::cmp::Reverse((uses, last)), e)
-        });
+        let staged: HashMap<usize, usize> = st.at.drain().collect();
+        let mut ranked: Vec<(usize, u64)> = uses.to_vec();
+        ranked.sort_by_key(|&(e, n)| (std::cmp::Reverse(n), e));
+        ranked.truncate(l.table.slots());
+        let mut keep = vec![false; l.table.slots()];
+        for &(e, _) in &ranked {
+            if let Some(s) = l.table.slot_of(e) {
+                keep[s] = true;
+            }
+        }
         let (sbase, _sync) = st.buf.device_ptr(compute);
         let (base, _sync) = l.slab.device_ptr(compute);
-        for (e, i) in staged {
-            if l.table.slot_of(e).is_some() {
+        for (e, _) in ranked {
+            let Some(&i) = staged.get(&e).filter(|_| l.table.slot_of(e).is_none()) else {
                 continue;
-            }
-            let Some(s) = l.table.victim(|_| true) else {
+            };
+            let Some(s) = l.table.victim(|s| !keep[s]) else {
                 break;
             };
-            if let Some(old) = l.table.expert_in(s) {
-                if l.table.uses(old) >= l.table.uses(e) {
-                    break;
-                }
-            }
+            keep[s] = true;
             l.table.assign(s, e);
             compute
                 .wait(&st.filled[i])
@@ -647,6 +653,12 @@ impl GpuExperts {
             out[i] = true;
         }
         out
+    }
+
+    /// Counts `n` misses computed on the host instead of copied in: misses all the same (the
+    /// hit rate is of every use).
+    pub(crate) fn count_host_misses(&mut self, n: usize) {
+        self.stats.misses += n as u64;
     }
 
     /// Counts a decode step of `layer` routed on the device: `uses` hits.

@@ -96,6 +96,11 @@ impl HostExperts {
             .map_or(0, |p| MissSplit::host_count(p, misses))
     }
 
+    /// Whether `auto` still waits for its calibration.
+    pub(crate) fn wants_calibration(&self) -> bool {
+        self.split == MissSplit::Auto && self.state().calibration.is_none()
+    }
+
     /// `(share, calibration, experts computed, host time)` for the stats.
     pub(crate) fn report(&self) -> (Option<u32>, Option<(Duration, Duration)>, u64, Duration) {
         let s = self.state();

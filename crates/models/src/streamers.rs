@@ -84,7 +84,7 @@ impl Streamers {
                 if s.slots() >= experts && !s.slot_memory().is_empty() {
                     mference_backend::moe::fill_host::<B, ModelError>(be, s, experts)?;
                 }
-                if !calibrated {
+                if !calibrated && be.wants_host_calibration() {
                     let stride = engine.install.layout.expert_stride as usize;
                     let ex = |part: &str, t| {
                         QRef::expert(&format!("layer {layer} experts' {part}"), t, stride)

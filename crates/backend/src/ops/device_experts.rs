@@ -138,10 +138,16 @@ pub trait DeviceExpertOps: CoreOps {
         Ok(false)
     }
     /// Ends what [`begin_prefill_staging`](DeviceExpertOps::begin_prefill_staging) started, once
-    /// the step's kernels are queued: the staged experts used most go into the slots the tile
-    /// path would have put them in. Default: nothing.
-    fn end_prefill_staging(&self, layer: usize) -> OpResult<()> {
+    /// the step's kernels are queued: `uses` are the step's routed experts with their row counts
+    /// (empty after a failed step), and the slots are left holding the most used of them, as the
+    /// tile path's copies would have. Default: nothing.
+    fn end_prefill_staging(&self, layer: usize, uses: &[(usize, u64)]) -> OpResult<()> {
         Ok(())
+    }
+    /// Whether [`calibrate_host_misses`](DeviceExpertOps::calibrate_host_misses) would measure
+    /// anything (the load reads an expert for it only then). Default: no.
+    fn wants_host_calibration(&self) -> bool {
+        false
     }
     /// Measures, for [`host_misses`](DeviceExpertOps::host_misses) in its automatic setting, what
     /// one expert costs copied in and computed on the host CPU: `blob` is one expert of the
