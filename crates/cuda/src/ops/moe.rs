@@ -100,7 +100,14 @@ impl CudaBackend {
         let host_out = match host {
             Some((flags, x_host)) => {
                 let blobs: Vec<Weights> = (0..k).filter(|&j| flags[j]).map(|j| srcs[j]).collect();
-                Some(self.host_experts(op, mlp, act, &blobs, x_host)?)
+                match self.host_experts(op, mlp, act, &blobs, x_host) {
+                    Ok(out) => Some(out),
+                    Err(e) => {
+                        // The held slots are given back (their reads recorded) before the error.
+                        self.after_reads(op, src)?;
+                        return Err(e);
+                    }
+                }
             }
             None => None,
         };
