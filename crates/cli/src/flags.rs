@@ -81,14 +81,14 @@ pub struct ModelArgs {
     /// CUDA tests: count every expert use as a GPU miss and copy it in again.
     #[arg(long, hide = true)]
     pub gpu_force_miss: bool,
-    /// CUDA under a GPU expert budget: the share of each token's GPU misses computed on the
-    /// CPU (--threads) from the host tier while the rest are copied in: auto (the balance of one
-    /// expert's copy and CPU time, measured at load and printed on the load line), a percentage
-    /// (0 to 100) to reproduce a run, or off. Not bit-identical to off (the CPU rounds
-    /// differently); the same setting gives the same tokens run to run.
-    #[arg(long, default_value = "auto", value_parser = typed(gpu_miss_split))]
+    /// CUDA under a GPU expert budget below every expert: the share of each token's GPU misses
+    /// computed on the CPU (--threads) from the host tier while the rest are copied in: auto
+    /// (the default: the balance of one expert's copy and CPU time, measured at load and printed
+    /// on the load line), a percentage (0 to 100) to reproduce a run, or off. Not bit-identical
+    /// to off (the CPU rounds differently); the same setting gives the same tokens run to run.
+    #[arg(long, value_parser = typed(gpu_miss_split))]
     #[serde(serialize_with = "split_text")]
-    pub gpu_miss_split: MissSplit,
+    pub gpu_miss_split: Option<MissSplit>,
     /// Maple only: FlashHead in single-token decode (score the centroids, exact logits for the
     /// probed clusters and the forced tokens, the rest -inf; approximate). Prefill keeps the exact
     /// head.
@@ -254,11 +254,12 @@ fn gpu_miss_split(s: &str) -> Result<MissSplit, String> {
 }
 
 /// `--gpu-miss-split` as [`MissSplit::parse`] reads it back.
-fn split_text<S: Serializer>(m: &MissSplit, s: S) -> Result<S::Ok, S::Error> {
+fn split_text<S: Serializer>(m: &Option<MissSplit>, s: S) -> Result<S::Ok, S::Error> {
     match m {
-        MissSplit::Off => s.serialize_str("off"),
-        MissSplit::Auto => s.serialize_str("auto"),
-        MissSplit::Percent(p) => s.serialize_u32(*p),
+        None => s.serialize_none(),
+        Some(MissSplit::Off) => s.serialize_str("off"),
+        Some(MissSplit::Auto) => s.serialize_str("auto"),
+        Some(MissSplit::Percent(p)) => s.serialize_u32(*p),
     }
 }
 

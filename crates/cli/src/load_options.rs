@@ -5,15 +5,15 @@
 use anyhow::{bail, Result};
 
 use mference_format::{Install, Manifest};
-use mference_models::{Device, GpuExpertBudget, LoadOptions, MissSplit};
+use mference_models::{Device, GpuExpertBudget, LoadOptions};
 use mference_runtime::CacheSlots;
 
 use crate::flags::{KvCache, ModelArgs, Slots};
 use crate::notes::note;
 
-/// `--device`, `--gpu-expert-budget` and `--gpu-force-miss` checked together (run, perplexity,
-/// logits, serve, bench): the GPU-only flags are refused on the CPU, not ignored, and a CUDA
-/// device that cannot start is named before anything is read.
+/// `--device`, `--gpu-expert-budget`, `--gpu-miss-split` and `--gpu-force-miss` checked
+/// together (run, perplexity, logits, serve, bench): the GPU-only flags are refused on the CPU,
+/// not ignored, and a CUDA device that cannot start is named before anything is read.
 pub fn device_flags(m: &ModelArgs) -> Result<()> {
     let man = read_manifest(&m.model);
     device_flags_for(
@@ -25,15 +25,25 @@ pub fn device_flags(m: &ModelArgs) -> Result<()> {
 /// [`device_flags`] with the install's manifest already read (`None`: not an install, which the
 /// load reports).
 fn device_flags_for(m: &ModelArgs, man: Option<&Manifest>) -> Result<()> {
-    if m.device == Device::Cpu
-        && (m.gpu_expert_budget != GpuExpertBudget::Auto
-            || m.gpu_force_miss
-            || m.gpu_miss_split != MissSplit::Auto)
-    {
-        bail!(
-            "--gpu-expert-budget, --gpu-miss-split and --gpu-force-miss apply on CUDA: add \
-             --device cuda"
-        );
+    if m.device == Device::Cpu {
+        // The GPU-only flags given (a budget other than its default), named as typed.
+        let given: Vec<&str> = [
+            (
+                m.gpu_expert_budget != GpuExpertBudget::Auto,
+                "--gpu-expert-budget",
+            ),
+            (m.gpu_miss_split.is_some(), "--gpu-miss-split"),
+            (m.gpu_force_miss, "--gpu-force-miss"),
+        ]
+        .into_iter()
+        .filter_map(|(on, name)| on.then_some(name))
+        .collect();
+        if !given.is_empty() {
+            bail!(
+                "{} applies only on CUDA: add --device cuda, or drop it",
+                given.join(" and ")
+            );
+        }
     }
     // `--device cuda` without CUDA, or without a kernel for an op the install's family needs,
     // fails here, before the model is sized or read (the family from its manifest, when there

@@ -192,13 +192,18 @@ fn bench_rejects_bad_flags_before_loading() {
         ),
         (
             vec!["--device", "cpu", "--gpu-expert-budget", "1G"],
-            "apply on CUDA",
+            "--gpu-expert-budget applies only on CUDA",
         ),
         (vec!["--gpu-miss-split", "101"], "--gpu-miss-split"),
         (vec!["--gpu-miss-split", "half"], "expected off, auto"),
         (
             vec!["--device", "cpu", "--gpu-miss-split", "50"],
-            "apply on CUDA",
+            "--gpu-miss-split applies only on CUDA",
+        ),
+        // Given as its default, still refused: nothing a user typed is dropped.
+        (
+            vec!["--device", "cpu", "--gpu-miss-split", "auto"],
+            "--gpu-miss-split applies only on CUDA",
         ),
     ] {
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_mference"))

@@ -63,8 +63,9 @@ pub struct LoadOptions {
     /// On CUDA: count every expert use as a miss and copy it in again (tests the copy path).
     pub gpu_force_miss: bool,
     /// On CUDA under a budget: the share of each decode row's GPU misses computed on the host
-    /// CPU instead of copied in (`--gpu-miss-split`, default `auto`; `mference_cuda::MissSplit`).
-    pub gpu_miss_split: mference_cuda::MissSplit,
+    /// CPU instead of copied in (`--gpu-miss-split`; `None`: not given, `auto` on CUDA, nothing to
+    /// refuse on the CPU; `mference_cuda::MissSplit`).
+    pub gpu_miss_split: Option<mference_cuda::MissSplit>,
     /// DeepSeek-V4's shadow prefetch in decode: layer L+1's router applied to layer L's FFN input
     /// starts reads of its two heaviest predicted experts (hash layers: from the token id) that
     /// layer L+1 joins only if it routes to them. Results are identical either way; other families
@@ -114,7 +115,7 @@ impl Default for LoadOptions {
             device: Device::Cpu,
             gpu_expert_budget: mference_cuda::GpuExpertBudget::Auto,
             gpu_force_miss: false,
-            gpu_miss_split: mference_cuda::MissSplit::Auto,
+            gpu_miss_split: None,
             shadow_prefetch: true,
             router_lookahead: 0,
             flash_head: false,

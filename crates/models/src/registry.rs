@@ -34,7 +34,7 @@ pub fn load_install(install: Install, opts: &LoadOptions) -> Result<Box<dyn Mode
     let auto_cpu = check_device(opts.device, Some(family))?;
     let gpu_only = opts.gpu_expert_budget != GpuExpertBudget::Auto
         || opts.gpu_force_miss
-        || opts.gpu_miss_split != MissSplit::Auto;
+        || opts.gpu_miss_split.is_some();
     if let Some(why) = auto_cpu.as_ref().filter(|_| gpu_only) {
         // The GPU-only settings would be dropped without a word: refuse them instead.
         return Err(ModelError::Device(format!(
@@ -79,7 +79,7 @@ pub fn load_install(install: Install, opts: &LoadOptions) -> Result<Box<dyn Mode
         );
         mference_cuda::CudaBackend::new(n, engine.map.clone())
             .and_then(|be| be.with_expert_cache(gpu_expert_cache(engine, opts)))
-            .map(|be| be.with_host_experts(host, opts.gpu_miss_split))
+            .map(|be| be.with_host_experts(host, opts.gpu_miss_split.unwrap_or(MissSplit::Auto)))
             .map_err(|e| ModelError::Device(format!("cuda:{n}: {e}")))
     };
     match opts.device {

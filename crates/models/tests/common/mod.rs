@@ -108,7 +108,7 @@ pub fn opts(chunk: usize, max_context: usize) -> LoadOptions {
         device: test_device(),
         // Comparisons across expert settings are bit for bit: every GPU miss copied in (the
         // CPU's share of them rounds differently).
-        gpu_miss_split: mference_cuda::MissSplit::Off,
+        gpu_miss_split: Some(mference_cuda::MissSplit::Off),
         ..Default::default()
     }
 }
