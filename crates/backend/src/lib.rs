@@ -113,6 +113,10 @@ pub struct DeviceExpertStats {
     pub host_calibration: Option<(std::time::Duration, std::time::Duration)>,
     /// Bytes of the prefill staging area (0: none; prefill copies go into the slots).
     pub staging_bytes: u64,
+    /// Router lookahead (`--router-lookahead`): experts copied in ahead of their layer's router
+    /// ([`DeviceExpertOps::prefetch_expert`]), and later uses served by such a copy.
+    pub prefetched: u64,
+    pub prefetch_hits: u64,
 }
 
 /// The scale of an RMSNorm `x · rsqrt(mean(x²) + eps) · s` (mlx `fast.rms_norm`).

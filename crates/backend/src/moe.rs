@@ -12,11 +12,38 @@ use mference_runtime::{ExpertStreamer, RuntimeError};
 
 use crate::{Act, Backend, Mlp, OpError, OpResult, RouterSpec, Routes, Tensor, Weights};
 
+/// Router lookahead for one decode step of [`route_and_run`] (`docs/ARCHITECTURE.md`, "Reads
+/// ahead of the router"): the next MoE layer's streamer, that layer's router applied to this
+/// layer's post-attention state (one row), and how many of its heaviest experts to bring in.
+pub struct Lookahead<'a> {
+    pub next: &'a mut ExpertStreamer,
+    pub predicted: &'a Routes,
+    pub n: usize,
+}
+
+impl<'a> Lookahead<'a> {
+    /// The lookahead when there is a next layer and a prediction for it, else none.
+    pub fn of(
+        next: Option<&'a mut ExpertStreamer>,
+        predicted: Option<&'a Routes>,
+        n: usize,
+    ) -> Option<Self> {
+        let (next, predicted) = next.zip(predicted)?;
+        Some(Self { next, predicted, n })
+    }
+}
+
 /// Routes the rows of `x` by `logits` (`[T, num_experts]`) and runs their experts: for one row
 /// of a layer whose experts the backend holds for good ([`DeviceExpertOps::routes_on_device`]) without a
 /// readback ([`DeviceExpertOps::routed_experts_held`], after `meanwhile`), otherwise through
 /// [`CoreOps::route`] and [`routed_experts`]. Both give the same bits. Returns what
 /// [`routed_experts`] returns and the router's margins (empty unless `spec.trace`).
+///
+/// `ahead` (decode): the next layer's predicted experts are read into its host slots once this
+/// step's reads are queued ([`prefetch_predicted`]), or, for a backend with its own expert
+/// cache, copied from its host slots into that cache once this step's own copies are queued
+/// ([`DeviceExpertOps::prefetch_expert`]). The cached bytes are the file's, so results do not
+/// change.
 ///
 /// Errors: as [`CoreOps::route`] and [`routed_experts`].
 #[allow(clippy::too_many_arguments)]
@@ -28,6 +55,7 @@ pub fn route_and_run<B, S, E>(
     x: &B::Tensor,
     logits: &B::Tensor,
     spec: &RouterSpec,
+    ahead: Option<Lookahead>,
     meanwhile: impl FnOnce() -> Result<(S, B::Tensor), E>,
 ) -> Result<(S, B::Tensor, Vec<f32>), E>
 where
@@ -42,6 +70,7 @@ where
         }
     }
     if x.rows() == 1 && !spec.trace && be.routes_on_device(layer, spec.top_k)? {
+        look_ahead(be, ahead)?;
         let (carry, mut acc) = meanwhile()?;
         be.routed_experts_held(layer, experts, act, x, logits, spec, &mut acc)?;
         return Ok((carry, acc, Vec::new()));
@@ -55,8 +84,11 @@ where
         (be.route(logits, spec)?, None)
     };
     let (carry, acc) = if x.rows() == 1 {
-        one_row(be, streamer, experts, act, x, x_host, &routes, meanwhile)?
+        one_row(
+            be, streamer, experts, act, x, x_host, &routes, ahead, meanwhile,
+        )?
     } else {
+        look_ahead(be, ahead)?;
         routed_experts(be, streamer, experts, act, x, &routes, meanwhile)?
     };
     Ok((carry, acc, routes.margins))
@@ -138,7 +170,7 @@ where
     E: From<OpError> + From<RuntimeError>,
 {
     if x.rows() == 1 {
-        return one_row(be, streamer, experts, act, x, None, routes, meanwhile);
+        return one_row(be, streamer, experts, act, x, None, routes, None, meanwhile);
     }
     let layer = streamer.layer();
     be.attach_host_slots(layer, streamer.slot_memory())?;
@@ -309,7 +341,8 @@ fn host_tile(slots: usize) -> usize {
 
 /// [`routed_experts`] for one row: every expert of the token in one tile, computed into row `j`
 /// of a stack (`j` = the expert's place in expert order), then added to the accumulator in that
-/// order, so the sum is the same whichever group an expert was computed in.
+/// order, so the sum is the same whichever group an expert was computed in. `ahead` runs once
+/// this step's reads (host) or copies (a backend's own cache) are queued.
 #[allow(clippy::too_many_arguments)]
 fn one_row<B, S, E>(
     be: &B,
@@ -319,6 +352,7 @@ fn one_row<B, S, E>(
     x: &B::Tensor,
     x_host: Option<Vec<f32>>,
     routes: &Routes,
+    ahead: Option<Lookahead>,
     meanwhile: impl FnOnce() -> Result<(S, B::Tensor), E>,
 ) -> Result<(S, B::Tensor), E>
 where
@@ -362,12 +396,18 @@ where
         None if n_host > 0 => be.read(x)?,
         None => Vec::new(),
     };
+    let own_cache = be.device_expert_stats().is_some();
+    let mut ahead = ahead;
+    if !own_cache {
+        // This step's reads are queued: the predicted ones go behind them.
+        look_ahead(be, ahead.take())?;
+    }
     let (carry, mut acc) = meanwhile()?;
     let weights: Vec<f32> = routed
         .iter()
         .map(|e| routes.experts[e].first().map_or(0.0, |&(_, w)| w))
         .collect();
-    if be.device_expert_stats().is_some() {
+    if own_cache {
         // A backend with its own expert cache copies the misses in asynchronously: every expert
         // is placed first, then the row's experts run in one call (two launches on a GPU), the
         // same sums in the same order as the groups below.
@@ -391,6 +431,8 @@ where
                 }
             });
         }
+        // This step's copies are queued: the predicted ones go behind them.
+        look_ahead(be, ahead)?;
         if n_host > 0 {
             be.glu_mlp_combine_split(
                 experts, act, &srcs, &weights, &on_host, x, &x_host, &mut acc,
@@ -442,6 +484,41 @@ where
     Ok((carry, acc))
 }
 
+/// Starts what `ahead` asks for: for a backend with its own expert cache, copies of the `n`
+/// heaviest predicted experts that sit in the next layer's host slots
+/// ([`ExpertStreamer::landed_blob`], [`DeviceExpertOps::prefetch_expert`]; nothing is read from
+/// the file), otherwise reads into those host slots ([`prefetch_predicted`]). Returns the copies
+/// or reads started.
+fn look_ahead<B: Backend>(be: &B, ahead: Option<Lookahead>) -> OpResult<usize> {
+    let Some(a) = ahead else {
+        return Ok(0);
+    };
+    if be.device_expert_stats().is_none() {
+        return Ok(prefetch_predicted(a.next, a.predicted, a.n));
+    }
+    let layer = a.next.layer();
+    be.attach_host_slots(layer, a.next.slot_memory())?;
+    let mut started = 0;
+    for e in heaviest(a.predicted, |_| true).into_iter().take(a.n) {
+        if let Some(blob) = a.next.landed_blob(e) {
+            started += usize::from(be.prefetch_expert(layer, e, blob)?);
+        }
+    }
+    Ok(started)
+}
+
+/// The experts of one predicted row that `keep` keeps, heaviest first (ties: lower id first).
+fn heaviest(predicted: &Routes, keep: impl Fn(usize) -> bool) -> Vec<usize> {
+    let mut ranked: Vec<(usize, f32)> = predicted
+        .experts
+        .iter()
+        .filter(|(&e, _)| keep(e))
+        .map(|(&e, rows)| (e, rows.first().map_or(0.0, |&(_, w)| w)))
+        .collect();
+    ranked.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    ranked.into_iter().map(|(e, _)| e).collect()
+}
+
 /// Router lookahead (`docs/ARCHITECTURE.md`, "Reads ahead of the router"):
 /// starts reads, in the next layer's streamer `next`, of the `n` heaviest experts of `predicted`
 /// that it does not hold yet. `predicted` is the next layer's router applied to this layer's
@@ -453,15 +530,11 @@ where
 /// the current layer are not touched, so nothing the current token still needs is evicted. The
 /// cached bytes are the file's either way, so results are identical with and without it. Returns
 /// the number of reads started.
-pub fn prefetch_predicted(next: &mut ExpertStreamer, predicted: &Routes, n: usize) -> usize {
-    let mut ranked: Vec<(usize, f32)> = predicted
-        .experts
-        .iter()
-        .filter(|(&e, _)| !next.cached(e))
-        .map(|(&e, rows)| (e, rows.first().map_or(0.0, |&(_, w)| w)))
+fn prefetch_predicted(next: &mut ExpertStreamer, predicted: &Routes, n: usize) -> usize {
+    let ids: Vec<usize> = heaviest(predicted, |e| !next.cached(e))
+        .into_iter()
+        .take(n)
         .collect();
-    ranked.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-    let ids: Vec<usize> = ranked.iter().take(n).map(|&(e, _)| e).collect();
     if ids.is_empty() {
         return 0;
     }

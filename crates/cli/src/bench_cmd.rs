@@ -406,6 +406,9 @@ fn child(a: &BenchArgs, n: usize) -> Result<Value> {
             "host_share_percent": g.host_share,
             "host_experts_per_token": per((g.host_computed - gpu_prefill.host_computed) as f64),
             "host_time_per_token_s": per((g.host_time - gpu_prefill.host_time).as_secs_f64()),
+            // Router lookahead copies, and the later uses they served.
+            "prefetched_per_token": per((g.prefetched - gpu_prefill.prefetched) as f64),
+            "prefetch_hits_per_token": per((g.prefetch_hits - gpu_prefill.prefetch_hits) as f64),
         })
     });
     Ok(json!({
@@ -532,6 +535,8 @@ fn median_row(name: &str, runs: &[Value]) -> Value {
             "host_share_percent": mine[0]["gpu_expert_cache"]["host_share_percent"],
             "host_experts_per_token": g("host_experts_per_token"),
             "host_time_per_token_s": g("host_time_per_token_s"),
+            "prefetched_per_token": g("prefetched_per_token"),
+            "prefetch_hits_per_token": g("prefetch_hits_per_token"),
         })
     } else {
         Value::Null

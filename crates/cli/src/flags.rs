@@ -95,8 +95,9 @@ pub struct ModelArgs {
     #[arg(long)]
     pub flash_head: bool,
     /// Gemma 4 and Qwen 3.6 decode: layer L+1's router on layer L's post-attention state starts
-    /// non-blocking reads of its N heaviest predicted experts not yet cached (0 = off; the output
-    /// is the same either way).
+    /// non-blocking reads of its N heaviest predicted experts not yet cached; on CUDA under a GPU
+    /// expert budget, copies of those in the host tier into GPU slots (0 = off; the output is the
+    /// same either way).
     #[arg(long, default_value_t = 0)]
     pub router_lookahead: usize,
 }

@@ -354,6 +354,82 @@ fn cuda_logits_do_not_depend_on_prefill_staging() {
 }
 
 #[test]
+fn cuda_logits_do_not_depend_on_router_lookahead() {
+    if !cuda() {
+        return;
+    }
+    each_model_and_mode(|model, inst, mode, idf, work| {
+        if mode != "decode" {
+            return; // the lookahead is a decode step's
+        }
+        let floor = floor_budget(inst);
+        let off = ["--gpu-expert-budget", &floor, "--gpu-miss-split", "off"]
+            .map(String::from)
+            .to_vec();
+        let mut on = off.clone();
+        on.extend(["--router-lookahead".into(), "4".into()]);
+        assert!(
+            cuda_logits(
+                inst,
+                mode,
+                idf,
+                &work.join(format!("{model}-ahead.npy")),
+                &on,
+                &[]
+            ) == cuda_logits(
+                inst,
+                mode,
+                idf,
+                &work.join(format!("{model}-plain.npy")),
+                &off,
+                &[]
+            ),
+            "{model}: decode logits with router lookahead copies differ from those without"
+        );
+        eprintln!("{model}: decode logits bit-identical with and without router lookahead");
+    });
+    // The lookahead copies experts in, and some of them serve a later use.
+    let work = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    for model in models() {
+        let inst = installed_asset(&model);
+        let json = work.path().join(format!("{model}-bench.json"));
+        let floor = floor_budget(inst);
+        run_ok(
+            BIN,
+            &[
+                "bench",
+                "--device",
+                "cuda",
+                "--model",
+                inst.to_str().unwrap(),
+                "--prompts",
+                "16",
+                "--gen",
+                "48",
+                "--repeats",
+                "1",
+                "--warmup",
+                "0",
+                "--gpu-expert-budget",
+                &floor,
+                "--router-lookahead",
+                "4",
+                "--json",
+                json.to_str().unwrap(),
+            ],
+        );
+        let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+        let g = &v["runs"][0]["gpu_expert_cache"];
+        let (copied, used) = (
+            g["prefetched_per_token"].as_f64().unwrap(),
+            g["prefetch_hits_per_token"].as_f64().unwrap(),
+        );
+        eprintln!("{model}: router lookahead copies {copied:.2} / token, {used:.2} used");
+        assert!(copied > 0.0 && used > 0.0, "{model}: {g}");
+    }
+}
+
+#[test]
 fn cuda_perplexity_is_within_0_3_percent_of_mlx_lm() {
     if !cuda() {
         return;

@@ -28,6 +28,15 @@ impl DeviceExpertOps for CudaBackend {
         }
     }
 
+    fn prefetch_expert(&self, layer: usize, expert: usize, blob: &[u8]) -> OpResult<bool> {
+        match self.cache() {
+            Some(mut c) => c
+                .prefetch(&self.stream, layer, expert, blob)
+                .map_err(|e| self.cache_err("prefetch_expert", e)),
+            None => Ok(false),
+        }
+    }
+
     fn expert_copies_done(&self) -> OpResult<()> {
         match self.cache() {
             Some(mut c) => c

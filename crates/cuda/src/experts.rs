@@ -105,6 +105,8 @@ struct LayerSlots {
     /// the device (kernels that read device-side ids). Nothing is copied into the layer again:
     /// every use is a hit.
     by_id: Option<CudaSlice<u64>>,
+    /// Per slot: filled by a router lookahead copy ([`GpuExperts::prefetch`]) and not used yet.
+    ahead: Vec<bool>,
 }
 
 /// The slot index [`GpuExperts::slot_addr`] gives for an expert read from the prefill staging
@@ -139,6 +141,30 @@ enum Copy {
 /// Whether prefill staging is on: unless `MFERENCE_CUDA_STAGING=0` (for A/B measurements).
 fn staging_wanted() -> bool {
     std::env::var_os("MFERENCE_CUDA_STAGING").is_none_or(|v| v != "0")
+}
+
+/// Starts the copy of `blob` into slot `s` of `l` on `copy`, after the kernels that read the
+/// slot last, and records `filled[s]` behind it.
+fn copy_into_slot(
+    copy: &Arc<CudaStream>,
+    l: &LayerSlots,
+    s: usize,
+    blob: &[u8],
+) -> Result<(), CacheError> {
+    copy.wait(&l.read[s]).map_err(driver("cuStreamWaitEvent"))?;
+    let (base, _sync) = l.slab.device_ptr(copy);
+    // SAFETY: the destination lies in the slab (slot `s` of `blob.len()` = stride bytes, checked
+    // by the callers); the source stays unchanged until `copies_done` has waited for this copy
+    // (the callers' contract), and no kernel reads the slot before `filled[s]`.
+    unsafe {
+        cudarc::driver::result::memcpy_htod_async(
+            base + (s * blob.len()) as u64,
+            blob,
+            copy.cu_stream(),
+        )
+    }
+    .map_err(driver("cuMemcpyHtoDAsync (expert slot)"))?;
+    l.filled[s].record(copy).map_err(driver("cuEventRecord"))
 }
 
 /// The cache state behind [`GpuExperts`]'s lock.
@@ -282,6 +308,7 @@ impl GpuExperts {
                     filled,
                     read,
                     by_id: None,
+                    ahead: vec![false; slots],
                 },
             );
         }
@@ -452,6 +479,9 @@ impl GpuExperts {
                 // the same step's misses must not evict it.
                 l.table.set_pinned(s, true);
                 self.stats.hits += 1;
+                if std::mem::take(&mut l.ahead[s]) {
+                    self.stats.prefetch_hits += 1;
+                }
             }
             let hit = slot.is_some();
             out.push(hit);
@@ -520,24 +550,57 @@ impl GpuExperts {
         // Not given up before the kernels reading it are queued (`after_read`): the experts of
         // one token may be copied in before any of them is computed.
         l.table.set_pinned(s, true);
-        copy.wait(&l.read[s]).map_err(driver("cuStreamWaitEvent"))?;
-        let (base, _sync) = l.slab.device_ptr(&copy);
-        // SAFETY: the destination lies in the slab (slot `s` of `stride` bytes, `blob.len()`
-        // checked equal); the source stays unchanged until `copies_done` has waited for this
-        // copy (the caller's contract), and no kernel reads the slot before `filled[s]`.
-        unsafe {
-            cudarc::driver::result::memcpy_htod_async(
-                base + (s * stride) as u64,
-                blob,
-                copy.cu_stream(),
-            )
-        }
-        .map_err(driver("cuMemcpyHtoDAsync (expert slot)"))?;
-        l.filled[s].record(&copy).map_err(driver("cuEventRecord"))?;
+        l.ahead[s] = false;
+        copy_into_slot(&copy, l, s, blob)?;
         self.in_flight.push(Copy::Slot(layer, s));
         self.stats.misses += 1;
         self.stats.h2d_bytes += stride as u64;
         Ok(())
+    }
+
+    /// Router lookahead (issue 29 item 2): starts the copy of `blob` (expert `e` of `layer`,
+    /// predicted for the next step of that layer) into a slot, unpinned, unless the layer holds
+    /// it already, holds every expert, is being staged, or its eviction victim has been used more
+    /// often than `e` (a guess never evicts a hotter expert). The blob must stay unchanged until
+    /// [`copies_done`](Self::copies_done). Returns whether a copy started. A use of the slot by a
+    /// later step counts as a prefetch hit.
+    pub(crate) fn prefetch(
+        &mut self,
+        compute: &Arc<CudaStream>,
+        layer: usize,
+        e: usize,
+        blob: &[u8],
+    ) -> Result<bool, CacheError> {
+        self.ensure_sized(compute)?;
+        let stride = self.opts.geometry.stride;
+        let staged = self.staging.as_ref().is_some_and(|st| st.layer.is_some());
+        let Some(l) = self.layers.get_mut(&layer) else {
+            return Ok(false);
+        };
+        if self.opts.force_miss
+            || staged
+            || blob.len() != stride
+            || l.by_id.is_some()
+            || e >= l.table.experts()
+            || l.table.slot_of(e).is_some()
+        {
+            return Ok(false);
+        }
+        let Some(s) = l.table.victim(|_| true) else {
+            return Ok(false);
+        };
+        if let Some(old) = l.table.expert_in(s) {
+            if l.table.uses(old).0 > l.table.uses(e).0 {
+                return Ok(false);
+            }
+        }
+        l.table.assign(s, e);
+        l.ahead[s] = true;
+        copy_into_slot(&self.copy, l, s, blob)?;
+        self.in_flight.push(Copy::Slot(layer, s));
+        self.stats.prefetched += 1;
+        self.stats.h2d_bytes += stride as u64;
+        Ok(true)
     }
 
     /// The device address of expert `e` of `layer`, after making `compute` wait for its copy;

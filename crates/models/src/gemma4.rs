@@ -433,6 +433,7 @@ impl<B: Backend + 'static> FamilyModel for Gemma4<B> {
             let (streamer, next) = self
                 .streamers
                 .with_next(li, guess.is_some(), &self.engine)?;
+            let ahead = moe::Lookahead::of(next, guess.as_ref(), ahead);
             let (mut shared, moe_out, margins) = moe::route_and_run(
                 be,
                 streamer,
@@ -441,11 +442,8 @@ impl<B: Backend + 'static> FamilyModel for Gemma4<B> {
                 &u2,
                 &router_logits,
                 &spec,
+                ahead,
                 || {
-                    // This layer's reads are queued: the predicted ones go behind them.
-                    if let (Some(next), Some(guess)) = (next, &guess) {
-                        moe::prefetch_predicted(next, guess, ahead);
-                    }
                     let shared = be.glu_mlp(&layer.mlp, Act::GeluTanh, Resident, &u)?;
                     Ok::<_, ModelError>((shared, be.zeros(t, h)?))
                 },

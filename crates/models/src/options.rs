@@ -73,8 +73,9 @@ pub struct LoadOptions {
     pub shadow_prefetch: bool,
     /// Gemma 4 and Qwen 3.6 router lookahead in decode (`--router-lookahead N`): layer L+1's
     /// router applied to layer L's post-attention state starts non-blocking reads of its N heaviest
-    /// predicted experts that are not cached ([`mference_backend::moe::prefetch_predicted`]);
-    /// 0 = off. Results are identical either way; other families ignore it.
+    /// predicted experts that are not cached, or, on a GPU under an expert budget, copies of those
+    /// in the host tier into GPU slots ([`mference_backend::moe::Lookahead`]); 0 = off. Results
+    /// are identical either way; other families ignore it.
     pub router_lookahead: usize,
     /// Force a kernel table by name (`scalar`, `avx2`, `avx2i16`, `avx512`, `avx512i16`, `amx`, `avx512vnni`); `None` =
     /// auto: `Kernels::detect_int16` for the families checked with int16 activations (Gemma 4,

@@ -16,7 +16,7 @@ pub use config::Config;
 use mference_backend::Weights::Resident;
 use mference_backend::{
     f32_vector, moe, Act, AttnShape, Backend, DeltaShape, KvCache, Mlp, Norm, PreNorm, QRef, Rope,
-    RouterSpec, Routes, Scoring, Tensor, VRef, WeightError,
+    RouterSpec, Scoring, Tensor, VRef, WeightError,
 };
 use mference_runtime::ExpertStreamer;
 
@@ -292,7 +292,7 @@ impl<B: Backend + 'static> FamilyModel for Qwen35Moe<B> {
                 _ => None,
             };
             let (streamer, next) = self.streamers.with_next(li, guess.is_some(), eng)?;
-            let ahead = next.zip(guess.as_ref()).map(|(s, g)| (s, g, ahead));
+            let ahead = moe::Lookahead::of(next, guess.as_ref(), ahead);
             let moe_out = sparse_moe(cfg, be, layer, streamer, &u, eng, (li, pos0), ahead)?;
             // The MoE output into the residual, and the next layer's input norm.
             let next = self.layers.get(li + 1).map(|n| &n.input_layernorm);
@@ -410,8 +410,7 @@ fn full_attention<B: Backend>(
 /// (renormalised when `norm_topk_prob`), SwiGLU experts, plus the shared expert scaled by
 /// `sigmoid(shared_expert_gate(u))`. Returns `[T, hidden]`.
 ///
-/// `ahead`: the next layer's streamer, its router's prediction and how many of its experts to
-/// prefetch ([`moe::prefetch_predicted`]), started once this layer's reads are queued.
+/// `ahead`: the router lookahead of this decode step ([`moe::Lookahead`]).
 #[allow(clippy::too_many_arguments)]
 fn sparse_moe<B: Backend>(
     cfg: &Config,
@@ -421,7 +420,7 @@ fn sparse_moe<B: Backend>(
     u: &B::Tensor,
     engine: &Engine,
     (li, pos0): (usize, usize),
-    ahead: Option<(&mut ExpertStreamer, &Routes, usize)>,
+    ahead: Option<moe::Lookahead>,
 ) -> Result<B::Tensor, ModelError> {
     let forced = engine.forced_routes(li, pos0, u.rows());
     // The router and the shared expert's gate in one call (one launch where the backend groups
@@ -438,10 +437,8 @@ fn sparse_moe<B: Backend>(
         u,
         &router_logits,
         &spec,
+        ahead,
         || {
-            if let Some((next, guess, n)) = ahead {
-                moe::prefetch_predicted(next, guess, n);
-            }
             let mut shared = be.glu_mlp(&layer.shared_expert, Act::Silu, Resident, u)?;
             be.mul_rows_sigmoid(&mut shared, &shared_gate)?;
             Ok::<_, ModelError>(((), shared))

@@ -574,6 +574,28 @@ impl ExpertStreamer {
         }
     }
 
+    /// The bytes of expert `e` when they sit in a slot and no read of this streamer is in
+    /// flight, without pinning the slot or counting a use (a backend's router lookahead copies
+    /// them into its own cache); `None` otherwise, and always for a mapped layer (not host slot
+    /// memory). The bytes stay until a read refills the slot: the caller is done with them
+    /// before the next [`acquire`](Self::acquire) or [`prefetch`](Self::prefetch) that reads.
+    pub fn landed_blob(&self, e: usize) -> Option<&[u8]> {
+        if self.mapped.is_some()
+            || self.pending.is_some()
+            || self.prefetching.is_some()
+            || e >= self.experts
+        {
+            return None;
+        }
+        let slot = {
+            let st = self.pool.lock();
+            st.table
+                .slot_of(self.first_key + e)
+                .filter(|&s| !st.landing[s])?
+        };
+        Some(self.pool.slot(slot))
+    }
+
     /// The bytes of the expert blob in `slot` (valid after [`wait`](Self::wait)).
     pub fn blob(&self, slot: usize) -> &[u8] {
         match &self.mapped {
@@ -716,6 +738,33 @@ mod tests {
     /// Speculative reads interleaved with real requests (right and wrong guesses, some landing while
     /// the next request runs): every blob handed out holds its expert's bytes, used guesses count as
     /// hits, and nothing is read twice for one guess.
+    #[test]
+    fn a_landed_blob_is_the_file_s_and_only_when_no_read_is_in_flight() {
+        let (experts, stride) = (12, 16384);
+        let f = layer_file(experts, stride);
+        let mut s = open8(&f, experts, stride, 3);
+        assert!(s.landed_blob(2).is_none(), "nothing cached yet");
+        s.acquire(&[2, 5]).unwrap();
+        assert!(s.landed_blob(2).is_none(), "a read is in flight");
+        s.wait().unwrap();
+        s.release(&[2, 5]);
+        let before = s.stats();
+        for e in [2, 5] {
+            assert_eq!(
+                s.landed_blob(e).unwrap(),
+                &expected(e, stride)[..],
+                "expert {e}"
+            );
+        }
+        assert!(s.landed_blob(7).is_none() && s.landed_blob(experts).is_none());
+        let after = s.stats();
+        assert_eq!(
+            (after.hits, after.misses),
+            (before.hits, before.misses),
+            "no use counted"
+        );
+    }
+
     #[test]
     fn prefetched_slots_hold_the_right_bytes() {
         let (experts, stride) = (12, 16384);

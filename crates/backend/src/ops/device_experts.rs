@@ -28,7 +28,17 @@ pub trait DeviceExpertOps: CoreOps {
     ) -> OpResult<Weights<'a>> {
         Ok(Weights::Blob(blob))
     }
-    /// Waits until every copy [`load_expert`](DeviceExpertOps::load_expert) started has left its host
+    /// Router lookahead: starts copying `blob` (expert `expert` of `layer`, in a host slot,
+    /// predicted for that layer's next step) into the backend's own cache, unless the backend
+    /// would rather not (it holds the expert, or would evict a more used one). `blob` must then
+    /// stay unchanged until [`expert_copies_done`](DeviceExpertOps::expert_copies_done). The
+    /// cached bytes are the blob's, so results do not change. Returns whether a copy started.
+    /// Default: no cache, nothing copied.
+    fn prefetch_expert(&self, layer: usize, expert: usize, blob: &[u8]) -> OpResult<bool> {
+        Ok(false)
+    }
+    /// Waits until every copy [`load_expert`](DeviceExpertOps::load_expert) (or
+    /// [`prefetch_expert`](DeviceExpertOps::prefetch_expert)) started has left its host
     /// slot, so the host streamer may refill it. Default: nothing to wait for.
     fn expert_copies_done(&self) -> OpResult<()> {
         Ok(())

@@ -81,6 +81,7 @@ pub(super) fn sparse_moe<B: Backend>(
         u,
         &router.logits,
         &router.spec(cfg),
+        None,
         || {
             let shared = be.glu_mlp(&layer.shared_experts, act, Resident, u)?;
             Ok::<_, ModelError>(((), shared))
