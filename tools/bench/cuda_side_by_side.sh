@@ -139,7 +139,7 @@ print(sum(int(t.n_bytes) for t in r.tensors if '_exps' in t.name) // $LAYERS)")
     "$@"
     kill $poll; wait $poll 2>/dev/null || true
     echo $(( $(sort -n "$W/$tag.poll" | tail -1) - base )) >"$W/$tag.mem"
-    echo "$tag: peak $(cat "$W/$tag.mem") MiB on the GPU"
+    echo "$tag: peak $(cat "$W/$tag.mem") MiB on the GPU" >&2
   }
   # Everything but the expert slots: a run at a 1 GiB budget, less that budget.
   peak ours-probe "$MF" bench --device cuda --model "$I" --prompts 512 --gen 4 --repeats 1 \
@@ -155,11 +155,13 @@ print(sum(int(t.n_bytes) for t in r.tensors if '_exps' in t.name) // $LAYERS)")
     [ $budget -ge "$EXPERT_BYTES" ] && budget=resident
     over=$(( llama_full - card ))
     n=0; [ $over -gt 0 ] && n=$(( (over + LLAMA_LAYER - 1) / LLAMA_LAYER ))
+    # The split applies under a budget only.
+    split=(--gpu-miss-split auto); [ $budget = resident ] && split=()
     echo "== ${gb} GB: ours --gpu-expert-budget $budget, llama.cpp -ncmoe $n"
     for t in ${THREADS:-8 16}; do
       peak "ours-${gb}g-t$t" "$MF" bench --device cuda --model "$I" --prompts 512 --gen 64 \
         --repeats "$REPEATS" --decode forced --routing-trace "$TRACE" --gpu-expert-budget "$budget" \
-        --host-expert-cache "$EXPERT_BYTES" --gpu-miss-split auto --threads "$t" \
+        --host-expert-cache "$EXPERT_BYTES" "${split[@]}" --threads "$t" \
         --json "$W/ours-${gb}g-t$t.json" 2>&1 | tail -3
       peak "llama-${gb}g-t$t" "$LB" -m "$W/$M.gguf" -ngl 99 -ncmoe "$n" -p 512 -n 0 -r "$REPEATS" \
         -t "$t" -o json >"$W/llama-pp-${gb}g-t$t.json"
