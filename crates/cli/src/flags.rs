@@ -71,9 +71,10 @@ pub struct ModelArgs {
     /// CUDA: device memory for routed experts, over all layers: auto (what is free after the
     /// weights and KV, less 1 GiB or 5%; at least 3 x top-k slots per layer), resident (every
     /// expert), or bytes (24G, 512M; at least top-k slots per layer).
-    #[arg(long, default_value = "auto", value_parser = typed(gpu_expert_budget))]
+    /// Not given: auto on CUDA (typed on the CPU, even as `auto`, it is refused).
+    #[arg(long, value_parser = typed(gpu_expert_budget))]
     #[serde(serialize_with = "budget_text")]
-    pub gpu_expert_budget: GpuExpertBudget,
+    pub gpu_expert_budget: Option<GpuExpertBudget>,
     /// The host tier below the GPU slots (page-locked on CUDA), in bytes over all layers (16G,
     /// 512M); instead of --expert-cache-slots.
     #[arg(long, conflicts_with = "expert_cache_slots", value_parser = typed(host_expert_cache))]
@@ -281,11 +282,12 @@ fn device_text<S: Serializer>(d: &Device, s: S) -> Result<S::Ok, S::Error> {
 }
 
 /// `--gpu-expert-budget` as [`GpuExpertBudget::parse`] reads it.
-fn budget_text<S: Serializer>(b: &GpuExpertBudget, s: S) -> Result<S::Ok, S::Error> {
+fn budget_text<S: Serializer>(b: &Option<GpuExpertBudget>, s: S) -> Result<S::Ok, S::Error> {
     match b {
-        GpuExpertBudget::Auto => s.serialize_str("auto"),
-        GpuExpertBudget::Resident => s.serialize_str("resident"),
-        GpuExpertBudget::Bytes(n) => s.serialize_u64(*n),
+        None => s.serialize_none(),
+        Some(GpuExpertBudget::Auto) => s.serialize_str("auto"),
+        Some(GpuExpertBudget::Resident) => s.serialize_str("resident"),
+        Some(GpuExpertBudget::Bytes(n)) => s.serialize_u64(*n),
     }
 }
 
@@ -472,7 +474,10 @@ mod tests {
             "3000000000",
         ]);
         assert_eq!(m.device, Device::Cuda(0));
-        assert_eq!(m.gpu_expert_budget, GpuExpertBudget::Bytes(3_000_000_000));
+        assert_eq!(
+            m.gpu_expert_budget,
+            Some(GpuExpertBudget::Bytes(3_000_000_000))
+        );
         assert_eq!(m.expert_cache_slots, Slots::Auto);
         assert_eq!(m.verify, Verify::FullSha256);
         assert_eq!(m.kv_cache, KvCache::F16);

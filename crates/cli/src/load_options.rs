@@ -26,12 +26,9 @@ pub fn device_flags(m: &ModelArgs) -> Result<()> {
 /// load reports).
 fn device_flags_for(m: &ModelArgs, man: Option<&Manifest>) -> Result<()> {
     if m.device == Device::Cpu {
-        // The GPU-only flags given (a budget other than its default), named as typed.
+        // The GPU-only flags given, named as typed.
         let given: Vec<&str> = [
-            (
-                m.gpu_expert_budget != GpuExpertBudget::Auto,
-                "--gpu-expert-budget",
-            ),
+            (m.gpu_expert_budget.is_some(), "--gpu-expert-budget"),
             (m.gpu_miss_split.is_some(), "--gpu-miss-split"),
             (m.gpu_force_miss, "--gpu-force-miss"),
         ]
@@ -312,7 +309,7 @@ fn options_for(
         kernels: m.kernels.0.map(str::to_string),
         kv_dtype: m.kv_cache.into(),
         device: m.device,
-        gpu_expert_budget: m.gpu_expert_budget,
+        gpu_expert_budget: m.gpu_expert_budget.unwrap_or(GpuExpertBudget::Auto),
         gpu_force_miss: m.gpu_force_miss,
         gpu_miss_split: m.gpu_miss_split,
         flash_head: m.flash_head,

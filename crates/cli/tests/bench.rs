@@ -205,6 +205,10 @@ fn bench_rejects_bad_flags_before_loading() {
             vec!["--device", "cpu", "--gpu-miss-split", "auto"],
             "--gpu-miss-split applies only on CUDA",
         ),
+        (
+            vec!["--device", "cpu", "--gpu-expert-budget", "auto"],
+            "--gpu-expert-budget applies only on CUDA",
+        ),
     ] {
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_mference"))
             .args(["bench", "--model", "/nonexistent.gturbo"])
