@@ -17,12 +17,6 @@ __device__ __forceinline__ void prefetch_l2(u64 lo, u64 hi) {
         asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
 }
 
-// Device bytes [lo, hi) into the L1 of the block's multiprocessor, as prefetch_l2 (a hint).
-__device__ __forceinline__ void prefetch_l1(u64 lo, u64 hi) {
-    for (u64 a = (lo & ~(u64)127) + 128 * (u64)threadIdx.x; a < hi; a += 128 * (u64)blockDim.x)
-        asm volatile("prefetch.global.L1 [%0];" ::"l"(a));
-}
-
 // Programmatic dependent launch (launch.rs `launch_kernel`): a kernel may be started while the
 // stream's previous kernel still runs. Every kernel calls this first: it waits until that kernel
 // has completed and its writes are visible, then lets the stream's next kernel be started in turn

@@ -70,10 +70,10 @@ __device__ __forceinline__ void norm_store(float* p, int dim, const float* v) {
 
 extern "C" __global__ void rms_norm(const float* src, float* x, int dim, int mode,
                                     const unsigned char* base, u64 w_off, float c, float eps) {
-    float v[NORM_J], s[NORM_J];
-    norm_scales(base, w_off, mode, dim, s);  // weights: before the wait (no kernel writes them)
     grid_dep_wait();
+    float v[NORM_J], s[NORM_J];
     norm_load(src + (u64)blockIdx.x * dim, dim, v);
+    norm_scales(base, w_off, mode, dim, s);
     float r = rms_factor(v, dim, mode, c, eps);
 #pragma unroll
     for (int j = 0; j < NORM_J; ++j) v[j] = v[j] * (r * s[j]);
@@ -85,12 +85,12 @@ extern "C" __global__ void rms_norm(const float* src, float* x, int dim, int mod
 extern "C" __global__ void rms_norm_add(const float* src, float* x, int dim, int mode,
                                         const unsigned char* base, u64 w_off, float c, float eps,
                                         float s) {
-    float q[NORM_J], p[NORM_J], w[NORM_J];
-    norm_scales(base, w_off, mode, dim, w);  // weights: before the wait (no kernel writes them)
     grid_dep_wait();
+    float q[NORM_J], p[NORM_J], w[NORM_J];
     float* at = x + (u64)blockIdx.x * dim;
     norm_load(src + (u64)blockIdx.x * dim, dim, q);
     norm_load(at, dim, p);
+    norm_scales(base, w_off, mode, dim, w);
     float r = rms_factor(q, dim, mode, c, eps);
 #pragma unroll
     for (int j = 0; j < NORM_J; ++j) p[j] = (p[j] + __fmul_rn(q[j], r * w[j])) * s;
@@ -111,24 +111,6 @@ struct PreNorms {
     int has_col[PRE_NORMS];
     int n;
 };
-
-// The pre-norms' BF16 vectors (scales and column vectors) of piece `piece` into L1, issued
-// before grid_dep_wait: they are resident weights, which no kernel writes, so the previous
-// kernel may still run (a prefetch changes no value). A column vector wider than NORM_J * 1024
-// values is left out.
-__device__ __forceinline__ void pre_prefetch(const unsigned char* base, int dim, u64 piece,
-                                             u64 cols, const PreNorms& pre) {
-    u64 b = (u64)base;
-    for (int o = 0; o < pre.n; ++o) {
-        if (pre.mode[o] == 1 || pre.mode[o] == 2)
-            prefetch_l1(b + pre.w_off[o], b + pre.w_off[o] + 2 * (u64)dim);
-        if (pre.has_col[o] && cols <= NORM_J * 1024) {
-            u64 c0 = piece * dim % cols, c1 = c0 + dim;
-            prefetch_l1(b + pre.col_off[o] + 2 * c0, b + pre.col_off[o] + 2 * min(c1, cols));
-            if (c1 > cols) prefetch_l1(b + pre.col_off[o], b + pre.col_off[o] + 2 * (c1 - cols));
-        }
-    }
-}
 
 // rms_norm_add of one `dim` piece (this thread's elements q, with the norm's scales w) into the
 // piece at `at` (its elements p): p <- (p + rms_norm(q)) * s; mode -1: add_scaled's
@@ -177,14 +159,12 @@ __device__ __forceinline__ void add_pre_piece(const float* q, const float* w, fl
 extern "C" __global__ void rms_norm_add_pre(const float* src, float* x, int dim, int mode,
                                             const unsigned char* base, u64 w_off, float c,
                                             float eps, float s, u64 cols, PreNorms pre) {
-    // The weights first (no kernel writes them), while the previous kernel finishes.
+    grid_dep_wait();
     u64 b = blockIdx.x;
     float q[NORM_J], p[NORM_J], w[NORM_J];
-    norm_scales(base, w_off, mode, dim, w);
-    pre_prefetch(base, dim, b, cols, pre);
-    grid_dep_wait();
     norm_load(src + b * dim, dim, q);
     norm_load(x + b * dim, dim, p);
+    norm_scales(base, w_off, mode, dim, w);
     add_pre_piece(q, w, p, x + b * dim, b, dim, mode, base, c, eps, s, cols, pre);
 }
 
@@ -197,17 +177,15 @@ extern "C" __global__ void rms_norm2_add_pre(float* a, const float* b, float* x,
                                              u64 b_off, float b_c, int mode,
                                              const unsigned char* base, u64 w_off, float c,
                                              float eps, float s, u64 cols, PreNorms pre) {
-    // The weights first (no kernel writes them), while the previous kernel finishes.
+    grid_dep_wait();
     u64 blk = blockIdx.x;
     float av[NORM_J], bv[NORM_J], p[NORM_J], as[NORM_J], bs[NORM_J], w[NORM_J];
-    norm_scales(base, a_off, a_mode, dim, as);
-    norm_scales(base, b_off, b_mode, dim, bs);
-    norm_scales(base, w_off, mode, dim, w);
-    pre_prefetch(base, dim, blk, cols, pre);
-    grid_dep_wait();
     norm_load(a + blk * dim, dim, av);
     norm_load(b + blk * dim, dim, bv);
     norm_load(x + blk * dim, dim, p);
+    norm_scales(base, a_off, a_mode, dim, as);
+    norm_scales(base, b_off, b_mode, dim, bs);
+    norm_scales(base, w_off, mode, dim, w);
     float ra = rms_factor(av, dim, a_mode, a_c, eps);
     float rb = rms_factor(bv, dim, b_mode, b_c, eps);
 #pragma unroll
