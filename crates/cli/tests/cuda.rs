@@ -206,13 +206,30 @@ fn cuda_greedy_64_matches_mlx_lm_with_misses_on_the_cpu() {
                 want,
                 "{model} on CUDA, --gpu-miss-split {split}: greedy ids differ from mlx-lm"
             );
+            // The same setting, the same bits run to run. `auto` measures its share at load, so
+            // two processes may pick different shares: its run must equal the pinned share its
+            // load line names.
             let idf = ids_file(work.path(), model);
             let a = work.path().join(format!("{model}-a.npy"));
             let b = work.path().join(format!("{model}-b.npy"));
+            let (first, line) = cuda_logits_line(inst, "decode", &idf, &a, &extra);
+            let again = match split {
+                "auto" => {
+                    let share = share_named(&line).unwrap_or_else(|| {
+                        panic!(
+                            "{model}: no share on the load line of --gpu-miss-split auto\n{line}"
+                        )
+                    });
+                    let mut pinned = extra.clone();
+                    pinned[3] = share.to_string();
+                    cuda_logits(inst, "decode", &idf, &b, &pinned, &[])
+                }
+                _ => cuda_logits(inst, "decode", &idf, &b, &extra, &[]),
+            };
             assert!(
-                cuda_logits(inst, "decode", &idf, &a, &extra, &[])
-                    == cuda_logits(inst, "decode", &idf, &b, &extra, &[]),
-                "{model} --gpu-miss-split {split}: decode logits differ run to run"
+                first == again,
+                "{model} --gpu-miss-split {split}: decode logits differ run to run (auto: from \
+                 the share its load line names)"
             );
             eprintln!(
                 "{model} on CUDA, --gpu-miss-split {split}: greedy {} ids equal mlx-lm's, logits \
@@ -243,6 +260,28 @@ fn cuda_logits(
     extra: &[String],
     env: &[(&str, &str)],
 ) -> Vec<u8> {
+    cuda_logits_env(inst, mode, idf, out, extra, env).0
+}
+
+/// [`cuda_logits`] without `env`, and its stderr (the load line).
+fn cuda_logits_line(
+    inst: &Path,
+    mode: &str,
+    idf: &Path,
+    out: &Path,
+    extra: &[String],
+) -> (Vec<u8>, String) {
+    cuda_logits_env(inst, mode, idf, out, extra, &[])
+}
+
+fn cuda_logits_env(
+    inst: &Path,
+    mode: &str,
+    idf: &Path,
+    out: &Path,
+    extra: &[String],
+    env: &[(&str, &str)],
+) -> (Vec<u8>, String) {
     let mut cmd = std::process::Command::new(BIN);
     cmd.args(["logits", "--device", "cuda", "--mode", mode, "--model"])
         .arg(inst)
@@ -252,8 +291,15 @@ fn cuda_logits(
         .arg(out)
         .args(extra)
         .envs(env.iter().copied());
-    output_ok(&mut cmd);
-    std::fs::read(out).unwrap()
+    let err = String::from_utf8_lossy(&output_ok(&mut cmd).stderr).into_owned();
+    (std::fs::read(out).unwrap(), err)
+}
+
+/// The share `N` of a load line's "N% of each token's GPU misses on the CPU".
+fn share_named(line: &str) -> Option<u32> {
+    let end = line.find("% of each token's GPU misses on the CPU")?;
+    let start = line[..end].rfind(|c: char| !c.is_ascii_digit())? + 1;
+    line[start..end].parse().ok()
 }
 
 /// `f(model, install, mode, ids file, work dir)` for each model and the modes `chunk:16` and
