@@ -212,7 +212,7 @@ fn cuda_greedy_64_matches_mlx_lm_with_misses_on_the_cpu() {
             let idf = ids_file(work.path(), model);
             let a = work.path().join(format!("{model}-a.npy"));
             let b = work.path().join(format!("{model}-b.npy"));
-            let (first, line) = cuda_logits_line(inst, "decode", &idf, &a, &extra);
+            let (first, line) = cuda_logits_env(inst, "decode", &idf, &a, &extra, &[]);
             let again = match split {
                 "auto" => {
                     let share = share_named(&line).unwrap_or_else(|| {
@@ -263,17 +263,7 @@ fn cuda_logits(
     cuda_logits_env(inst, mode, idf, out, extra, env).0
 }
 
-/// [`cuda_logits`] without `env`, and its stderr (the load line).
-fn cuda_logits_line(
-    inst: &Path,
-    mode: &str,
-    idf: &Path,
-    out: &Path,
-    extra: &[String],
-) -> (Vec<u8>, String) {
-    cuda_logits_env(inst, mode, idf, out, extra, &[])
-}
-
+/// [`cuda_logits`] and its stderr (the load line).
 fn cuda_logits_env(
     inst: &Path,
     mode: &str,
