@@ -43,7 +43,9 @@ impl<'a> Lookahead<'a> {
 /// step's reads are queued ([`prefetch_predicted`]), or, for a backend with its own expert
 /// cache, copied from its host slots into that cache once this step's own copies are queued
 /// ([`DeviceExpertOps::prefetch_expert`]). The cached bytes are the file's, so results do not
-/// change.
+/// change, except where a split computes some misses on the host
+/// ([`DeviceExpertOps::host_misses`]): a lookahead hit changes which misses those are, and the host
+/// rounds differently (within the op tolerances).
 ///
 /// Errors: as [`CoreOps::route`] and [`routed_experts`].
 #[allow(clippy::too_many_arguments)]
@@ -484,11 +486,12 @@ where
     Ok((carry, acc))
 }
 
-/// Starts what `ahead` asks for: for a backend with its own expert cache, copies of the `n`
-/// heaviest predicted experts that sit in the next layer's host slots
-/// ([`ExpertStreamer::landed_blob`], [`DeviceExpertOps::prefetch_expert`]; nothing is read from
-/// the file), otherwise reads into those host slots ([`prefetch_predicted`]). Returns the copies
-/// or reads started.
+/// Starts what `ahead` asks for: for a backend with its own expert cache, of the `n` heaviest
+/// predicted experts, copies of those that sit in the next layer's host slots and not in the
+/// backend's ([`ExpertStreamer::landed_blob`], [`DeviceExpertOps::prefetch_expert`]; nothing is
+/// read from the file; an expert held already still counts among the `n`), otherwise reads into
+/// those host slots of the `n` heaviest not cached there ([`prefetch_predicted`]). Returns the
+/// copies or reads started.
 fn look_ahead<B: Backend>(be: &B, ahead: Option<Lookahead>) -> OpResult<usize> {
     let Some(a) = ahead else {
         return Ok(0);

@@ -98,7 +98,7 @@ pub struct ModelArgs {
     /// Gemma 4 and Qwen 3.6 decode: layer L+1's router on layer L's post-attention state starts
     /// non-blocking reads of its N heaviest predicted experts not yet cached; on CUDA under a GPU
     /// expert budget, copies of those in the host tier into GPU slots (0 = off; the output is the
-    /// same either way).
+    /// same either way, on CUDA with --gpu-miss-split off).
     #[arg(long, default_value_t = 0)]
     pub router_lookahead: usize,
 }

@@ -462,6 +462,24 @@ fn cuda_logits_do_not_depend_on_router_lookahead() {
         );
         eprintln!("{model}: router lookahead copies {copied:.2} / token, {used:.2} used");
         assert!(copied > 0.0 && used > 0.0, "{model}: {g}");
+        // With a split the lookahead changes which misses the CPU computes (other rounding),
+        // not the greedy tokens.
+        let r = &reference(&model)["greedy64_raw_prompt"];
+        let extra = [
+            "--gpu-expert-budget",
+            &floor,
+            "--gpu-miss-split",
+            "50",
+            "--router-lookahead",
+            "4",
+        ]
+        .map(String::from);
+        let (v, _) = greedy(inst, r, &extra);
+        assert_eq!(
+            ids(&v["generated"]),
+            ids(&r["generated_ids"]),
+            "{model}: greedy ids with router lookahead and --gpu-miss-split 50 differ from mlx-lm"
+        );
     }
 }
 

@@ -421,6 +421,7 @@ impl GpuExperts {
             };
             keep[s] = true;
             l.table.assign(s, e);
+            l.ahead[s] = false;
             compute
                 .wait(&st.filled[i])
                 .map_err(driver("cuStreamWaitEvent"))?;
@@ -560,10 +561,11 @@ impl GpuExperts {
 
     /// Router lookahead (issue 29 item 2): starts the copy of `blob` (expert `e` of `layer`,
     /// predicted for the next step of that layer) into a slot, unpinned, unless the layer holds
-    /// it already, holds every expert, is being staged, or its eviction victim has been used more
-    /// often than `e` (a guess never evicts a hotter expert). The blob must stay unchanged until
-    /// [`copies_done`](Self::copies_done). Returns whether a copy started. A use of the slot by a
-    /// later step counts as a prefetch hit.
+    /// it already or holds every expert, a prefill is staging (any layer), every use is a forced
+    /// miss, or the eviction victim (never a slot an earlier guess filled and no step has used
+    /// yet) has been used more often than `e` (a guess never evicts a hotter expert). The blob
+    /// must stay unchanged until [`copies_done`](Self::copies_done). Returns whether a copy
+    /// started. A use of the slot by a later step counts as a prefetch hit.
     pub(crate) fn prefetch(
         &mut self,
         compute: &Arc<CudaStream>,
@@ -586,7 +588,7 @@ impl GpuExperts {
         {
             return Ok(false);
         }
-        let Some(s) = l.table.victim(|_| true) else {
+        let Some(s) = l.table.victim(|s| !l.ahead[s]) else {
             return Ok(false);
         };
         if let Some(old) = l.table.expert_in(s) {

@@ -75,7 +75,8 @@ pub struct LoadOptions {
     /// router applied to layer L's post-attention state starts non-blocking reads of its N heaviest
     /// predicted experts that are not cached, or, on a GPU under an expert budget, copies of those
     /// in the host tier into GPU slots ([`mference_backend::moe::Lookahead`]); 0 = off. Results
-    /// are identical either way; other families ignore it.
+    /// are identical either way (on CUDA with `--gpu-miss-split off`: a split may compute other
+    /// misses on the CPU, within tolerance); other families ignore it.
     pub router_lookahead: usize,
     /// Force a kernel table by name (`scalar`, `avx2`, `avx2i16`, `avx512`, `avx512i16`, `amx`, `avx512vnni`); `None` =
     /// auto: `Kernels::detect_int16` for the families checked with int16 activations (Gemma 4,

@@ -735,9 +735,6 @@ mod tests {
         assert_eq!(st.bytes_read, st.misses * stride as u64);
     }
 
-    /// Speculative reads interleaved with real requests (right and wrong guesses, some landing while
-    /// the next request runs): every blob handed out holds its expert's bytes, used guesses count as
-    /// hits, and nothing is read twice for one guess.
     #[test]
     fn a_landed_blob_is_the_file_s_and_only_when_no_read_is_in_flight() {
         let (experts, stride) = (12, 16384);
@@ -765,6 +762,9 @@ mod tests {
         );
     }
 
+    /// Speculative reads interleaved with real requests (right and wrong guesses, some landing while
+    /// the next request runs): every blob handed out holds its expert's bytes, used guesses count as
+    /// hits, and nothing is read twice for one guess.
     #[test]
     fn prefetched_slots_hold_the_right_bytes() {
         let (experts, stride) = (12, 16384);

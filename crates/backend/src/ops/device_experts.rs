@@ -32,7 +32,9 @@ pub trait DeviceExpertOps: CoreOps {
     /// predicted for that layer's next step) into the backend's own cache, unless the backend
     /// would rather not (it holds the expert, or would evict a more used one). `blob` must then
     /// stay unchanged until [`expert_copies_done`](DeviceExpertOps::expert_copies_done). The
-    /// cached bytes are the blob's, so results do not change. Returns whether a copy started.
+    /// cached bytes are the blob's, so results do not change (with a split,
+    /// [`host_misses`](DeviceExpertOps::host_misses) then picks among fewer misses). Returns
+    /// whether a copy started.
     /// Default: no cache, nothing copied.
     fn prefetch_expert(&self, layer: usize, expert: usize, blob: &[u8]) -> OpResult<bool> {
         Ok(false)
