@@ -7,7 +7,7 @@
 #
 #   tools/bench/cuda_side_by_side.sh prepare WORK LLAMA_SRC   # llama.cpp build, checkpoint, GGUF, install
 #   tools/bench/cuda_side_by_side.sh run WORK                 # the measurements, JSON under WORK
-#   tools/bench/cuda_side_by_side.sh consumer WORK            # 16 / 24 GB cards (issue 29 item 5)
+#   LLAMA_SRC=... tools/bench/cuda_side_by_side.sh consumer WORK   # 16 / 24 GB cards (issue 29 item 5)
 #
 # consumer: for each card size in GPU_GB (default "16 24"; GiB, of which 0.5 GiB is left to the
 # driver and the desktop), both engines at the most GPU memory that fits: ours with the expert
@@ -60,12 +60,22 @@ for f in sorted(glob.glob(f"{w}/llama-*.json")):
               "avg_ts %.2f" % r["avg_ts"], "stddev %.2f" % r["stddev_ts"])
 EOF
 }
-cmd="$1"
-W="$2"
+usage="usage: $0 prepare WORK LLAMA_SRC | run WORK | consumer WORK (with LLAMA_SRC set)"
+cmd="${1:-}"
+W="${2:-}"
+case "$cmd" in
+  prepare | run | consumer) [ -n "$W" ] || { echo "$usage" >&2; exit 2; } ;;
+  *) echo "$usage" >&2; exit 2 ;;
+esac
+# run and consumer measure what prepare made.
+if [ "$cmd" != prepare ] && ! [ -f "$W/$M.gturbo/manifest.json" ]; then
+  echo "no $W/$M.gturbo: run '$0 prepare $W LLAMA_SRC' first" >&2
+  exit 2
+fi
 mkdir -p "$W"
 case "$cmd" in
 prepare)
-  SRC="$3"
+  SRC="${3:?$usage}"
   # The GGUF writer is llama.cpp's own gguf-py (a machine without network has no `pip install gguf`).
   export PYTHONPATH="$SRC/gguf-py${PYTHONPATH:+:$PYTHONPATH}"
   # llama.cpp is built once per machine (a later family reuses it).
@@ -119,6 +129,7 @@ print(m['expertStride']*m['expertsPerLayer']*n, n)")
   report "$W"
   ;;
 consumer)
+  : "${LLAMA_SRC:?consumer reads the GGUF with the gguf-py of llama.cpp: set LLAMA_SRC to the source given to prepare}"
   I="$W/$M.gturbo"
   LB="$W/llama-build/bin/llama-bench"
   read -r EXPERT_BYTES LAYERS < <(python3 -c "

@@ -84,6 +84,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         return Ok(());
     }
     // What the children would only find out one by one, checked once up front.
+    crate::run_cmd::check_install_dir(&a.model.model)?;
     if let Some(m) = crate::run_cmd::max_positions(&a.model.model)? {
         if a.max_context > m {
             bail!(

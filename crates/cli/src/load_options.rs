@@ -5,7 +5,7 @@
 use anyhow::{bail, Result};
 
 use mference_format::{Install, Manifest};
-use mference_models::{Device, GpuExpertBudget, LoadOptions};
+use mference_models::{Device, LoadOptions};
 use mference_runtime::CacheSlots;
 
 use crate::flags::{KvCache, ModelArgs, Slots};
@@ -48,7 +48,15 @@ fn device_flags_for(m: &ModelArgs, man: Option<&Manifest>) -> Result<()> {
     mference_models::check_device(m.device, man.map(|man| man.arch.family))?;
     // A rounded kernel table for a family not checked with it, likewise before anything is read.
     if let Some(man) = man {
-        mference_models::check_kernels(m.kernels.0, man.arch.family)?;
+        let family = man.arch.family;
+        mference_models::check_kernels(m.kernels.0, family)?;
+        // Flags the family does not take, likewise (a bench would start its runs first).
+        mference_models::check_flags(
+            family,
+            family.model_type(),
+            m.flash_head,
+            m.router_lookahead,
+        )?;
     }
     Ok(())
 }
@@ -309,7 +317,7 @@ fn options_for(
         kernels: m.kernels.0.map(str::to_string),
         kv_dtype: m.kv_cache.into(),
         device: m.device,
-        gpu_expert_budget: m.gpu_expert_budget.unwrap_or(GpuExpertBudget::Auto),
+        gpu_expert_budget: m.gpu_expert_budget,
         gpu_force_miss: m.gpu_force_miss,
         gpu_miss_split: m.gpu_miss_split,
         flash_head: m.flash_head,

@@ -209,6 +209,11 @@ fn bench_rejects_bad_flags_before_loading() {
             vec!["--device", "cpu", "--gpu-expert-budget", "auto"],
             "--gpu-expert-budget applies only on CUDA",
         ),
+        // A path that is no install says so (it said "reading .../tokenizer/config.json").
+        (
+            vec![],
+            "/nonexistent.gturbo is not an mference install (no manifest.json)",
+        ),
     ] {
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_mference"))
             .args(["bench", "--model", "/nonexistent.gturbo"])

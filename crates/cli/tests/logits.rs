@@ -361,10 +361,13 @@ fn the_device_flag_names_its_backend_and_never_falls_back_silently() {
             said.contains(&format!("(--device auto: {why})")),
             "auto names why it took the CPU ({why}): {said}"
         );
-        // A GPU-only flag is refused rather than dropped when auto takes the CPU.
-        let mut budget = argv("auto");
-        budget.extend(["--gpu-expert-budget".to_string(), "1G".to_string()]);
-        run_refused(BIN, &refs(&budget), "--device auto found no usable CUDA");
+        // A GPU-only flag is refused rather than dropped when auto takes the CPU, even typed as
+        // its default.
+        for value in ["1G", "auto"] {
+            let mut budget = argv("auto");
+            budget.extend(["--gpu-expert-budget".to_string(), value.to_string()]);
+            run_refused(BIN, &refs(&budget), "--device auto found no usable CUDA");
+        }
     }
 }
 

@@ -162,3 +162,31 @@ fn maple_fixture_with_its_tokenizer_runs_benches_and_serves() {
 fn maple_flash_head_runs_benches_and_serves() {
     check_case("B", &["--flash-head"]);
 }
+
+/// A flag Maple does not take is refused before a bench starts a run, naming the families that
+/// take it (and nothing of DeepSeek-V4's own prefetch).
+#[test]
+fn maple_bench_refuses_the_router_lookahead_up_front() {
+    let work = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let model = install(work.path(), "A");
+    let out = std::process::Command::new(BIN)
+        .args([
+            "bench",
+            "--model",
+            &model,
+            "--prompts",
+            "16",
+            "--router-lookahead",
+            "2",
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "accepted:\n{err}");
+    assert!(
+        err.contains("--router-lookahead is a Gemma 4 / Qwen 3.6 option; this install is maple")
+            && !err.contains("DeepSeek-V4")
+            && !err.contains("[bench]"),
+        "{err}"
+    );
+}

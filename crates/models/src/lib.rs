@@ -34,7 +34,8 @@ pub use model::{Model, StepTimes};
 pub use options::{Device, LoadOptions};
 pub use prefix::PrefixCache;
 pub use registry::{
-    check_config, check_device, check_kernels, load, load_install, probe_device, required_ops,
+    check_config, check_device, check_flags, check_kernels, load, load_install, probe_device,
+    required_ops,
 };
 pub use state::{CompressedKv, LayerState, Rings, SequenceState};
 pub use streamers::Streamers;

@@ -58,8 +58,9 @@ pub struct LoadOptions {
     pub routing_trace: Option<std::path::PathBuf>,
     /// Where the ops run.
     pub device: Device,
-    /// On CUDA: device memory for routed experts (`--gpu-expert-budget`).
-    pub gpu_expert_budget: mference_cuda::GpuExpertBudget,
+    /// On CUDA: device memory for routed experts (`--gpu-expert-budget`; `None`: not given, auto
+    /// on CUDA; given, even as auto, it is refused where `--device auto` falls back to the CPU).
+    pub gpu_expert_budget: Option<mference_cuda::GpuExpertBudget>,
     /// On CUDA: count every expert use as a miss and copy it in again (tests the copy path).
     pub gpu_force_miss: bool,
     /// On CUDA under a budget: the share of each decode row's GPU misses computed on the host
@@ -115,7 +116,7 @@ impl Default for LoadOptions {
             trace_router: false,
             routing_trace: None,
             device: Device::Cpu,
-            gpu_expert_budget: mference_cuda::GpuExpertBudget::Auto,
+            gpu_expert_budget: None,
             gpu_force_miss: false,
             gpu_miss_split: None,
             shadow_prefetch: true,

@@ -29,12 +29,11 @@ pub fn load(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn Model>, ModelError
 pub fn load_install(install: Install, opts: &LoadOptions) -> Result<Box<dyn Model>, ModelError> {
     let family = Family::from_config(&install.config_json)?;
     let model_type = config_model_type(&install.config_json).to_string();
-    check_options(family, &model_type, opts)?;
+    check_flags(family, &model_type, opts.flash_head, opts.router_lookahead)?;
     // What CUDA lacks is named before the weights are read; `auto` decides here.
     let auto_cpu = check_device(opts.device, Some(family))?;
-    let gpu_only = opts.gpu_expert_budget != GpuExpertBudget::Auto
-        || opts.gpu_force_miss
-        || opts.gpu_miss_split.is_some();
+    let gpu_only =
+        opts.gpu_expert_budget.is_some() || opts.gpu_force_miss || opts.gpu_miss_split.is_some();
     if let Some(why) = auto_cpu.as_ref().filter(|_| gpu_only) {
         // The GPU-only settings would be dropped without a word: refuse them instead.
         return Err(ModelError::Device(format!(
@@ -122,19 +121,29 @@ pub fn check_config(config: &serde_json::Value) -> Result<Family, ModelError> {
     Ok(family)
 }
 
-/// Refuses the options `family` does not take ([`mference_format::FamilySpec::flash_head`],
-/// [`mference_format::FamilySpec::router_lookahead`]); `model_type` is the install's, for the message.
-fn check_options(family: Family, model_type: &str, opts: &LoadOptions) -> Result<(), ModelError> {
-    if opts.flash_head && !family.flash_head() {
+/// Refuses the options `family` does not take: `--flash-head` and `--router-lookahead N > 0`
+/// ([`mference_format::FamilySpec::flash_head`], [`mference_format::FamilySpec::router_lookahead`]);
+/// `model_type` is the install's, for the message. Cheap: the CLI calls it before anything is
+/// read, [`load`] again.
+pub fn check_flags(
+    family: Family,
+    model_type: &str,
+    flash_head: bool,
+    router_lookahead: usize,
+) -> Result<(), ModelError> {
+    if flash_head && !family.flash_head() {
         return Err(ModelError::Config(format!(
             "--flash-head is a {} option; this install is {model_type}",
             Family::display_names_where(Family::flash_head, " / "),
         )));
     }
-    if opts.router_lookahead > 0 && !family.router_lookahead() {
+    if router_lookahead > 0 && !family.router_lookahead() {
+        let own = match family {
+            Family::DeepseekV4 => " (DeepSeek-V4 has its own shadow prefetch)",
+            _ => "",
+        };
         return Err(ModelError::Config(format!(
-            "--router-lookahead is a {} option; this install is {model_type} \
-             (DeepSeek-V4 has its own shadow prefetch)",
+            "--router-lookahead is a {} option; this install is {model_type}{own}",
             Family::display_names_where(Family::router_lookahead, " / "),
         )));
     }
@@ -336,7 +345,7 @@ fn gpu_expert_cache(engine: &Engine, opts: &LoadOptions) -> mference_cuda::Exper
             stride: l.expert_stride as usize,
             top_k: engine.install.manifest.arch.top_k_experts as usize,
         },
-        budget: opts.gpu_expert_budget,
+        budget: opts.gpu_expert_budget.unwrap_or(GpuExpertBudget::Auto),
         force_miss: opts.gpu_force_miss,
     }
 }
@@ -383,9 +392,14 @@ mod tests {
     use super::*;
 
     fn refused(family: Family, opts: &LoadOptions) -> Option<String> {
-        check_options(family, family.model_type(), opts)
-            .err()
-            .map(|e| e.to_string())
+        check_flags(
+            family,
+            family.model_type(),
+            opts.flash_head,
+            opts.router_lookahead,
+        )
+        .err()
+        .map(|e| e.to_string())
     }
 
     /// Issue 30 item 3: the CUDA backend has every op of every family, so `--device auto` takes
@@ -437,6 +451,10 @@ mod tests {
             refused(Family::DeepseekV4, &lookahead).unwrap(),
             "config: --router-lookahead is a Gemma 4 / Qwen 3.6 option; this install is \
              deepseek_v4 (DeepSeek-V4 has its own shadow prefetch)"
+        );
+        assert_eq!(
+            refused(Family::Maple, &lookahead).unwrap(),
+            "config: --router-lookahead is a Gemma 4 / Qwen 3.6 option; this install is maple"
         );
         assert_eq!(
             Family::display_names_where(Family::int8_prefill, " and "),

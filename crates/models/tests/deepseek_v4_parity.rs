@@ -281,7 +281,7 @@ fn outputs_are_bit_identical_across_slots_and_io() {
         let o = LoadOptions {
             slots,
             direct_io,
-            gpu_expert_budget: mference_cuda::GpuExpertBudget::Resident,
+            gpu_expert_budget: Some(mference_cuda::GpuExpertBudget::Resident),
             gpu_force_miss: cuda && (slots, direct_io) != (CacheSlots::Fixed(8), false),
             ..opts(64, KvDtype::F32)
         };

@@ -363,7 +363,7 @@ pub fn assert_slot_invariance(install: &Path, prompt: &[u32]) {
     let cuda = matches!(test_device(), Device::Cuda(_));
     let base_opts = LoadOptions {
         slots: CacheSlots::Resident,
-        gpu_expert_budget: mference_cuda::GpuExpertBudget::Resident,
+        gpu_expert_budget: Some(mference_cuda::GpuExpertBudget::Resident),
         ..opts(64, 512)
     };
     let with = |slots: CacheSlots, direct_io: bool| LoadOptions {
