@@ -212,7 +212,7 @@ fn cuda_greedy_64_matches_mlx_lm_with_misses_on_the_cpu() {
             let idf = ids_file(work.path(), model);
             let a = work.path().join(format!("{model}-a.npy"));
             let b = work.path().join(format!("{model}-b.npy"));
-            let (first, line) = cuda_logits_env(inst, "decode", &idf, &a, &extra, &[]);
+            let (first, line) = cuda_logits(inst, "decode", &idf, &a, &extra, &[]);
             let again = match split {
                 "auto" => {
                     let share = share_named(&line).unwrap_or_else(|| {
@@ -222,9 +222,9 @@ fn cuda_greedy_64_matches_mlx_lm_with_misses_on_the_cpu() {
                     });
                     let mut pinned = extra.clone();
                     pinned[3] = share.to_string();
-                    cuda_logits(inst, "decode", &idf, &b, &pinned, &[])
+                    cuda_logits(inst, "decode", &idf, &b, &pinned, &[]).0
                 }
-                _ => cuda_logits(inst, "decode", &idf, &b, &extra, &[]),
+                _ => cuda_logits(inst, "decode", &idf, &b, &extra, &[]).0,
             };
             assert!(
                 first == again,
@@ -251,20 +251,8 @@ fn ids_file(work: &Path, model: &str) -> std::path::PathBuf {
 }
 
 /// The bytes of the logits `mference logits --device cuda --mode <mode>` writes for the ids in
-/// `idf` on `inst`, with `extra` arguments and `env` set.
+/// `idf` on `inst`, with `extra` arguments and `env` set, and its stderr (the load line).
 fn cuda_logits(
-    inst: &Path,
-    mode: &str,
-    idf: &Path,
-    out: &Path,
-    extra: &[String],
-    env: &[(&str, &str)],
-) -> Vec<u8> {
-    cuda_logits_env(inst, mode, idf, out, extra, env).0
-}
-
-/// [`cuda_logits`] and its stderr (the load line).
-fn cuda_logits_env(
     inst: &Path,
     mode: &str,
     idf: &Path,
@@ -314,7 +302,7 @@ fn cuda_logits_are_bit_identical_across_gpu_budgets() {
         let mut first: Option<(String, Vec<u8>)> = None;
         for (i, (name, extra)) in settings(inst).into_iter().enumerate() {
             let out = work.join(format!("{model}-{i}.npy"));
-            let bytes = cuda_logits(inst, mode, idf, &out, &extra, &[]);
+            let bytes = cuda_logits(inst, mode, idf, &out, &extra, &[]).0;
             match &first {
                 None => first = Some((name, bytes)),
                 Some((n0, b0)) => assert!(
@@ -344,8 +332,8 @@ fn cuda_logits_do_not_depend_on_dependent_launch() {
             ("MFERENCE_CUDA_QV_PREFETCH", "0"),
         ];
         assert!(
-            cuda_logits(inst, mode, idf, &on, &[], &[])
-                == cuda_logits(inst, mode, idf, &off, &[], &pdl_off),
+            cuda_logits(inst, mode, idf, &on, &[], &[]).0
+                == cuda_logits(inst, mode, idf, &off, &[], &pdl_off).0,
             "{model} {mode}: logits with dependent launch differ from those without"
         );
         eprintln!("{model} {mode}: logits bit-identical with and without dependent launch");
@@ -369,7 +357,7 @@ fn cuda_logits_do_not_depend_on_prefill_staging() {
         let on = work.join(format!("{model}-staged.npy"));
         let off = work.join(format!("{model}-slots.npy"));
         assert!(
-            cuda_logits(inst, mode, idf, &on, &extra, &[])
+            cuda_logits(inst, mode, idf, &on, &extra, &[]).0
                 == cuda_logits(
                     inst,
                     mode,
@@ -377,7 +365,8 @@ fn cuda_logits_do_not_depend_on_prefill_staging() {
                     &off,
                     &extra,
                     &[("MFERENCE_CUDA_STAGING", "0")]
-                ),
+                )
+                .0,
             "{model} {mode}: logits with prefill staging differ from those without"
         );
         eprintln!("{model} {mode}: logits bit-identical with and without prefill staging");
@@ -412,14 +401,16 @@ fn cuda_logits_do_not_depend_on_router_lookahead() {
                 &work.join(format!("{model}-ahead.npy")),
                 &on,
                 &[]
-            ) == cuda_logits(
+            )
+            .0 == cuda_logits(
                 inst,
                 mode,
                 idf,
                 &work.join(format!("{model}-plain.npy")),
                 &off,
                 &[]
-            ),
+            )
+            .0,
             "{model}: decode logits with router lookahead copies differ from those without"
         );
         eprintln!("{model}: decode logits bit-identical with and without router lookahead");
