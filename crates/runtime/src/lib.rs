@@ -3,6 +3,7 @@
 //!
 //! The design is in `docs/ARCHITECTURE.md`; the model math lives in `mference-models`.
 
+mod io;
 pub mod kv;
 pub mod pool;
 pub mod sampler;
