@@ -67,10 +67,18 @@ case "$cmd" in
   prepare | run | consumer) [ -n "$W" ] || { echo "$usage" >&2; exit 2; } ;;
   *) echo "$usage" >&2; exit 2 ;;
 esac
-# run and consumer measure what prepare made.
-if [ "$cmd" != prepare ] && ! [ -f "$W/$M.gturbo/manifest.json" ]; then
-  echo "no $W/$M.gturbo: run '$0 prepare $W LLAMA_SRC' first" >&2
-  exit 2
+# run and consumer measure what prepare made; expert bytes: stride x experts x layers with an
+# expert file.
+I="$W/$M.gturbo"
+if [ "$cmd" != prepare ]; then
+  if ! [ -f "$I/manifest.json" ]; then
+    echo "no $I: run '$0 prepare $W LLAMA_SRC' first" >&2
+    exit 2
+  fi
+  read -r EXPERT_BYTES LAYERS < <(python3 -c "
+import json,sys; m=json.load(open('$I/manifest.json'))
+n=sum(1 for k in m['files'] if k.startswith('packed_experts/layer_'))
+print(m['expertStride']*m['expertsPerLayer']*n, n)")
 fi
 mkdir -p "$W"
 case "$cmd" in
@@ -97,12 +105,6 @@ prepare)
   cat "$W"/*.done
   ;;
 run)
-  I="$W/$M.gturbo"
-  # Expert bytes: stride x experts x layers with an expert file.
-  read -r EXPERT_BYTES LAYERS < <(python3 -c "
-import json,sys; m=json.load(open('$I/manifest.json'))
-n=sum(1 for k in m['files'] if k.startswith('packed_experts/layer_'))
-print(m['expertStride']*m['expertsPerLayer']*n, n)")
   echo "expert bytes: $EXPERT_BYTES over $LAYERS layers"
   for b in resident 25 10; do
     case $b in
@@ -130,12 +132,7 @@ print(m['expertStride']*m['expertsPerLayer']*n, n)")
   ;;
 consumer)
   : "${LLAMA_SRC:?consumer reads the GGUF with the gguf-py of llama.cpp: set LLAMA_SRC to the source given to prepare}"
-  I="$W/$M.gturbo"
   LB="$W/llama-build/bin/llama-bench"
-  read -r EXPERT_BYTES LAYERS < <(python3 -c "
-import json,sys; m=json.load(open('$I/manifest.json'))
-n=sum(1 for k in m['files'] if k.startswith('packed_experts/layer_'))
-print(m['expertStride']*m['expertsPerLayer']*n, n)")
   # llama.cpp's routed-expert bytes per layer, from the GGUF's tensor table.
   LLAMA_LAYER=$(PYTHONPATH="$LLAMA_SRC/gguf-py" python3 -c "
 from gguf import GGUFReader
