@@ -4,7 +4,7 @@
 use crate::*;
 
 /// Every kernel of `ops/`, loaded at startup (a missing one fails [`CudaBackend::new`]).
-pub(crate) const KERNELS: [&str; 86] = [
+pub(crate) const KERNELS: [&str; 88] = [
     "all_finite",
     "matmul_bf16",
     "linear",
@@ -55,6 +55,8 @@ pub(crate) const KERNELS: [&str; 86] = [
     "qmv_glu_ids8_p",
     "qgemm",
     "qgemm_tc",
+    "qgemm_tc4",
+    "qt_split_x",
     "qgemm_sum",
     "qembed",
     "argmax",

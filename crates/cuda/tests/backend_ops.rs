@@ -342,3 +342,105 @@ fn one_row_products_of_different_row_counts_share_a_launch() {
     }
     assert!(fails.is_empty(), "{}", fails.join("\n"));
 }
+
+/// The same 4-bit matrix with its codes 16-byte aligned and 2, 6 and 10 bytes past (`qgemm_tc4`
+/// reads the aligned pieces around them and shifts): prefill products of 2 to 300 rows, gate and
+/// up sharing one x in a launch, every result within the f64 reference's budget and the same
+/// bits at every place.
+#[test]
+fn prefill_products_have_the_same_bits_wherever_the_codes_lie() {
+    let mut rng = Rng(1618);
+    let mut buf = Vec::new();
+    let mut pairs = Vec::new();
+    for (rows, cols, gs) in [
+        (700, 2816, 64),
+        (2816, 704, 64),
+        (40, 256, 32),
+        (300, 512, 128),
+    ] {
+        let mut at = [None; 4];
+        let codes: Vec<u8> = (0..rows * cols / 2).map(|_| next(&mut rng) as u8).collect();
+        let scales = vals(&mut rng, rows * cols / gs, 0.05);
+        let biases = vals(&mut rng, rows * cols / gs, 0.2);
+        for (k, residue) in [0usize, 2, 6, 10].into_iter().enumerate() {
+            while buf.len() % 16 != residue {
+                buf.push(0);
+            }
+            let w0 = buf.len();
+            buf.extend(&codes);
+            let s0 = buf.len();
+            scales.iter().for_each(|&s| buf.extend(bf16(s)));
+            let b0 = buf.len();
+            biases.iter().for_each(|&b| buf.extend(bf16(b)));
+            let groups = rows * cols / gs;
+            at[k] = Some((w0, (s0, 2 * groups), (b0, 2 * groups)));
+        }
+        pairs.push((rows, cols, at.map(|a| a.expect("placed"))));
+    }
+    buf.extend([0u8; 64]);
+    let len = buf.len();
+    let mats: Vec<[mference_backend::QRef; 4]> = pairs
+        .iter()
+        .map(|&(rows, cols, at)| {
+            at.map(|(w0, s, b)| {
+                mference_backend::QRef::from_parts(
+                    "m",
+                    rows,
+                    cols,
+                    (w0, rows * cols / 2),
+                    s,
+                    b,
+                    len,
+                )
+                .expect("a well-formed matrix")
+            })
+        })
+        .collect();
+    let bytes = Arc::new(buf);
+    let Some(be) = start(&bytes) else { return };
+    let mut fails = Vec::new();
+    for t in [2usize, 7, 33, 64, 300] {
+        for (i, placed) in mats.iter().enumerate() {
+            let aligned = &placed[0];
+            let x = vals(&mut rng, t * aligned.cols, 1.0);
+            let xt = be.upload(&x, aligned.cols).expect("upload");
+            let want = refr::matmul(aligned, &bytes, &x);
+            let name = format!("[{}, {}] x {t} rows", aligned.rows, aligned.cols);
+            // Twice in one launch (as an expert's gate and up share x), then at each other place.
+            let two = be
+                .matmul(&[aligned, aligned], Weights::Resident, &xt)
+                .expect("matmul");
+            let first = be.read(&two[0]).expect("read");
+            expect(
+                &mut fails,
+                format!("{name} (aligned)"),
+                &first,
+                &want,
+                EXACT_REL,
+            );
+            if bits_differ(&first, &be.read(&two[1]).expect("read")) {
+                fails.push(format!(
+                    "matrix {i}, {name}: the launch's second product differs"
+                ));
+            }
+            for (k, m) in placed.iter().enumerate().skip(1) {
+                let y = be
+                    .matmul(&[m], Weights::Resident, &xt)
+                    .expect("matmul")
+                    .remove(0);
+                let got = be.read(&y).expect("read");
+                expect(
+                    &mut fails,
+                    format!("{name} (place {k})"),
+                    &got,
+                    &want,
+                    EXACT_REL,
+                );
+                if bits_differ(&first, &got) {
+                    fails.push(format!("matrix {i}, {name}: place {k}'s bits differ"));
+                }
+            }
+        }
+    }
+    assert!(fails.is_empty(), "{}", fails.join("\n"));
+}

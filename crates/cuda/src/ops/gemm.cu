@@ -294,6 +294,119 @@ __device__ __forceinline__ u32 f32_to_bf16_rn(float f) {
     return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
 }
 
+// x's 4 floats as QT_TERMS BF16 terms each, tb[k][e] the rounding of what terms 0 .. k - 1 of
+// v[e] leave (x = hi + mid + lo for 3).
+__device__ __forceinline__ void qt_split4(const float (&v)[4], u32 (&tb)[QT_TERMS][4]) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        float rest = v[e];
+#pragma unroll
+        for (int k = 0; k < QT_TERMS; ++k) {
+            tb[k][e] = f32_to_bf16_rn(rest);
+            rest -= __uint_as_float(tb[k][e] << 16);
+        }
+    }
+}
+
+// A warp's accumulators over its 32 w rows (2 m16 tiles) by the tile's 32 x rows (4 n8 tiles),
+// shared by qgemm_tc and qgemm_tc4: `part` the current group's q' . x, `acc` the folded outputs,
+// `xsum` the group's sums of x per row, `sv` / `bv` the group's scale and b' = b + s m per w row
+// (m tile, g / g + 8).
+struct QtAcc {
+    float acc[2][4][4], part[2][4][4], xsum[4][2];
+    float sv[2][2], bv[2][2];
+
+    __device__ __forceinline__ void zero() {
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[i][j][e] = part[i][j][e] = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) xsum[j][0] = xsum[j][1] = 0.0f;
+    }
+
+    // The scales and biases of group `gi` for w rows rw + 16 i + 8 hh (rw = the warp's first row
+    // + g), codes centred on `mid`.
+    __device__ __forceinline__ void scales(const u16* sc, const u16* bi, u64 groups, u64 gi, int rw,
+                                           int rows, int mid) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                int r = rw + i * 16 + 8 * hh;
+                float sg = r < rows ? bf16_to_f32(sc[(u64)r * groups + gi]) : 0.0f;
+                float bg = r < rows ? bf16_to_f32(bi[(u64)r * groups + gi]) : 0.0f;
+                sv[i][hh] = sg;
+                bv[i][hh] = fmaf(sg, (float)mid, bg);
+            }
+    }
+
+    // part += A (the warp's codes, af) times the 16 columns at `kc` of the x tile's QT_TERMS
+    // planes (x3: [QT_TERMS][QT_BT * QT_LD] BF16 in shared memory), term after term.
+    __device__ __forceinline__ void mma_terms(const u32 (&af)[2][4], const u16* x3, int kc,
+                                              int lane) {
+#pragma unroll
+        for (int term = 0; term < QT_TERMS; ++term) {
+            const u16* xb = x3 + term * QT_BT * QT_LD;
+            u32 bf[4][2];
+#pragma unroll
+            for (int np = 0; np < 2; ++np) {
+                int mi = lane >> 3;
+                const u16* p =
+                    xb + (np * 16 + (mi >> 1) * 8 + (lane & 7)) * QT_LD + kc + (mi & 1) * 8;
+                ldsm_x4(smem_addr(p), bf[2 * np][0], bf[2 * np][1], bf[2 * np + 1][0],
+                        bf[2 * np + 1][1]);
+            }
+#pragma unroll
+            for (int i = 0; i < 2; ++i)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) mma_bf16(part[i][j], af[i], bf[j][0], bf[j][1]);
+        }
+    }
+
+    // The step's sums of x (xs: QT_BT floats in shared memory) into the group's.
+    __device__ __forceinline__ void add_sums(const float* xs, int tig) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            xsum[j][0] += xs[j * 8 + 2 * tig];
+            xsum[j][1] += xs[j * 8 + 2 * tig + 1];
+        }
+    }
+
+    // acc += s P + b' X for the group just ended, then a new group.
+    __device__ __forceinline__ void fold() {
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    float sc_ = sv[i][e >> 1], b_ = bv[i][e >> 1];
+                    acc[i][j][e] = fmaf(b_, xsum[j][e & 1], fmaf(sc_, part[i][j][e], acc[i][j][e]));
+                    part[i][j][e] = 0.0f;
+                }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) xsum[j][0] = xsum[j][1] = 0.0f;
+    }
+
+    // The outputs into y ([t_rows, rows] f32): w rows rw + ..., x rows t0 + ...
+    __device__ __forceinline__ void store(float* y, int rows, int t_rows, int rw, int t0,
+                                          int tig) const {
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    int r = rw + i * 16 + 8 * (e >> 1);
+                    int t = t0 + j * 8 + 2 * tig + (e & 1);
+                    if (r < rows && t < t_rows) y[(u64)t * rows + r] = acc[i][j][e];
+                }
+    }
+};
+
 // The shared buffers of one step.
 struct QtStage {
     u16 a[QT_BM * QT_LD];   // codes of the block's w rows, BF16, k contiguous
@@ -357,15 +470,7 @@ __device__ __forceinline__ void qgemm_tc_tile(QtStage* st, const QJobs& q, int j
         for (int h = 0; h < 2; ++h) {
             float v[4] = {xv[h].x, xv[h].y, xv[h].z, xv[h].w};
             u32 tb[QT_TERMS][4];
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                float rest = v[e];
-#pragma unroll
-                for (int k = 0; k < QT_TERMS; ++k) {
-                    tb[k][e] = f32_to_bf16_rn(rest);
-                    rest -= __uint_as_float(tb[k][e] << 16);
-                }
-            }
+            qt_split4(v, tb);
             int t = xn + 16 * h;
 #pragma unroll
             for (int k = 0; k < QT_TERMS; ++k)
@@ -379,17 +484,9 @@ __device__ __forceinline__ void qgemm_tc_tile(QtStage* st, const QJobs& q, int j
         }
     };
 
-    float acc[2][4][4], part[2][4][4], xsum[4][2];
-    float sv[2][2], bv[2][2];  // scale and bias of rows (m tile, g / g + 8) in the current group
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[i][j][e] = part[i][j][e] = 0.0f;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) xsum[j][0] = xsum[j][1] = 0.0f;
-
+    QtAcc qa;
+    qa.zero();
+    const int rw = r0 + warp * 32 + g;
     if (kb < ke) {
         load(kb);
         store(st);
@@ -398,19 +495,8 @@ __device__ __forceinline__ void qgemm_tc_tile(QtStage* st, const QJobs& q, int j
         for (int kt = kb; kt < ke; ++kt) {
             bool more = kt + 1 < ke;
             // The group's scales and biases, at its first step (or the split's first).
-            if (kt == kb || ((kt * QT_BK) & (group - 1)) == 0) {
-                u64 gi = (u64)(kt * QT_BK / group);
-#pragma unroll
-                for (int i = 0; i < 2; ++i)
-#pragma unroll
-                    for (int hh = 0; hh < 2; ++hh) {
-                        int r = r0 + warp * 32 + i * 16 + g + 8 * hh;
-                        float sg = r < rows ? bf16_to_f32(sc[(u64)r * groups + gi]) : 0.0f;
-                        float bg = r < rows ? bf16_to_f32(bi[(u64)r * groups + gi]) : 0.0f;
-                        sv[i][hh] = sg;
-                        bv[i][hh] = fmaf(sg, (float)mid, bg);
-                    }
-            }
+            if (kt == kb || ((kt * QT_BK) & (group - 1)) == 0)
+                qa.scales(sc, bi, groups, (u64)(kt * QT_BK / group), rw, rows, mid);
             if (more) load(kt + 1);
             const QtStage* s = st + cur;
 #pragma unroll
@@ -422,62 +508,17 @@ __device__ __forceinline__ void qgemm_tc_tile(QtStage* st, const QJobs& q, int j
                                    (lane >> 4) * 8;
                     ldsm_x4(smem_addr(p), af[i][0], af[i][1], af[i][2], af[i][3]);
                 }
-#pragma unroll
-                for (int term = 0; term < QT_TERMS; ++term) {
-                    const u16* xb = s->x3[term];
-                    u32 bf[4][2];
-#pragma unroll
-                    for (int np = 0; np < 2; ++np) {
-                        int mi = lane >> 3;
-                        const u16* p = xb + (np * 16 + (mi >> 1) * 8 + (lane & 7)) * QT_LD + kk +
-                                       (mi & 1) * 8;
-                        ldsm_x4(smem_addr(p), bf[2 * np][0], bf[2 * np][1], bf[2 * np + 1][0],
-                                bf[2 * np + 1][1]);
-                    }
-#pragma unroll
-                    for (int i = 0; i < 2; ++i)
-#pragma unroll
-                        for (int j = 0; j < 4; ++j) mma_bf16(part[i][j], af[i], bf[j][0], bf[j][1]);
-                }
+                qa.mma_terms(af, s->x3[0], kk, lane);
             }
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                xsum[j][0] += s->xs[j * 8 + 2 * tig];
-                xsum[j][1] += s->xs[j * 8 + 2 * tig + 1];
-            }
+            qa.add_sums(s->xs, tig);
             // Fold at the group's last step (or the split's last).
-            if (!more || (((kt + 1) * QT_BK) & (group - 1)) == 0) {
-#pragma unroll
-                for (int i = 0; i < 2; ++i)
-#pragma unroll
-                    for (int j = 0; j < 4; ++j)
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            float sc_ = sv[i][e >> 1], b_ = bv[i][e >> 1];
-                            acc[i][j][e] =
-                                fmaf(b_, xsum[j][e & 1], fmaf(sc_, part[i][j][e], acc[i][j][e]));
-                            part[i][j][e] = 0.0f;
-                        }
-#pragma unroll
-                for (int j = 0; j < 4; ++j) xsum[j][0] = xsum[j][1] = 0.0f;
-            }
+            if (!more || (((kt + 1) * QT_BK) & (group - 1)) == 0) qa.fold();
             if (more) store(st + (cur ^ 1));
             __syncthreads();
             cur ^= 1;
         }
     }
-
-    float* y = (float*)q.y[job] + (u64)split * t_rows * rows;
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                int r = r0 + warp * 32 + i * 16 + g + 8 * (e >> 1);
-                int t = t0 + j * 8 + 2 * tig + (e & 1);
-                if (r < rows && t < t_rows) y[(u64)t * rows + r] = acc[i][j][e];
-            }
+    qa.store((float*)q.y[job] + (u64)split * t_rows * rows, rows, t_rows, rw, t0, tig);
 }
 
 template <int WB>
@@ -513,4 +554,197 @@ extern "C" __global__ void __launch_bounds__(QT_THREADS)
             qgemm_tc_bits<2>(st, jobs.q, j, bits, rows, cols, group, t_rows, tile * QT_BT, r0, kb,
                              ke, split);
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// qgemm_tc4: qgemm_tc's products for 4-bit matrices, the same bits, pipelined. x is split into
+// its BF16 terms once per product by qt_split_x (qgemm_tc splits it again in every block of w
+// rows), and the codes, the terms and the step sums of x cross into shared memory by cp.async,
+// Q4_STAGES - 1 steps ahead of the tensor cores; each warp builds its mma A fragments straight
+// from the raw codes (a byte holds the two codes of a fragment register: (128 + q) as BF16 is
+// 0x4300 | q, less 136 in one BF16 fma, exact), where qgemm_tc converts every code to BF16 in
+// shared memory and reads it back with ldmatrix. A tensor starts only 2-byte aligned, so each
+// row's 16 bytes of a step come in the two aligned 16-byte pieces around them (one where the
+// codes are aligned) and are shifted into place from shared memory. The tile is blockDim.x rows
+// of w (128 or 256: a warp per 32 rows, as in qgemm_tc) by QT_BT rows of x; the per-group fold,
+// the k order, the mma sequence and the column splits are qgemm_tc's, so every output has the
+// same bits on either kernel.
+
+#define Q4_BM_MAX 256
+#define Q4_STAGES 3
+
+// job j's terms of x as qt_split_x writes them at q.y[j] (read by qgemm_tc4 at q.x[j]):
+// QT_TERMS planes [t_rows, cols] of BF16, then the sums [cols / QT_BK, t_pad] f32 of each
+// step's 32 columns of each row (t_pad = t_rows rounded up to QT_BT, the rows past t_rows 0).
+__device__ __forceinline__ int qt_pad(int t_rows) { return (t_rows + QT_BT - 1) / QT_BT * QT_BT; }
+
+// Splits x (f32 at q.x[j], t_rows[j] rows of cols) into qgemm_tc's BF16 terms and step sums,
+// in its order (a step's 32 columns: 8 sums of 4, ((v0 + v1) + v2) + v3, then added as a tree).
+// blockIdx.y = job; a thread per (row, step).
+extern "C" __global__ void qt_split_x(QGJobs jobs, int cols) {
+    grid_dep_wait();
+    int j = blockIdx.y;
+    int t_rows = jobs.t_rows[j], t_pad = qt_pad(t_rows), steps = cols / QT_BK;
+    const float* x = (const float*)jobs.q.x[j];
+    u16* xt = (u16*)jobs.q.y[j];
+    u64 plane = (u64)t_rows * cols;
+    float* sums = (float*)(xt + QT_TERMS * plane);
+    for (u64 c = (u64)blockIdx.x * blockDim.x + threadIdx.x; c < (u64)t_pad * steps;
+         c += (u64)gridDim.x * blockDim.x) {
+        int t = (int)(c / steps), k = (int)(c % steps);
+        if (t >= t_rows) {
+            sums[(u64)k * t_pad + t] = 0.0f;
+            continue;
+        }
+        const float4* src = (const float4*)(x + (u64)t * cols + k * QT_BK);
+        float s4[8];
+#pragma unroll
+        for (int q = 0; q < 8; ++q) {
+            float4 f = src[q];
+            float v[4] = {f.x, f.y, f.z, f.w};
+            u32 tb[QT_TERMS][4];
+            qt_split4(v, tb);
+#pragma unroll
+            for (int term = 0; term < QT_TERMS; ++term)
+                *(uint2*)(xt + term * plane + (u64)t * cols + k * QT_BK + 4 * q) =
+                    make_uint2(tb[term][0] | (tb[term][1] << 16), tb[term][2] | (tb[term][3] << 16));
+            s4[q] = ((v[0] + v[1]) + v[2]) + v[3];
+        }
+        sums[(u64)k * t_pad + t] =
+            ((s4[0] + s4[1]) + (s4[2] + s4[3])) + ((s4[4] + s4[5]) + (s4[6] + s4[7]));
+    }
+}
+
+// 16 bytes global -> shared, asynchronously; `bytes` 0 fills the 16 with zeros (nothing read).
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, u32 bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// The fragment register of two 4-bit codes: byte `sel & 3` of `word` (low nibble the lower
+// column), each code q as the BF16 q - 8.
+__device__ __forceinline__ u32 q4_pair(u32 word, u32 sel) {
+    u32 b = __byte_perm(word, 0u, sel);
+    u32 v = ((b * 0x1001u) & 0x000f000fu) | 0x43004300u;
+    u32 r;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(v), "r"(0x3f803f80u), "r"(0xc308c308u));
+    return r;
+}
+
+struct Q4Stage {
+    // Each w row's two aligned 16-byte pieces around its step's 32 codes, the pieces of rows
+    // with bit 2 set swapped (so the 8 rows a warp reads at once fall in distinct banks).
+    uint4 a[Q4_BM_MAX][2];
+    u16 x3[QT_TERMS][QT_BT * QT_LD];  // as QtStage
+    float xs[QT_BT];
+};
+
+// One output tile (w rows r0 .. r0 + blockDim.x, x rows t0 .. t0 + QT_BT) of job `job` over
+// column steps kb .. ke into plane `split`: qgemm_tc_tile's results.
+__device__ __forceinline__ void qgemm_tc4_tile(Q4Stage* st, const QJobs& q, int job, int rows,
+                                               int cols, int group, int t_rows, int t0, int r0,
+                                               int kb, int ke, int split) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nt = blockDim.x;
+    const int g = lane >> 2, tig = lane & 3;
+    const u64 row_bytes = (u64)cols / 2, groups = (u64)(cols / group);
+    const unsigned char* wq = (const unsigned char*)q.w[job];
+    const u16* sc = (const u16*)q.s[job];
+    const u16* bi = (const u16*)q.b[job];
+    const u16* xt = (const u16*)q.x[job];
+    const u64 plane = (u64)t_rows * cols;
+    const int t_pad = qt_pad(t_rows);
+    const float* xsums = (const float*)(xt + QT_TERMS * plane);
+    const u32 sel = 0x4440u | (u32)tig;
+    // The piece swap of this thread's rows (g and g + 8 share bit 2), in words.
+    const u32 swz = 4 * ((g >> 2) & 1);
+
+    // How far the codes start past a 16-byte boundary (every row and step alike: a row is a
+    // multiple of 16 bytes): `mis` bytes, `mw` whole words and a shift of `sh` bits (0 or 16).
+    const u32 mis = (u32)(q.w[job] & 15), mw = mis >> 2, sh = 8 * (mis & 3);
+    auto load = [&](int kt, Q4Stage* s) {
+        int r = r0 + tid;
+        const unsigned char* at =
+            r < rows ? wq - mis + (u64)r * row_bytes + (u64)kt * 16 : wq - mis;
+        u32 swap = (tid >> 2) & 1;
+        cp_async16(smem_addr(&s->a[tid][swap]), at, r < rows ? 16u : 0u);
+        cp_async16(smem_addr(&s->a[tid][swap ^ 1]), at + 16, r < rows && mis ? 16u : 0u);
+        for (int c = tid; c < QT_TERMS * QT_BT * 4; c += nt) {
+            int term = c / (QT_BT * 4), row = (c >> 2) % QT_BT, ch = c & 3, t = t0 + row;
+            const u16* src =
+                t < t_rows ? xt + term * plane + (u64)t * cols + kt * QT_BK + ch * 8 : xt;
+            cp_async16(smem_addr(s->x3[term] + row * QT_LD + ch * 8), src, t < t_rows ? 16u : 0u);
+        }
+        if (tid < QT_BT / 4)
+            cp_async16(smem_addr(s->xs + 4 * tid), xsums + (u64)kt * t_pad + t0 + 4 * tid, 16u);
+    };
+
+    QtAcc qa;
+    qa.zero();
+    const int rw = r0 + warp * 32 + g;
+    const int n = ke - kb;
+#pragma unroll
+    for (int s = 0; s < Q4_STAGES - 1; ++s) {
+        if (s < n) load(kb + s, st + s);
+        cp_async_commit();
+    }
+    for (int it = 0; it < n; ++it) {
+        const int kt = kb + it;
+        cp_async_wait<Q4_STAGES - 2>();
+        __syncthreads();
+        // The stage refilled here was read in the previous step, which every thread has left.
+        if (it + Q4_STAGES - 1 < n) load(kt + Q4_STAGES - 1, st + (it + Q4_STAGES - 1) % Q4_STAGES);
+        cp_async_commit();
+        if (it == 0 || ((kt * QT_BK) & (group - 1)) == 0)
+            qa.scales(sc, bi, groups, (u64)(kt * QT_BK / group), rw, rows, 8);
+        const Q4Stage* s = st + it % Q4_STAGES;
+#pragma unroll
+        for (int kk = 0; kk < 2; ++kk) {
+            u32 af[2][4];
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                u32 w[2][2];  // [row g / g + 8][bytes 0-3 / 4-7 of chunk kk]
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    const u32* row = (const u32*)s->a[warp * 32 + i * 16 + g + 8 * hh];
+                    u32 c[3];
+#pragma unroll
+                    for (int e = 0; e < 3; ++e) c[e] = row[(mw + 2 * kk + e) ^ swz];
+                    w[hh][0] = __funnelshift_r(c[0], c[1], sh);
+                    w[hh][1] = __funnelshift_r(c[1], c[2], sh);
+                }
+                af[i][0] = q4_pair(w[0][0], sel);
+                af[i][1] = q4_pair(w[1][0], sel);
+                af[i][2] = q4_pair(w[0][1], sel);
+                af[i][3] = q4_pair(w[1][1], sel);
+            }
+            qa.mma_terms(af, s->x3[0], 16 * kk, lane);
+        }
+        qa.add_sums(s->xs, tig);
+        if (it + 1 == n || (((kt + 1) * QT_BK) & (group - 1)) == 0) qa.fold();
+    }
+    // Every copy landed and every thread past its reads before the next tile refills the stages.
+    cp_async_wait<0>();
+    __syncthreads();
+    qa.store((float*)q.y[job] + (u64)split * t_rows * rows, rows, t_rows, rw, t0, tig);
+}
+
+// The jobs of one launch, as qgemm_tc's, but blockIdx.x = tile of blockDim.x (128 or 256) w
+// rows; every job 4-bit, q.x[j] its terms from qt_split_x.
+extern "C" __global__ void __launch_bounds__(Q4_BM_MAX, 2)
+    qgemm_tc4(QGJobs jobs, int rows, int cols, int group, int splits, int per) {
+    grid_dep_wait();
+    __shared__ __align__(16) Q4Stage st[Q4_STAGES];
+    int j = blockIdx.y;
+    int t_rows = jobs.t_rows[j];
+    int r0 = blockIdx.x * blockDim.x;
+    int split = blockIdx.z % splits;
+    int kb = split * per, ke = min(cols / QT_BK, kb + per);
+    int tiles = (t_rows + QT_BT - 1) / QT_BT;
+    for (int tile = blockIdx.z / splits; tile < tiles; tile += gridDim.z / splits)
+        qgemm_tc4_tile(st, jobs.q, j, rows, cols, group, t_rows, tile * QT_BT, r0, kb, ke, split);
 }

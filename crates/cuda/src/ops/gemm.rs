@@ -1,7 +1,9 @@
 //! Prefill products: quantized products of [`min_rows`] or more rows of x on `qgemm_tc`
-//! (ops/gemm.cu: the tensor cores, `mma.sync` m16n8k16 over BF16 codes and a two-term BF16 x,
-//! f32 accumulation, the affine scale and bias folded per group), or on `qgemm` (a tiled f32
-//! GEMM on the CUDA cores, `MFERENCE_CUDA_QG=f32`, kept for measurements). Both dequantize each
+//! (ops/gemm.cu: the tensor cores, `mma.sync` m16n8k16 over BF16 codes and a three-term BF16 x,
+//! f32 accumulation, the affine scale and bias folded per group) or, for 4-bit matrices, on
+//! `qgemm_tc4` (the same bits, pipelined: x split into its terms once per product by
+//! `qt_split_x`, codes and terms copied ahead by `cp.async`), or on `qgemm`
+//! (a tiled f32 GEMM on the CUDA cores, `MFERENCE_CUDA_QG=f32`, kept for measurements). Both dequantize each
 //! tile of an MLX affine quantized matrix once for many rows of x, where `qmatmul` reads the
 //! codes again for every 4 rows. Decode (one row) and short products stay on `qmatmul`. Also the
 //! routed experts of a prefill chunk that the GPU slots hold, batched into a few launches.
@@ -32,6 +34,9 @@ const QG_BK: usize = 32;
 const QT_BM: usize = 128;
 const QT_BT: usize = 32;
 const QT_THREADS: u32 = 128;
+/// `qgemm_tc4`'s w rows per block (= threads): 256, or 128 where a launch of 256-row tiles would
+/// leave [`QM_BLOCKS`] slots idle (the tile never changes a result).
+const Q4_BM: [usize; 2] = [256, 128];
 /// Blocks a product's column splits aim for per tile of x rows, `qgemm` (a third of an H200's
 /// SMs: the gate and up products of an expert, split, about fill the device) and `qgemm_tc` (16:
 /// its blocks are twice as tall and each does 4x the work per step; a model-wide projection is
@@ -45,21 +50,28 @@ const QG_SPLIT_MIN_STEPS: usize = 8;
 /// Which kernel runs the prefill products.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Kernel {
-    /// `qgemm_tc`, the tensor cores (the default).
+    /// The tensor cores (the default): `qgemm_tc4` where a launch's matrices allow, else
+    /// `qgemm_tc`.
     Tc,
+    /// `qgemm_tc` only (`MFERENCE_CUDA_QG=tc-plain`, for measurements).
+    TcPlain,
     /// `qgemm`, f32 on the CUDA cores (`MFERENCE_CUDA_QG=f32`).
     F32,
 }
 
-/// The prefill product kernel: `qgemm_tc`, or `qgemm` with `MFERENCE_CUDA_QG=f32` (for
-/// measurements; any other value is refused at the first product rather than ignored). Read once
+/// The prefill product kernel: the tensor cores, `qgemm_tc` alone with
+/// `MFERENCE_CUDA_QG=tc-plain`, or `qgemm` with `MFERENCE_CUDA_QG=f32` (for measurements; any
+/// other value is refused at the first product rather than ignored). Read once
 /// per process, so every product of a run takes the same path.
 fn kernel() -> Result<Kernel, String> {
     static K: OnceLock<Result<Kernel, String>> = OnceLock::new();
     K.get_or_init(|| match std::env::var("MFERENCE_CUDA_QG").as_deref() {
         Err(_) | Ok("tc") => Ok(Kernel::Tc),
+        Ok("tc-plain") => Ok(Kernel::TcPlain),
         Ok("f32") => Ok(Kernel::F32),
-        Ok(v) => Err(format!("MFERENCE_CUDA_QG={v}: expected tc or f32")),
+        Ok(v) => Err(format!(
+            "MFERENCE_CUDA_QG={v}: expected tc, tc-plain or f32"
+        )),
     })
     .clone()
 }
@@ -244,10 +256,12 @@ impl CudaBackend {
         let w = jobs[0].0.w;
         let (rows, cols) = (w.rows, w.cols);
         let (bm, blocks) = match kernel {
-            Kernel::Tc => (QT_BM, QT_SPLIT_BLOCKS),
+            Kernel::Tc | Kernel::TcPlain => (QT_BM, QT_SPLIT_BLOCKS),
             Kernel::F32 => (QG_BM, QG_SPLIT_BLOCKS),
         };
+        // `qgemm_tc4` takes `qgemm_tc`'s splits: the same sums in the same order.
         let (n_split, per) = splits(rows, cols, (bm, blocks));
+        let tc4 = kernel == Kernel::Tc && w.bits == 4;
         let mut a = QGJobs {
             q: QJobs::default(),
             t_rows: [0; QM_JOBS],
@@ -294,7 +308,7 @@ impl CudaBackend {
         );
         // `qgemm_tc`'s tile of x rows is fixed; `qgemm` takes `bn` as an argument.
         let (x_tile, threads) = match kernel {
-            Kernel::Tc => (QT_BT, QT_THREADS),
+            Kernel::Tc | Kernel::TcPlain => (QT_BT, QT_THREADS),
             Kernel::F32 => (bn, 4 * bn as u32),
         };
         let x_tiles = t_max.div_ceil(x_tile).min(65535 / n_split);
@@ -307,9 +321,28 @@ impl CudaBackend {
             block_dim: (threads, 1, 1),
             shared_mem_bytes: 0,
         };
-        match kernel {
-            Kernel::Tc => launch!(self, op, "qgemm_tc", cfg, &a, &ri, &ci, &bi, &gi, &si, &pi)?,
-            Kernel::F32 => launch!(self, op, "qgemm", cfg, &a, &ri, &ci, &bi, &gi, &bni, &si, &pi)?,
+        let _terms;
+        if tc4 {
+            _terms = self.split_x(op, &mut a, jobs.len(), cols)?;
+            let bm4 = Q4_BM
+                .into_iter()
+                .find(|&m| rows.div_ceil(m) * jobs.len() * n_split * x_tiles >= QM_BLOCKS)
+                .unwrap_or(Q4_BM[1]);
+            let cfg = LaunchConfig {
+                grid_dim: (rows.div_ceil(bm4) as u32, cfg.grid_dim.1, cfg.grid_dim.2),
+                block_dim: (bm4 as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            launch!(self, op, "qgemm_tc4", cfg, &a, &ri, &ci, &gi, &si, &pi)?;
+        } else {
+            match kernel {
+                Kernel::Tc | Kernel::TcPlain => {
+                    launch!(self, op, "qgemm_tc", cfg, &a, &ri, &ci, &bi, &gi, &si, &pi)?
+                }
+                Kernel::F32 => {
+                    launch!(self, op, "qgemm", cfg, &a, &ri, &ci, &bi, &gi, &bni, &si, &pi)?
+                }
+            }
         }
         if let Some((_p, starts)) = part {
             let mut s = QGSums {
@@ -335,6 +368,72 @@ impl CudaBackend {
             )?;
         }
         Ok(())
+    }
+}
+
+impl CudaBackend {
+    /// `qt_split_x` for the jobs of a `qgemm_tc4` launch: each distinct x (jobs that share one,
+    /// as an expert's gate and up do, share its terms) split into `QT_TERMS` BF16 planes and its
+    /// step sums (the layout at `qt_split_x` in ops/gemm.cu), in one buffer, returned; each job's
+    /// `q.x` then points at its terms.
+    fn split_x(
+        &self,
+        op: &'static str,
+        a: &mut QGJobs,
+        n: usize,
+        cols: usize,
+    ) -> OpResult<CudaTensor> {
+        let terms = crate::compile::qt_terms();
+        let mut distinct: Vec<(u64, usize)> = Vec::new();
+        for i in 0..n {
+            let x = (a.q.x[i], a.t_rows[i] as usize);
+            if !distinct.contains(&x) {
+                distinct.push(x);
+            }
+        }
+        // Bytes of one x's terms and sums, rounded to 16 so the next starts aligned.
+        let bytes = |t: usize| {
+            (2 * terms * t * cols + 4 * (cols / QG_BK) * t.next_multiple_of(QT_BT))
+                .next_multiple_of(16)
+        };
+        let total: usize = distinct.iter().map(|&(_, t)| bytes(t)).sum();
+        let buf = self.uninit_tensor(op, 1, total / 4)?;
+        let mut split = QGJobs {
+            q: QJobs::default(),
+            t_rows: [0; QM_JOBS],
+        };
+        let mut at = self.addr(&*buf.buf);
+        for (d, &(x, t)) in distinct.iter().enumerate() {
+            (split.q.x[d], split.q.y[d], split.t_rows[d]) = (x, at, t as i32);
+            at += bytes(t) as u64;
+        }
+        for i in 0..n {
+            let d = distinct
+                .iter()
+                .position(|&x| x == (a.q.x[i], a.t_rows[i] as usize))
+                .expect("every x was listed");
+            a.q.x[i] = split.q.y[d];
+        }
+        let rows_max = distinct.iter().map(|&(_, t)| t).max().unwrap_or(0);
+        let cells = rows_max.next_multiple_of(QT_BT) * (cols / QG_BK);
+        let ci = cols as i32;
+        launch!(
+            self,
+            op,
+            "qt_split_x",
+            LaunchConfig {
+                grid_dim: (
+                    cells.div_ceil(256).min(1024) as u32,
+                    distinct.len() as u32,
+                    1
+                ),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            },
+            &split,
+            &ci
+        )?;
+        Ok(buf)
     }
 }
 
