@@ -32,19 +32,26 @@
 // Largest BN: shared memory is sized for it.
 #define QG_BN_MAX 64
 
-// Up to QM_JOBS products of one matrix shape (blockIdx.y = job): qmatmul's jobs (quant.cu), job
-// j of t_rows[j] rows of x ([t_rows[j], cols] f32 at q.x[j]) writing [splits, t_rows[j], rows]
-// f32 at q.y[j]. Passed by value.
+// Up to QG_JOBS products of one matrix shape (blockIdx.y = job; a layer's routed experts of a
+// prefill chunk in one or two launches): job j's matrix codes, scales and biases at w[j], s[j],
+// b[j] (as qmatmul's jobs, quant.cu), t_rows[j] rows of x ([t_rows[j], cols] f32 at x[j])
+// writing [splits, t_rows[j], rows] f32 at y[j]. Passed by value (11 KB: kernel parameters may
+// take 32 KB from CUDA 12.1).
+#define QG_JOBS 256
 struct QGJobs {
-    QJobs q;
-    int t_rows[QM_JOBS];
+    u64 w[QG_JOBS];
+    u64 s[QG_JOBS];
+    u64 b[QG_JOBS];
+    u64 x[QG_JOBS];
+    u64 y[QG_JOBS];
+    int t_rows[QG_JOBS];
 };
 
 // One output tile of job `job` (rows r0 .. r0 + QG_BM of w, rows t0 .. t0 + BN of x) over column
 // steps kb .. ke, into plane `split` of its y. Every thread of the block calls it with the same
 // arguments.
 template <int BITS, int BN>
-__device__ __forceinline__ void qgemm_tile(float* sm, const QJobs& q, int job, int rows, int cols,
+__device__ __forceinline__ void qgemm_tile(float* sm, const QGJobs& q, int job, int rows, int cols,
                                            int group, int t_rows, int t0, int r0, int kb, int ke,
                                            int split) {
     const int PER = 16 / BITS;          // codes per u16 piece
@@ -173,7 +180,7 @@ __device__ __forceinline__ void qgemm_tile(float* sm, const QJobs& q, int job, i
 }
 
 template <int BN>
-__device__ __forceinline__ void qgemm_bits(float* sm, const QJobs& q, int job, int bits, int rows,
+__device__ __forceinline__ void qgemm_bits(float* sm, const QGJobs& q, int job, int bits, int rows,
                                            int cols, int group, int t_rows, int t0, int r0,
                                            int kb, int ke, int split) {
     switch (bits) {
@@ -200,10 +207,10 @@ extern "C" __global__ void __launch_bounds__(4 * QG_BN_MAX)
     int tiles = (t_rows + bn - 1) / bn;
     for (int tile = blockIdx.z / splits; tile < tiles; tile += gridDim.z / splits) {
         if (bn == 32)
-            qgemm_bits<32>(sm, jobs.q, j, bits, rows, cols, group, t_rows, tile * 32, r0, kb, ke,
+            qgemm_bits<32>(sm, jobs, j, bits, rows, cols, group, t_rows, tile * 32, r0, kb, ke,
                            split);
         else
-            qgemm_bits<64>(sm, jobs.q, j, bits, rows, cols, group, t_rows, tile * 64, r0, kb, ke,
+            qgemm_bits<64>(sm, jobs, j, bits, rows, cols, group, t_rows, tile * 64, r0, kb, ke,
                            split);
     }
 }
@@ -211,9 +218,9 @@ extern "C" __global__ void __launch_bounds__(4 * QG_BN_MAX)
 // y[j][i] = sum over s < splits, in order, of part[j][s * n[j] + i] for i < n[j]
 // (blockIdx.y = job): the split sums of qgemm added into the jobs' outputs.
 struct QGSums {
-    u64 part[QM_JOBS];
-    u64 y[QM_JOBS];
-    u64 n[QM_JOBS];
+    u64 part[QG_JOBS];
+    u64 y[QG_JOBS];
+    u64 n[QG_JOBS];
 };
 
 extern "C" __global__ void qgemm_sum(QGSums sums, int splits) {
@@ -418,7 +425,7 @@ struct QtStage {
 // steps kb .. ke into plane `split`. WB: bytes per code load (2, or 4 when the job's codes are
 // 4-byte aligned: rows of a matrix are a multiple of 8 bytes apart, so every row is).
 template <int BITS, int WB>
-__device__ __forceinline__ void qgemm_tc_tile(QtStage* st, const QJobs& q, int job, int rows,
+__device__ __forceinline__ void qgemm_tc_tile(QtStage* st, const QGJobs& q, int job, int rows,
                                               int cols, int group, int t_rows, int t0, int r0,
                                               int kb, int ke, int split) {
     const int CPU = WB * 8 / BITS;          // codes per load unit
@@ -522,7 +529,7 @@ __device__ __forceinline__ void qgemm_tc_tile(QtStage* st, const QJobs& q, int j
 }
 
 template <int WB>
-__device__ __forceinline__ void qgemm_tc_bits(QtStage* st, const QJobs& q, int job, int bits,
+__device__ __forceinline__ void qgemm_tc_bits(QtStage* st, const QGJobs& q, int job, int bits,
                                               int rows, int cols, int group, int t_rows, int t0,
                                               int r0, int kb, int ke, int split) {
     switch (bits) {
@@ -545,13 +552,13 @@ extern "C" __global__ void __launch_bounds__(QT_THREADS)
     int split = blockIdx.z % splits;
     int kb = split * per, ke = min(cols / QT_BK, kb + per);
     int tiles = (t_rows + QT_BT - 1) / QT_BT;
-    bool w4 = (jobs.q.w[j] & 3) == 0;
+    bool w4 = (jobs.w[j] & 3) == 0;
     for (int tile = blockIdx.z / splits; tile < tiles; tile += gridDim.z / splits) {
         if (w4)
-            qgemm_tc_bits<4>(st, jobs.q, j, bits, rows, cols, group, t_rows, tile * QT_BT, r0, kb,
+            qgemm_tc_bits<4>(st, jobs, j, bits, rows, cols, group, t_rows, tile * QT_BT, r0, kb,
                              ke, split);
         else
-            qgemm_tc_bits<2>(st, jobs.q, j, bits, rows, cols, group, t_rows, tile * QT_BT, r0, kb,
+            qgemm_tc_bits<2>(st, jobs, j, bits, rows, cols, group, t_rows, tile * QT_BT, r0, kb,
                              ke, split);
     }
 }
@@ -585,8 +592,8 @@ extern "C" __global__ void qt_split_x(QGJobs jobs, int cols) {
     grid_dep_wait();
     int j = blockIdx.y;
     int t_rows = jobs.t_rows[j], t_pad = qt_pad(t_rows), steps = cols / QT_BK;
-    const float* x = (const float*)jobs.q.x[j];
-    u16* xt = (u16*)jobs.q.y[j];
+    const float* x = (const float*)jobs.x[j];
+    u16* xt = (u16*)jobs.y[j];
     u64 plane = (u64)t_rows * cols;
     float* sums = (float*)(xt + QT_TERMS * plane);
     for (u64 c = (u64)blockIdx.x * blockDim.x + threadIdx.x; c < (u64)t_pad * steps;
@@ -646,7 +653,7 @@ struct Q4Stage {
 
 // One output tile (w rows r0 .. r0 + blockDim.x, x rows t0 .. t0 + QT_BT) of job `job` over
 // column steps kb .. ke into plane `split`: qgemm_tc_tile's results.
-__device__ __forceinline__ void qgemm_tc4_tile(Q4Stage* st, const QJobs& q, int job, int rows,
+__device__ __forceinline__ void qgemm_tc4_tile(Q4Stage* st, const QGJobs& q, int job, int rows,
                                                int cols, int group, int t_rows, int t0, int r0,
                                                int kb, int ke, int split) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nt = blockDim.x;
@@ -746,5 +753,5 @@ extern "C" __global__ void __launch_bounds__(Q4_BM_MAX, 2)
     int kb = split * per, ke = min(cols / QT_BK, kb + per);
     int tiles = (t_rows + QT_BT - 1) / QT_BT;
     for (int tile = blockIdx.z / splits; tile < tiles; tile += gridDim.z / splits)
-        qgemm_tc4_tile(st, jobs.q, j, rows, cols, group, t_rows, tile * QT_BT, r0, kb, ke, split);
+        qgemm_tc4_tile(st, jobs, j, rows, cols, group, t_rows, tile * QT_BT, r0, kb, ke, split);
 }

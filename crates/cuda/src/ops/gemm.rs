@@ -13,7 +13,7 @@ use std::sync::OnceLock;
 use cudarc::driver::LaunchConfig;
 use mference_backend::{check, check_mlp, Act, Mlp, OpResult, QRef, Weights};
 
-use crate::{qref_offsets, CudaBackend, CudaTensor, QJob, QJobs, Scalar, QM_BLOCKS, QM_JOBS};
+use crate::{qref_offsets, CudaBackend, CudaTensor, QJob, Scalar, QM_BLOCKS};
 
 /// Rows of x from which a product runs on a GEMM kernel (unless `MFERENCE_CUDA_QG_MIN_ROWS`
 /// says otherwise: [`min_rows`]): 2 for `qgemm_tc` (a tile of 32 rows of x costs the tensor
@@ -76,16 +76,51 @@ fn kernel() -> Result<Kernel, String> {
     .clone()
 }
 
-/// The `QGJobs` argument of `qgemm`: `qmatmul`'s jobs and each one's rows of x.
+/// Products one GEMM launch takes at most (`QG_JOBS` of ops/gemm.cu): a Gemma 4 layer's routed
+/// gate and up products of a prefill chunk (2 x 128 experts) in one launch, where the decode
+/// kernels' `QM_JOBS` (32) took eight.
+const QG_JOBS: usize = 256;
+
+/// Products per GEMM launch: [`QG_JOBS`], or `MFERENCE_CUDA_QG_JOBS` (1 to 256; for measurements;
+/// the same bits at every value), read once per process.
+fn jobs_per_launch() -> usize {
+    static N: OnceLock<usize> = OnceLock::new();
+    *N.get_or_init(|| {
+        std::env::var("MFERENCE_CUDA_QG_JOBS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|n| (1..=QG_JOBS).contains(n))
+            .unwrap_or(QG_JOBS)
+    })
+}
+
+/// The `QGJobs` argument of the GEMM kernels: per product its matrix's codes, scales and
+/// biases, its x, its y and its rows of x.
 #[repr(C)]
 #[derive(Clone, Copy)]
 struct QGJobs {
-    q: QJobs,
-    t_rows: [i32; QM_JOBS],
+    w: [u64; QG_JOBS],
+    s: [u64; QG_JOBS],
+    b: [u64; QG_JOBS],
+    x: [u64; QG_JOBS],
+    y: [u64; QG_JOBS],
+    t_rows: [i32; QG_JOBS],
 }
 
-// SAFETY: a `repr(C)` `QJobs` (u64 arrays) and an i32 array, laid out as `struct QGJobs` in
-// ops/gemm.cu.
+impl QGJobs {
+    fn new() -> Self {
+        Self {
+            w: [0; QG_JOBS],
+            s: [0; QG_JOBS],
+            b: [0; QG_JOBS],
+            x: [0; QG_JOBS],
+            y: [0; QG_JOBS],
+            t_rows: [0; QG_JOBS],
+        }
+    }
+}
+
+// SAFETY: `repr(C)` u64 and i32 arrays, laid out as `struct QGJobs` in ops/gemm.cu.
 unsafe impl Scalar for QGJobs {}
 
 /// The `QGSums` argument of `qgemm_sum`: per product its split sums, its output, and the floats
@@ -93,9 +128,9 @@ unsafe impl Scalar for QGJobs {}
 #[repr(C)]
 #[derive(Clone, Copy)]
 struct QGSums {
-    part: [u64; QM_JOBS],
-    y: [u64; QM_JOBS],
-    n: [u64; QM_JOBS],
+    part: [u64; QG_JOBS],
+    y: [u64; QG_JOBS],
+    n: [u64; QG_JOBS],
 }
 
 // SAFETY: plain `repr(C)` u64 arrays, laid out as `struct QGSums` in ops/gemm.cu.
@@ -226,7 +261,7 @@ impl CudaBackend {
     }
 
     /// Runs `jobs` (products that [`fits`], each with its rows of x), one `qgemm` launch per
-    /// shape and `QM_JOBS` jobs.
+    /// shape and [`jobs_per_launch`] jobs.
     fn gemm_jobs(&self, op: &'static str, jobs: &[(QJob, usize)]) -> OpResult<()> {
         let shape = |w: &QRef| (w.rows, w.cols, w.bits, w.group_size);
         let mut shapes: Vec<_> = jobs.iter().map(|j| shape(j.0.w)).collect();
@@ -238,7 +273,7 @@ impl CudaBackend {
                 .copied()
                 .filter(|j| shape(j.0.w) == sh)
                 .collect();
-            for chunk in same.chunks(QM_JOBS) {
+            for chunk in same.chunks(jobs_per_launch()) {
                 self.qgemm(op, chunk)?;
             }
         }
@@ -246,7 +281,7 @@ impl CudaBackend {
     }
 
     /// One `qgemm_tc` or `qgemm` launch ([`kernel`]; and its `qgemm_sum` where the columns are
-    /// split): at most `QM_JOBS` products of one shape that [`fits`], each with its rows of x.
+    /// split): at most [`QG_JOBS`] products of one shape that [`fits`], each with its rows of x.
     fn qgemm(&self, op: &'static str, jobs: &[(QJob, usize)]) -> OpResult<()> {
         let kernel = kernel().map_err(|why| mference_backend::OpError::Device {
             backend: self.name.clone(),
@@ -262,16 +297,11 @@ impl CudaBackend {
         // `qgemm_tc4` takes `qgemm_tc`'s splits: the same sums in the same order.
         let (n_split, per) = splits(rows, cols, (bm, blocks));
         let tc4 = kernel == Kernel::Tc && w.bits == 4;
-        let mut a = QGJobs {
-            q: QJobs::default(),
-            t_rows: [0; QM_JOBS],
-        };
+        let mut a = QGJobs::new();
         for (i, &(j, t)) in jobs.iter().enumerate() {
             let [wo, so, bo] = qref_offsets(op, j.w, j.len)?;
-            let q = &mut a.q;
-            (q.w[i], q.s[i], q.b[i]) = (j.buf + wo, j.buf + so, j.buf + bo);
-            (q.x[i], q.y[i]) = (j.x, j.y);
-            a.t_rows[i] = t as i32;
+            (a.w[i], a.s[i], a.b[i]) = (j.buf + wo, j.buf + so, j.buf + bo);
+            (a.x[i], a.y[i], a.t_rows[i]) = (j.x, j.y, t as i32);
         }
         // Split sums: job i's [n_split, t_i, rows] planes, one job after another.
         let planes: Vec<usize> = jobs.iter().map(|&(_, t)| t * rows).collect();
@@ -280,7 +310,7 @@ impl CudaBackend {
             let mut at = self.addr(&*p.buf);
             let mut starts = Vec::with_capacity(jobs.len());
             for (i, &n) in planes.iter().enumerate() {
-                a.q.y[i] = at;
+                a.y[i] = at;
                 starts.push(at);
                 at += (4 * n_split * n) as u64;
             }
@@ -346,9 +376,9 @@ impl CudaBackend {
         }
         if let Some((_p, starts)) = part {
             let mut s = QGSums {
-                part: [0; QM_JOBS],
-                y: [0; QM_JOBS],
-                n: [0; QM_JOBS],
+                part: [0; QG_JOBS],
+                y: [0; QG_JOBS],
+                n: [0; QG_JOBS],
             };
             for (i, (&(j, _), &n)) in jobs.iter().zip(&planes).enumerate() {
                 (s.part[i], s.y[i], s.n[i]) = (starts[i], j.y, n as u64);
@@ -386,7 +416,7 @@ impl CudaBackend {
         let terms = crate::compile::qt_terms();
         let mut distinct: Vec<(u64, usize)> = Vec::new();
         for i in 0..n {
-            let x = (a.q.x[i], a.t_rows[i] as usize);
+            let x = (a.x[i], a.t_rows[i] as usize);
             if !distinct.contains(&x) {
                 distinct.push(x);
             }
@@ -398,21 +428,18 @@ impl CudaBackend {
         };
         let total: usize = distinct.iter().map(|&(_, t)| bytes(t)).sum();
         let buf = self.uninit_tensor(op, 1, total / 4)?;
-        let mut split = QGJobs {
-            q: QJobs::default(),
-            t_rows: [0; QM_JOBS],
-        };
+        let mut split = QGJobs::new();
         let mut at = self.addr(&*buf.buf);
         for (d, &(x, t)) in distinct.iter().enumerate() {
-            (split.q.x[d], split.q.y[d], split.t_rows[d]) = (x, at, t as i32);
+            (split.x[d], split.y[d], split.t_rows[d]) = (x, at, t as i32);
             at += bytes(t) as u64;
         }
         for i in 0..n {
             let d = distinct
                 .iter()
-                .position(|&x| x == (a.q.x[i], a.t_rows[i] as usize))
+                .position(|&x| x == (a.x[i], a.t_rows[i] as usize))
                 .expect("every x was listed");
-            a.q.x[i] = split.q.y[d];
+            a.x[i] = split.y[d];
         }
         let rows_max = distinct.iter().map(|&(_, t)| t).max().unwrap_or(0);
         let cells = rows_max.next_multiple_of(QT_BT) * (cols / QG_BK);
