@@ -383,13 +383,19 @@ impl CudaBackend {
             for (i, (&(j, _), &n)) in jobs.iter().zip(&planes).enumerate() {
                 (s.part[i], s.y[i], s.n[i]) = (starts[i], j.y, n as u64);
             }
-            let n_max = planes.iter().copied().max().unwrap_or(0);
+            // Blocks per job for the average job (a larger one loops): sized by the largest,
+            // a launch of 256 experts' sums was mostly blocks with nothing to do.
+            let n_avg = planes.iter().sum::<usize>() / jobs.len();
             launch!(
                 self,
                 op,
                 "qgemm_sum",
                 LaunchConfig {
-                    grid_dim: (n_max.div_ceil(256).min(1024) as u32, jobs.len() as u32, 1),
+                    grid_dim: (
+                        n_avg.div_ceil(256).clamp(1, 1024) as u32,
+                        jobs.len() as u32,
+                        1
+                    ),
                     block_dim: (256, 1, 1),
                     shared_mem_bytes: 0,
                 },
@@ -441,8 +447,12 @@ impl CudaBackend {
                 .expect("every x was listed");
             a.x[i] = split.y[d];
         }
-        let rows_max = distinct.iter().map(|&(_, t)| t).max().unwrap_or(0);
-        let cells = rows_max.next_multiple_of(QT_BT) * (cols / QG_BK);
+        // 8 threads per (row, step); blocks per x for the average one (a larger one loops).
+        let rows: usize = distinct
+            .iter()
+            .map(|&(_, t)| t.next_multiple_of(QT_BT))
+            .sum();
+        let cells = 8 * rows / distinct.len() * (cols / QG_BK);
         let ci = cols as i32;
         launch!(
             self,
