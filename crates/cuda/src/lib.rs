@@ -24,8 +24,9 @@
 //! - Quantized products: `qmv` / `qmatmul` (ops/quant.cu) for decode's one row (2-bit `qmv`
 //!   stages x in shared memory, laid out for the lanes' loads), `qgemm_tc`
 //!   (ops/gemm.cu, `ops/gemm.rs`: a tensor-core GEMM, `mma.sync` on BF16 codes and a three-term
-//!   BF16 x, f32 accumulation) from 2 rows of x on; the prefill experts a layer's GPU slots hold
-//!   run together ([`CoreOps::glu_mlp_experts`]). Prefill attention is `attention_tiled`
+//!   BF16 x, f32 accumulation; for 4-bit matrices `qgemm_tc4`, the same bits pipelined by
+//!   `cp.async` over x split once per product) from 2 rows of x on; the prefill experts a layer's
+//!   GPU slots hold run together, up to 256 products a launch ([`CoreOps::glu_mlp_experts`]). Prefill attention is `attention_tiled`
 //!   (ops/attention.cu: KV rows shared by the query rows and heads of a KV head's group).
 //! - Activations are [`CudaTensor`]s (`CudaSlice<f32>` + shape), the KV cache a [`CudaKv`]
 //!   (device K and V, FP16 or FP32, ring or linear, indexed as `mference_runtime::KvLayer`),
