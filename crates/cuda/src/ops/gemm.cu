@@ -586,9 +586,8 @@ extern "C" __global__ void __launch_bounds__(QT_THREADS)
 __device__ __forceinline__ int qt_pad(int t_rows) { return (t_rows + QT_BT - 1) / QT_BT * QT_BT; }
 
 // Splits x (f32 at q.x[j], t_rows[j] rows of cols) into qgemm_tc's BF16 terms and step sums,
-// in its order (a step's 32 columns: 8 sums of 4, ((v0 + v1) + v2) + v3, added as a tree over
-// the 8 lanes that read them, as qgemm_tc's lanes do). blockIdx.y = job; 8 consecutive threads
-// per (row, step), each reading one float4, so a warp reads and writes whole lines.
+// in its order (a step's 32 columns: 8 sums of 4, ((v0 + v1) + v2) + v3, then added as a tree).
+// blockIdx.y = job; a thread per (row, step), the blocks of a job looping over its cells.
 extern "C" __global__ void qt_split_x(QGJobs jobs, int cols) {
     grid_dep_wait();
     int j = blockIdx.y;
@@ -597,28 +596,29 @@ extern "C" __global__ void qt_split_x(QGJobs jobs, int cols) {
     u16* xt = (u16*)jobs.y[j];
     u64 plane = (u64)t_rows * cols;
     float* sums = (float*)(xt + QT_TERMS * plane);
-    // The 8 lanes of this thread's group (the stride keeps groups whole: a multiple of 8).
-    const u32 mask = 0xffu << (threadIdx.x & 24);
-    for (u64 c = (u64)blockIdx.x * blockDim.x + threadIdx.x; c < (u64)t_pad * steps * 8;
+    for (u64 c = (u64)blockIdx.x * blockDim.x + threadIdx.x; c < (u64)t_pad * steps;
          c += (u64)gridDim.x * blockDim.x) {
-        u64 unit = c >> 3;
-        int q = (int)(c & 7), t = (int)(unit / steps), k = (int)(unit % steps);
-        float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        if (t < t_rows) {
-            float4 f = *(const float4*)(x + (u64)t * cols + k * QT_BK + 4 * q);
-            v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+        int t = (int)(c / steps), k = (int)(c % steps);
+        if (t >= t_rows) {
+            sums[(u64)k * t_pad + t] = 0.0f;
+            continue;
+        }
+        const float4* src = (const float4*)(x + (u64)t * cols + k * QT_BK);
+        float s4[8];
+#pragma unroll
+        for (int q = 0; q < 8; ++q) {
+            float4 f = src[q];
+            float v[4] = {f.x, f.y, f.z, f.w};
             u32 tb[QT_TERMS][4];
             qt_split4(v, tb);
 #pragma unroll
             for (int term = 0; term < QT_TERMS; ++term)
                 *(uint2*)(xt + term * plane + (u64)t * cols + k * QT_BK + 4 * q) =
                     make_uint2(tb[term][0] | (tb[term][1] << 16), tb[term][2] | (tb[term][3] << 16));
+            s4[q] = ((v[0] + v[1]) + v[2]) + v[3];
         }
-        float sum = ((v[0] + v[1]) + v[2]) + v[3];
-        sum += __shfl_xor_sync(mask, sum, 1);
-        sum += __shfl_xor_sync(mask, sum, 2);
-        sum += __shfl_xor_sync(mask, sum, 4);
-        if (q == 0) sums[(u64)k * t_pad + t] = sum;
+        sums[(u64)k * t_pad + t] =
+            ((s4[0] + s4[1]) + (s4[2] + s4[3])) + ((s4[4] + s4[5]) + (s4[6] + s4[7]));
     }
 }
 

@@ -447,12 +447,13 @@ impl CudaBackend {
                 .expect("every x was listed");
             a.x[i] = split.y[d];
         }
-        // 8 threads per (row, step); blocks per x for the average one (a larger one loops).
+        // A thread per (row, step); blocks per x for the average one (a larger one loops): sized
+        // by the largest, a launch of 256 experts' x was mostly blocks with nothing to do.
         let rows: usize = distinct
             .iter()
             .map(|&(_, t)| t.next_multiple_of(QT_BT))
             .sum();
-        let cells = 8 * rows / distinct.len() * (cols / QG_BK);
+        let cells = rows / distinct.len() * (cols / QG_BK);
         let ci = cols as i32;
         launch!(
             self,
