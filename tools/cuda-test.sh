@@ -2,6 +2,8 @@
 # The CUDA backend's tests on a GPU machine: the op harness and model-sized shapes on device 0,
 # the kernel cache, the NVRTC compile, the bundled models end to end. Needs the NVIDIA driver and libnvrtc (CUDA 13); NVRTC is
 # often outside the loader path, so the toolkit's usual folders are added when they exist.
+# Without a GPU, tools/cuda_ptxas.py compiles the same kernels with NVRTC and ptxas from PyPI wheels
+# and prints their registers and spills.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 for d in /usr/local/cuda/targets/x86_64-linux/lib /usr/local/cuda/lib64; do
