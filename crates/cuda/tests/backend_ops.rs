@@ -343,10 +343,11 @@ fn one_row_products_of_different_row_counts_share_a_launch() {
     assert!(fails.is_empty(), "{}", fails.join("\n"));
 }
 
-/// The same 4-bit matrix with its codes 16-byte aligned and 2, 6 and 10 bytes past (`qgemm_tc4`
-/// reads the aligned pieces around them and shifts): prefill products of 2 to 300 rows, gate and
-/// up sharing one x in a launch, every result within the f64 reference's budget and the same
-/// bits at every place.
+/// The same 4-bit matrix with its codes 16-byte aligned and 2 to 14 bytes past (`qgemm_tc4` reads
+/// the aligned pieces around them and shifts): prefill products of 2 to 300 rows, gate and up
+/// sharing one x in a launch, every result within the f64 reference's budget and the same bits at
+/// every place. Two 4096-row products of 300 rows fill a launch of 256-row tiles, alone one
+/// takes 128-row tiles: the same bits.
 #[test]
 fn prefill_products_have_the_same_bits_wherever_the_codes_lie() {
     let mut rng = Rng(1618);
@@ -357,12 +358,13 @@ fn prefill_products_have_the_same_bits_wherever_the_codes_lie() {
         (2816, 704, 64),
         (40, 256, 32),
         (300, 512, 128),
+        (4096, 512, 64),
     ] {
-        let mut at = [None; 4];
+        let mut at = [None; 6];
         let codes: Vec<u8> = (0..rows * cols / 2).map(|_| next(&mut rng) as u8).collect();
         let scales = vals(&mut rng, rows * cols / gs, 0.05);
         let biases = vals(&mut rng, rows * cols / gs, 0.2);
-        for (k, residue) in [0usize, 2, 6, 10].into_iter().enumerate() {
+        for (k, residue) in [0usize, 2, 4, 6, 10, 14].into_iter().enumerate() {
             while buf.len() % 16 != residue {
                 buf.push(0);
             }
@@ -379,7 +381,7 @@ fn prefill_products_have_the_same_bits_wherever_the_codes_lie() {
     }
     buf.extend([0u8; 64]);
     let len = buf.len();
-    let mats: Vec<[mference_backend::QRef; 4]> = pairs
+    let mats: Vec<[mference_backend::QRef; 6]> = pairs
         .iter()
         .map(|&(rows, cols, at)| {
             at.map(|(w0, s, b)| {

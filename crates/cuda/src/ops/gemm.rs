@@ -461,7 +461,7 @@ impl CudaBackend {
             "qt_split_x",
             LaunchConfig {
                 grid_dim: (
-                    cells.div_ceil(256).min(1024) as u32,
+                    cells.div_ceil(256).clamp(1, 1024) as u32,
                     distinct.len() as u32,
                     1
                 ),
