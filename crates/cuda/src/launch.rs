@@ -364,6 +364,21 @@ pub(crate) fn elems(n: usize) -> LaunchConfig {
     }
 }
 
+/// A grid over `jobs` jobs of `total` elements in all (blockIdx.y = job): 256-thread blocks for
+/// the average job's elements, at most 1024 a job (kernels loop over a larger job). Sized by the
+/// largest job instead, a launch of 256 experts was mostly blocks with nothing to do.
+pub(crate) fn elems_per_job(total: usize, jobs: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (
+            (total / jobs.max(1)).div_ceil(256).clamp(1, 1024) as u32,
+            jobs as u32,
+            1,
+        ),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
 /// Lanes per output row of a `qmv` launch: 32, or fewer (down to 4) for short rows, so that a lane
 /// has at least 4 of the row's 8-byte words.
 pub(crate) fn qmv_lanes(cols: usize, bits: usize) -> usize {

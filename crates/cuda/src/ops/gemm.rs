@@ -2,10 +2,10 @@
 //! (ops/gemm.cu: the tensor cores, `mma.sync` m16n8k16 over BF16 codes and a three-term BF16 x,
 //! f32 accumulation, the affine scale and bias folded per group) or, for 4-bit matrices, on
 //! `qgemm_tc4` (the same bits, pipelined: x split into its terms once per product by
-//! `qt_split_x`, codes and terms copied ahead by `cp.async`), or on `qgemm`
-//! (a tiled f32 GEMM on the CUDA cores, `MFERENCE_CUDA_QG=f32`, kept for measurements). Both dequantize each
-//! tile of an MLX affine quantized matrix once for many rows of x, where `qmatmul` reads the
-//! codes again for every 4 rows. Decode (one row) and short products stay on `qmatmul`. Also the
+//! `qt_split_x`, codes and terms copied ahead by `cp.async`), or on `qgemm` (a tiled f32 GEMM on
+//! the CUDA cores, `MFERENCE_CUDA_QG=f32`, kept for measurements). All dequantize each tile of an
+//! MLX affine quantized matrix once for many rows of x, where `qmatmul` reads the codes again for
+//! every 4 rows. Decode (one row) and short products stay on `qmatmul`. Also the
 //! routed experts of a prefill chunk that the GPU slots hold, batched into a few launches.
 
 use std::sync::OnceLock;
@@ -383,22 +383,11 @@ impl CudaBackend {
             for (i, (&(j, _), &n)) in jobs.iter().zip(&planes).enumerate() {
                 (s.part[i], s.y[i], s.n[i]) = (starts[i], j.y, n as u64);
             }
-            // Blocks per job for the average job (a larger one loops): sized by the largest,
-            // a launch of 256 experts' sums was mostly blocks with nothing to do.
-            let n_avg = planes.iter().sum::<usize>() / jobs.len();
             launch!(
                 self,
                 op,
                 "qgemm_sum",
-                LaunchConfig {
-                    grid_dim: (
-                        n_avg.div_ceil(256).clamp(1, 1024) as u32,
-                        jobs.len() as u32,
-                        1
-                    ),
-                    block_dim: (256, 1, 1),
-                    shared_mem_bytes: 0,
-                },
+                crate::launch::elems_per_job(planes.iter().sum(), jobs.len()),
                 &s,
                 &si
             )?;
@@ -420,12 +409,15 @@ impl CudaBackend {
         cols: usize,
     ) -> OpResult<CudaTensor> {
         let terms = crate::compile::qt_terms();
+        // The distinct (x, rows) pairs, and which one each job reads.
         let mut distinct: Vec<(u64, usize)> = Vec::new();
+        let mut which = Vec::with_capacity(n);
         for i in 0..n {
             let x = (a.x[i], a.t_rows[i] as usize);
-            if !distinct.contains(&x) {
+            which.push(distinct.iter().position(|&d| d == x).unwrap_or_else(|| {
                 distinct.push(x);
-            }
+                distinct.len() - 1
+            }));
         }
         // Bytes of one x's terms and sums, rounded to 16 so the next starts aligned.
         let bytes = |t: usize| {
@@ -440,34 +432,20 @@ impl CudaBackend {
             (split.x[d], split.y[d], split.t_rows[d]) = (x, at, t as i32);
             at += bytes(t) as u64;
         }
-        for i in 0..n {
-            let d = distinct
-                .iter()
-                .position(|&x| x == (a.x[i], a.t_rows[i] as usize))
-                .expect("every x was listed");
+        for (i, &d) in which.iter().enumerate() {
             a.x[i] = split.y[d];
         }
-        // A thread per (row, step); blocks per x for the average one (a larger one loops): sized
-        // by the largest, a launch of 256 experts' x was mostly blocks with nothing to do.
-        let rows: usize = distinct
+        // A thread per (row, step) of each distinct x.
+        let cells: usize = distinct
             .iter()
-            .map(|&(_, t)| t.next_multiple_of(QT_BT))
+            .map(|&(_, t)| t.next_multiple_of(QT_BT) * (cols / QG_BK))
             .sum();
-        let cells = rows / distinct.len() * (cols / QG_BK);
         let ci = cols as i32;
         launch!(
             self,
             op,
             "qt_split_x",
-            LaunchConfig {
-                grid_dim: (
-                    cells.div_ceil(256).clamp(1, 1024) as u32,
-                    distinct.len() as u32,
-                    1
-                ),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
-            },
+            crate::launch::elems_per_job(cells, distinct.len()),
             &split,
             &ci
         )?;
