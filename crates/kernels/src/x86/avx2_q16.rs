@@ -178,6 +178,7 @@ unsafe fn rows_dot<const R: usize, const T: usize>(
         }
         if R == 4 {
             if g % 8 == 0 {
+                super::prefetch_scales(m, r + PF_ROWS, g, R);
                 // SAFETY: groups g..min(g + 8, gpr) of rows r..r+4.
                 unsafe { scales_biases4(m, r, g, &mut sb4) };
             }

@@ -137,6 +137,7 @@ unsafe fn rows_dot<const R: usize>(
             // side of the four as one 4-lane vector (lane by lane, `group_step`).
             if g % 16 == 0 {
                 let k = avx512::tail_mask((gpr - g).min(16));
+                super::prefetch_scales(m, r + PF_ROWS, g, R);
                 let mut rows = [[[0.0f32; 16]; 2]; 4];
                 for (i, row) in rows.iter_mut().enumerate() {
                     let at = ((r + i) * gpr + g) * 2;

@@ -133,3 +133,27 @@ unsafe fn read_bf16(p: *const u8) -> f32 {
     let v = unsafe { (p as *const u16).read_unaligned() };
     f32::from_bits((u16::from_le(v) as u32) << 16)
 }
+
+/// Prefetches into L2 the scales and biases of group `g` onward of rows `r..r + n` (the bytes a
+/// 64-byte line holds from there): the int16 GEMVs' second stream beside the codes, asked for as
+/// far ahead as the codes (their callers pass `r` = the current row + their `PF_ROWS`). Left to the
+/// hardware prefetcher they were demand misses at every row block: the avx512i16 GEMV of Gemma 4's
+/// expert matrices, streamed from memory, went from 29-33 to 40-45 GB/s on 2 Zen 5 threads with it
+/// (docs/BENCHMARKS.md, "CPU, twenty-eighth session"). A prefetch past the matrix is harmless (the
+/// address is never dereferenced).
+#[inline(always)]
+fn prefetch_scales(m: &crate::QMatrix, r: usize, g: usize, n: usize) {
+    let gpr = m.groups_per_row();
+    for i in 0..n {
+        let at = ((r + i) * gpr + g) * 2;
+        for h in [m.scales, m.biases] {
+            // SAFETY: a prefetch never faults; wrapping_add computes the address without a claim
+            // that it is inside the slice.
+            unsafe {
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(
+                    h.as_ptr().wrapping_add(at) as *const i8,
+                )
+            };
+        }
+    }
+}
