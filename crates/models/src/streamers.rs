@@ -1,9 +1,10 @@
 //! The per-layer expert streamers a family reads its routed experts through.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use mference_backend::{Backend, Mlp, QRef};
-use mference_runtime::{CachePlan, ExpertStreamer, StreamerStats};
+use mference_runtime::{CachePlan, CacheSlots, ExpertStreamer, StreamerStats};
 
 use crate::{Engine, ModelError};
 
@@ -66,6 +67,9 @@ impl Streamers {
     /// one of its experts to time ([`mference_backend::DeviceExpertOps::calibrate_host_misses`]:
     /// `--gpu-miss-split auto` weighs a copy against the host CPU's product).
     pub fn preload<B: Backend>(&mut self, be: &B, engine: &Engine) -> Result<(), ModelError> {
+        if be.device_expert_stats().is_none() {
+            self.populate_mapped(engine)?;
+        }
         let experts = engine.install.layout.experts_per_layer;
         let mut calibrated = false;
         for layer in 0..self.layers.len() {
@@ -105,6 +109,42 @@ impl Streamers {
             }
         }
         Ok(())
+    }
+
+    /// Where the install's expert files are mapped (`resident` slots without O_DIRECT) and the
+    /// backend computes from the host's memory, opens every MoE layer now and maps its pages
+    /// ([`ExpertStreamer::populate`]), the layers shared out over the engine's threads: the load
+    /// pays for the mapping, as llama.cpp's does, instead of the first prompt.
+    fn populate_mapped(&mut self, engine: &Engine) -> Result<(), ModelError> {
+        if engine.slots != CacheSlots::Resident || engine.direct_io {
+            return Ok(());
+        }
+        let moe: Vec<usize> = (0..self.layers.len())
+            .filter(|&l| engine.install.layout.layers[l].blob.is_some())
+            .collect();
+        for &l in &moe {
+            self.get(l, engine)?;
+        }
+        let (next, layers) = (AtomicUsize::new(0), &self.layers);
+        let work = || -> Result<(), ModelError> {
+            while let Some(&l) = moe.get(next.fetch_add(1, Ordering::Relaxed)) {
+                if let Some(s) = &layers[l] {
+                    s.populate()?;
+                }
+            }
+            Ok(())
+        };
+        std::thread::scope(|sc| {
+            let helpers: Vec<_> = (1..engine.threads.min(moe.len()))
+                .map(|_| sc.spawn(work))
+                .collect();
+            let mine = work();
+            helpers
+                .into_iter()
+                .map(|h| h.join().expect("a populate thread panicked"))
+                .chain([mine])
+                .collect()
+        })
     }
 
     /// The streamer of `layer` and, when `next` and a layer follows, the one of `layer + 1` (both
