@@ -149,3 +149,68 @@ fn a_backend_that_claims_an_op_it_lacks_fails_the_capability_check() {
 fn the_cpu_backend_supports_every_op() {
     assert!(mference_backend::missing_ops::<CpuBackend>(Op::ALL).is_empty());
 }
+
+/// Attention's work split follows the thread count (a decode row's few KV heads split into parts
+/// of their query heads when the pool has more threads than heads), never its results: the
+/// same bits at 1, 2, 3, 5 and 16 threads, for one decode row and a 5-row chunk, FP16 and FP32
+/// caches, grouped heads with and without sinks.
+#[test]
+fn attention_has_the_same_bits_at_every_thread_count() {
+    use mference_backend::{AttnShape, KvDtype};
+    let resident: ResidentBytes = Arc::new(Vec::new());
+    let k = Kernels::detect();
+    let mut state = 7u64;
+    let mut vec = |n: usize, a: f32| -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                state = state
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((state >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * a
+            })
+            .collect()
+    };
+    for (dtype, (nh, nkv), sinks) in [
+        (KvDtype::F16, (16, 2), false),
+        (KvDtype::F32, (8, 1), true),
+        (KvDtype::F16, (6, 3), true),
+    ] {
+        let d = 32;
+        let shape = AttnShape {
+            n_heads: nh,
+            n_kv_heads: nkv,
+            head_dim: d,
+            window: None,
+            scale: 1.0 / (d as f32).sqrt(),
+            sinks: sinks.then(|| vec(nh, 2.0)),
+        };
+        let (kr, vr) = (vec(40 * nkv * d, 2.0), vec(40 * nkv * d, 1.0));
+        let q = vec(5 * nh * d, 2.0);
+        let run = |threads: usize, t: usize| {
+            let be = CpuBackend::new(k, threads, resident.clone());
+            let mut kv = be.new_kv(40, false, nkv, d, dtype).unwrap();
+            let (kt, vt) = (
+                be.upload(&kr, nkv * d).unwrap(),
+                be.upload(&vr, nkv * d).unwrap(),
+            );
+            be.kv_write(&mut kv, 0, &kt, &vt).unwrap();
+            let qt = be.upload(&q[..t * nh * d], nh * d).unwrap();
+            be.read(&be.attention(&qt, &kv, 40 - t, &shape).unwrap())
+                .unwrap()
+        };
+        for t in [1, 5] {
+            let one = run(1, t);
+            for threads in [2, 3, 5, 16] {
+                let got = run(threads, t);
+                let same = one
+                    .iter()
+                    .zip(&got)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(
+                    same && one.len() == got.len(),
+                    "{dtype:?} heads {nh}/{nkv} sinks {sinks}, {t} rows: {threads} threads differ from 1"
+                );
+            }
+        }
+    }
+}

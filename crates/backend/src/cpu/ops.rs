@@ -181,7 +181,10 @@ pub struct Entries<'a> {
 ///
 /// Work items are (row, KV head) pairs, so the query heads that share a KV head read (and convert)
 /// its rows once ([`Kernels::dots_f16_group`], [`Kernels::wsum_f16_group`]); per head the result
-/// is the one-head computation's, bit for bit.
+/// is the one-head computation's, bit for bit. Where those pairs are fewer than the pool's
+/// threads (decode: one row, 2 KV heads in Gemma 4's global layers and Qwen 3.6's), each pair's
+/// heads are split into equal parts, items of their own: the parts read the KV rows again, and
+/// every head's result stays the same bits.
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
     pool: &ThreadPool,
@@ -197,30 +200,34 @@ pub fn attention(
     let d = s.head_dim;
     let group = s.n_heads / s.n_kv_heads;
     let ew = s.n_kv_heads * d;
-    // Items are (row, KV head) pairs.
-    par_items(pool, out, group * d, |scores: &mut Vec<f32>, item, o| {
-        let (row, kvh) = (item / s.n_kv_heads, item % s.n_kv_heads);
-        // The group's first (row, head) item; its heads are contiguous in q and out.
-        let first = row * s.n_heads + kvh * group;
+    // Items are (row, KV head, part) triples, `parts` parts of `sub` heads per group.
+    let pairs = out.len() / (group * d);
+    let parts = (1..=group)
+        .find(|&p| group % p == 0 && pairs * p >= pool.threads())
+        .unwrap_or(group);
+    let sub = group / parts;
+    par_items(pool, out, sub * d, |scores: &mut Vec<f32>, item, o| {
+        let (pair, part) = (item / parts, item % parts);
+        let (row, kvh) = (pair / s.n_kv_heads, pair % s.n_kv_heads);
+        // The part's first (row, head) item; its heads are contiguous in q and out.
+        let first = row * s.n_heads + kvh * group + part * sub;
         let p = pos0 + row;
         let lo = s.window.map_or(0, |w| (p + 1).saturating_sub(w));
         let sel: &[usize] = entries.map_or(&[], |e| &e.visible[row]);
         let entry = |e: usize| &entries.expect("selected").rows[e * ew + kvh * d..][..d];
         // Cache positions, then the row's entries: head h's scores at h · n ..
         let (n_kv, n) = (p + 1 - lo, p + 1 - lo + sel.len());
-        let qg = &q[first * d..(first + group) * d];
+        let qg = &q[first * d..(first + sub) * d];
         // q·K over the positions, run by run: scores[h · n + i] for head h of the group.
         let stride = kv.row_stride();
         scores.clear();
-        scores.resize(group * n, 0.0);
+        scores.resize(sub * n, 0.0);
         let mut i0 = 0;
         for (count, run) in kv.k_runs(lo, p, kvh) {
             match run {
-                KvRow::F16(r) => {
-                    k.dots_f16_group(qg, group, r, stride, count, &mut scores[i0..], n)
-                }
+                KvRow::F16(r) => k.dots_f16_group(qg, sub, r, stride, count, &mut scores[i0..], n),
                 KvRow::F32(r) => {
-                    for h in 0..group {
+                    for h in 0..sub {
                         let qh = &qg[h * d..(h + 1) * d];
                         for i in 0..count {
                             let ki = &r[i * stride..i * stride + d];
@@ -231,7 +238,7 @@ pub fn attention(
             }
             i0 += count;
         }
-        for h in 0..group {
+        for h in 0..sub {
             let qh = &qg[h * d..(h + 1) * d];
             for (j, &e) in sel.iter().enumerate() {
                 scores[h * n + n_kv + j] = k.dot_f32(qh, entry(e));
@@ -244,7 +251,7 @@ pub fn attention(
             }
             match &s.sinks {
                 None => softmax(sc),
-                Some(sinks) => softmax_with_sink(sc, sinks[kvh * group + h]),
+                Some(sinks) => softmax_with_sink(sc, sinks[kvh * group + part * sub + h]),
             }
         }
         o.fill(0.0);
@@ -252,7 +259,7 @@ pub fn attention(
         let mut i0 = 0;
         for (count, run) in kv.v_runs(lo, p, kvh) {
             match run {
-                KvRow::F16(r) => k.wsum_f16_group(&scores[i0..], n, count, r, stride, o, group),
+                KvRow::F16(r) => k.wsum_f16_group(&scores[i0..], n, count, r, stride, o, sub),
                 KvRow::F32(r) => {
                     for (h, oh) in o.chunks_exact_mut(d).enumerate() {
                         for i in 0..count {
