@@ -203,7 +203,7 @@ pub fn attention(
     // Items are (row, KV head, part) triples, `parts` parts of `sub` heads per group.
     let pairs = out.len() / (group * d);
     let parts = (1..=group)
-        .find(|&p| group % p == 0 && pairs * p >= pool.threads())
+        .find(|&p| group.is_multiple_of(p) && pairs * p >= pool.threads())
         .unwrap_or(group);
     let sub = group / parts;
     par_items(pool, out, sub * d, |scores: &mut Vec<f32>, item, o| {
