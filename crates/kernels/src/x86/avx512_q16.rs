@@ -54,9 +54,18 @@ pub(super) fn gemm(m: &QMatrix, p: &PreparedX, y: &mut [f32], r0: usize, r1: usi
         if layout == XLayout::Q16Lanes16 {
             gemm_lanes(m, p, y, r0, r1)
         } else {
-            for t in 0..p.n {
-                let ldy = r1 - r0;
-                gemv_token(m, p, t, &mut y[t * ldy..(t + 1) * ldy], r0, r1);
+            // Up to TOKENS tokens a pass: each row's codes widened once for all of them.
+            let ldy = r1 - r0;
+            let mut t = 0;
+            while t < p.n {
+                let k = (p.n - t).min(TOKENS);
+                match k {
+                    4 => gemv_tokens::<4>(m, p, t, y, ldy, r0, r1),
+                    3 => gemv_tokens::<3>(m, p, t, y, ldy, r0, r1),
+                    2 => gemv_tokens::<2>(m, p, t, y, ldy, r0, r1),
+                    _ => gemv_tokens::<1>(m, p, t, y, ldy, r0, r1),
+                }
+                t += k;
             }
         }
     }
@@ -67,6 +76,10 @@ pub(super) fn gemm(m: &QMatrix, p: &PreparedX, y: &mut [f32], r0: usize, r1: usi
 /// 13.5-15.0 GB/s with `T1`, and decode of a 6-layer Gemma 4 26B cut went from 26.5-28.1 to
 /// 35.0-36.5 tok/s (docs/BENCHMARKS.md, "CPU, twentieth session"); without any prefetch 7.8 GB/s.
 const PF_ROWS: usize = 8;
+
+/// Tokens per pass of the GEMV (below the lane GEMM's `Q16_MIN_ROWS`): four rows by four tokens
+/// hold 16 integer accumulators of the 32 registers.
+const TOKENS: usize = 4;
 
 /// The f32 side of one group for one (row, token): `acc = fma(isum, scale · d, acc)`, then
 /// `acc = fma(bias, sum, acc)` (the GEMM's lanes do the same, lane by lane). `avx2i16` takes this
@@ -82,44 +95,54 @@ pub(super) fn group_step(
     bias.mul_add(sum, acc)
 }
 
-/// Rows `r..r+R` for token `t` of a [`XLayout::Q16EvenOdd64`] activation: per 64 columns, 32
-/// packed bytes widened to 16-bit lanes, their low nibbles against the even half of x and their
-/// high nibbles against the odd half, two `vpdpwssd` into the (row, group) integer sum.
+/// Rows `r..r+R` for tokens `t0..t0+T` of a [`XLayout::Q16EvenOdd64`] activation: per 64
+/// columns, 32 packed bytes widened to 16-bit lanes once, their low nibbles against the even half
+/// of each token's x and their high nibbles against the odd half, two `vpdpwssd` per token into
+/// its (row, group) integer sum. Token `t0 + k`'s row `r + i` goes to `y[(t0 + k) · ldy + at + i]`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
 #[inline]
-unsafe fn rows_dot<const R: usize>(
+#[allow(clippy::too_many_arguments)]
+unsafe fn rows_dot<const R: usize, const T: usize>(
     m: &QMatrix,
     p: &PreparedX,
-    t: usize,
+    t0: usize,
     r: usize,
-    out: &mut [f32],
+    y: &mut [f32],
+    ldy: usize,
+    at: usize,
 ) {
     let (cols, gs) = (m.cols, m.group_size);
     let gpr = m.groups_per_row();
     let rb = m.row_bytes();
-    debug_assert!((r + R) * rb <= m.weight.len() && out.len() >= R && t < p.n);
+    debug_assert!((r + R) * rb <= m.weight.len() && t0 + T <= p.n);
+    debug_assert!((t0 + T - 1) * ldy + at + R <= y.len());
     // SAFETY (pointer arithmetic below): rows r..r+R exist; columns stay below cols, groups below
     // gpr; token t's codes are cols int16 at t · cols.
     let w = unsafe { m.weight.as_ptr().add(r * rb) };
-    let x = unsafe { p.q16.as_ptr().add(t * cols) };
+    let x: [*const i16; T] =
+        std::array::from_fn(|k| unsafe { p.q16.as_ptr().add((t0 + k) * cols) });
     let (qd, sums) = (
-        &p.qd[t * gpr..(t + 1) * gpr],
-        &p.sums[t * gpr..(t + 1) * gpr],
+        &p.qd[t0 * gpr..(t0 + T) * gpr],
+        &p.sums[t0 * gpr..(t0 + T) * gpr],
     );
     let low = _mm512_set1_epi16(0x0f);
-    let mut acc = [0.0f32; R];
-    // R == 4: the four rows' f32 totals, and 16 groups' scales and biases, [group][scale, bias][row].
-    let mut acc4 = _mm_setzero_ps();
+    let mut acc = [[0.0f32; R]; T];
+    // R == 4: each token's four rows' f32 totals, and 16 groups' scales and biases,
+    // [group][scale, bias][row].
+    let mut acc4 = [_mm_setzero_ps(); T];
     let mut sb4 = [[[0.0f32; 4]; 2]; 16];
     let pf = PF_ROWS * rb;
     for g in 0..gpr {
-        let mut isum = [_mm512_setzero_si512(); R];
+        let mut isum = [[_mm512_setzero_si512(); R]; T];
         for c in 0..gs / 64 {
             let col = g * gs + c * 64;
-            // SAFETY: col + 64 <= cols: 64 int16 of x at col; 32 bytes of each row at col / 2.
+            // SAFETY: col + 64 <= cols: 64 int16 of each x at col; 32 bytes of each row at col / 2.
             unsafe {
-                let xe = _mm512_loadu_si512(x.add(col) as *const __m512i);
-                let xo = _mm512_loadu_si512(x.add(col + 32) as *const __m512i);
+                let xe: [__m512i; T] =
+                    std::array::from_fn(|k| _mm512_loadu_si512(x[k].add(col) as *const __m512i));
+                let xo: [__m512i; T] = std::array::from_fn(|k| {
+                    _mm512_loadu_si512(x[k].add(col + 32) as *const __m512i)
+                });
                 for i in 0..R {
                     _mm_prefetch::<_MM_HINT_T1>(w.wrapping_add(pf + i * rb + col / 2) as *const i8);
                     let v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(
@@ -127,8 +150,10 @@ unsafe fn rows_dot<const R: usize>(
                     ));
                     let e = _mm512_and_si512(v, low);
                     let o = _mm512_srli_epi16::<4>(v);
-                    isum[i] = _mm512_dpwssd_epi32(isum[i], e, xe);
-                    isum[i] = _mm512_dpwssd_epi32(isum[i], o, xo);
+                    for k in 0..T {
+                        isum[k][i] = _mm512_dpwssd_epi32(isum[k][i], e, xe[k]);
+                        isum[k][i] = _mm512_dpwssd_epi32(isum[k][i], o, xo[k]);
+                    }
                 }
             }
         }
@@ -158,11 +183,13 @@ unsafe fn rows_dot<const R: usize>(
                     }
                 }
             }
-            let is = sum4(&isum);
             let [s4, b4] = sb4[g % 16].map(|v| _mm_loadu_ps(v.as_ptr()));
-            let sd = _mm_mul_ps(s4, _mm_set1_ps(qd[g]));
-            acc4 = _mm_fmadd_ps(_mm_cvtepi32_ps(is), sd, acc4);
-            acc4 = _mm_fmadd_ps(b4, _mm_set1_ps(sums[g]), acc4);
+            for k in 0..T {
+                let is = sum4(&isum[k]);
+                let sd = _mm_mul_ps(s4, _mm_set1_ps(qd[k * gpr + g]));
+                acc4[k] = _mm_fmadd_ps(_mm_cvtepi32_ps(is), sd, acc4[k]);
+                acc4[k] = _mm_fmadd_ps(b4, _mm_set1_ps(sums[k * gpr + g]), acc4[k]);
+            }
             continue;
         }
         for i in 0..R {
@@ -174,14 +201,19 @@ unsafe fn rows_dot<const R: usize>(
                     read_bf16(m.biases.as_ptr().add(at)),
                 )
             };
-            let is = _mm512_reduce_add_epi32(isum[i]);
-            acc[i] = group_step(acc[i], is, sb, (qd[g], sums[g]));
+            for k in 0..T {
+                let is = _mm512_reduce_add_epi32(isum[k][i]);
+                acc[k][i] = group_step(acc[k][i], is, sb, (qd[k * gpr + g], sums[k * gpr + g]));
+            }
         }
     }
-    if R == 4 {
-        _mm_storeu_ps(acc.as_mut_ptr(), acc4);
+    for k in 0..T {
+        if R == 4 {
+            _mm_storeu_ps(acc[k].as_mut_ptr(), acc4[k]);
+        }
+        let o = (t0 + k) * ldy + at;
+        y[o..o + R].copy_from_slice(&acc[k]);
     }
-    out[..R].copy_from_slice(&acc);
 }
 
 /// The sums of the 16 lanes of each of four vectors, as the four lanes of one (integer adds: exact
@@ -206,17 +238,25 @@ fn sum4(v: &[__m512i]) -> __m128i {
     _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h))
 }
 
-/// Rows `[r0, r1)` of `W x` for token `t` into `y` (`r1 - r0` values).
+/// Rows `[r0, r1)` of `W x` for tokens `t0..t0+T` into `y` (token `t` at `t · ldy`).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
-unsafe fn gemv_token(m: &QMatrix, p: &PreparedX, t: usize, y: &mut [f32], r0: usize, r1: usize) {
+unsafe fn gemv_tokens<const T: usize>(
+    m: &QMatrix,
+    p: &PreparedX,
+    t0: usize,
+    y: &mut [f32],
+    ldy: usize,
+    r0: usize,
+    r1: usize,
+) {
     let mut r = r0;
-    // SAFETY (calls below): r..r+R <= r1 <= rows; y has r1 - r0 entries.
+    // SAFETY (calls below): r..r+R <= r1 <= rows; y has n · ldy entries.
     while r + 4 <= r1 {
-        unsafe { rows_dot::<4>(m, p, t, r, &mut y[r - r0..]) };
+        unsafe { rows_dot::<4, T>(m, p, t0, r, y, ldy, r - r0) };
         r += 4;
     }
     while r < r1 {
-        unsafe { rows_dot::<1>(m, p, t, r, &mut y[r - r0..]) };
+        unsafe { rows_dot::<1, T>(m, p, t0, r, y, ldy, r - r0) };
         r += 1;
     }
 }
