@@ -201,13 +201,7 @@ unsafe fn rows_dot<const R: usize, const T: usize>(
             }
         }
     }
-    for k in 0..T {
-        if R == 4 {
-            _mm_storeu_ps(acc[k].as_mut_ptr(), acc4[k]);
-        }
-        let o = (t0 + k) * ldy + at;
-        y[o..o + R].copy_from_slice(&acc[k]);
-    }
+    super::store_tokens(&mut acc, &acc4, y, ldy, t0 * ldy + at);
 }
 
 /// Scales and biases of groups `g..g+8` of rows `r..r+4` as `[group][scale, bias][row]` (groups

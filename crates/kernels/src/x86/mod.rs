@@ -157,3 +157,24 @@ fn prefetch_scales(m: &crate::QMatrix, r: usize, g: usize, n: usize) {
         }
     }
 }
+
+/// The int16 GEMVs' results of `T` tokens by `R` rows into `y`: token `k`'s rows at
+/// `y[k · ldy + at..]` (`at` counts the first token's offset, `t0 · ldy`, too), from `acc4`
+/// when `R == 4`, else from `acc`.
+#[inline(always)]
+fn store_tokens<const R: usize, const T: usize>(
+    acc: &mut [[f32; R]; T],
+    acc4: &[std::arch::x86_64::__m128; T],
+    y: &mut [f32],
+    ldy: usize,
+    at: usize,
+) {
+    for k in 0..T {
+        if R == 4 {
+            // SAFETY: SSE is part of x86-64; acc[k] holds 4 floats when R == 4.
+            unsafe { std::arch::x86_64::_mm_storeu_ps(acc[k].as_mut_ptr(), acc4[k]) };
+        }
+        let o = k * ldy + at;
+        y[o..o + R].copy_from_slice(&acc[k]);
+    }
+}
