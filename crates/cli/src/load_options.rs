@@ -128,7 +128,7 @@ fn resolve_slots(
             2 * rows * width * kv_bytes
         })
         .sum();
-    let (limit, from) = usable_memory();
+    let (limit, from) = mference_runtime::sizing::usable_memory();
     let input = mference_runtime::sizing::SizingInput {
         limit,
         resident_weights: size(mference_format::WEIGHTS_FILE),
@@ -197,69 +197,6 @@ fn host_tier_slots(man: &Manifest, bytes: u64) -> Result<CacheSlots> {
         (n as u64 * per_slot) as f64 / 1e9
     );
     Ok(CacheSlots::Fixed(n))
-}
-
-/// Bytes this process can use and where that number comes from: MemAvailable, lowered to the
-/// memory cgroup's limit minus its usage when one is set (cgroup v1 `memory.limit_in_bytes` or v2
-/// `memory.max`), the page cache charged to the cgroup not counted as used
-/// ([`mference_runtime::sizing::cgroup_headroom`]).
-fn usable_memory() -> (u64, &'static str) {
-    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
-    let avail = meminfo
-        .lines()
-        .find(|l| l.starts_with("MemAvailable:"))
-        .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
-        .map_or(0, |kib| kib * 1024);
-    let read = |p: String| {
-        std::fs::read_to_string(p)
-            .ok()
-            .and_then(|v| v.trim().parse::<u64>().ok())
-    };
-    let cgroups = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
-    let mut limit = u64::MAX;
-    let mut from = "MemAvailable";
-    for line in cgroups.lines() {
-        let mut parts = line.splitn(3, ':');
-        let (_, controllers, path) = (
-            parts.next(),
-            parts.next().unwrap_or(""),
-            parts.next().unwrap_or(""),
-        );
-        if controllers.split(',').any(|c| c == "memory") {
-            let base = format!("/sys/fs/cgroup/memory{path}");
-            if let (Some(l), Some(u)) = (
-                read(format!("{base}/memory.limit_in_bytes")),
-                read(format!("{base}/memory.usage_in_bytes")),
-            ) {
-                let stat =
-                    std::fs::read_to_string(format!("{base}/memory.stat")).unwrap_or_default();
-                let room = mference_runtime::sizing::cgroup_headroom(l, u, &stat);
-                if room < limit {
-                    limit = room;
-                    from = "cgroup v1 memory.limit_in_bytes";
-                }
-            }
-        } else if controllers.is_empty() {
-            let base = format!("/sys/fs/cgroup{path}");
-            if let (Some(l), Some(u)) = (
-                read(format!("{base}/memory.max")),
-                read(format!("{base}/memory.current")),
-            ) {
-                let stat =
-                    std::fs::read_to_string(format!("{base}/memory.stat")).unwrap_or_default();
-                let room = mference_runtime::sizing::cgroup_headroom(l, u, &stat);
-                if room < limit {
-                    limit = room;
-                    from = "cgroup v2 memory.max";
-                }
-            }
-        }
-    }
-    if avail <= limit {
-        (avail, "MemAvailable")
-    } else {
-        (limit, from)
-    }
 }
 
 /// The load options the model flags ask for, with the prefill chunk rows and KV positions the

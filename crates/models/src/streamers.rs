@@ -60,8 +60,9 @@ impl Streamers {
     /// the layer) but the host tier has a slot for every expert of the layer, the host tier is
     /// read and page-locked now ([`mference_backend::moe::fill_host`]), as llama.cpp holds its
     /// host-side experts from the start: the first prompt then streams them from pinned memory
-    /// instead of reading and pinning them on the way. Other layers open their file (and check
-    /// it) on first use as before.
+    /// instead of reading and pinning them on the way. A CPU backend's `resident` layers are
+    /// opened and mapped here ([`Streamers::populate_mapped`]); other layers open their file (and
+    /// check it) on first use.
     ///
     /// The first layer whose experts the backend does not hold for good also gives the backend
     /// one of its experts to time ([`mference_backend::DeviceExpertOps::calibrate_host_misses`]:
@@ -114,7 +115,9 @@ impl Streamers {
     /// Where the install's expert files are mapped (`resident` slots without O_DIRECT) and the
     /// backend computes from the host's memory, opens every MoE layer now and maps its pages
     /// ([`ExpertStreamer::populate`]), the layers shared out over the engine's threads: the load
-    /// pays for the mapping, as llama.cpp's does, instead of the first prompt.
+    /// pays for the mapping, as llama.cpp's does, instead of the first prompt. Not where the
+    /// expert files exceed the memory this process can use (a `resident` asked for on a smaller
+    /// machine): their pages map on first use then, and the load says so.
     fn populate_mapped(&mut self, engine: &Engine) -> Result<(), ModelError> {
         if engine.slots != CacheSlots::Resident || engine.direct_io {
             return Ok(());
@@ -122,14 +125,35 @@ impl Streamers {
         let moe: Vec<usize> = (0..self.layers.len())
             .filter(|&l| engine.install.layout.layers[l].blob.is_some())
             .collect();
+        let l = &engine.install.layout;
+        let bytes = moe.len() as u64 * l.experts_per_layer as u64 * l.expert_stride;
+        let (usable, from) = mference_runtime::sizing::usable_memory();
+        if bytes > usable {
+            eprintln!(
+                "mference: the expert files ({:.2} GB) exceed the memory this process can use \
+                 ({:.2} GB, {from}): they are not mapped at load, their pages map on first use",
+                bytes as f64 / 1e9,
+                usable as f64 / 1e9
+            );
+            return Ok(());
+        }
         for &l in &moe {
             self.get(l, engine)?;
         }
-        let (next, layers) = (AtomicUsize::new(0), &self.layers);
+        let (next, unmapped, layers) = (AtomicUsize::new(0), AtomicUsize::new(0), &self.layers);
         let work = || -> Result<(), ModelError> {
             while let Some(&l) = moe.get(next.fetch_add(1, Ordering::Relaxed)) {
-                if let Some(s) = &layers[l] {
-                    s.populate()?;
+                let Some(s) = &layers[l] else { continue };
+                match s.populate() {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        unmapped.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(e) => {
+                        // The other threads stop at their next layer.
+                        next.store(moe.len(), Ordering::Relaxed);
+                        return Err(e.into());
+                    }
                 }
             }
             Ok(())
@@ -141,10 +165,19 @@ impl Streamers {
             let mine = work();
             helpers
                 .into_iter()
-                .map(|h| h.join().expect("a populate thread panicked"))
+                .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
                 .chain([mine])
-                .collect()
-        })
+                .collect::<Result<(), ModelError>>()
+        })?;
+        let n = unmapped.into_inner();
+        if n > 0 {
+            eprintln!(
+                "mference: {n} of {} expert files could not be mapped at load (this kernel refused \
+                 MADV_POPULATE_READ): their pages map on first use",
+                moe.len()
+            );
+        }
+        Ok(())
     }
 
     /// The streamer of `layer` and, when `next` and a layer follows, the one of `layer + 1` (both

@@ -83,6 +83,67 @@ pub fn cgroup_headroom(limit: u64, usage: u64, memory_stat: &str) -> u64 {
     limit.saturating_sub(usage.saturating_sub(file))
 }
 
+/// Bytes this process can use and where that number comes from: MemAvailable, lowered to the
+/// memory cgroup's limit minus its usage when one is set (cgroup v1 `memory.limit_in_bytes` or v2
+/// `memory.max`), the page cache charged to the cgroup not counted as used
+/// ([`cgroup_headroom`]).
+pub fn usable_memory() -> (u64, &'static str) {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let avail = meminfo
+        .lines()
+        .find(|l| l.starts_with("MemAvailable:"))
+        .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        .map_or(0, |kib| kib * 1024);
+    let read = |p: String| {
+        std::fs::read_to_string(p)
+            .ok()
+            .and_then(|v| v.trim().parse::<u64>().ok())
+    };
+    let cgroups = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
+    let mut limit = u64::MAX;
+    let mut from = "MemAvailable";
+    // A cgroup's room: its limit file less its usage file, under `base`.
+    let mut consider = |base: String, files: [&str; 2], name: &'static str| {
+        if let (Some(l), Some(u)) = (
+            read(format!("{base}/{}", files[0])),
+            read(format!("{base}/{}", files[1])),
+        ) {
+            let stat = std::fs::read_to_string(format!("{base}/memory.stat")).unwrap_or_default();
+            let room = cgroup_headroom(l, u, &stat);
+            if room < limit {
+                limit = room;
+                from = name;
+            }
+        }
+    };
+    for line in cgroups.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (_, controllers, path) = (
+            parts.next(),
+            parts.next().unwrap_or(""),
+            parts.next().unwrap_or(""),
+        );
+        if controllers.split(',').any(|c| c == "memory") {
+            consider(
+                format!("/sys/fs/cgroup/memory{path}"),
+                ["memory.limit_in_bytes", "memory.usage_in_bytes"],
+                "cgroup v1 memory.limit_in_bytes",
+            );
+        } else if controllers.is_empty() {
+            consider(
+                format!("/sys/fs/cgroup{path}"),
+                ["memory.max", "memory.current"],
+                "cgroup v2 memory.max",
+            );
+        }
+    }
+    if avail <= limit {
+        (avail, "MemAvailable")
+    } else {
+        (limit, from)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

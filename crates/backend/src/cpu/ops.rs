@@ -200,11 +200,14 @@ pub fn attention(
     let d = s.head_dim;
     let group = s.n_heads / s.n_kv_heads;
     let ew = s.n_kv_heads * d;
-    // Items are (row, KV head, part) triples, `parts` parts of `sub` heads per group.
+    // Items are (row, KV head, part) triples, `parts` parts of `sub` heads per group: the most
+    // parts that keep the items within the threads (par_items gives each thread a run of
+    // ceil(items / threads) items, so more would only read the KV rows again).
     let pairs = out.len() / (group * d);
     let parts = (1..=group)
-        .find(|&p| group.is_multiple_of(p) && pairs * p >= pool.threads())
-        .unwrap_or(group);
+        .rev()
+        .find(|&p| group.is_multiple_of(p) && pairs * p <= pool.threads())
+        .unwrap_or(1);
     let sub = group / parts;
     par_items(pool, out, sub * d, |scores: &mut Vec<f32>, item, o| {
         let (pair, part) = (item / parts, item % parts);

@@ -7,9 +7,9 @@
 //! matrices (routers) use the exact AVX-512 kernels.
 //!
 //! Batch invariance: the integer sums are exact whatever the order, and the f32 side is the same
-//! sequence in the GEMV (one token, [`XLayout::Q16EvenOdd64`]) and in the GEMM (16 tokens per
-//! register, [`XLayout::Q16Lanes16`]), so a token's result does not depend on how many tokens
-//! share the product, nor on how rows are split.
+//! sequence in the GEMV (up to four tokens a pass, [`XLayout::Q16EvenOdd64`]) and in the GEMM (16
+//! tokens per register, [`XLayout::Q16Lanes16`]), so a token's result does not depend on how many
+//! tokens share the product, nor on how rows are split.
 
 use std::arch::x86_64::*;
 

@@ -138,7 +138,7 @@ unsafe fn read_bf16(p: *const u8) -> f32 {
 /// 64-byte line holds from there): the int16 GEMVs' second stream beside the codes, asked for as
 /// far ahead as the codes (their callers pass `r` = the current row + their `PF_ROWS`). Left to the
 /// hardware prefetcher they were demand misses at every row block: the avx512i16 GEMV of Gemma 4's
-/// expert matrices, streamed from memory, went from 29-33 to 40-45 GB/s on 2 Zen 5 threads with it
+/// expert matrices, streamed from memory, went from 29-34 to 36-45 GB/s on 2 Zen 5 threads with it
 /// (docs/BENCHMARKS.md, "CPU, twenty-eighth session"). A prefetch past the matrix is harmless (the
 /// address is never dereferenced).
 #[inline(always)]
