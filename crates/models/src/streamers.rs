@@ -23,14 +23,22 @@ impl Streamers {
         }
     }
 
-    /// The streamer of `layer`, opening it (and checking its file per the verify policy) on first use.
+    /// The streamer of `layer`, its file checked per the verify policy on first use and opened
+    /// then unless it was opened at load (a `resident` layer mapped by
+    /// [`Streamers::populate_mapped`]): a file damaged after the load still fails the request
+    /// that first reads it. Later calls find the check done (one lookup).
     pub fn get(
         &mut self,
         layer: usize,
         engine: &Engine,
     ) -> Result<&mut ExpertStreamer, ModelError> {
+        engine.install.check_layer_file(layer)?;
+        self.open(layer, engine)
+    }
+
+    /// The streamer of `layer`, opened on first use, its file not checked here.
+    fn open(&mut self, layer: usize, engine: &Engine) -> Result<&mut ExpertStreamer, ModelError> {
         if self.layers[layer].is_none() {
-            engine.install.check_layer_file(layer)?;
             let l = &engine.install.layout;
             if self.plan.is_none() {
                 let moe_layers = l.layers.iter().filter(|x| x.blob.is_some()).count();
@@ -137,8 +145,9 @@ impl Streamers {
             );
             return Ok(());
         }
+        // Opened, not checked: each layer's file is checked at its first use, as before.
         for &l in &moe {
-            self.get(l, engine)?;
+            self.open(l, engine)?;
         }
         let (next, unmapped, layers) = (AtomicUsize::new(0), AtomicUsize::new(0), &self.layers);
         let work = || -> Result<(), ModelError> {
