@@ -83,28 +83,7 @@ fn gemm(m: &QMatrix, p: &PreparedX, y: &mut [f32], r0: usize, r1: usize) {
     }
 }
 
-/// Rows `[r0, r1)` of `W x` for tokens `t0..t0+T` into `y` (token `t` at `t · ldy`).
-#[target_feature(enable = "avx2,fma")]
-unsafe fn gemv_tokens<const T: usize>(
-    m: &QMatrix,
-    p: &PreparedX,
-    t0: usize,
-    y: &mut [f32],
-    ldy: usize,
-    r0: usize,
-    r1: usize,
-) {
-    let mut r = r0;
-    // SAFETY (calls below): r..r+R <= r1 <= rows; y has n · ldy entries.
-    while r + 4 <= r1 {
-        unsafe { rows_dot::<4, T>(m, p, t0, r, y, ldy, r - r0) };
-        r += 4;
-    }
-    while r < r1 {
-        unsafe { rows_dot::<1, T>(m, p, t0, r, y, ldy, r - r0) };
-        r += 1;
-    }
-}
+define_gemv_tokens!("avx2,fma");
 
 /// Rows `r..r+R` for tokens `t0..t0+T` of a [`XLayout::Q16Nib64`] activation: per 64 columns
 /// and row, 32 packed bytes read as 16-bit lanes (columns 4j..4j+3 of lane j at bits 0, 4, 8, 12),

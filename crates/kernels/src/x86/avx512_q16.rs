@@ -232,28 +232,7 @@ fn sum4(v: &[__m512i]) -> __m128i {
     _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h))
 }
 
-/// Rows `[r0, r1)` of `W x` for tokens `t0..t0+T` into `y` (token `t` at `t · ldy`).
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
-unsafe fn gemv_tokens<const T: usize>(
-    m: &QMatrix,
-    p: &PreparedX,
-    t0: usize,
-    y: &mut [f32],
-    ldy: usize,
-    r0: usize,
-    r1: usize,
-) {
-    let mut r = r0;
-    // SAFETY (calls below): r..r+R <= r1 <= rows; y has n · ldy entries.
-    while r + 4 <= r1 {
-        unsafe { rows_dot::<4, T>(m, p, t0, r, y, ldy, r - r0) };
-        r += 4;
-    }
-    while r < r1 {
-        unsafe { rows_dot::<1, T>(m, p, t0, r, y, ldy, r - r0) };
-        r += 1;
-    }
-}
+define_gemv_tokens!("avx512f,avx512bw,avx512vl,avx512vnni,fma");
 
 /// The GEMM over 16-token lanes (the int8 table's driver, with two bytes per code).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]

@@ -9,6 +9,35 @@ use std::cell::RefCell;
 
 use crate::dispatch::Kernels;
 
+/// Defines the including int16 table's `gemv_tokens::<T>`: rows `[r0, r1)` of `W x` for tokens
+/// `t0..t0+T` into `y` (token `t` at `t · ldy`), blocks of 4 rows then single rows over its
+/// `rows_dot::<R, T>`, compiled with that file's target features.
+macro_rules! define_gemv_tokens {
+    ($features:literal) => {
+        #[target_feature(enable = $features)]
+        unsafe fn gemv_tokens<const T: usize>(
+            m: &QMatrix,
+            p: &PreparedX,
+            t0: usize,
+            y: &mut [f32],
+            ldy: usize,
+            r0: usize,
+            r1: usize,
+        ) {
+            let mut r = r0;
+            // SAFETY (calls below): r..r+R <= r1 <= rows; y has n · ldy entries.
+            while r + 4 <= r1 {
+                unsafe { rows_dot::<4, T>(m, p, t0, r, y, ldy, r - r0) };
+                r += 4;
+            }
+            while r < r1 {
+                unsafe { rows_dot::<1, T>(m, p, t0, r, y, ldy, r - r0) };
+                r += 1;
+            }
+        }
+    };
+}
+
 /// Defines the including file's `gemv_impl` (dispatch on the matrix's bits) and `gemv_bits::<BITS>` (blocks
 /// of `$rows` rows, then single rows) over its `rows_dot::<R, BITS>`, compiled with that file's target features.
 macro_rules! define_gemv {
