@@ -338,6 +338,9 @@ def main() -> None:
     ap.add_argument("--prompts", default="64,512")
     ap.add_argument("--gen", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="warm mode: measure each engine this many times, alternating which goes "
+                         "first; the ratios of each round and of the medians over all are printed")
     ap.add_argument("--slots", default="16")
     ap.add_argument("--max-context", type=int, default=4096)
     ap.add_argument("--direct-io", action="store_true")
@@ -395,18 +398,33 @@ def main() -> None:
 
 
 def warm_mode(a, prompts: list, engines: list) -> dict:
+    """Each engine's files read into the page cache, its runs, the files evicted (both engines'
+    files together may not fit in RAM). With --rounds N that N times, the engine order alternating
+    round by round, so that a machine's drift over minutes falls on both engines; each round's
+    ratios are kept (res["rounds"]) beside those of the medians over every round's runs."""
     res = {"loadavg_before": os.getloadavg()}
-    for eng in engines:
-        files = files_of(a.ours) if eng.startswith("ours") else [a.gguf]
-        with timed():
-            res[f"{eng}_warm_read_s"] = warm(files)
-            print(f"[compare] warm: {eng} ...", file=sys.stderr, flush=True)
-            load0 = os.getloadavg()
-            res[eng] = (llama(a, prompts, False, a.repeats, trace=eng == "llama-trace")
-                        if eng.startswith("llama")
-                        else ours(a, prompts, False, a.repeats, trace=eng == "ours"))
-            res[eng]["loadavg_before"], res[eng]["loadavg_after"] = load0, os.getloadavg()
-        evict(files)  # leave room in RAM for the other engine's warm run
+    parts = {e: [] for e in engines}
+    for i in range(a.rounds):
+        for eng in engines if i % 2 == 0 else engines[::-1]:
+            files = files_of(a.ours) if eng.startswith("ours") else [a.gguf]
+            with timed():
+                res.setdefault(f"{eng}_warm_read_s", []).append(warm(files))
+                print(f"[compare] warm: {eng} round {i + 1}/{a.rounds} ...", file=sys.stderr,
+                      flush=True)
+                load0 = os.getloadavg()
+                r = (llama(a, prompts, False, a.repeats, trace=eng == "llama-trace")
+                     if eng.startswith("llama")
+                     else ours(a, prompts, False, a.repeats, trace=eng == "ours"))
+                r["loadavg_before"], r["loadavg_after"] = load0, os.getloadavg()
+            parts[eng].append(r)
+            evict(files)  # leave room in RAM for the other engine's warm run
+    for eng, p in parts.items():
+        res[eng] = p[0] if len(p) == 1 else (merge_llama(p) if eng.startswith("llama")
+                                             else merge_ours(p))
+    if a.rounds > 1 and "ours" in parts:
+        res["rounds"] = [{peer: ratios(parts["ours"][i], parts[peer][i])
+                          for peer in ("llama", "llama-trace") if peer in parts}
+                         for i in range(a.rounds)]
     res["loadavg_after"] = os.getloadavg()
     return res
 
@@ -469,6 +487,11 @@ def print_mode(mode: str, res: dict) -> None:
             print(f"{'':7} floor {r['floor_ms']:.1f} ms = io {r['floor_io_ms']:.1f} + warm "
                   f"{r['floor_warm_ms']:.1f}; ours {r['ours_decode_ms']:.1f} ms/token = "
                   f"{r['decode_over_floor']:.2f}x floor")
+    for i, rnd in enumerate(res.get("rounds", [])):
+        for peer, rows in rnd.items():
+            print(f"{'':7} round {i + 1} vs {peer}: " + " | ".join(
+                f"{r['prompt_tokens']}: prefill {r['prefill_ratio'] or 0:.2f} decode "
+                f"{r['decode_ratio'] or 0:.2f}" for r in rows))
     for eng in ("ours", "ours-router"):
         if eng in res and res[eng].get("auto_sizing"):
             print(f"{'':7} {eng}: " + " | ".join(res[eng]["auto_sizing"]))
