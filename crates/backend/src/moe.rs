@@ -220,7 +220,16 @@ where
         .filter(|(_, &h)| !h)
         .map(|(&e, _)| e)
         .collect();
-    let tiles = prefill_tiles(needed, routes, streamer.slots());
+    // Every expert computed on the host from a mapped layer file (a resident install) or from a
+    // slot it holds already: nothing to read or refill, so one tile of them all, one batch of
+    // parallel regions for the layer rather than one per tile of 8 (at 16 threads a 64-token
+    // prompt's tile gave each thread a few dozen rows per region).
+    let in_slots = streamer.is_mapped() || streamer.holds(&needed);
+    let tiles = if be.device_expert_stats().is_none() && in_slots {
+        prefill_tiles(needed, routes, usize::MAX)
+    } else {
+        prefill_tiles(needed, routes, host_tile(streamer.slots()))
+    };
     // A decode step may have left copies reading host slots that these reads could refill.
     be.expert_copies_done()?;
     let mut next_slots = match tiles.first() {
@@ -318,26 +327,27 @@ fn run_batch<B: Backend>(
 }
 
 /// The host streamer's tiles for several rows: `needed` (the routed experts the backend does not
-/// hold) in tiles of half the `slots` (at most 8: the current and the next tile fit in the cache
-/// together), each expert with its use count (the rows routed to it, as decode counts one
-/// use per token). The most used experts come last, so the cache the next step starts from holds
-/// them rather than the highest ids; the sum is in expert order whatever the tile order.
+/// hold) in tiles of `tile` experts ([`host_tile`] of the slots where reads are needed: the
+/// current and the next tile fit in the cache together), each expert with its use count (the
+/// rows routed to it, as decode counts one use per token). The most used experts come last, so
+/// the cache the next step starts from holds them rather than the highest ids; the sum is in
+/// expert order whatever the tile order.
 pub fn prefill_tiles(
     mut needed: Vec<usize>,
     routes: &Routes,
-    slots: usize,
+    tile: usize,
 ) -> Vec<(Vec<usize>, Vec<u64>)> {
     let uses = |e: &usize| routes.experts.get(e).map_or(0, |r| r.len() as u64);
     needed.sort_by_key(|e| (uses(e), *e));
     needed
-        .chunks(host_tile(slots))
+        .chunks(tile.max(1))
         .map(|tl| (tl.to_vec(), tl.iter().map(uses).collect()))
         .collect()
 }
 
 /// Experts per host-streamer tile of several rows: half the `slots` (at most 8), so the current
 /// and the next tile fit in the cache together.
-fn host_tile(slots: usize) -> usize {
+pub fn host_tile(slots: usize) -> usize {
     (slots / 2).clamp(1, 8)
 }
 

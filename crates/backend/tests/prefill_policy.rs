@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::PathBuf;
 
-use mference_backend::moe::prefill_tiles;
+use mference_backend::moe::{host_tile, prefill_tiles};
 use mference_backend::Routes;
 use mference_runtime::streamer::IoPool;
 use mference_runtime::{CacheSlots, ExpertStreamer, RoutingTrace};
@@ -56,7 +56,7 @@ fn replay(
     }
     let routed: Vec<usize> = routes.experts.keys().copied().collect();
     let tiles: Vec<(Vec<usize>, Vec<u64>)> = if by_rows {
-        prefill_tiles(routed, &routes, SLOTS)
+        prefill_tiles(routed, &routes, host_tile(SLOTS))
     } else {
         routed
             .chunks(8)

@@ -295,6 +295,12 @@ impl ExpertStreamer {
             .all(|&e| e < self.experts && st.table.slot_of(self.first_key + e).is_some())
     }
 
+    /// Whether the layer file is mapped (`resident` without O_DIRECT): every expert has its own
+    /// slot, so [`acquire`](Self::acquire) never reads into or refills a slot.
+    pub fn is_mapped(&self) -> bool {
+        self.mapped.is_some()
+    }
+
     /// Number of slots this layer counts on (its share of the pool under `pool`).
     pub fn slots(&self) -> usize {
         self.share
