@@ -7,7 +7,9 @@ same shapes (tools/synth/synth.py writes both), same threads, prompt lengths and
 
 Modes:
   warm    each engine's files are read into the page cache first (one engine at a time: both
-          together may not fit in RAM), then measured.
+          together may not fit in RAM), then measured. --rounds N does that N times, the engine
+          order alternating round by round, and prints each round's ratios beside those of the
+          medians over all rounds (a noisy machine's drift then falls on both engines).
   capped  each engine runs in a cgroup v1 memory cgroup limited to each of --cap-gib (default 8
           GiB; a list such as 8,4 runs every cap). The page cache the process faults in is charged
           to the cgroup, so the cap covers it. Every repeat is its own invocation: the engine's
