@@ -221,12 +221,12 @@ where
         .map(|(&e, _)| e)
         .collect();
     // Every expert computed on the host from a mapped layer file (a resident install) or from a
-    // slot it holds already: nothing to read or refill, so one tile of them all, one batch of
-    // parallel regions for the layer rather than one per tile of 8 (at 16 threads a 64-token
-    // prompt's tile gave each thread a few dozen rows per region).
+    // slot it holds already: nothing to read or refill, so tiles as large as their rows allow,
+    // one batch of parallel regions for many experts rather than one per 8 (at 16 threads a
+    // 64-token prompt's tile of 8 gave each thread a few dozen rows per region).
     let in_slots = streamer.is_mapped() || streamer.holds(&needed);
     let tiles = if be.device_expert_stats().is_none() && in_slots {
-        prefill_tiles(needed, routes, usize::MAX)
+        in_place_tiles(needed, routes)
     } else {
         prefill_tiles(needed, routes, host_tile(streamer.slots()))
     };
@@ -348,7 +348,39 @@ pub fn prefill_tiles(
 /// Experts per host-streamer tile of several rows: half the `slots` (at most 8), so the current
 /// and the next tile fit in the cache together.
 pub fn host_tile(slots: usize) -> usize {
-    (slots / 2).clamp(1, 8)
+    (slots / 2).clamp(1, HOST_TILE_MAX)
+}
+
+/// The most experts in a tile the host streamer reads for.
+const HOST_TILE_MAX: usize = 8;
+
+/// Routed rows past which [`in_place_tiles`] starts a new tile: a tile's gathered rows, their
+/// prepared copies and its hidden products live together (~22 KB a row at Gemma 4's sizes, so
+/// ~23 MB), where one tile of a 2048-token chunk's 16,384 routed rows would hold ~370 MB.
+const IN_PLACE_TILE_ROWS: u64 = 1024;
+
+/// [`prefill_tiles`] for experts that need no read (a mapped layer file, or every one in a slot
+/// already): in the same order, tiles of at least [`HOST_TILE_MAX`] experts (or what is left)
+/// that close once the next expert would take their routed rows past [`IN_PLACE_TILE_ROWS`]. A
+/// 64-token chunk's experts of a top-8 layer (512 rows) are one tile.
+pub fn in_place_tiles(needed: Vec<usize>, routes: &Routes) -> Vec<(Vec<usize>, Vec<u64>)> {
+    let mut tiles: Vec<(Vec<usize>, Vec<u64>)> = Vec::new();
+    let mut rows = 0;
+    for (tl, uses) in prefill_tiles(needed, routes, 1) {
+        let u = uses[0];
+        match tiles.last_mut() {
+            Some((es, us)) if es.len() < HOST_TILE_MAX || rows + u <= IN_PLACE_TILE_ROWS => {
+                es.push(tl[0]);
+                us.push(u);
+                rows += u;
+            }
+            _ => {
+                tiles.push((tl, uses));
+                rows = u;
+            }
+        }
+    }
+    tiles
 }
 
 /// [`routed_experts`] for one row: every expert of the token in one tile, computed into row `j`
@@ -552,4 +584,53 @@ fn prefetch_predicted(next: &mut ExpertStreamer, predicted: &Routes, n: usize) -
         return 0;
     }
     next.prefetch(&ids)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn routes(rows_of: &[(usize, usize)]) -> Routes {
+        let mut r = Routes::default();
+        for &(e, n) in rows_of {
+            r.experts.insert(e, (0..n).map(|i| (i, 1.0)).collect());
+        }
+        r
+    }
+
+    #[test]
+    fn in_place_tiles_keep_the_order_and_bound_their_rows() {
+        // 128 experts of 4 rows (a 64-token chunk, top 8): one tile, least used first.
+        let r = routes(&(0..128).map(|e| (e, 4)).collect::<Vec<_>>());
+        let t = in_place_tiles(r.experts.keys().copied().collect(), &r);
+        assert_eq!(t.len(), 1);
+        assert_eq!(
+            t,
+            prefill_tiles(r.experts.keys().copied().collect(), &r, 128)
+        );
+        // 128 experts of 1 to 64 rows: every expert once, in prefill_tiles' order; a tile past
+        // the row bound only where it holds no more than HOST_TILE_MAX experts.
+        let r = routes(&(0..128).map(|e| (e, 1 + (e * 37) % 64)).collect::<Vec<_>>());
+        let needed: Vec<usize> = r.experts.keys().copied().collect();
+        let t = in_place_tiles(needed.clone(), &r);
+        let flat: Vec<usize> = t.iter().flat_map(|(es, _)| es.clone()).collect();
+        let order: Vec<usize> = prefill_tiles(needed, &r, 1)
+            .into_iter()
+            .map(|(es, _)| es[0])
+            .collect();
+        assert_eq!(flat, order);
+        assert!(t.len() > 1);
+        for (es, us) in &t {
+            assert_eq!(es.len(), us.len());
+            let rows: u64 = us.iter().sum();
+            assert!(
+                es.len() <= HOST_TILE_MAX || rows <= IN_PLACE_TILE_ROWS,
+                "{rows} rows in {}",
+                es.len()
+            );
+            assert!(
+                es.len() >= HOST_TILE_MAX || (es, us) == t.last().map(|(a, b)| (a, b)).unwrap()
+            );
+        }
+    }
 }
