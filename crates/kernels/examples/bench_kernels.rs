@@ -289,6 +289,15 @@ fn main() {
                 d.as_secs_f64() * 1e6
             );
             for pool in &pools {
+                let d = time(20, || {
+                    black_box(pool.prepare(k, &m, &x, n));
+                });
+                println!(
+                    "{:7} threads {}: prepare n={n:3} x 2816: {:7.1} us (its 16-token blocks over the pool)",
+                    k.name(),
+                    pool.threads(),
+                    d.as_secs_f64() * 1e6
+                );
                 let d = time(20, || pool.gemm(k, &m, &x, n, &mut y));
                 let flops = 2.0 * (n * inter * hidden) as f64;
                 println!(

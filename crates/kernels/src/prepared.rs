@@ -201,6 +201,19 @@ impl PreparedX {
     }
 
     pub(crate) fn fill(&mut self, layout: XLayout, m: &QMatrix, x: &[f32], n: usize) {
+        self.fill_each(layout, m, x, n, |blocks, work| (0..blocks).for_each(work));
+    }
+
+    /// [`PreparedX::fill`], the int16 layouts' blocks of 16 tokens handed to `each` (see
+    /// `fill_q16`), which may run them at once: the same bytes whatever it does.
+    pub(crate) fn fill_each(
+        &mut self,
+        layout: XLayout,
+        m: &QMatrix,
+        x: &[f32],
+        n: usize,
+        each: impl FnOnce(usize, &(dyn Fn(usize) + Sync)),
+    ) {
         let cols = m.cols;
         assert_eq!(
             x.len(),
@@ -226,7 +239,7 @@ impl PreparedX {
             layout,
             XLayout::Q16EvenOdd64 | XLayout::Q16Nib64 | XLayout::Q16Lanes16 | XLayout::Q16Amx
         ) {
-            self.fill_q16(x, layout);
+            self.fill_q16(x, layout, each);
             return;
         }
         self.x.resize(n * cols, 0.0);
@@ -274,7 +287,14 @@ impl PreparedX {
     /// [`XLayout::Q16EvenOdd64`], [`XLayout::Q16Nib64`], [`XLayout::Q16Lanes16`] or
     /// [`XLayout::Q16Amx`]: quantizes every
     /// token's weight groups to int16 (the same codes for all three) and places them (see there).
-    fn fill_q16(&mut self, x: &[f32], layout: XLayout) {
+    /// Blocks of 16 tokens own disjoint ranges of every buffer, so `each` may run them in any
+    /// order or at once: `each(blocks, work)` must call `work(b)` once for every `b < blocks`.
+    fn fill_q16(
+        &mut self,
+        x: &[f32],
+        layout: XLayout,
+        each: impl FnOnce(usize, &(dyn Fn(usize) + Sync)),
+    ) {
         let (n, cols, gs) = (self.n, self.cols, self.group_size);
         assert!(
             gs.is_multiple_of(64),
@@ -291,68 +311,100 @@ impl PreparedX {
         }
         self.qd.resize(rows * gpr, 0.0);
         self.sums.resize(rows * gpr, 0.0);
-        // `Q16Amx`: where the `lo` halves start in `q`, and one group's halves.
-        let lo_half = rows * cols;
-        let (mut hi, mut lo) = (vec![0i8; gs], vec![0i8; gs]);
-        let mut codes = vec![0i16; gs];
+        // Block b's share of each buffer: tokens 16b .. 16b + 16 (fewer in the last block of a
+        // layout without lanes), the same span in every layout (`Q16Amx`: in each half of `q`).
+        let (hi, lo) = self.q.split_at_mut(if layout == XLayout::Q16Amx {
+            rows * cols
+        } else {
+            0
+        });
+        type Block<'a> = (
+            &'a mut [i16],
+            &'a mut [i8],
+            &'a mut [i8],
+            &'a mut [f32],
+            &'a mut [f32],
+        );
+        let blocks: Vec<std::sync::Mutex<Block>> = {
+            let mut q16 = self.q16.chunks_mut(16 * cols);
+            let mut hi = hi.chunks_mut(16 * cols);
+            let mut lo = lo.chunks_mut(16 * cols);
+            self.qd
+                .chunks_mut(16 * gpr)
+                .zip(self.sums.chunks_mut(16 * gpr))
+                .map(|(qd, sums)| {
+                    let (q16, hi, lo) = (
+                        q16.next().unwrap_or_default(),
+                        hi.next().unwrap_or_default(),
+                        lo.next().unwrap_or_default(),
+                    );
+                    std::sync::Mutex::new((q16, hi, lo, qd, sums))
+                })
+                .collect()
+        };
         let quantize = quantizer16();
-        for t in 0..n {
-            for g in 0..gpr {
-                let src = &x[t * cols + g * gs..t * cols + (g + 1) * gs];
-                let (d, inv) = quant_step(src, 32767.0);
-                quantize(src, inv, &mut codes);
-                let at = if lanes {
-                    ((t / 16) * gpr + g) * 16 + t % 16
-                } else {
-                    t * gpr + g
-                };
-                self.qd[at] = d;
-                self.sums[at] = group_sum(src);
-                match layout {
-                    XLayout::Q16Amx => {
-                        // The halves of this group's codes, then 4 columns (one dword) at a time
-                        // to their places 64 bytes apart.
-                        for (k, &c) in codes.iter().enumerate() {
-                            hi[k] = (c >> 8) as i8;
-                            lo[k] = c as u8 as i8;
+        let work = |b: usize| {
+            let mut guard = blocks[b].lock().unwrap_or_else(|e| e.into_inner());
+            let (q16, q_hi, q_lo, qd, sums) = &mut *guard;
+            let (mut hi, mut lo) = (vec![0i8; gs], vec![0i8; gs]);
+            let mut codes = vec![0i16; gs];
+            for t in 16 * b..(16 * b + 16).min(n) {
+                let l = t % 16;
+                for g in 0..gpr {
+                    let src = &x[t * cols + g * gs..t * cols + (g + 1) * gs];
+                    let (d, inv) = quant_step(src, 32767.0);
+                    quantize(src, inv, &mut codes);
+                    let at = if lanes { g * 16 + l } else { l * gpr + g };
+                    qd[at] = d;
+                    sums[at] = group_sum(src);
+                    match layout {
+                        XLayout::Q16Amx => {
+                            // The halves of this group's codes, then 4 columns (one dword) at a
+                            // time to their places 64 bytes apart.
+                            for (k, &c) in codes.iter().enumerate() {
+                                hi[k] = (c >> 8) as i8;
+                                lo[k] = c as u8 as i8;
+                            }
+                            let base = (g * gs / 4) * 64 + l * 4;
+                            for (j, (h, w)) in
+                                hi.chunks_exact(4).zip(lo.chunks_exact(4)).enumerate()
+                            {
+                                let at = base + j * 64;
+                                q_hi[at..at + 4].copy_from_slice(h);
+                                q_lo[at..at + 4].copy_from_slice(w);
+                            }
                         }
-                        let base = (t / 16) * 16 * cols + (g * gs / 4) * 64 + (t % 16) * 4;
-                        for (j, (h, l)) in hi.chunks_exact(4).zip(lo.chunks_exact(4)).enumerate() {
-                            let at = base + j * 64;
-                            self.q[at..at + 4].copy_from_slice(h);
-                            self.q[lo_half + at..lo_half + at + 4].copy_from_slice(l);
+                        XLayout::Q16Lanes16 => {
+                            for k in 0..gs / 2 {
+                                let at = (g * gs / 2 + k) * 32 + l * 2;
+                                q16[at] = codes[2 * k];
+                                q16[at + 1] = codes[2 * k + 1];
+                            }
                         }
-                    }
-                    XLayout::Q16Lanes16 => {
-                        let block = &mut self.q16[(t / 16) * 16 * cols..(t / 16 + 1) * 16 * cols];
-                        for k in 0..gs / 2 {
-                            let at = (g * gs / 2 + k) * 32 + (t % 16) * 2;
-                            block[at] = codes[2 * k];
-                            block[at + 1] = codes[2 * k + 1];
-                        }
-                    }
-                    XLayout::Q16Nib64 => {
-                        let row = &mut self.q16[t * cols + g * gs..t * cols + (g + 1) * gs];
-                        for (d, s) in row.chunks_exact_mut(64).zip(codes.chunks_exact(64)) {
-                            for j in 0..16 {
-                                for k in 0..4 {
-                                    d[16 * k + j] = s[4 * j + k];
+                        XLayout::Q16Nib64 => {
+                            let row = &mut q16[l * cols + g * gs..l * cols + (g + 1) * gs];
+                            for (d, s) in row.chunks_exact_mut(64).zip(codes.chunks_exact(64)) {
+                                for j in 0..16 {
+                                    for k in 0..4 {
+                                        d[16 * k + j] = s[4 * j + k];
+                                    }
                                 }
                             }
                         }
-                    }
-                    _ => {
-                        let row = &mut self.q16[t * cols + g * gs..t * cols + (g + 1) * gs];
-                        for (d, s) in row.chunks_exact_mut(64).zip(codes.chunks_exact(64)) {
-                            for j in 0..32 {
-                                d[j] = s[2 * j];
-                                d[32 + j] = s[2 * j + 1];
+                        _ => {
+                            let row = &mut q16[l * cols + g * gs..l * cols + (g + 1) * gs];
+                            for (d, s) in row.chunks_exact_mut(64).zip(codes.chunks_exact(64)) {
+                                for j in 0..32 {
+                                    d[j] = s[2 * j];
+                                    d[32 + j] = s[2 * j + 1];
+                                }
                             }
                         }
                     }
                 }
             }
-        }
+        };
+        each(blocks.len(), &work);
     }
 
     /// [`XLayout::Q8Lanes16`]: quantizes each token's weight groups to int8 and interleaves 16
@@ -454,6 +506,54 @@ mod tests {
             quantizer16()(&src, inv16, &mut a);
             quantize16_scalar(&src, inv16, &mut b);
             assert_eq!(a, b, "int16, case {case}");
+        }
+    }
+
+    /// The int16 layouts filled block by block in any order, or over a pool's threads, give the
+    /// serial fill's bytes (every buffer), for token counts around the 16-token blocks.
+    #[test]
+    fn int16_blocks_in_any_order_give_the_serial_bytes() {
+        let (cols, gs) = (256, 64);
+        let (w, sb) = (vec![0u8; cols / 2], vec![0u8; 2 * cols / gs]);
+        let m = QMatrix::new(&w, &sb, &sb, 1, cols, 4, gs).unwrap();
+        let pool = crate::ThreadPool::new(3);
+        let fields = |p: &PreparedX| (p.q16.clone(), p.q.clone(), p.qd.clone(), p.sums.clone());
+        for layout in [
+            XLayout::Q16EvenOdd64,
+            XLayout::Q16Nib64,
+            XLayout::Q16Lanes16,
+            XLayout::Q16Amx,
+        ] {
+            for n in [1, 7, 15, 16, 17, 40, 64] {
+                let x: Vec<f32> = (0..n * cols)
+                    .map(|i| ((i * 2_654_435_761usize) % 1_000_003) as f32 / 1_000_003.0 - 0.5)
+                    .collect();
+                let mut serial = PreparedX::new();
+                serial.fill(layout, &m, &x, n);
+                let mut reversed = PreparedX::new();
+                reversed.fill_each(layout, &m, &x, n, |blocks, work| {
+                    assert_eq!(blocks, n.div_ceil(16));
+                    (0..blocks).rev().for_each(work)
+                });
+                let mut pooled = PreparedX::new();
+                pooled.fill_each(layout, &m, &x, n, |blocks, work| {
+                    pool.for_chunks(blocks, 1, |a, b| (a..b).for_each(work))
+                });
+                assert!(
+                    serial.qd.iter().any(|&d| d > 0.0),
+                    "{layout:?} n {n}: nothing quantized"
+                );
+                assert_eq!(
+                    fields(&reversed),
+                    fields(&serial),
+                    "{layout:?} n {n}, blocks reversed"
+                );
+                assert_eq!(
+                    fields(&pooled),
+                    fields(&serial),
+                    "{layout:?} n {n}, over 3 threads"
+                );
+            }
         }
     }
 }

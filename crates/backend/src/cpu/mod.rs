@@ -103,7 +103,7 @@ impl CpuBackend {
                 for m in mats {
                     let key = (m.group_size, m.bits);
                     if !layouts.iter().any(|(l, _)| *l == key) {
-                        layouts.push((key, k.prepare(m, x, t)));
+                        layouts.push((key, self.pool.prepare(k, m, x, t)));
                     }
                 }
                 layouts
