@@ -228,7 +228,10 @@ impl CoreOps for CpuBackend {
         check("rms_norm", dim > 0 && x.cols.is_multiple_of(dim), || {
             format!("pieces of {dim} in rows of {}", x.cols)
         })?;
-        ops::rms_norm(self.kernels, &mut x.data, dim, norm, &self.resident, eps);
+        let (k, buf) = (self.kernels, &**self.resident);
+        self.rows_in_parallel(&mut x.data, dim, |_, piece| {
+            ops::rms_norm(k, piece, dim, norm, buf, eps)
+        });
         Ok(())
     }
 
@@ -281,14 +284,15 @@ impl CoreOps for CpuBackend {
 
     fn add(&self, x: &mut CpuTensor, y: &CpuTensor, s: f32) -> OpResult<()> {
         same_shape("add", x, y)?;
-        if s == 1.0 {
-            x.data.iter_mut().zip(&y.data).for_each(|(a, b)| *a += b);
-        } else {
-            x.data
-                .iter_mut()
-                .zip(&y.data)
-                .for_each(|(a, b)| *a = (*a + b) * s);
-        }
+        let (c, y) = (x.cols, &y.data);
+        self.rows_in_parallel(&mut x.data, c, |r, row| {
+            let y = &y[r * c..(r + 1) * c];
+            if s == 1.0 {
+                row.iter_mut().zip(y).for_each(|(a, b)| *a += b);
+            } else {
+                row.iter_mut().zip(y).for_each(|(a, b)| *a = (*a + b) * s);
+            }
+        });
         Ok(())
     }
 
@@ -311,6 +315,41 @@ impl CoreOps for CpuBackend {
                 &mut acc.data[row * h..(row + 1) * h],
             );
         }
+        Ok(())
+    }
+
+    /// Each row of `acc` takes its terms in the default's order (expert after expert), a row's
+    /// terms all on one thread: the default's bits.
+    fn scatter_add_many(
+        &self,
+        acc: &mut CpuTensor,
+        ys: &[&CpuTensor],
+        rows: &[&[(usize, f32)]],
+    ) -> OpResult<()> {
+        let (h, n) = (acc.cols, acc.rows());
+        check("scatter_add_many", ys.len() == rows.len(), || {
+            format!("{} outputs for {} row lists", ys.len(), rows.len())
+        })?;
+        for (y, r) in ys.iter().zip(rows) {
+            check(
+                "scatter_add",
+                y.cols == h && y.rows() == r.len() && r.iter().all(|&(row, _)| row < n),
+                || format!("[{}, {}] rows into [{n}, {h}]", y.rows(), y.cols),
+            )?;
+        }
+        // Per row of acc: (output, its row, weight), outputs in order.
+        let mut terms: Vec<Vec<(usize, usize, f32)>> = vec![Vec::new(); n];
+        for (j, r) in rows.iter().enumerate() {
+            for (i, &(row, w)) in r.iter().enumerate() {
+                terms[row].push((j, i, w));
+            }
+        }
+        let k = self.kernels;
+        self.rows_in_parallel(&mut acc.data, h, |row, a| {
+            for &(j, i, w) in &terms[row] {
+                k.axpy(w, &ys[j].data[i * h..(i + 1) * h], a);
+            }
+        });
         Ok(())
     }
 
