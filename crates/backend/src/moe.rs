@@ -153,7 +153,8 @@ where
 /// the shared expert's output when the family sums into it).
 ///
 /// Tiles: one for decode (every expert of the token), otherwise half the slots (at most 8), so the
-/// current and the next tile fit in the cache together. Decode stacks the token's experts
+/// current and the next tile fit in the cache together ([`in_place_tiles`] where a backend
+/// computing in place reads a mapped layer file). Decode stacks the token's experts
 /// ([`CoreOps::glu_mlp_rows`], one call per group: held, host hits, host misses) and adds the stack
 /// in expert order at the end.
 ///
@@ -220,12 +221,12 @@ where
         .filter(|(_, &h)| !h)
         .map(|(&e, _)| e)
         .collect();
-    // Every expert computed on the host from a mapped layer file (a resident install) or from a
-    // slot it holds already: nothing to read or refill, so tiles as large as their rows allow,
-    // one batch of parallel regions for many experts rather than one per 8 (at 16 threads a
-    // 64-token prompt's tile of 8 gave each thread a few dozen rows per region).
-    let in_slots = streamer.is_mapped() || streamer.holds(&needed);
-    let tiles = if be.device_expert_stats().is_none() && in_slots {
+    // Every expert computed in place from a mapped layer file (a resident install on the CPU):
+    // nothing to read or refill, so tiles as large as their rows allow, one batch of parallel
+    // regions for many experts rather than one per 8 (at 16 threads a 64-token prompt's tile of
+    // 8 gave each thread a few dozen rows per region). Slots of a cache keep the tiles of 8: one
+    // acquire is one tick of the LRU clock, which would give a whole layer one age.
+    let tiles = if be.computes_in_place() && streamer.is_mapped() {
         in_place_tiles(needed, routes)
     } else {
         prefill_tiles(needed, routes, host_tile(streamer.slots()))
@@ -354,13 +355,14 @@ pub fn host_tile(slots: usize) -> usize {
 /// The most experts in a tile the host streamer reads for.
 const HOST_TILE_MAX: usize = 8;
 
-/// Routed rows past which [`in_place_tiles`] starts a new tile: a tile's gathered rows, their
-/// prepared copies and its hidden products live together (~22 KB a row at Gemma 4's sizes, so
-/// ~23 MB), where one tile of a 2048-token chunk's 16,384 routed rows would hold ~370 MB.
+/// Routed rows past which [`in_place_tiles`] starts a new tile once it holds 8 experts: a tile's
+/// gathered rows, their prepared copies and its hidden products live together (~22 KB a row at
+/// Gemma 4's sizes, so ~23 MB for a tile past 8 experts; 8 experts alone may hold more, as
+/// before), where one tile of a 2048-token chunk's 16,384 routed rows would hold ~370 MB.
 const IN_PLACE_TILE_ROWS: u64 = 1024;
 
-/// [`prefill_tiles`] for experts that need no read (a mapped layer file, or every one in a slot
-/// already): in the same order, tiles of at least [`HOST_TILE_MAX`] experts (or what is left)
+/// [`prefill_tiles`] for experts that need no read (a mapped layer file computed in place): in
+/// the same order, tiles of at least [`HOST_TILE_MAX`] experts (or what is left)
 /// that close once the next expert would take their routed rows past [`IN_PLACE_TILE_ROWS`]. A
 /// 64-token chunk's experts of a top-8 layer (512 rows) are one tile.
 pub fn in_place_tiles(needed: Vec<usize>, routes: &Routes) -> Vec<(Vec<usize>, Vec<u64>)> {

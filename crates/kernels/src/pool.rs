@@ -257,6 +257,11 @@ impl ThreadPool {
     /// Parallel `Y[n, rows] = X[n, cols] · Wᵀ`, rows of W split across threads (each thread reads its weight
     /// rows once for the whole batch).
     pub fn gemm(&self, k: &Kernels, m: &QMatrix, x: &[f32], n: usize, y: &mut [f32]) {
+        if n > 16 {
+            // Two or more 16-token blocks: prepared over the threads (the same bytes).
+            let p = self.prepare(k, m, x, n);
+            return self.gemm_prepared(k, m, &p, y);
+        }
         with_scratch(|p| {
             k.prepare_into(m, x, n, p);
             self.gemm_prepared(k, m, p, y);

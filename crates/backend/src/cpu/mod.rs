@@ -305,7 +305,11 @@ fn same_shape(op: &'static str, a: &CpuTensor, b: &CpuTensor) -> OpResult<()> {
     })
 }
 
-impl crate::DeviceExpertOps for CpuBackend {}
+impl crate::DeviceExpertOps for CpuBackend {
+    fn computes_in_place(&self) -> bool {
+        true
+    }
+}
 
 impl CpuBackend {
     /// [`CoreOps::attention`], with `bias` [`InklingOps::attention_rel`], with `entries` (the

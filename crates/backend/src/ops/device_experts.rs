@@ -54,6 +54,13 @@ pub trait DeviceExpertOps: CoreOps {
     fn device_expert_stats(&self) -> Option<DeviceExpertStats> {
         None
     }
+    /// Whether the backend computes experts in place from the host's memory (the CPU): then a
+    /// prefill step whose layer file is mapped reads and copies nothing, and may run its experts
+    /// in fewer, larger tiles ([`crate::moe::in_place_tiles`]). A backend that copies each tile's
+    /// experts into memory of its own (a GPU's staging) keeps the tiles the host slots allow.
+    fn computes_in_place(&self) -> bool {
+        false
+    }
     /// The experts of MoE layer `layer` the backend's own cache has room to hold for good
     /// (every expert of the layer fits, e.g. `--gpu-expert-budget resident`) but does not hold
     /// yet: the decode step loads them once ([`moe::route_and_run`]), so that
