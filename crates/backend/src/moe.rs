@@ -334,16 +334,25 @@ fn run_batch<B: Backend>(
 /// the cache the next step starts from holds them rather than the highest ids; the sum is in
 /// expert order whatever the tile order.
 pub fn prefill_tiles(
-    mut needed: Vec<usize>,
+    needed: Vec<usize>,
     routes: &Routes,
     tile: usize,
 ) -> Vec<(Vec<usize>, Vec<u64>)> {
-    let uses = |e: &usize| routes.experts.get(e).map_or(0, |r| r.len() as u64);
-    needed.sort_by_key(|e| (uses(e), *e));
-    needed
+    by_uses(needed, routes)
         .chunks(tile.max(1))
-        .map(|tl| (tl.to_vec(), tl.iter().map(uses).collect()))
+        .map(|tl| tl.iter().copied().unzip())
         .collect()
+}
+
+/// `needed` with their use counts (the rows routed to each), least used first, ties by id: the
+/// order of both tilings.
+fn by_uses(needed: Vec<usize>, routes: &Routes) -> Vec<(usize, u64)> {
+    let mut v: Vec<(usize, u64)> = needed
+        .into_iter()
+        .map(|e| (e, routes.experts.get(&e).map_or(0, |r| r.len() as u64)))
+        .collect();
+    v.sort_by_key(|&(e, u)| (u, e));
+    v
 }
 
 /// Experts per host-streamer tile of several rows: half the `slots` (at most 8), so the current
@@ -368,19 +377,18 @@ const IN_PLACE_TILE_ROWS: u64 = 1024;
 pub fn in_place_tiles(needed: Vec<usize>, routes: &Routes) -> Vec<(Vec<usize>, Vec<u64>)> {
     let mut tiles: Vec<(Vec<usize>, Vec<u64>)> = Vec::new();
     let mut rows = 0;
-    for (tl, uses) in prefill_tiles(needed, routes, 1) {
-        let u = uses[0];
-        match tiles.last_mut() {
-            Some((es, us)) if es.len() < HOST_TILE_MAX || rows + u <= IN_PLACE_TILE_ROWS => {
-                es.push(tl[0]);
-                us.push(u);
-                rows += u;
-            }
-            _ => {
-                tiles.push((tl, uses));
-                rows = u;
-            }
+    for (e, u) in by_uses(needed, routes) {
+        let open = tiles
+            .last()
+            .is_some_and(|(es, _)| es.len() < HOST_TILE_MAX || rows + u <= IN_PLACE_TILE_ROWS);
+        if !open {
+            tiles.push((Vec::new(), Vec::new()));
+            rows = 0;
         }
+        let (es, us) = tiles.last_mut().expect("a tile is open");
+        es.push(e);
+        us.push(u);
+        rows += u;
     }
     tiles
 }

@@ -302,12 +302,8 @@ impl CoreOps for CpuBackend {
         y: &CpuTensor,
         rows: &[(usize, f32)],
     ) -> OpResult<()> {
-        let (h, n) = (acc.cols, acc.rows());
-        check(
-            "scatter_add",
-            y.cols == h && y.rows() == rows.len() && rows.iter().all(|&(r, _)| r < n),
-            || format!("[{}, {}] rows into [{n}, {h}]", y.rows(), y.cols),
-        )?;
+        check_scatter(acc, y, rows)?;
+        let h = acc.cols;
         for (j, &(row, w)) in rows.iter().enumerate() {
             self.kernels.axpy(
                 w,
@@ -331,11 +327,7 @@ impl CoreOps for CpuBackend {
             format!("{} outputs for {} row lists", ys.len(), rows.len())
         })?;
         for (y, r) in ys.iter().zip(rows) {
-            check(
-                "scatter_add",
-                y.cols == h && y.rows() == r.len() && r.iter().all(|&(row, _)| row < n),
-                || format!("[{}, {}] rows into [{n}, {h}]", y.rows(), y.cols),
-            )?;
+            check_scatter(acc, y, r)?;
         }
         // Per row of acc: (output, its row, weight), outputs in order.
         let mut terms: Vec<Vec<(usize, usize, f32)>> = vec![Vec::new(); n];
@@ -551,4 +543,15 @@ pub(crate) fn sqrt_softplus_row(
     idx.into_iter()
         .map(|e| (e, p[e] / z * routed_scaling_factor))
         .collect()
+}
+
+/// The operands of [`CoreOps::scatter_add`]: `y` is `[rows.len(), acc.cols]` and every row index
+/// is inside `acc`.
+fn check_scatter(acc: &CpuTensor, y: &CpuTensor, rows: &[(usize, f32)]) -> OpResult<()> {
+    let (h, n) = (acc.cols, acc.rows());
+    check(
+        "scatter_add",
+        y.cols == h && y.rows() == rows.len() && rows.iter().all(|&(r, _)| r < n),
+        || format!("[{}, {}] rows into [{n}, {h}]", y.rows(), y.cols),
+    )
 }
