@@ -5,6 +5,7 @@
 
 mod io;
 pub mod kv;
+mod layer_file;
 pub mod pool;
 pub mod sampler;
 pub mod sizing;
@@ -17,8 +18,8 @@ pub mod units;
 pub use kv::{KvDtype, KvLayer, KvRow};
 pub use pool::{CachePlan, ExpertPolicy, SlotPool};
 pub use sampler::{Sampler, SamplerConfig};
-pub use slots::{Eviction, SlotTable};
-pub use streamer::{CacheSlots, ExpertStreamer, StreamerStats};
+pub use slots::{CacheSlots, Eviction, SlotTable};
+pub use streamer::{ExpertStreamer, StreamerStats};
 pub use trace::RoutingTrace;
 pub use units::parse_bytes;
 

@@ -139,6 +139,40 @@ impl SlotTable {
     }
 }
 
+/// How many experts of a layer may be cached at once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CacheSlots {
+    /// N slots per layer (8, 16, 24, 32, 64, 96 or 128).
+    Fixed(usize),
+    /// One slot per expert: after warm-up every expert stays in memory. Without O_DIRECT the layer file
+    /// is mapped instead of copied into a slab, so the page cache holds the only copy.
+    Resident,
+}
+
+impl CacheSlots {
+    /// Slot counts accepted on the command line.
+    pub const ALLOWED: [usize; 7] = [8, 16, 24, 32, 64, 96, 128];
+
+    /// Parses `8|16|24|32|64|96|128|resident`.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        if s == "resident" {
+            return Ok(Self::Resident);
+        }
+        match s.parse::<usize>() {
+            Ok(n) if Self::ALLOWED.contains(&n) => Ok(Self::Fixed(n)),
+            _ => Err(format!("invalid expert cache slots '{s}': allowed values are 8, 16, 24, 32, 64, 96, 128, resident")),
+        }
+    }
+
+    /// Number of slots for a layer with `experts` experts (never more than `experts`).
+    pub fn count(self, experts: usize) -> usize {
+        match self {
+            Self::Fixed(n) => n.min(experts),
+            Self::Resident => experts,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

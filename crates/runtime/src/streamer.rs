@@ -8,50 +8,17 @@
 //! ever target one slot.
 
 use std::fs::File;
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 pub use crate::io::IoPool;
 use crate::io::{Batch, Job};
+use crate::layer_file;
 use crate::pool::SlotPool;
+pub use crate::slots::CacheSlots;
 use crate::slots::Eviction;
 use crate::RuntimeError;
-
-/// How many experts of a layer may be cached at once.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum CacheSlots {
-    /// N slots per layer (8, 16, 24, 32, 64, 96 or 128).
-    Fixed(usize),
-    /// One slot per expert: after warm-up every expert stays in memory. Without O_DIRECT the layer file
-    /// is mapped instead of copied into a slab, so the page cache holds the only copy.
-    Resident,
-}
-
-impl CacheSlots {
-    /// Slot counts accepted on the command line.
-    pub const ALLOWED: [usize; 7] = [8, 16, 24, 32, 64, 96, 128];
-
-    /// Parses `8|16|24|32|64|96|128|resident`.
-    pub fn parse(s: &str) -> Result<Self, String> {
-        if s == "resident" {
-            return Ok(Self::Resident);
-        }
-        match s.parse::<usize>() {
-            Ok(n) if Self::ALLOWED.contains(&n) => Ok(Self::Fixed(n)),
-            _ => Err(format!("invalid expert cache slots '{s}': allowed values are 8, 16, 24, 32, 64, 96, 128, resident")),
-        }
-    }
-
-    /// Number of slots for a layer with `experts` experts (never more than `experts`).
-    pub fn count(self, experts: usize) -> usize {
-        match self {
-            Self::Fixed(n) => n.min(experts),
-            Self::Resident => experts,
-        }
-    }
-}
 
 /// Per-layer cache counters. Bytes are payload bytes read from the layer file.
 #[derive(Clone, Copy, Debug, Default)]
@@ -131,17 +98,10 @@ impl ExpertStreamer {
         direct_io: bool,
         io: Arc<IoPool>,
     ) -> Result<Self, RuntimeError> {
-        let (file, shown) = open_layer(path, experts, stride, direct_io)?;
+        let (file, shown) = layer_file::open(path, experts, stride, direct_io)?;
         let n = slots.count(experts);
         let mapped = if slots == CacheSlots::Resident && !direct_io {
-            // SAFETY: installs are read-only by contract; nothing in this process writes or truncates
-            // the layer file while it is mapped.
-            let map =
-                unsafe { memmap2::Mmap::map(&file) }.map_err(|source| RuntimeError::OpenLayer {
-                    path: shown.clone(),
-                    source,
-                })?;
-            Some(map)
+            Some(layer_file::map(&file, &shown)?)
         } else {
             None
         };
@@ -174,7 +134,7 @@ impl ExpertStreamer {
         first_key: usize,
         share: usize,
     ) -> Result<Self, RuntimeError> {
-        let (file, _) = open_layer(path, experts, stride, direct_io)?;
+        let (file, _) = layer_file::open(path, experts, stride, direct_io)?;
         let keys = pool.lock().table.experts();
         if first_key + experts > keys {
             return Err(RuntimeError::Invalid(format!(
@@ -257,27 +217,9 @@ impl ExpertStreamer {
     /// Errors: the file cannot be read where it is mapped (an I/O error, or a file cut short
     /// under the mapping), which would otherwise raise SIGBUS at the first prompt.
     pub fn populate(&self) -> Result<bool, RuntimeError> {
-        let Some(map) = &self.mapped else {
-            return Ok(true);
-        };
-        match map.advise(memmap2::Advice::PopulateRead) {
-            Ok(()) => Ok(true),
-            Err(e)
-                if matches!(
-                    e.raw_os_error(),
-                    Some(libc::EFAULT | libc::EIO | libc::EHWPOISON)
-                ) =>
-            {
-                Err(RuntimeError::OpenLayer {
-                    path: self.path.display().to_string(),
-                    source: e,
-                })
-            }
-            Err(_) => {
-                // A hint only: the pages still map on first use if this fails too.
-                let _ = map.advise(memmap2::Advice::WillNeed);
-                Ok(false)
-            }
+        match &self.mapped {
+            Some(map) => layer_file::populate(map, &self.path),
+            None => Ok(true),
         }
     }
 
@@ -602,43 +544,6 @@ impl ExpertStreamer {
         }
         b
     }
-}
-
-/// Opens a layer file (O_DIRECT when asked) and checks it holds `experts × stride` bytes.
-fn open_layer(
-    path: &Path,
-    experts: usize,
-    stride: u64,
-    direct_io: bool,
-) -> Result<(File, String), RuntimeError> {
-    let mut opts = std::fs::OpenOptions::new();
-    opts.read(true);
-    if direct_io {
-        opts.custom_flags(libc::O_DIRECT);
-    }
-    let shown = path.display().to_string();
-    let file = opts.open(path).map_err(|source| RuntimeError::OpenLayer {
-        path: shown.clone(),
-        source,
-    })?;
-    let actual = file
-        .metadata()
-        .map_err(|source| RuntimeError::OpenLayer {
-            path: shown.clone(),
-            source,
-        })?
-        .len();
-    let expected = experts as u64 * stride;
-    if actual != expected {
-        return Err(RuntimeError::LayerSize {
-            path: shown,
-            actual,
-            expected,
-            experts,
-            stride,
-        });
-    }
-    Ok((file, shown))
 }
 
 impl Drop for ExpertStreamer {
